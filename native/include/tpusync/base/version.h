@@ -1,0 +1,22 @@
+// Versions of the native core.
+//
+// API CONTRACT: kApiVersion is an integer that grows by one each time the Python-visible surface of
+// tpusync-core gains or changes something a framework package may rely on. Framework wheels
+// (tpusync-torch, -jax, -vllm, -rl) state the lowest API version they need and refuse to import
+// against an older core with a clear message. The release version string (e.g. "0.1.0") is only
+// for humans and wheels; compatibility checks use kApiVersion.
+//
+// History (one line per bump):
+//   1: base / memory / block / engine: BlockPool, BlockIndex, Engine, futures, DLPack views.
+#pragma once
+
+namespace tpusync {
+
+inline constexpr int kApiVersion = 1;
+
+#ifndef TPUSYNC_VERSION_STRING
+#define TPUSYNC_VERSION_STRING "0.0.0+unknown"
+#endif
+inline constexpr const char* kVersionString = TPUSYNC_VERSION_STRING;
+
+}  // namespace tpusync

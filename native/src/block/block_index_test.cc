@@ -1,0 +1,121 @@
+#include "tpusync/block/block_index.h"
+
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+namespace tpusync::block {
+namespace {
+
+std::string Key(int i) { return "key-" + std::to_string(i); }
+
+TEST(BlockIndex, InsertLookupRemove) {
+  BlockIndex idx;
+  ASSERT_TRUE(idx.Insert(Key(1), Tier::kHost, 7).ok());
+  ASSERT_TRUE(idx.Insert(Key(1), Tier::kDisk, 9).ok());
+  EXPECT_EQ(idx.Insert(Key(1), Tier::kHost, 8).code(), StatusCode::kAlreadyExists);
+  auto p = idx.Lookup(Key(1));
+  ASSERT_TRUE(p.has_value());
+  EXPECT_TRUE(p->in(Tier::kHost));
+  EXPECT_TRUE(p->in(Tier::kDisk));
+  EXPECT_EQ(p->location[static_cast<int>(Tier::kDisk)], 9u);
+  EXPECT_EQ(*p->best(), Tier::kHost);
+  EXPECT_EQ(*idx.Remove(Key(1), Tier::kHost), 7u);
+  EXPECT_EQ(*idx.Lookup(Key(1))->best(), Tier::kDisk);
+  EXPECT_EQ(idx.Remove(Key(1), Tier::kHost).status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(idx.Remove(Key(1), Tier::kDisk).ok());
+  EXPECT_FALSE(idx.Lookup(Key(1)).has_value());
+  EXPECT_EQ(idx.size(), 0u);
+}
+
+TEST(BlockIndex, KeysAreOpaqueBytes) {
+  BlockIndex idx;
+  const std::string binary("\0\x01\xff\0", 4);
+  ASSERT_TRUE(idx.Insert(binary, Tier::kHost, 1).ok());
+  EXPECT_FALSE(idx.Lookup(std::string("\0\x01\xff", 3)).has_value());
+  EXPECT_TRUE(idx.Lookup(binary).has_value());
+  EXPECT_EQ(idx.Insert("", Tier::kHost, 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(idx.Insert(std::string(65, 'k'), Tier::kHost, 1).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(BlockIndex, LruOrderFollowsTouches) {
+  BlockIndex idx;
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(idx.Insert(Key(i), Tier::kHost, i).ok());
+  idx.Lookup(Key(0));  // 0 becomes most recent
+  auto v = idx.EvictionCandidates(Tier::kHost, 4);
+  ASSERT_EQ(v.size(), 4u);
+  EXPECT_EQ(v[0].key, Key(1));
+  EXPECT_EQ(v[3].key, Key(0));
+  idx.Lookup(Key(1), /*touch=*/false);
+  EXPECT_EQ(idx.EvictionCandidates(Tier::kHost, 1)[0].key, Key(1));
+}
+
+TEST(BlockIndex, PinnedKeysAreNeverCandidates) {
+  BlockIndex idx;
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(idx.Insert(Key(i), Tier::kHost, i).ok());
+  ASSERT_TRUE(idx.Pin(Key(0)).ok());
+  ASSERT_TRUE(idx.Pin(Key(0)).ok());
+  auto v = idx.EvictionCandidates(Tier::kHost, 10);
+  ASSERT_EQ(v.size(), 2u);
+  for (auto& x : v) EXPECT_NE(x.key, Key(0));
+  ASSERT_TRUE(idx.Unpin(Key(0)).ok());
+  EXPECT_EQ(idx.EvictionCandidates(Tier::kHost, 10).size(), 2u);
+  ASSERT_TRUE(idx.Unpin(Key(0)).ok());
+  EXPECT_EQ(idx.EvictionCandidates(Tier::kHost, 10).size(), 3u);
+  EXPECT_EQ(idx.Unpin(Key(0)).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(idx.Pin(Key(9)).code(), StatusCode::kNotFound);
+}
+
+TEST(BlockIndex, TiersHaveSeparateLruLists) {
+  BlockIndex idx;
+  ASSERT_TRUE(idx.Insert(Key(0), Tier::kDisk, 0).ok());
+  ASSERT_TRUE(idx.Insert(Key(1), Tier::kHost, 1).ok());
+  EXPECT_EQ(idx.Count(Tier::kHost), 1u);
+  EXPECT_EQ(idx.Count(Tier::kDisk), 1u);
+  EXPECT_EQ(idx.EvictionCandidates(Tier::kDisk, 5).size(), 1u);
+  EXPECT_EQ(idx.EvictionCandidates(Tier::kDisk, 5)[0].key, Key(0));
+}
+
+TEST(BlockIndex, LookupPrefixStopsAtFirstMiss) {
+  BlockIndex idx;
+  for (int i : {0, 1, 3}) ASSERT_TRUE(idx.Insert(Key(i), Tier::kHost, i).ok());
+  std::vector<std::string> keys = {Key(0), Key(1), Key(2), Key(3)};
+  std::vector<std::string_view> views(keys.begin(), keys.end());
+  std::vector<Placement> out;
+  EXPECT_EQ(idx.LookupPrefix(views, &out), 2u);
+  EXPECT_EQ(out.size(), 2u);
+}
+
+TEST(BlockIndex, EraseDropsEveryTierAndPins) {
+  BlockIndex idx;
+  ASSERT_TRUE(idx.Insert(Key(0), Tier::kHost, 1).ok());
+  ASSERT_TRUE(idx.Insert(Key(0), Tier::kDisk, 2).ok());
+  ASSERT_TRUE(idx.Pin(Key(0)).ok());
+  auto p = idx.Erase(Key(0));
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->pins, 1u);
+  EXPECT_EQ(idx.Count(Tier::kHost), 0u);
+  EXPECT_EQ(idx.Count(Tier::kDisk), 0u);
+  EXPECT_EQ(idx.Erase(Key(0)).status().code(), StatusCode::kNotFound);
+}
+
+TEST(BlockIndex, ConcurrentInsertRemove) {
+  BlockIndex idx;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 5000; ++i) {
+        const std::string k = Key(t * 100000 + i);
+        ASSERT_TRUE(idx.Insert(k, Tier::kHost, i).ok());
+        if (i % 2) ASSERT_TRUE(idx.Remove(k, Tier::kHost).ok());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(idx.size(), 4u * 2500u);
+  EXPECT_EQ(idx.Count(Tier::kHost), 4u * 2500u);
+}
+
+}  // namespace
+}  // namespace tpusync::block

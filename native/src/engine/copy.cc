@@ -1,0 +1,60 @@
+#include "tpusync/engine/copy.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+namespace tpusync::engine {
+
+std::vector<std::vector<CopySpan>> PartitionCopies(const std::vector<CopySpan>& spans, size_t parts,
+                                                   size_t chunk) {
+  size_t total = 0;
+  for (const auto& s : spans) total += s.bytes;
+  if (total == 0 || parts == 0) return {};
+  chunk = std::max<size_t>(chunk, 4096);
+  // Fewer parts than workers when there is too little work to be worth a thread hop.
+  parts = std::clamp<size_t>(total / (256 * 1024), 1, parts);
+  const size_t target = (total + parts - 1) / parts;
+  std::vector<std::vector<CopySpan>> out(1);
+  size_t in_part = 0;
+  for (const auto& s : spans) {
+    size_t off = 0;
+    while (off < s.bytes) {
+      if (in_part >= target && out.size() < parts) {
+        out.emplace_back();
+        in_part = 0;
+      }
+      const size_t room = target > in_part ? target - in_part : chunk;
+      const size_t n = std::min({s.bytes - off, room, chunk});
+      out.back().push_back({s.dst + off, s.src + off, n});
+      off += n;
+      in_part += n;
+    }
+  }
+  return out;
+}
+
+Future CopyAsync(ThreadPool& pool, std::vector<CopySpan> spans) {
+  auto parts = PartitionCopies(spans, pool.num_threads());
+  std::vector<ThreadPool::Task> tasks;
+  tasks.reserve(parts.size());
+  for (auto& part : parts) {
+    tasks.push_back([part = std::move(part)](const FutureCore& self) -> Status {
+      for (const auto& s : part) {
+        if (self.cancel_requested()) return Status::Cancelled("copy cancelled");
+        std::memcpy(s.dst, s.src, s.bytes);
+      }
+      return Status::OK();
+    });
+  }
+  return pool.SubmitBatch(std::move(tasks));
+}
+
+double TimedMemcpySeconds(void* dst, const void* src, size_t bytes) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::memcpy(dst, src, bytes);
+  const auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+}  // namespace tpusync::engine

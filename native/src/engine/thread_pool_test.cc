@@ -1,0 +1,212 @@
+#include "tpusync/engine/thread_pool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <numeric>
+
+#include <gtest/gtest.h>
+
+#include "tpusync/engine/block_transfer.h"
+#include "tpusync/engine/copy.h"
+
+namespace tpusync::engine {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(Future, WaitTimesOutThenCompletes) {
+  ThreadPool pool(1);
+  std::atomic<bool> release{false};
+  Future f = pool.Submit([&](const FutureCore&) {
+    while (!release) std::this_thread::sleep_for(1ms);
+    return Status::OK();
+  });
+  EXPECT_EQ(f->Wait(10ms).code(), StatusCode::kTimeout);
+  EXPECT_FALSE(f->done());
+  release = true;
+  EXPECT_TRUE(f->Wait(5s).ok());
+}
+
+TEST(Future, ErrorsPropagate) {
+  ThreadPool pool(2);
+  Future f = pool.Submit([](const FutureCore&) { return Status::IOError("disk"); });
+  EXPECT_EQ(f->Wait(5s).code(), StatusCode::kIOError);
+}
+
+TEST(Future, CancelPendingNeverRuns) {
+  ThreadPool pool(1);
+  std::atomic<bool> release{false};
+  std::atomic<int> ran{0};
+  Future blocker = pool.Submit([&](const FutureCore&) {
+    while (!release) std::this_thread::sleep_for(1ms);
+    return Status::OK();
+  });
+  Future victim = pool.Submit([&](const FutureCore&) {
+    ++ran;
+    return Status::OK();
+  });
+  EXPECT_TRUE(victim->Cancel());
+  EXPECT_EQ(victim->Wait(0ns).code(), StatusCode::kCancelled);
+  release = true;
+  EXPECT_TRUE(blocker->Wait(5s).ok());
+  EXPECT_TRUE(pool.Submit([](const FutureCore&) { return Status::OK(); })->Wait(5s).ok());
+  EXPECT_EQ(ran.load(), 0);
+}
+
+TEST(Future, CancelRunningIsCooperative) {
+  ThreadPool pool(1);
+  std::atomic<bool> started{false};
+  Future f = pool.Submit([&](const FutureCore& self) {
+    started = true;
+    while (!self.cancel_requested()) std::this_thread::sleep_for(1ms);
+    return Status::Cancelled("stopped between chunks");
+  });
+  while (!started) std::this_thread::sleep_for(1ms);
+  EXPECT_FALSE(f->Cancel());
+  EXPECT_EQ(f->Wait(5s).code(), StatusCode::kCancelled);
+}
+
+TEST(Future, CallbacksRunOnceEvenWhenAddedLate) {
+  ThreadPool pool(2);
+  std::atomic<int> calls{0};
+  Future f = pool.Submit([](const FutureCore&) { return Status::OK(); });
+  f->OnComplete([&](const Status& s) { calls += s.ok(); });
+  ASSERT_TRUE(f->Wait(5s).ok());
+  f->OnComplete([&](const Status& s) { calls += s.ok(); });
+  for (int i = 0; i < 100 && calls < 2; ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(calls.load(), 2);
+}
+
+TEST(ThreadPool, BatchReportsFirstError) {
+  ThreadPool pool(2);
+  std::vector<ThreadPool::Task> parts;
+  std::atomic<int> ran{0};
+  for (int i = 0; i < 10; ++i) {
+    parts.push_back([&, i](const FutureCore&) {
+      ++ran;
+      return i == 3 ? Status::Corrupted("part 3") : Status::OK();
+    });
+  }
+  Future f = pool.SubmitBatch(std::move(parts));
+  EXPECT_EQ(f->Wait(5s).code(), StatusCode::kCorrupted);
+  EXPECT_EQ(ran.load(), 10);
+  EXPECT_TRUE(pool.SubmitBatch({})->Wait(0ns).ok());
+}
+
+TEST(ThreadPool, CancelQueuedBatchCompletesAtOnceAndSkipsParts) {
+  ThreadPool pool(1);
+  std::atomic<bool> release{false};
+  Future blocker = pool.Submit([&](const FutureCore&) {
+    while (!release) std::this_thread::sleep_for(1ms);
+    return Status::OK();
+  });
+  std::atomic<int> ran{0};
+  std::vector<ThreadPool::Task> parts(3, [&](const FutureCore&) {
+    ++ran;
+    return Status::OK();
+  });
+  Future batch = pool.SubmitBatch(std::move(parts));
+  EXPECT_TRUE(batch->Cancel());
+  EXPECT_EQ(batch->Wait(0ns).code(), StatusCode::kCancelled);
+  release = true;
+  ASSERT_TRUE(blocker->Wait(5s).ok());
+  ASSERT_TRUE(pool.Submit([](const FutureCore&) { return Status::OK(); })->Wait(5s).ok());
+  EXPECT_EQ(ran.load(), 0);
+}
+
+TEST(ThreadPool, ShutdownCancelsQueuedWork) {
+  Future queued;
+  {
+    ThreadPool pool(1);
+    pool.Submit([](const FutureCore&) {
+      std::this_thread::sleep_for(50ms);
+      return Status::OK();
+    });
+    queued = pool.Submit([](const FutureCore&) { return Status::OK(); });
+  }
+  EXPECT_TRUE(queued->done());
+  EXPECT_EQ(queued->Wait(0ns).code(), StatusCode::kCancelled);
+}
+
+TEST(Copy, PartitionBalancesBytesAndCoversEverything) {
+  std::vector<uint8_t> src(10 << 20), dst(10 << 20);
+  std::vector<CopySpan> spans = {{dst.data(), src.data(), 9 << 20},
+                                 {dst.data() + (9 << 20), src.data() + (9 << 20), 1 << 20}};
+  auto parts = PartitionCopies(spans, 4, 1 << 20);
+  ASSERT_EQ(parts.size(), 4u);
+  size_t total = 0;
+  for (auto& p : parts) {
+    size_t bytes = 0;
+    for (auto& s : p) bytes += s.bytes;
+    EXPECT_LE(bytes, (10u << 20) / 4 + (1u << 20));
+    total += bytes;
+  }
+  EXPECT_EQ(total, 10u << 20);
+}
+
+TEST(Copy, CopyAsyncCopiesEveryByte) {
+  ThreadPool pool(3);
+  std::vector<uint8_t> src(3 << 20), dst(3 << 20, 0);
+  std::iota(src.begin(), src.end(), 0);
+  std::vector<CopySpan> spans;
+  for (size_t off = 0; off < src.size(); off += 100000) {
+    spans.push_back(
+        {dst.data() + off, src.data() + off, std::min<size_t>(100000, src.size() - off)});
+  }
+  ASSERT_TRUE(CopyAsync(pool, spans)->Wait(5s).ok());
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), src.size()), 0);
+}
+
+TEST(BlockTransfer, PutGetRoundTripAndBadIdMovesNothing) {
+  ThreadPool pool(2);
+  auto host = memory::HostPool::Create({.size_bytes = 8 * 65536});
+  ASSERT_TRUE(host.ok());
+  std::shared_ptr<memory::BlockAllocator> blocks(
+      std::move(*memory::BlockAllocator::Create(std::move(*host), 65536)));
+  auto ids = *blocks->Alloc(4);
+  std::vector<uint8_t> src(4 * 65536), back(4 * 65536, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + 1);
+  ASSERT_TRUE(PutBlocks(pool, blocks, ids, {src.data(), 65536, 4, {}})->Wait(5s).ok());
+  std::vector<memory::BlockId> reversed(ids.rbegin(), ids.rend());
+  ASSERT_TRUE(GetBlocks(pool, blocks, reversed, {back.data(), 65536, 4, {}})->Wait(5s).ok());
+  for (size_t b = 0; b < 4; ++b) {
+    EXPECT_EQ(std::memcmp(back.data() + b * 65536, src.data() + (3 - b) * 65536, 65536), 0);
+  }
+  std::vector<memory::BlockId> bad = {ids[0], 12345};
+  std::vector<uint8_t> zeros(2 * 65536, 0);
+  EXPECT_EQ(PutBlocks(pool, blocks, bad, {zeros.data(), 65536, 2, {}})->Wait(5s).code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(GetBlocks(pool, blocks, {ids[0]}, {back.data(), 65536, 1, {}})->Wait(5s).ok());
+  EXPECT_EQ(std::memcmp(back.data(), src.data(), 65536), 0);
+  EXPECT_EQ(blocks->stats().num_borrowed, 0u);
+}
+
+TEST(BlockTransfer, RowGatherScatterAndRangeCheckBeforeAnyByteMoves) {
+  ThreadPool pool(2);
+  auto host = memory::HostPool::Create({.size_bytes = 4 * 4096});
+  ASSERT_TRUE(host.ok());
+  std::shared_ptr<memory::BlockAllocator> blocks(
+      std::move(*memory::BlockAllocator::Create(std::move(*host), 4096)));
+  auto ids = *blocks->Alloc(2);
+  std::vector<uint8_t> cache(5 * 4096);
+  for (size_t r = 0; r < 5; ++r) std::fill_n(cache.data() + r * 4096, 4096, uint8_t(r + 1));
+  ASSERT_TRUE(PutBlocks(pool, blocks, ids, {cache.data(), 4096, 5, {4, 1}})->Wait(5s).ok());
+  EXPECT_EQ(blocks->SlotAddress(memory::BlockAllocator::SlotOf(ids[0]))[7], 5);
+  EXPECT_EQ(blocks->SlotAddress(memory::BlockAllocator::SlotOf(ids[1]))[7], 2);
+  std::vector<uint8_t> out(5 * 4096, 0);
+  ASSERT_TRUE(GetBlocks(pool, blocks, ids, {out.data(), 4096, 5, {0, 3}})->Wait(5s).ok());
+  EXPECT_EQ(out[0], 5);
+  EXPECT_EQ(out[3 * 4096], 2);
+  EXPECT_EQ(out[4096], 0);
+  std::vector<uint8_t> untouched(5 * 4096, 9);
+  EXPECT_EQ(GetBlocks(pool, blocks, ids, {untouched.data(), 4096, 5, {0, 5}})->Wait(5s).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](uint8_t b) { return b == 9; }));
+  EXPECT_EQ(GetBlocks(pool, blocks, ids, {untouched.data(), 4096, 5, {0}})->Wait(5s).code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tpusync::engine

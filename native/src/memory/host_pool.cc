@@ -1,0 +1,144 @@
+#include "tpusync/memory/host_pool.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+namespace tpusync::memory {
+namespace {
+
+size_t PageSize() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
+
+// Touches one byte per page so the kernel backs every page now. Reading keeps the contents (an
+// attached warm segment must not be zeroed); a volatile read of a never-touched private page maps
+// the shared zero page, so anonymous pools are written instead.
+void TouchPages(uint8_t* data, size_t size, bool write) {
+  const size_t page = PageSize();
+  if (write) {
+    for (size_t off = 0; off < size; off += page) data[off] = 0;
+  } else {
+    uint8_t sink = 0;
+    for (size_t off = 0; off < size; off += page)
+      sink ^= *static_cast<volatile uint8_t*>(data + off);
+    asm volatile("" : : "r"(sink));
+  }
+}
+
+bool ValidShmName(const std::string& name) {
+  if (name.empty() || name.size() > 200) return false;
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '-' || c == '_' || c == '.';
+    if (!ok) return false;
+  }
+  return name != "." && name != "..";
+}
+
+}  // namespace
+
+Result<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& options) {
+  if (options.size_bytes == 0) return Status::InvalidArgument("host pool size must be > 0 bytes");
+  const size_t page = PageSize();
+  const size_t size = (options.size_bytes + page - 1) / page * page;
+  std::unique_ptr<HostPool> pool(new HostPool());
+  pool->size_ = size;
+  pool->persist_ = options.persist;
+  const int populate = options.prefault ? MAP_POPULATE : 0;
+  void* addr = MAP_FAILED;
+
+  if (options.shm_name.empty()) {
+    if (options.huge_pages) {
+      addr = mmap(nullptr, size, PROT_READ | PROT_WRITE,
+                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | populate, -1, 0);
+      pool->huge_pages_active_ = addr != MAP_FAILED;
+    }
+    if (addr == MAP_FAILED) {
+      addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (addr == MAP_FAILED) {
+        return Status::FromErrno(errno, StrCat("mmap of a ", size, "-byte anonymous host pool"));
+      }
+      if (options.huge_pages) {
+        pool->huge_pages_active_ = madvise(addr, size, MADV_HUGEPAGE) == 0;
+      }
+    }
+  } else {
+    if (!ValidShmName(options.shm_name)) {
+      return Status::InvalidArgument(StrCat("invalid shm segment name '", options.shm_name,
+                                            "': use letters, digits, '-', '_' and '.'"));
+    }
+    const std::string path = "/" + options.shm_name;
+    int fd = shm_open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0 && errno == EEXIST) {
+      if (!options.attach_existing) {
+        return Status::AlreadyExists(
+            StrCat("/dev/shm/", options.shm_name, " exists and attach_existing is false"));
+      }
+      fd = shm_open(path.c_str(), O_RDWR, 0600);
+      if (fd < 0) return Status::FromErrno(errno, StrCat("shm_open /dev/shm/", options.shm_name));
+      struct stat st {};
+      if (fstat(fd, &st) != 0) {
+        const int err = errno;
+        close(fd);
+        return Status::FromErrno(err, "fstat of shm segment");
+      }
+      if (static_cast<size_t>(st.st_size) != size) {
+        close(fd);
+        return Status::InvalidArgument(StrCat("/dev/shm/", options.shm_name, " holds ", st.st_size,
+                                              " bytes but the pool asks for ", size,
+                                              "; remove the segment or use the same size"));
+      }
+      pool->attached_ = true;
+    } else if (fd < 0) {
+      return Status::FromErrno(errno, StrCat("shm_open /dev/shm/", options.shm_name));
+    } else {
+      // posix_fallocate reserves the tmpfs pages now, so a full /dev/shm fails here with ENOSPC
+      // instead of a SIGBUS on first write.
+      if (ftruncate(fd, static_cast<off_t>(size)) != 0 ||
+          (errno = posix_fallocate(fd, 0, static_cast<off_t>(size))) != 0) {
+        const int err = errno;
+        close(fd);
+        shm_unlink(path.c_str());
+        return Status::FromErrno(
+            err, StrCat("sizing /dev/shm/", options.shm_name, " to ", size, " bytes"));
+      }
+    }
+    addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | populate, fd, 0);
+    const int err = errno;
+    close(fd);
+    if (addr == MAP_FAILED) {
+      if (!pool->attached_) shm_unlink(path.c_str());
+      return Status::FromErrno(err, StrCat("mmap of /dev/shm/", options.shm_name));
+    }
+    if (options.huge_pages) pool->huge_pages_active_ = madvise(addr, size, MADV_HUGEPAGE) == 0;
+  }
+
+  pool->data_ = static_cast<uint8_t*>(addr);
+  // Only a fully mapped pool owns the segment name: a failed attach must never unlink a segment
+  // that another process (or the previous incarnation) still relies on.
+  pool->shm_name_ = options.shm_name;
+  if (options.prefault) TouchPages(pool->data_, size, /*write=*/!pool->attached_);
+  if (options.mlock) pool->locked_ = mlock(addr, size) == 0;
+  return pool;
+}
+
+Status HostPool::Unlink() {
+  if (shm_name_.empty() || unlinked_) return Status::OK();
+  unlinked_ = true;
+  if (shm_unlink(("/" + shm_name_).c_str()) != 0 && errno != ENOENT) {
+    return Status::FromErrno(errno, StrCat("shm_unlink /dev/shm/", shm_name_));
+  }
+  return Status::OK();
+}
+
+HostPool::~HostPool() {
+  if (data_ != nullptr) {
+    if (locked_) munlock(data_, size_);
+    munmap(data_, size_);
+  }
+  if (!persist_) (void)Unlink();
+}
+
+}  // namespace tpusync::memory

@@ -1,0 +1,82 @@
+#include "tpusync/memory/host_pool.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+#include <gtest/gtest.h>
+
+namespace tpusync::memory {
+namespace {
+
+std::string UniqueName(const char* tag) {
+  return std::string("tpusync-test-") + tag + "-" + std::to_string(getpid());
+}
+
+bool Resident(uint8_t* data, size_t size) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> vec((size + page - 1) / page);
+  if (mincore(data, size, vec.data()) != 0) return false;
+  for (unsigned char v : vec) {
+    if (!(v & 1)) return false;
+  }
+  return true;
+}
+
+TEST(HostPool, AnonymousIsPrefaultedAndRoundedToPages) {
+  auto pool = HostPool::Create({.size_bytes = 1000000});
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  EXPECT_EQ((*pool)->size() % static_cast<size_t>(sysconf(_SC_PAGESIZE)), 0u);
+  EXPECT_GE((*pool)->size(), 1000000u);
+  EXPECT_TRUE(Resident((*pool)->data(), (*pool)->size()));
+  EXPECT_FALSE((*pool)->attached());
+}
+
+TEST(HostPool, ZeroSizeIsRefused) {
+  EXPECT_EQ(HostPool::Create({.size_bytes = 0}).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(HostPool, BadShmNameIsRefused) {
+  auto pool = HostPool::Create({.size_bytes = 4096, .shm_name = "../etc/passwd"});
+  EXPECT_EQ(pool.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(HostPool, ShmSegmentReattachesWithItsBytes) {
+  const std::string name = UniqueName("reattach");
+  {
+    auto pool = HostPool::Create({.size_bytes = 1 << 20, .shm_name = name, .persist = true});
+    ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+    std::memcpy((*pool)->data() + 4096, "warm", 4);
+  }
+  auto again = HostPool::Create({.size_bytes = 1 << 20, .shm_name = name});
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_TRUE((*again)->attached());
+  EXPECT_EQ(std::memcmp((*again)->data() + 4096, "warm", 4), 0);
+  EXPECT_TRUE(Resident((*again)->data(), (*again)->size()));
+  again->reset();  // persist=false: unlinked now
+  auto fresh = HostPool::Create({.size_bytes = 1 << 20, .shm_name = name});
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_FALSE((*fresh)->attached());
+}
+
+TEST(HostPool, ShmSizeMismatchIsAnErrorNotAResize) {
+  const std::string name = UniqueName("mismatch");
+  auto a = HostPool::Create({.size_bytes = 1 << 20, .shm_name = name});
+  ASSERT_TRUE(a.ok());
+  auto b = HostPool::Create({.size_bytes = 2 << 20, .shm_name = name});
+  EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(b.status().message().find("1048576"), std::string::npos);
+  auto c = HostPool::Create({.size_bytes = 1 << 20, .shm_name = name, .attach_existing = false});
+  EXPECT_EQ(c.status().code(), StatusCode::kAlreadyExists);
+}
+
+TEST(HostPool, HugePagesAndMlockAreBestEffort) {
+  auto pool = HostPool::Create({.size_bytes = 4 << 20, .huge_pages = true, .mlock = true});
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  std::memset((*pool)->data(), 1, (*pool)->size());
+}
+
+}  // namespace
+}  // namespace tpusync::memory

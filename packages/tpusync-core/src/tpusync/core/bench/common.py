@@ -1,0 +1,48 @@
+"""Helpers shared by the benchmark suites."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+def progress(enabled: bool = True) -> Progress:
+    """A progress bar on stderr (disabled when stderr is not a terminal or when asked)."""
+    console = Console(file=sys.stderr)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not enabled or not console.is_terminal,
+        transient=True,
+    )
+
+
+def measure(fn: Callable[[], float | None], repeats: int) -> float:
+    """Median seconds of ``repeats`` runs; ``fn`` may return its own timing (else wall time)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        own = fn()
+        times.append(own if own is not None else time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def result_entry(nbytes: int, seconds: float, limit_seconds: float, limit: str) -> dict:
+    """One measured throughput path against its same-run limit."""
+    gbps = nbytes / seconds / 1e9
+    limit_gbps = nbytes / limit_seconds / 1e9
+    return {
+        "gbps": round(gbps, 3),
+        "limit_gbps": round(limit_gbps, 3),
+        "limit": limit,
+        "ratio": round(gbps / limit_gbps, 3),
+        "better": "higher",
+    }

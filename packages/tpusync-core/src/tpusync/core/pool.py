@@ -1,0 +1,156 @@
+"""HostBlockPool: the Python face of the native block pool and copy engine."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tpusync.core import _native
+
+__all__ = ["HostBlockPool", "default_engine", "dtype_name"]
+
+_engine_lock = threading.Lock()
+_engine: _native.Engine | None = None
+
+
+def default_engine() -> _native.Engine:
+    """The process-wide copy engine (threads: $TPUSYNC_ENGINE_THREADS, else one per CPU)."""
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            _engine = _native.Engine(int(os.environ.get("TPUSYNC_ENGINE_THREADS", "0")))
+        return _engine
+
+
+def dtype_name(dtype: Any) -> str:
+    """Normalise a numpy / torch / jax dtype (or its name) to tpusync's dtype name."""
+    if isinstance(dtype, str):
+        name = dtype
+    elif type(dtype).__module__.startswith("torch"):
+        name = str(dtype)
+    else:
+        name = np.dtype(dtype).name
+    return name.removeprefix("torch.")
+
+
+class HostBlockPool:
+    """Fixed-size blocks in one prefaulted host memory pool.
+
+    Blocks are addressed by integer ids from :meth:`alloc`. :meth:`put` and :meth:`get` copy
+    batches between caller arrays and blocks on the engine's threads (GIL released) and return a
+    :class:`tpusync.core.Future`. :meth:`view` and :meth:`dlpack` expose a block without copying.
+
+    With ``shm_name`` the pool lives in ``/dev/shm/<shm_name>`` and, with ``persist=True``,
+    survives the process (a restarted process re-attaches it; see the tiered store for the
+    verified warm-restart path).
+    """
+
+    def __init__(
+        self,
+        block_bytes: int,
+        num_blocks: int,
+        *,
+        shm_name: str | None = None,
+        persist: bool = False,
+        prefault: bool = True,
+        huge_pages: bool = False,
+        mlock: bool = False,
+        engine: _native.Engine | None = None,
+    ) -> None:
+        self._pool = _native.BlockPool.create(
+            block_bytes,
+            num_blocks,
+            shm_name=shm_name or "",
+            persist=persist,
+            prefault=prefault,
+            huge_pages=huge_pages,
+            mlock=mlock,
+        )
+        self._engine = engine or default_engine()
+
+    @property
+    def native(self) -> _native.BlockPool:
+        return self._pool
+
+    @property
+    def engine(self) -> _native.Engine:
+        return self._engine
+
+    @property
+    def block_bytes(self) -> int:
+        return self._pool.block_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self._pool.num_free
+
+    def stats(self) -> dict[str, int]:
+        return self._pool.stats()
+
+    def alloc(self, n: int) -> list[int]:
+        """Allocate ``n`` blocks, all or none (PoolExhaustedError names sizes on failure)."""
+        return self._pool.alloc(n)
+
+    def free(self, ids: Sequence[int]) -> None:
+        self._pool.free(_ids(ids))
+
+    def retain(self, ids: Sequence[int]) -> None:
+        self._pool.retain(_ids(ids))
+
+    def refcount(self, block_id: int) -> int:
+        return self._pool.refcount(block_id)
+
+    def address(self, block_id: int) -> int:
+        return self._pool.address(block_id)
+
+    def view(self, block_id: int, dtype: Any = "uint8", shape: Sequence[int] | None = None):
+        """A writable numpy array over one block (no copy)."""
+        return self._pool.view(block_id, dtype_name(dtype), None if shape is None else list(shape))
+
+    def dlpack(self, block_id: int, dtype: Any = "uint8", shape: Sequence[int] | None = None):
+        """An object exporting ``__dlpack__`` over one block, for torch / jax / numpy (no copy)."""
+        return self._pool.dlpack(
+            block_id, dtype_name(dtype), None if shape is None else list(shape)
+        )
+
+    def put(
+        self, ids: Sequence[int], src: Any, rows: Sequence[int] | None = None
+    ) -> _native.Future:
+        """Copy block ``i`` of ``src`` into pool block ``ids[i]``, asynchronously.
+
+        ``src`` is n * block_bytes contiguous bytes or an array of shape [n, ...] with contiguous
+        rows of block_bytes. With ``rows``, ``src`` has shape [num_rows, ...] (e.g. one layer of a
+        block-major paged KV cache) and row ``rows[i]`` is saved into ``ids[i]``: a gather with
+        no staging copy. Row indices are range-checked before any byte moves.
+        """
+        return _native.put_blocks(
+            self._engine, self._pool, _ids(ids), src, None if rows is None else _ids(rows)
+        )
+
+    def get(
+        self, ids: Sequence[int], dst: Any, rows: Sequence[int] | None = None
+    ) -> _native.Future:
+        """Copy pool block ``ids[i]`` into block ``i`` (or row ``rows[i]``) of ``dst``."""
+        return _native.get_blocks(
+            self._engine, self._pool, _ids(ids), dst, None if rows is None else _ids(rows)
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"HostBlockPool(block_bytes={self.block_bytes}, num_blocks={self.num_blocks}, "
+            f"free={self.num_free}, shm={self._pool.shm_name or None!r})"
+        )
+
+
+def _ids(ids: Sequence[int]) -> list[int]:
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.uint64, copy=False).tolist()
+    return list(ids)

@@ -1,0 +1,49 @@
+import json
+import subprocess
+import sys
+
+from tpusync.core import cli
+
+
+def run_cli(*args):
+    out = subprocess.run(
+        [sys.executable, "-m", "tpusync.core.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return out.stdout
+
+
+def test_version_json():
+    import tpusync.core as tc
+
+    info = json.loads(run_cli("version", "--json"))
+    assert info == {"tpusync_core": tc.__version__, "api_version": tc.API_VERSION}
+
+
+def test_bench_memory_json_schema():
+    data = json.loads(run_cli("bench", "memory", "--json", "--total-mib", "8", "--repeats", "1"))
+    assert data["suite"] == "memory"
+    sizes = [r["block_bytes"] for r in data["results"]]
+    assert sizes == [16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20]
+    for r in data["results"]:
+        for path in ("put", "get"):
+            e = r[path]
+            assert e["gbps"] > 0 and e["limit_gbps"] > 0 and e["better"] == "higher"
+            assert abs(e["ratio"] - e["gbps"] / e["limit_gbps"]) < 0.01
+    assert isinstance(data["goal_met"], bool)
+
+
+def test_demo_verifies():
+    out = json.loads(run_cli("demo", "--layers", "2", "--blocks", "16", "--json"))
+    assert out["verified"] is True
+    assert out["bytes"] == 2 * 8 * out["block_bytes"]
+
+
+def test_parser_rejects_unknown_suite():
+    import pytest
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "nonsense"])
