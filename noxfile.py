@@ -11,6 +11,7 @@ Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
 - ``demo``    the main job: offload a synthetic paged KV cache to the host pool and back
 - ``bench``   ``tpusync bench memory --json`` (JSON kept in build/bench/)
 - ``stubs``   regenerate the checked-in nanobind stubs (a test fails when they are stale)
+- ``docs``    the documentation site (mkdocs, strict) into build/site
 """
 
 from __future__ import annotations
@@ -273,6 +274,20 @@ def stubs(session: nox.Session) -> None:
     session.install(NANOBIND)
     session.run("python", "-m", "nanobind.stubgen", "-m", "tpusync.core._native", "-o", str(STUB))
     session.log(f"wrote {STUB.relative_to(ROOT)}")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site (strict: broken links or API references fail)."""
+    session.install("mkdocs==1.6.1", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10")
+    session.run(
+        "mkdocs",
+        "build",
+        "--strict",
+        "-f",
+        str(ROOT / "ci/mkdocs.yml"),
+        env={"NO_MKDOCS_2_WARNING": "1"},
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover - convenience
