@@ -1,4 +1,5 @@
 // Versions, checksums and the Status -> Python exception translator.
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
 #include "bindings.h"
@@ -27,6 +28,16 @@ void init_base(nb::module_& m) {
       [](nb::bytes data, uint64_t seed) { return Checksum64(data.c_str(), data.size(), seed); },
       nb::arg("data"), nb::arg("seed") = 0,
       "XXH3-64 checksum of bytes (the checksum every stored block carries).");
+  m.def(
+      "checksum64",
+      [](nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu> data, uint64_t seed) {
+        const void* ptr = data.data();
+        const size_t n = data.nbytes();
+        nb::gil_scoped_release release;
+        return Checksum64(ptr, n, seed);
+      },
+      nb::arg("data"), nb::arg("seed") = 0,
+      "XXH3-64 checksum of a C-contiguous host array's bytes, without a copy.");
 }
 
 }  // namespace tpusync::bindings

@@ -43,3 +43,14 @@ def test_require_api_gate():
         assert "tpusync-future needs tpusync-core with API version" in str(e)
     else:
         raise AssertionError("require_api accepted a newer API than the core offers")
+
+
+def test_checksum64_bytes_and_arrays_agree():
+    import numpy as np
+
+    a = np.arange(1000, dtype=np.float32)
+    assert tc.checksum64(a) == tc.checksum64(a.tobytes())
+    b = a.copy()
+    b[500] = -1
+    assert tc.checksum64(a) != tc.checksum64(b)
+    assert tc.checksum64(a, seed=1) != tc.checksum64(a)

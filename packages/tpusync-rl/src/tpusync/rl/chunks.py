@@ -1,0 +1,347 @@
+"""Publisher and subscriber cores: chunking, digests, staging and atomic commit.
+
+These classes are transport-agnostic: a publisher yields :class:`Chunk` objects for each
+destination rank, a subscriber accepts them in any order. The network path that carries chunks
+between processes (bucketed, pipelined, fanned out) sits on top.
+
+COMMIT CONTRACT: a subscriber serves exactly one committed version at a time. In ``shadow`` mode
+chunks land in shadow copies and :meth:`WeightSubscriber.commit` swaps them in at once, so a
+reader of :attr:`WeightSubscriber.weights` sees either the whole old version or the whole new one.
+In ``inplace`` mode (memory is short) chunks are written into the live tensors, which is only
+allowed while the caller has declared the engine paused (:meth:`WeightSubscriber.paused`); an
+update that fails half-way then leaves the subscriber marked ``dirty`` until a full update lands.
+
+DIGEST CONTRACT: every chunk carries the XXH3-64 of its bytes in the trainer's dtype, computed by
+the sender and re-computed by the subscriber before anything is written; one mismatch rejects the
+whole update (nothing is committed) and is logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpusync.core import checksum64
+from tpusync.rl.layout import Box, ShardLayout
+from tpusync.rl.manifest import Manifest, TensorMeta
+from tpusync.rl.plan import ReshardPlan, Transfer
+
+log = logging.getLogger("tpusync.rl")
+
+
+class VersionSkewError(RuntimeError):
+    """An update's version does not follow the subscriber's version (or delta base)."""
+
+
+class UpdateRejectedError(RuntimeError):
+    """The update cannot be committed (digest mismatch, missing chunks, bad chunk)."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    version: int
+    name: str  # trainer name
+    src_rank: int
+    dst_rank: int
+    box: Box
+    dtype: str  # trainer dtype of `data`
+    data: np.ndarray  # uint8, box.size * itemsize bytes, C-contiguous
+    digest: int
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+def _dtype_name(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return str(x.dtype).removeprefix("torch.")
+    return np.dtype(x.dtype).name
+
+
+def _as_torch(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.from_dlpack(x) if hasattr(x, "__dlpack__") else torch.as_tensor(np.asarray(x))
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The raw bytes of a CPU tensor (any dtype, bf16 included) as a contiguous uint8 array."""
+    t = t.detach().contiguous()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+@dataclass
+class WeightPublisher:
+    """Trainer side of one rank: builds manifests and the chunks this rank must send."""
+
+    rank: int
+    _last_digests: dict[str, int] = field(default_factory=dict)  # per tensor, last published
+    _last_version: int | None = None  # last published (the base of a delta)
+    _last_prepared: int | None = None  # versions only grow, published or not
+
+    def prepare(
+        self,
+        version: int,
+        tensors: Mapping[str, tuple[Any, ShardLayout]],
+        delta: bool = False,
+    ) -> Manifest:
+        """Manifest of ``version``; with ``delta``, only tensors whose local shard changed.
+
+        In a multi-rank trainer every rank must agree on the delta set: pass ``delta=False`` unless
+        the caller combines the ranks' changed sets (see :meth:`changed`).
+        """
+        if self._last_prepared is not None and version <= self._last_prepared:
+            raise VersionSkewError(
+                f"version {version} does not follow the last prepared version {self._last_prepared}"
+            )
+        self._last_prepared = version
+        names = self.changed(tensors) if delta and self._last_version is not None else set(tensors)
+        metas = tuple(
+            TensorMeta(n, _dtype_name(tensors[n][0]), tensors[n][1]) for n in tensors if n in names
+        )
+        base = self._last_version if delta and self._last_version is not None else None
+        return Manifest(version, metas, base_version=base)
+
+    def changed(self, tensors: Mapping[str, tuple[Any, ShardLayout]]) -> set[str]:
+        out = set()
+        for name, (local, _layout) in tensors.items():
+            if self._last_digests.get(name) != checksum64(_bytes_of(_as_torch(local))):
+                out.add(name)
+        return out
+
+    def chunks(
+        self,
+        manifest: Manifest,
+        tensors: Mapping[str, tuple[Any, ShardLayout]],
+        dst_layouts: Mapping[str, ShardLayout],
+    ) -> Iterator[Chunk]:
+        """Every chunk this rank sends for ``manifest``, given the samplers' layouts by trainer name."""
+        for meta in manifest.tensors:
+            local = _as_torch(tensors[meta.name][0])
+            plan = ReshardPlan.build(meta.layout, dst_layouts[meta.name])
+            for t in plan.sent_by(self.rank):
+                data = _bytes_of(local[t.src_index])
+                yield Chunk(
+                    manifest.version,
+                    meta.name,
+                    self.rank,
+                    t.dst_rank,
+                    t.box,
+                    meta.dtype,
+                    data,
+                    checksum64(data),
+                )
+
+    def published(self, manifest: Manifest, tensors: Mapping[str, tuple[Any, ShardLayout]]) -> None:
+        """Record that ``manifest`` went out (the base of the next delta)."""
+        for name, (local, _layout) in tensors.items():
+            self._last_digests[name] = checksum64(_bytes_of(_as_torch(local)))
+        self._last_version = manifest.version
+
+
+@dataclass
+class _Pending:
+    manifest: Manifest
+    expected: dict[tuple[str, Box], Transfer]
+    staging: dict[str, torch.Tensor]
+    received: set[tuple[str, Box]] = field(default_factory=set)
+    error: str | None = None
+    bytes: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class WeightSubscriber:
+    """Sampler side of one rank: stages, verifies and commits versions of its weight shards."""
+
+    def __init__(
+        self,
+        rank: int,
+        weights: Mapping[str, torch.Tensor],
+        layouts: Mapping[str, ShardLayout],
+        name_map: Callable[[str], str | None] = lambda name: name,
+        mode: str = "shadow",
+        version: int = 0,
+    ) -> None:
+        if mode not in ("shadow", "inplace"):
+            raise ValueError(f"mode must be 'shadow' or 'inplace', not {mode!r}")
+        for name, layout in layouts.items():
+            box = layout.box_of(rank)
+            if tuple(weights[name].shape) != box.shape:
+                raise ValueError(
+                    f"{name}: local tensor shape {tuple(weights[name].shape)} != shard {box.shape}"
+                )
+        self.rank = rank
+        self.mode = mode
+        self._weights = dict(weights)
+        self._layouts = dict(layouts)
+        self._name_map = name_map
+        self._version = version
+        self._lock = threading.Lock()
+        self._paused = False
+        self._pending: _Pending | None = None
+        self.dirty = False
+        self.metrics = {
+            "updates_committed": 0,
+            "updates_rejected": 0,
+            "bytes_received": 0,
+            "last_update_s": 0.0,
+        }
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The committed weights (a new dict object after each shadow-mode commit)."""
+        return self._weights
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Declare the engine paused (required for in-place updates)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    def layouts_by_trainer_name(self, manifest: Manifest) -> dict[str, ShardLayout]:
+        """This sampler group's layout of each manifest tensor, keyed by the trainer's name."""
+        out = {}
+        for meta in manifest.tensors:
+            engine = self._name_map(meta.name)
+            if engine is not None:
+                out[meta.name] = self._layouts[engine]
+        return out
+
+    def begin(self, manifest: Manifest) -> None:
+        """Start staging ``manifest``; version skew and shape mismatches are refused here."""
+        with self._lock:
+            if manifest.version <= self._version:
+                raise VersionSkewError(
+                    f"update to version {manifest.version} refused: rank {self.rank} already has "
+                    f"version {self._version}"
+                )
+            if manifest.base_version is not None and manifest.base_version != self._version:
+                raise VersionSkewError(
+                    f"delta update {manifest.base_version}->{manifest.version} refused: rank "
+                    f"{self.rank} has version {self._version}"
+                )
+            if self.mode == "inplace" and not self._paused:
+                raise RuntimeError(
+                    "in-place updates need the engine paused: use `with sub.paused():`"
+                )
+            expected, staging = {}, {}
+            for meta in manifest.tensors:
+                engine = self._name_map(meta.name)
+                if engine is None:
+                    continue
+                if engine not in self._layouts:
+                    raise ValueError(f"trainer tensor {meta.name} maps to unknown tensor {engine}")
+                if tuple(meta.layout.shape) != tuple(self._layouts[engine].shape):
+                    raise ValueError(
+                        f"{meta.name} -> {engine}: trainer shape {meta.layout.shape} != "
+                        f"sampler shape {self._layouts[engine].shape}"
+                    )
+                plan = ReshardPlan.build(meta.layout, self._layouts[engine])
+                for t in plan.to(self.rank):
+                    expected[(meta.name, t.box)] = t
+                live = self._weights[engine]
+                staging[engine] = live if self.mode == "inplace" else torch.empty_like(live)
+            if self.mode == "inplace":
+                self.dirty = True
+            self._pending = _Pending(manifest, expected, staging)
+
+    def receive(self, chunk: Chunk) -> None:
+        """Verify and stage one chunk; a bad chunk rejects the whole update."""
+        with self._lock:
+            p = self._pending
+            if p is None or chunk.version != p.manifest.version:
+                raise VersionSkewError(
+                    f"chunk of version {chunk.version} arrived but rank {self.rank} is staging "
+                    f"{None if p is None else p.manifest.version}"
+                )
+            if p.error:
+                return
+            key = (chunk.name, chunk.box)
+            transfer = p.expected.get(key)
+            if transfer is None or key in p.received or chunk.dst_rank != self.rank:
+                p.error = (
+                    f"unexpected or duplicate chunk {chunk.name} {chunk.box} from {chunk.src_rank}"
+                )
+                log.error("rank %d rejects update %d: %s", self.rank, chunk.version, p.error)
+                return
+            if checksum64(chunk.data) != chunk.digest:
+                p.error = f"digest mismatch in {chunk.name} {chunk.box} from rank {chunk.src_rank}"
+                log.error("rank %d rejects update %d: %s", self.rank, chunk.version, p.error)
+                return
+            engine = self._name_map(chunk.name)
+            src = (
+                torch.from_numpy(chunk.data)
+                .view(_torch_dtype(chunk.dtype))
+                .reshape(chunk.box.shape)
+            )
+            target = p.staging[engine]
+            target[transfer.dst_index].copy_(src.to(target.dtype))  # dtype cast happens here
+            p.received.add(key)
+            p.bytes += chunk.data.nbytes
+
+    def missing(self) -> list[tuple[str, Box]]:
+        with self._lock:
+            p = self._pending
+            return [] if p is None else [k for k in p.expected if k not in p.received]
+
+    def commit(self) -> int:
+        """Make the staged version current; raises UpdateRejectedError (old version kept)."""
+        with self._lock:
+            p = self._pending
+            if p is None:
+                raise UpdateRejectedError("nothing staged")
+            missing = [k for k in p.expected if k not in p.received]
+            if p.error or missing:
+                reason = p.error or f"{len(missing)} chunks missing, e.g. {missing[0][0]}"
+                self._pending = None
+                self.metrics["updates_rejected"] += 1
+                log.error("rank %d: update %d rejected: %s", self.rank, p.manifest.version, reason)
+                raise UpdateRejectedError(
+                    f"update {p.manifest.version} rejected on rank {self.rank}: {reason}; "
+                    f"still serving version {self._version}"
+                    + (" (in-place: weights are dirty until a full update)" if self.dirty else "")
+                )
+            if self.mode == "shadow":
+                merged = dict(self._weights)
+                merged.update(p.staging)
+                self._weights = merged  # one reference swap: readers see old or new, never a mix
+            self.dirty = False
+            self._version = p.manifest.version
+            self._pending = None
+            self.metrics["updates_committed"] += 1
+            self.metrics["bytes_received"] += p.bytes
+            self.metrics["last_update_s"] = time.monotonic() - p.started
+            return self._version
+
+    def abort(self, reason: str) -> None:
+        with self._lock:
+            if self._pending is not None:
+                log.warning(
+                    "rank %d: update %d aborted: %s",
+                    self.rank,
+                    self._pending.manifest.version,
+                    reason,
+                )
+                self._pending = None
+                self.metrics["updates_rejected"] += 1

@@ -1,0 +1,196 @@
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from tpusync.rl.chunks import (
+    UpdateRejectedError,
+    VersionSkewError,
+    WeightPublisher,
+    WeightSubscriber,
+)
+from tpusync.rl.layout import ShardLayout
+
+SHAPES = {"layers.0.w": (8, 6), "layers.0.b": (8,), "embed": (12, 4)}
+
+
+def full_weights(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def trainer_shards(full, world=2):
+    """TP=world trainer: every tensor split on dim 0; returns per-rank {name: (local, layout)}."""
+    out = {r: {} for r in range(world)}
+    for name, t in full.items():
+        layout = ShardLayout.split(t.shape, 0, world)
+        for r in range(world):
+            box = layout.box_of(r)
+            out[r][name] = (t[box.lo[0] : box.hi[0]].clone(), layout)
+    return out
+
+
+def engine_name(trainer_name):
+    return "model." + trainer_name
+
+
+def make_samplers(world=4, dtype=torch.bfloat16, mode="shadow"):
+    """TP=world sampler group with engine names; the bias is replicated on every rank."""
+    layouts = {}
+    for name, shape in SHAPES.items():
+        layouts[engine_name(name)] = (
+            ShardLayout.replicated(shape, range(world))
+            if name.endswith(".b")
+            else ShardLayout.split(shape, 0 if name != "embed" else 1, world)
+        )
+    subs = []
+    for r in range(world):
+        weights = {n: torch.zeros(lay.box_of(r).shape, dtype=dtype) for n, lay in layouts.items()}
+        subs.append(WeightSubscriber(r, weights, layouts, name_map=engine_name, mode=mode))
+    return subs
+
+
+def push(version, full, subs, delta=False, publishers=None, tamper=None):
+    shards = trainer_shards(full)
+    publishers = publishers or [WeightPublisher(r) for r in shards]
+    manifests = [p.prepare(version, shards[p.rank], delta=delta) for p in publishers]
+    assert len({m.to_bytes() for m in manifests}) == 1, "all trainer ranks agree on the manifest"
+    manifest = manifests[0]
+    for s in subs:
+        s.begin(manifest)
+    dst = subs[0].layouts_by_trainer_name(manifest)
+    for p in publishers:
+        for chunk in p.chunks(manifest, shards[p.rank], dst):
+            if tamper:
+                chunk = tamper(chunk)
+            subs[chunk.dst_rank].receive(chunk)
+    return manifest, publishers, shards
+
+
+def expect_equal(subs, full, dtype=torch.bfloat16):
+    for s in subs:
+        for name, t in full.items():
+            box = s._layouts[engine_name(name)].box_of(s.rank)
+            want = t[tuple(slice(a, b) for a, b in zip(box.lo, box.hi, strict=False))].to(dtype)
+            assert torch.equal(s.weights[engine_name(name)], want), (s.rank, name)
+
+
+def test_tp2_fp32_to_tp4_bf16_with_name_mapping():
+    subs = make_samplers()
+    full = full_weights(1)
+    push(1, full, subs)
+    for s in subs:
+        assert s.commit() == 1
+    expect_equal(subs, full)
+
+
+def test_digest_mismatch_rejects_and_keeps_old_version():
+    subs = make_samplers()
+    push(1, full_weights(1), subs)
+    for s in subs:
+        s.commit()
+    before = {n: t.clone() for n, t in subs[2].weights.items()}
+
+    def corrupt(chunk):
+        if chunk.dst_rank == 2 and chunk.name == "embed":
+            data = chunk.data.copy()
+            data[0] ^= 1
+            return dataclasses.replace(chunk, data=data)
+        return chunk
+
+    push(2, full_weights(2), subs, tamper=corrupt)
+    with pytest.raises(UpdateRejectedError, match="digest mismatch in embed"):
+        subs[2].commit()
+    assert subs[2].version == 1
+    for n, t in before.items():
+        assert torch.equal(subs[2].weights[n], t)
+    assert subs[0].commit() == 2  # the others commit
+
+
+def test_missing_chunk_rejects():
+    subs = make_samplers()
+
+    def drop(chunk):
+        return chunk if not (chunk.dst_rank == 1 and chunk.name == "layers.0.w") else None
+
+    manifest, _, _ = push(1, full_weights(1), subs, tamper=lambda c: c)
+    subs2 = make_samplers()
+    for s in subs2:
+        s.begin(manifest)
+    shards = trainer_shards(full_weights(1))
+    dst = subs2[0].layouts_by_trainer_name(manifest)
+    for r in shards:
+        for chunk in WeightPublisher(r).chunks(manifest, shards[r], dst):
+            if drop(chunk) is not None:
+                subs2[chunk.dst_rank].receive(chunk)
+    assert subs2[1].missing()
+    with pytest.raises(UpdateRejectedError, match="chunks missing"):
+        subs2[1].commit()
+    assert subs2[1].version == 0
+
+
+def test_version_skew_refused():
+    subs = make_samplers()
+    m, pubs, shards = push(3, full_weights(1), subs)
+    for s in subs:
+        s.commit()
+    with pytest.raises(VersionSkewError, match="already has version 3"):
+        subs[0].begin(m)
+    with pytest.raises(VersionSkewError, match="does not follow"):
+        pubs[0].prepare(3, shards[0])
+
+
+def test_delta_update_sends_only_changed_tensors():
+    subs = make_samplers(dtype=torch.float32)
+    full = full_weights(1)
+    m1, pubs, shards = push(1, full, subs)
+    for p in pubs:
+        p.published(m1, shards[p.rank])
+    for s in subs:
+        s.commit()
+    full2 = dict(full)
+    full2["embed"] = full["embed"] + 1
+    m2, _, _ = push(2, full2, subs, delta=True, publishers=pubs)
+    assert [t.name for t in m2.tensors] == ["embed"] and m2.base_version == 1
+    for s in subs:
+        s.commit()
+    expect_equal(subs, full2, torch.float32)
+    # A delta against a base the subscriber does not have is refused.
+    lagging = make_samplers(dtype=torch.float32)
+    with pytest.raises(VersionSkewError, match="delta update 1->2 refused"):
+        lagging[0].begin(m2)
+
+
+def test_inplace_requires_pause_and_writes_live_tensors():
+    subs = make_samplers(mode="inplace")
+    live = subs[0].weights["model.embed"]
+    with pytest.raises(RuntimeError, match="paused"):
+        push(1, full_weights(1), subs)
+    subs = make_samplers(mode="inplace")
+    live = subs[0].weights["model.embed"]
+    with subs[0].paused(), subs[1].paused(), subs[2].paused(), subs[3].paused():
+        push(1, full_weights(1), subs)
+        for s in subs:
+            s.commit()
+    assert subs[0].weights["model.embed"] is live  # same storage, updated in place
+    expect_equal(subs, full_weights(1))
+
+
+def test_shape_mismatch_is_refused_naming_tensors():
+    subs = make_samplers()
+    bad = {n: (torch.zeros(9, 6), ShardLayout.split((9, 6), 0, 2)) for n in ["layers.0.w"]}
+    manifest = WeightPublisher(0).prepare(1, bad)
+    with pytest.raises(ValueError, match=r"layers.0.w -> model.layers.0.w: trainer shape \(9, 6\)"):
+        subs[0].begin(manifest)
+
+
+def test_manifest_round_trip_and_malformed():
+    from tpusync.rl.manifest import Manifest
+
+    shards = trainer_shards(full_weights(0))
+    m = WeightPublisher(0).prepare(5, shards[0])
+    assert Manifest.from_bytes(m.to_bytes()) == m
+    with pytest.raises(ValueError, match="malformed"):
+        Manifest.from_bytes(b"\xc1\xc1")
+    assert np.dtype("float32")  # keep numpy import meaningful for type checkers
