@@ -91,9 +91,10 @@ def install_core(session: nox.Session) -> None:
 
 def install_frameworks(session: nox.Session) -> None:
     session.install(TORCH, JAX)
-    # Pure-Python packages without their heavy framework deps (vllm runs in its own session).
-    for pkg in PURE:
-        session.install("--no-deps", "--force-reinstall", str(ROOT / "packages" / pkg))
+    # The pure-Python packages with their light dependencies; torch, jax and the core are already
+    # satisfied, and vllm is only an extra (it runs in its own session).
+    session.install("--force-reinstall", "--no-deps", *[str(ROOT / "packages" / p) for p in PURE])
+    session.install(*[str(ROOT / "packages" / p) for p in PURE])
 
 
 @nox.session
