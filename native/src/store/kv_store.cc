@@ -248,6 +248,7 @@ engine::Future KVStore::Put(std::vector<std::string> keys, engine::RowBuffer src
   };
   auto state = std::make_shared<State>();
   state->keys = std::move(keys);
+  state->user->TryStart();  // running from the start: Cancel cannot complete it while bytes move
   OpBegin();
   auto part_done = [this, state, t0](const Status& s) {
     if (!s.ok()) {
@@ -391,6 +392,7 @@ engine::Future KVStore::Get(std::vector<std::string> keys, engine::RowBuffer dst
     }
   }
   engine::Future user;
+  user->TryStart();  // running from the start: Cancel cannot complete it while bytes move
   engine::Future inner = engine_->SubmitBatch(std::move(tasks));
   inner->OnComplete([this, job, found, user, t0](const Status& s) {
     struct Forget {
