@@ -219,7 +219,7 @@ TEST(KVStore, SecondUsePolicySparesTheDisk) {
   Fixture f(2, 8, cfg);
   f.Put({1});
   EXPECT_EQ(f.Get({1}), (std::vector<uint8_t>{1}));  // second use: admitted below
-  for (int i = 10; i < 16; ++i) f.Put({i});           // used once: dropped, never written
+  for (int i = 10; i < 16; ++i) f.Put({i});          // used once: dropped, never written
   ASSERT_TRUE(f.store->Flush(kWait).ok());
   EXPECT_EQ(f.Get({1}), (std::vector<uint8_t>{1}));
   EXPECT_EQ(f.Get({10, 11}), (std::vector<uint8_t>{0, 0}));

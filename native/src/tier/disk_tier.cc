@@ -91,8 +91,8 @@ Status WriteFileAtomic(const fs::path& path, const void* data, size_t bytes) {
 Status ErrnoStatus(int64_t result, size_t expected, bool write, const std::string& where) {
   if (result < 0) return Status::FromErrno(static_cast<int>(-result), where);
   if (write) return Status::NoSpace(StrCat(where, ": short write (filesystem full)"));
-  return Status::Corrupted(StrCat(where, ": truncated slot (", result, " of ", expected,
-                                  " bytes readable)"));
+  return Status::Corrupted(
+      StrCat(where, ": truncated slot (", result, " of ", expected, " bytes readable)"));
 }
 
 }  // namespace
@@ -117,8 +117,8 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
   std::error_code ec;
   fs::create_directories(o.directory, ec);
   if (ec) {
-    return Status::IOError(StrCat("disk tier directory ", o.directory,
-                                  " cannot be created: ", ec.message()));
+    return Status::IOError(
+        StrCat("disk tier directory ", o.directory, " cannot be created: ", ec.message()));
   }
   const fs::path dir(o.directory);
   const std::string lock_path = (dir / "LOCK").string();
@@ -128,9 +128,9 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
                                            " is not writable (creating ", lock_path, ")"));
   }
   if (flock(t->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-    return Status::FailedPrecondition(
-        StrCat("disk tier directory ", o.directory,
-               " is in use by another process (", lock_path, " is locked)"));
+    return Status::FailedPrecondition(StrCat("disk tier directory ", o.directory,
+                                             " is in use by another process (", lock_path,
+                                             " is locked)"));
   }
   // Probe writability of the directory itself (a read-only mount lets us open an existing LOCK).
   {

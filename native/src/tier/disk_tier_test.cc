@@ -19,9 +19,8 @@ namespace fs = std::filesystem;
 class DiskTierTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = (fs::temp_directory_path() /
-            ("tpusync-disk-" + std::to_string(getpid()) + "-" +
-             std::to_string(std::random_device{}())))
+    dir_ = (fs::temp_directory_path() / ("tpusync-disk-" + std::to_string(getpid()) + "-" +
+                                         std::to_string(std::random_device{}())))
                .string();
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -71,7 +70,8 @@ TEST_F(DiskTierTest, ReopenRecoversBlocksFromHeaders) {
   std::vector<uint64_t> locs;
   {
     auto t = std::move(DiskTier::Open(Options()).value());
-    for (int i = 0; i < 5; ++i) locs.push_back(WriteOne(*t, "k" + std::to_string(i), Data(i), i + 1));
+    for (int i = 0; i < 5; ++i)
+      locs.push_back(WriteOne(*t, "k" + std::to_string(i), Data(i), i + 1));
     t->Release(locs[2], /*forget=*/true);  // removed: must not come back
   }
   auto t = std::move(DiskTier::Open(Options()).value());

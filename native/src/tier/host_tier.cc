@@ -77,9 +77,9 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const HostTierOptions& o) {
     t->lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
     if (t->lock_fd_ < 0) return Status::FromErrno(errno, StrCat("open ", lock_path));
     if (flock(t->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-      return Status::FailedPrecondition(
-          StrCat("host tier namespace /dev/shm/", o.shm_name,
-                 " is in use by another process (", lock_path, " is locked)"));
+      return Status::FailedPrecondition(StrCat("host tier namespace /dev/shm/", o.shm_name,
+                                               " is in use by another process (", lock_path,
+                                               " is locked)"));
     }
     struct stat st {};
     const std::string seg = "/dev/shm/" + o.shm_name;

@@ -82,8 +82,7 @@ TEST_F(HostTierShmTest, OtherFingerprintIsAColdStartWithALogLine) {
   testing::internal::CaptureStderr();
   auto t = std::move(HostTier::Open(Options("fp-2")).value());
   const std::string log = testing::internal::GetCapturedStderr();
-  EXPECT_NE(log.find("model fingerprint changed ('fp-1' -> 'fp-2'): cold start"),
-            std::string::npos)
+  EXPECT_NE(log.find("model fingerprint changed ('fp-1' -> 'fp-2'): cold start"), std::string::npos)
       << log;
   EXPECT_TRUE(t->TakeRecovered().empty());
   EXPECT_EQ(t->used(), 0u);

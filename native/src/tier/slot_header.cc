@@ -25,8 +25,8 @@ Status CheckSlotHeader(const SlotHeader& h, uint64_t length, uint64_t fingerprin
   if (h.magic == 0 && h.flags == 0) return Status::NotFound("empty slot");
   if (h.magic != kSlotMagic) return Status::Corrupted("slot header magic mismatch");
   if (h.version != kSlotHeaderVersion) {
-    return Status::Corrupted(StrCat("slot header version ", h.version, " (expected ",
-                                    kSlotHeaderVersion, ")"));
+    return Status::Corrupted(
+        StrCat("slot header version ", h.version, " (expected ", kSlotHeaderVersion, ")"));
   }
   if (h.header_checksum != Checksum64(&h, offsetof(SlotHeader, header_checksum))) {
     return Status::Corrupted("slot header checksum mismatch (torn or overwritten header)");

@@ -21,9 +21,9 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string TempDir(const std::string& tag) {
-  const fs::path p = fs::temp_directory_path() /
-                     ("tpusync-conf-" + tag + "-" + std::to_string(getpid()) + "-" +
-                      std::to_string(std::random_device{}()));
+  const fs::path p =
+      fs::temp_directory_path() / ("tpusync-conf-" + tag + "-" + std::to_string(getpid()) + "-" +
+                                   std::to_string(std::random_device{}()));
   fs::create_directories(p);
   return p.string();
 }

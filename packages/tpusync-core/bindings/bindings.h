@@ -42,7 +42,8 @@ using ReadArray = nb::ndarray<nb::ro, nb::device::cpu>;
 using WriteArray = nb::ndarray<nb::device::cpu>;
 
 // engine_bindings.cc: a tpusync.core.Future over `f` that holds the arrays until it completes.
-nb::object WrapFuture(engine::Future f, std::optional<ReadArray> src, std::optional<WriteArray> dst);
+nb::object WrapFuture(engine::Future f, std::optional<ReadArray> src,
+                      std::optional<WriteArray> dst);
 // engine_bindings.cc: rows of block_bytes in an array, with the same rules as put_blocks.
 engine::RowBuffer ReadRows(const ReadArray& a, size_t n, size_t block_bytes,
                            std::optional<std::vector<uint64_t>> rows);

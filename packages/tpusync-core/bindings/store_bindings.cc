@@ -141,8 +141,7 @@ void init_store(nb::module_& m) {
           nb::arg("disk_direct_io") = true, nb::arg("io_backend") = "auto",
           nb::arg("io_threads") = 4, nb::arg("policy") = "lru", nb::arg("writeback_batch") = 32,
           nb::arg("writeback_headroom") = 0, nb::arg("put_wait_s") = 5.0,
-          nb::arg("prefault") = true, nb::arg("huge_pages") = false,
-          nb::rv_policy::take_ownership)
+          nb::arg("prefault") = true, nb::arg("huge_pages") = false, nb::rv_policy::take_ownership)
       .def_prop_ro("block_bytes", &KVStore::block_bytes)
       .def(
           "put",

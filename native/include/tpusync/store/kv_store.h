@@ -185,9 +185,8 @@ class KVStore {
 
   // Counters (mu_ held to update).
   std::vector<TierCounters> counters_;
-  uint64_t puts_ = 0, put_stored_ = 0, put_present_ = 0, put_rejected_ = 0, gets_ = 0,
-           misses_ = 0, evicted_ = 0, corrupted_ = 0, writeback_errors_ = 0,
-           writeback_inflight_ = 0;
+  uint64_t puts_ = 0, put_stored_ = 0, put_present_ = 0, put_rejected_ = 0, gets_ = 0, misses_ = 0,
+           evicted_ = 0, corrupted_ = 0, writeback_errors_ = 0, writeback_inflight_ = 0;
   LatencyStats put_latency_, get_latency_;
 };
 

@@ -39,7 +39,7 @@ struct DiskTierOptions {
   size_t num_blocks = 0;
   size_t segment_blocks = 0;  // 0: about 1 GiB per segment
   std::string fingerprint;
-  bool direct_io = true;           // try O_DIRECT, fall back to buffered where refused
+  bool direct_io = true;            // try O_DIRECT, fall back to buffered where refused
   std::string io_backend = "auto";  // auto | io_uring | pread
   size_t io_threads = 4;            // pread backend threads / io_uring depth hint
 };

@@ -48,9 +48,9 @@ struct HostRegionHeader {
   uint64_t block_bytes;
   uint64_t num_blocks;
   uint64_t meta_bytes;
-  uint64_t fingerprint;         // XXH3-64 of fingerprint_text
-  char fingerprint_text[96];    // for the cold-start log line (truncated)
-  uint64_t header_checksum;     // XXH3-64 of every byte above
+  uint64_t fingerprint;       // XXH3-64 of fingerprint_text
+  char fingerprint_text[96];  // for the cold-start log line (truncated)
+  uint64_t header_checksum;   // XXH3-64 of every byte above
 };
 static_assert(sizeof(HostRegionHeader) == 144, "HostRegionHeader is a shared-memory format");
 static_assert(offsetof(HostRegionHeader, fingerprint_text) == 40);

@@ -2,8 +2,8 @@
 //
 // IO CONTRACT: Run(ops) returns only when every op has completed; each op's `result` is the byte
 // count transferred (always the full expected() length unless an error or end of file stopped it)
-// or -errno. Short transfers are continued until complete, EOF (a truncated file: result < expected)
-// or an error. Safe to call from several threads at once.
+// or -errno. Short transfers are continued until complete, EOF (a truncated file: result <
+// expected) or an error. Safe to call from several threads at once.
 //
 // Two implementations behind one interface: io_uring (liburing, one ring per concurrent caller,
 // the whole batch submitted with one syscall) and a pread/pwrite thread pool. MakeIoBackend("auto")

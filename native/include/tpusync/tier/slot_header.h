@@ -25,10 +25,10 @@ struct SlotHeader {
   uint32_t magic;
   uint16_t version;
   uint8_t key_len;
-  uint8_t flags;        // kSlotValid
-  uint64_t length;      // payload bytes
-  uint64_t checksum;    // XXH3-64 of the payload
-  uint64_t sequence;    // store-wide write order
+  uint8_t flags;         // kSlotValid
+  uint64_t length;       // payload bytes
+  uint64_t checksum;     // XXH3-64 of the payload
+  uint64_t sequence;     // store-wide write order
   uint64_t fingerprint;  // XXH3-64 of the model fingerprint string
   uint8_t key[block::kMaxKeyBytes];
   uint64_t header_checksum;  // XXH3-64 of every byte above

@@ -41,7 +41,7 @@ struct BlockWrite {
 };
 
 struct BlockRead {
-  std::string_view key;   // the key the slot must hold (checked against its header)
+  std::string_view key;    // the key the slot must hold (checked against its header)
   uint8_t* dst = nullptr;  // block_bytes() writable bytes
   uint64_t location = 0;
   Status status;  // out: kCorrupted on checksum / key / length mismatch or a truncated slot
@@ -67,8 +67,8 @@ struct TierStats {
   uint64_t recovered = 0;    // valid blocks found at attach
   uint64_t write_ns = 0;     // summed wall time of WriteBatch calls
   uint64_t read_ns = 0;
-  bool direct_io = false;    // disk: O_DIRECT in use
-  std::string io_backend;    // disk: "io_uring" or "pread"
+  bool direct_io = false;         // disk: O_DIRECT in use
+  std::string io_backend;         // disk: "io_uring" or "pread"
   std::string cold_start_reason;  // non-empty when existing storage was discarded at attach
 };
 

@@ -74,7 +74,9 @@ class StoreCollector:
             yield m
 
 
-def register_store(store: Any, registry: Any = None, prefix: str = "tpusync_store") -> StoreCollector:
+def register_store(
+    store: Any, registry: Any = None, prefix: str = "tpusync_store"
+) -> StoreCollector:
     """Register a :class:`StoreCollector` (default registry: prometheus_client.REGISTRY)."""
     from prometheus_client import REGISTRY
 
@@ -87,4 +89,6 @@ def serve(port: int, addr: str = "127.0.0.1", registry: Any = None) -> Any:
     """Start prometheus-client's HTTP exporter (a daemon thread) and return its server."""
     from prometheus_client import REGISTRY, start_http_server
 
-    return start_http_server(port, addr=addr, registry=registry if registry is not None else REGISTRY)
+    return start_http_server(
+        port, addr=addr, registry=registry if registry is not None else REGISTRY
+    )

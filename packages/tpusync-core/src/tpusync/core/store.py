@@ -159,12 +159,16 @@ class KVStore:
     def block_bytes(self) -> int:
         return self._block_bytes
 
-    def put(self, keys: Sequence[bytes], src: Any, rows: Sequence[int] | None = None) -> StoreFuture:
+    def put(
+        self, keys: Sequence[bytes], src: Any, rows: Sequence[int] | None = None
+    ) -> StoreFuture:
         """Store row ``i`` of ``src`` (or row ``rows[i]``) under ``keys[i]``, asynchronously."""
         fut, mask = self.native.put(_keys(keys), src, _rows(rows))
         return StoreFuture(fut, mask)
 
-    def get(self, keys: Sequence[bytes], dst: Any, rows: Sequence[int] | None = None) -> StoreFuture:
+    def get(
+        self, keys: Sequence[bytes], dst: Any, rows: Sequence[int] | None = None
+    ) -> StoreFuture:
         """Read ``keys[i]`` into row ``i`` of ``dst`` (or row ``rows[i]``), asynchronously.
 
         ``result()[i]`` is False for a miss (absent, evicted, or corrupted on disk); that row's
