@@ -299,5 +299,5 @@ def test_sigkill_warm_restart_and_fingerprint_cold_start(tmp_path):
         assert other.stdout.split()[:3] == ["RESULT", "0", "0"], other
         assert "model fingerprint changed ('model-1' -> 'model-2'): cold start" in other.stderr
     finally:
-        for suffix in ("", ".lock"):
-            Path(f"/dev/shm/tpusync-{ns}-host{suffix}").unlink(missing_ok=True)
+        tc.KVStore.unlink_namespace(ns)
+    assert not Path(f"/dev/shm/tpusync-{ns}-host").exists()

@@ -211,6 +211,14 @@ class KVStore:
 
         return register_store(self, registry=registry, prefix=prefix)
 
+    @staticmethod
+    def unlink_namespace(namespace: str) -> None:
+        """Delete the /dev/shm host tier of a namespace (no process may be using it)."""
+        for suffix in ("", ".lock"):
+            path = f"/dev/shm/tpusync-{namespace}-host{suffix}"
+            if os.path.exists(path):
+                os.unlink(path)
+
     def close(self) -> None:
         """Release the store (waits for operations in flight). A /dev/shm host tier persists."""
         self._native = None
