@@ -271,14 +271,16 @@ def _long_session(tokens: int, token_bytes: int, work: Path, tokens_per_block: i
     )
     max_used = 0
     rejected = 0
-    t0 = time.perf_counter()
+    offload_s = 0.0  # time inside the store's put (the simulated prefill is not counted)
     for first in range(0, nblocks, batch):
         ids = list(range(first, min(nblocks, first + batch)))
         if len(free) < len(ids):  # offload the oldest resident blocks to the store
             out = resident[: len(ids) - len(free) + batch]
             del resident[: len(out)]
+            t0 = time.perf_counter()
             stored = store.put([b"s%d" % b for b, _ in out], device, rows=[s for _, s in out])
             rejected += len(out) - sum(stored.result(120))
+            offload_s += time.perf_counter() - t0
             free.extend(s for _, s in out)
         for b in ids:  # "prefill" writes the new block on the device
             slot = free.pop()
@@ -286,24 +288,27 @@ def _long_session(tokens: int, token_bytes: int, work: Path, tokens_per_block: i
             device[slot, 8:16] = 0xA5
             resident.append((b, slot))
         max_used = max(max_used, budget - len(free))
-    offload_s = time.perf_counter() - t0
     store.flush(120)
     # Revisit the whole offloaded stream (a long-context re-read), batch by batch, verified.
-    t1 = time.perf_counter()
-    offloaded = [b for b in range(nblocks) if b not in {r for r, _ in resident}]
+    reload_s = 0.0
+    still_on_device = {r for r, _ in resident}
+    offloaded = [b for b in range(nblocks) if b not in still_on_device]
     verified = 0
     scratch = aligned(batch * block, 0).reshape(batch, block)
     for first in range(0, len(offloaded), batch):
         ids = offloaded[first : first + batch]
+        t1 = time.perf_counter()
         found = store.get([b"s%d" % b for b in ids], scratch[: len(ids)]).result(120)
+        reload_s += time.perf_counter() - t1
         for row, (b, ok) in enumerate(zip(ids, found, strict=True)):
-            if ok and int.from_bytes(scratch[row, :8].tobytes(), "little") == b:
+            tag = int.from_bytes(scratch[row, :8].tobytes(), "little")
+            if ok and tag == b and (scratch[row, 8:16] == 0xA5).all():
                 verified += 1
-    reload_s = time.perf_counter() - t1
     s = store.stats()
     store.close()
     moved = len(offloaded) * block
     return {
+        "device": "simulated by a host array (the accelerator side is not part of this suite)",
         "tokens": tokens,
         "token_bytes": token_bytes,
         "block_bytes": block,
