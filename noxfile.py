@@ -9,7 +9,8 @@ Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
 - ``build``   the five wheels into dist/, then proves a fresh venv installing only the
               tpusync-torch wheel pulls tpusync-core and torch and neither jax nor vllm
 - ``demo``    the main job: offload a synthetic paged KV cache to the host pool and back
-- ``bench``   ``tpusync bench memory --json`` (JSON kept in build/bench/)
+- ``bench``   ``tpusync bench memory --json`` (JSON kept in build/bench/); ``-- tiers`` for the
+              tiered store (installs fio)
 - ``stubs``   regenerate the checked-in nanobind stubs (a test fails when they are stale)
 - ``docs``    the documentation site (mkdocs, strict) into build/site
 """
@@ -65,7 +66,7 @@ def _core_sources_digest() -> str:
 
 def install_core(session: nox.Session) -> None:
     """Install the tpusync-core wheel, built once per source digest and reused by every session."""
-    _apt(session, "libxxhash-dev")
+    _apt(session, "libxxhash-dev", "liburing-dev")
     cache = ROOT / "build/wheels" / _core_sources_digest()
     wheels = sorted(cache.glob("tpusync_core-*.whl"))
     if not wheels:
@@ -86,7 +87,7 @@ def install_core(session: nox.Session) -> None:
         tmp.rename(cache)
         wheels = sorted(cache.glob("tpusync_core-*.whl"))
     session.install("--force-reinstall", "--no-deps", str(wheels[-1]))
-    session.install("numpy>=1.24", "rich>=13")
+    session.install("numpy>=1.24", "rich>=13", "prometheus-client>=0.17")
 
 
 def install_frameworks(session: nox.Session) -> None:
@@ -146,7 +147,7 @@ def lint(session: nox.Session) -> None:
 
 
 def run_cpp(session: nox.Session, sanitize: bool) -> None:
-    _apt(session, "libgtest-dev", "libxxhash-dev")
+    _apt(session, "libgtest-dev", "libxxhash-dev", "liburing-dev")
     session.install("cmake>=3.24", "ninja")
     build = ROOT / ("build/cpp-sanitize" if sanitize else "build/cpp")
     session.run(
@@ -190,7 +191,7 @@ def build(session: nox.Session) -> None:
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     session.install("pip>=24", *BUILD_DEPS, "hatchling>=1.25")
-    _apt(session, "libxxhash-dev")
+    _apt(session, "libxxhash-dev", "liburing-dev")
     for pkg in PACKAGES:
         session.run(
             "python",
@@ -262,6 +263,8 @@ def bench(session: nox.Session) -> None:
     out = ROOT / "build/bench"
     out.mkdir(parents=True, exist_ok=True)
     suites = session.posargs or ["memory"]
+    if "tiers" in suites:
+        _apt(session, "fio")  # the same-run reference of the disk tier
     for suite in suites:
         result = session.run("tpusync", "bench", suite, "--json", silent=True)
         (out / f"{suite}.json").write_text(result)

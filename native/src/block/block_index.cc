@@ -160,6 +160,14 @@ size_t BlockIndex::size() const {
   return map_.size();
 }
 
+std::vector<std::pair<BlockKey, Placement>> BlockIndex::Snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<BlockKey, Placement>> out;
+  out.reserve(map_.size());
+  for (const auto& [key, e] : map_) out.emplace_back(key, e.placement);
+  return out;
+}
+
 void BlockIndex::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   map_.clear();

@@ -3,12 +3,17 @@
 #pragma once
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 
 #include <exception>
+#include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "tpusync/base/status.h"
+#include "tpusync/engine/block_transfer.h"
+#include "tpusync/engine/future.h"
 
 namespace tpusync::bindings {
 
@@ -32,9 +37,23 @@ T Unwrap(Result<T> r) {
   return std::move(r).value();
 }
 
+// CPU arrays a native operation reads from / writes into (numpy, torch, jax via DLPack).
+using ReadArray = nb::ndarray<nb::ro, nb::device::cpu>;
+using WriteArray = nb::ndarray<nb::device::cpu>;
+
+// engine_bindings.cc: a tpusync.core.Future over `f` that holds the arrays until it completes.
+nb::object WrapFuture(engine::Future f, std::optional<ReadArray> src,
+                      std::optional<WriteArray> dst);
+// engine_bindings.cc: rows of block_bytes in an array, with the same rules as put_blocks.
+engine::RowBuffer ReadRows(const ReadArray& a, size_t n, size_t block_bytes,
+                           std::optional<std::vector<uint64_t>> rows);
+engine::RowBuffer WriteRows(const WriteArray& a, size_t n, size_t block_bytes,
+                            std::optional<std::vector<uint64_t>> rows);
+
 void init_base(nb::module_& m);
 void init_memory(nb::module_& m);
 void init_block(nb::module_& m);
 void init_engine(nb::module_& m);
+void init_store(nb::module_& m);
 
 }  // namespace tpusync::bindings

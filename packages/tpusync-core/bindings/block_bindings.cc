@@ -1,4 +1,5 @@
 // BlockIndex: key -> per-tier placement, pins, LRU.
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -51,6 +52,21 @@ void init_block(nb::module_& m) {
             ThrowIfError(idx.Insert(View(key), tier, location));
           },
           nb::arg("key"), nb::arg("tier"), nb::arg("location"))
+      .def(
+          "insert_many",
+          [](BlockIndex& idx,
+             nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> keys, Tier tier,
+             uint64_t first_location) {
+            const size_t n = keys.shape(0), width = keys.shape(1);
+            const char* base = reinterpret_cast<const char*>(keys.data());
+            nb::gil_scoped_release release;
+            for (size_t i = 0; i < n; ++i) {
+              ThrowIfError(idx.Insert({base + i * width, width}, tier, first_location + i));
+            }
+          },
+          nb::arg("keys"), nb::arg("tier"), nb::arg("first_location"),
+          "Insert row i of a [n, key_bytes] uint8 array at location first_location + i (bulk "
+          "registration; stops at the first error).")
       .def(
           "lookup",
           [](BlockIndex& idx, nb::bytes key, bool touch) { return idx.Lookup(View(key), touch); },

@@ -174,6 +174,23 @@ engine::RowBuffer Rows(const Array& a, size_t n, size_t block_bytes,
 
 }  // namespace
 
+nb::object WrapFuture(Future f, std::optional<ReadArray> src, std::optional<WriteArray> dst) {
+  auto* out = new PyFuture(std::move(f));
+  out->src = std::move(src);
+  out->dst = std::move(dst);
+  return nb::cast(out, nb::rv_policy::take_ownership);
+}
+
+engine::RowBuffer ReadRows(const ReadArray& a, size_t n, size_t block_bytes,
+                           std::optional<std::vector<uint64_t>> rows) {
+  return Rows(a, n, block_bytes, std::move(rows));
+}
+
+engine::RowBuffer WriteRows(const WriteArray& a, size_t n, size_t block_bytes,
+                            std::optional<std::vector<uint64_t>> rows) {
+  return Rows(a, n, block_bytes, std::move(rows));
+}
+
 void init_engine(nb::module_& m) {
   nb::class_<ThreadPool>(m, "Engine",
                          "Worker threads that run copies while Python keeps computing.")

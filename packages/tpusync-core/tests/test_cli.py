@@ -47,3 +47,40 @@ def test_parser_rejects_unknown_suite():
 
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["bench", "nonsense"])
+
+
+def test_bench_tiers_json_schema(tmp_path):
+    data = json.loads(
+        run_cli(
+            "bench",
+            "tiers",
+            "--json",
+            "--total-mib",
+            "4",
+            "--repeats",
+            "1",
+            "--quiet",
+            "--dir",
+            str(tmp_path),
+            "--lookup-keys",
+            "1000,10000",
+            "--session-tokens",
+            "16384",
+        )
+    )
+    assert data["suite"] == "tiers"
+    for r in data["host"]:
+        for path in ("put", "get"):
+            assert r[path]["gbps"] > 0 and r[path]["limit"].startswith("one memcpy")
+    for r in data["disk"]:
+        assert r["io_backend"] in ("io_uring", "pread")
+        for path in ("write", "read"):
+            assert r[path]["gbps"] > 0
+            # fio is the same-run reference when installed (nox's bench session installs it).
+            assert r[path]["ratio"] is None or r[path]["limit"].startswith("fio ")
+    assert [r["keys"] for r in data["lookup"]] == [1000, 10000]
+    session = data["long_session"]
+    assert session["device_footprint_bounded"] is True
+    assert session["verified_blocks"] == session["offloaded_blocks"] > 0
+    assert session["device_max_blocks_used"] <= session["device_budget_blocks"]
+    assert list(tmp_path.iterdir()) == []  # the bench cleans up after itself

@@ -19,6 +19,7 @@
 #include <span>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "tpusync/base/status.h"
@@ -69,6 +70,8 @@ class BlockIndex {
   std::vector<Victim> EvictionCandidates(Tier tier, size_t n) const;
   size_t Count(Tier tier) const;
   size_t size() const;
+  // Every key and its placement (O(size); for clearing or checkpointing a store, not hot paths).
+  std::vector<std::pair<BlockKey, Placement>> Snapshot() const;
   void Clear();
 
  private:

@@ -33,6 +33,7 @@ from tpusync.core.errors import (
     VersionMismatchError,
 )
 from tpusync.core.pool import HostBlockPool, default_engine, dtype_name
+from tpusync.core.store import KVStore, StoreFuture
 
 __version__: str = _native.__version__
 
@@ -48,12 +49,14 @@ __all__ = [
     "HostBlockPool",
     "InternalError",
     "InvalidArgumentError",
+    "KVStore",
     "NoSpaceError",
     "NotFoundError",
     "Placement",
     "PoolExhaustedError",
     "StateError",
     "StorageIOError",
+    "StoreFuture",
     "Tier",
     "TimeoutError",
     "TpusyncError",

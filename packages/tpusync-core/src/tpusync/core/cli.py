@@ -25,9 +25,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         result = memory.run(
             total_bytes=args.total_mib << 20, repeats=args.repeats, show_progress=not args.quiet
         )
+    elif args.suite == "tiers":
+        from tpusync.core.bench import tiers
+
+        result = tiers.run(
+            total_bytes=args.total_mib << 20,
+            repeats=args.repeats,
+            directory=args.dir,
+            lookup_sizes=[int(x) for x in args.lookup_keys.split(",")],
+            session_tokens=args.session_tokens,
+            show_progress=not args.quiet,
+        )
     else:  # argparse restricts choices; kept for clarity
         raise SystemExit(f"unknown bench suite {args.suite}")
     if args.json:
+        print(json.dumps(result, indent=2))
+    elif args.suite == "tiers":
         print(json.dumps(result, indent=2))
     else:
         _print_table(result)
@@ -80,11 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_version)
 
     p = sub.add_parser("bench", help="run a benchmark suite")
-    p.add_argument("suite", choices=["memory"])
+    p.add_argument("suite", choices=["memory", "tiers"])
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--dir", default=None, help="tiers: directory for the disk tier and fio")
+    p.add_argument(
+        "--lookup-keys", default="1000,100000,10000000", help="tiers: index sizes for lookups"
+    )
+    p.add_argument(
+        "--session-tokens", type=int, default=1 << 20, help="tiers: long-session stream length"
+    )
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("demo", help="offload a synthetic paged KV cache and back")

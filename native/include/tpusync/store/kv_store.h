@@ -1,0 +1,193 @@
+// KVStore: content-addressed KV blocks over a cascade of tiers (host DRAM -> disk [-> remote]).
+//
+// Keys are engine block hashes (opaque bytes, block/block_key.h); values are fixed-size blocks.
+// One store holds one block shape: several shapes means several stores.
+//
+// VISIBILITY CONTRACT: a key becomes visible to Lookup / Get only after its bytes are completely
+// written to a tier; Put of a key already stored (or being stored) writes nothing (content
+// addressing: same key, same bytes) and reports it stored.
+//
+// CASCADE CONTRACT: Put writes to the fastest tier. When a tier is full the least-recently-used
+// unpinned block that already has a copy below (clean) - or that the policy refuses below - is
+// dropped at once; dirty blocks are written down by the write-back worker, which keeps the coldest
+// `writeback_headroom` blocks of each tier clean ahead of need. A Put waits for that worker at most
+// `put_wait` (a bounded queue), then reports the block not stored; it never does disk I/O itself.
+// The last tier evicts LRU. A Get served from a lower tier promotes the block to the fastest tier
+// when that needs no wait. Pinned keys are never dropped from any tier.
+//
+// FAULT CONTRACT: a failed tier write (ENOSPC, I/O error) is counted; the block stays where it
+// was (and may be dropped later from DRAM, counted). A corrupted or truncated block is counted,
+// removed from the index, its slot reclaimed, and served as a miss. Nothing throws; per-key results
+// come back in the `stored` / `found` vectors, the future carries only a batch-level Status.
+//
+// WARM RESTART: Open() indexes every block the tiers recovered (in their write order, so LRU
+// survives), after the tiers themselves verified layout, fingerprint and checksums.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "tpusync/block/block_index.h"
+#include "tpusync/engine/block_transfer.h"
+#include "tpusync/engine/future.h"
+#include "tpusync/engine/thread_pool.h"
+#include "tpusync/store/policy.h"
+#include "tpusync/tier/tier.h"
+
+namespace tpusync::store {
+
+struct KVStoreOptions {
+  size_t block_bytes = 0;
+  size_t host_blocks = 0;
+  // Non-empty: the host tier lives in /dev/shm/tpusync-<namespace>-host and survives the process;
+  // the disk tier (if any) is re-attached too. Letters, digits, '-', '_', '.'.
+  std::string name_space;
+  std::string fingerprint;  // model fingerprint: a restart with another one is a cold start
+  std::string disk_dir;     // empty: no disk tier
+  size_t disk_blocks = 0;
+  size_t disk_segment_blocks = 0;
+  bool disk_direct_io = true;
+  std::string io_backend = "auto";
+  size_t io_threads = 4;
+  std::string policy = "lru";
+  size_t policy_history = size_t{1} << 20;
+  size_t writeback_batch = 32;
+  size_t writeback_headroom = 0;  // 0: max(writeback_batch, host_blocks / 8)
+  double put_wait_s = 5.0;
+  bool prefault = true;
+  bool huge_pages = false;
+};
+
+// Knobs of a store built from explicit tiers (tests, or a remote tier added by a caller).
+struct StoreConfig {
+  std::string policy = "lru";
+  size_t policy_history = size_t{1} << 20;
+  size_t writeback_batch = 32;
+  size_t writeback_headroom = 0;
+  double put_wait_s = 5.0;
+};
+
+struct LatencyStats {
+  uint64_t count = 0;
+  uint64_t total_ns = 0;
+  uint64_t max_ns = 0;
+};
+
+struct TierCounters {
+  block::Tier kind = block::Tier::kHost;
+  uint64_t hits = 0;       // Get keys served from this tier
+  uint64_t evictions = 0;  // blocks dropped from this tier to make room
+  uint64_t promotions_in = 0;
+  uint64_t demotions_in = 0;  // blocks written into this tier by write-back
+  size_t indexed = 0;         // keys the index places in this tier
+  tier::TierStats tier;
+};
+
+struct StoreStats {
+  std::vector<TierCounters> tiers;
+  uint64_t puts = 0;          // keys offered to Put
+  uint64_t put_stored = 0;    // keys newly written
+  uint64_t put_present = 0;   // keys already stored
+  uint64_t put_rejected = 0;  // keys not stored (no room in time, write error)
+  uint64_t gets = 0;          // keys asked of Get
+  uint64_t misses = 0;        // keys absent from every tier (corrupted reads included)
+  uint64_t evicted = 0;       // keys that left the store for lack of room
+  uint64_t corrupted = 0;     // corrupted / truncated blocks detected on read (served as misses)
+  uint64_t writeback_errors = 0;
+  uint64_t writeback_inflight = 0;  // blocks being written down right now
+  uint64_t engine_queue = 0;
+  size_t keys = 0;
+  LatencyStats put_latency, get_latency;
+  std::string policy;
+};
+
+class KVStore {
+ public:
+  static Result<std::unique_ptr<KVStore>> Open(const KVStoreOptions& options,
+                                               std::shared_ptr<engine::ThreadPool> engine);
+  // Tiers fastest first; every tier must have the same block size.
+  static Result<std::unique_ptr<KVStore>> Open(std::vector<std::unique_ptr<tier::BlockTier>> tiers,
+                                               const StoreConfig& config,
+                                               std::shared_ptr<engine::ThreadPool> engine);
+  ~KVStore();
+  KVStore(const KVStore&) = delete;
+  KVStore& operator=(const KVStore&) = delete;
+
+  size_t block_bytes() const { return block_bytes_; }
+  size_t num_tiers() const { return tiers_.size(); }
+  tier::BlockTier& tier_at(size_t i) { return *tiers_[i]; }
+
+  // Writes row(i) of `src` under keys[i]. stored->at(i) = 1 when the key is stored afterwards.
+  engine::Future Put(std::vector<std::string> keys, engine::RowBuffer src,
+                     std::shared_ptr<std::vector<uint8_t>> stored);
+  // Reads keys[i] into row(i) of `dst`; found->at(i) = 1 for a verified hit (a miss leaves the
+  // row's bytes unspecified).
+  engine::Future Get(std::vector<std::string> keys, engine::RowBuffer dst,
+                     std::shared_ptr<std::vector<uint8_t>> found);
+  // Length of the leading run of stored keys (touching them) and where each lives.
+  size_t Lookup(std::span<const std::string_view> keys, std::vector<block::Placement>* out);
+  // All-or-nothing: every key must be stored (Pin) / pinned (Unpin).
+  Status Pin(std::span<const std::string_view> keys);
+  Status Unpin(std::span<const std::string_view> keys);
+  // Forgets keys in every tier (unknown keys are skipped; pinned keys are refused, nothing
+  // removed). Returns how many were removed.
+  Result<size_t> Remove(std::span<const std::string_view> keys);
+  // Forgets every key, pins included.
+  void Clear();
+  // Waits until the write-back worker has nothing left to write (or the timeout passes).
+  Status Flush(std::chrono::nanoseconds timeout);
+  StoreStats stats() const;
+
+ private:
+  KVStore() = default;
+  Status Start();
+  // A free location in tier t, dropping clean / refused LRU victims; with `wait`, waits up to
+  // put_wait_s for write-back. `lock` holds mu_.
+  Result<uint64_t> MakeRoom(size_t t, bool wait, std::unique_lock<std::mutex>& lock);
+  bool DropVictim(size_t t);  // mu_ held
+  void WritebackLoop();
+  bool WritebackRound(std::unique_lock<std::mutex>& lock);  // true when it wrote something
+  size_t TierIndex(block::Tier kind) const;
+  void OpBegin();
+  void OpEnd();
+  Status CheckRows(const engine::RowBuffer& buf, size_t n) const;
+  size_t Parts(size_t blocks) const;
+
+  size_t block_bytes_ = 0;
+  std::vector<std::unique_ptr<tier::BlockTier>> tiers_;
+  std::shared_ptr<engine::ThreadPool> engine_;
+  std::unique_ptr<TierPolicy> policy_;
+  StoreConfig config_;
+  size_t headroom_ = 1;
+
+  mutable std::mutex mu_;
+  block::BlockIndex index_;
+  std::unordered_set<std::string, block::BlockKeyHash, std::equal_to<>> inflight_;
+  std::unordered_set<std::string, block::BlockKeyHash, std::equal_to<>> demoting_;
+  std::unordered_set<std::string, block::BlockKeyHash, std::equal_to<>> demote_failed_;
+  uint64_t sequence_ = 1;
+  std::condition_variable room_cv_;  // write-back made room / went idle
+  std::condition_variable wb_cv_;    // wakes the write-back worker
+  bool stop_ = false;
+  bool wb_idle_ = true;
+  std::thread writeback_;
+  std::mutex ops_mu_;
+  std::condition_variable ops_cv_;
+  size_t active_ops_ = 0;
+
+  // Counters (mu_ held to update).
+  std::vector<TierCounters> counters_;
+  uint64_t puts_ = 0, put_stored_ = 0, put_present_ = 0, put_rejected_ = 0, gets_ = 0, misses_ = 0,
+           evicted_ = 0, corrupted_ = 0, writeback_errors_ = 0, writeback_inflight_ = 0;
+  LatencyStats put_latency_, get_latency_;
+};
+
+}  // namespace tpusync::store

@@ -1,0 +1,104 @@
+// BlockTier: one storage level of the KV store (host DRAM, local/shared disk, later remote nodes).
+//
+// TIER CONTRACT: a tier stores fixed-size blocks (block_bytes(), set at creation) in numbered
+// locations. It knows nothing about LRU, pins or other tiers: the store (store/kv_store.h) owns
+// those decisions and calls, for one block, Reserve -> WriteBatch -> (ReadBatch)* -> Release.
+// Every written block carries its key, length and XXH3 checksum (tier/slot_header.h); ReadBatch
+// verifies all three and reports kCorrupted (never data) on a mismatch or a truncated slot.
+//
+// HOLD CONTRACT: Hold(location) keeps a location's bytes valid while a read or a demotion copies
+// them; Release of a held location frees it only when the last hold ends, so a concurrent evict
+// never lets a reused slot be read as someone else's block.
+//
+// BATCH CONTRACT: WriteBatch / ReadBatch are synchronous, report one Status per op (a full disk
+// fails only the ops it hit), and are safe to call from several threads on distinct locations.
+// The store runs them on engine threads and turns them into futures. Rejected alternative: an
+// asynchronous tier interface (callbacks per op) - every backend would re-implement completion
+// plumbing; the store already has a thread pool and futures, and io_uring batches within a call.
+//
+// Recovered() lists the valid blocks found when the tier attached existing storage (warm restart)
+// with the sequence they were written in, so the store can rebuild its index in LRU order.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tpusync/base/status.h"
+#include "tpusync/block/block_index.h"
+
+namespace tpusync::tier {
+
+struct BlockWrite {
+  std::string_view key;
+  const uint8_t* data = nullptr;  // block_bytes() readable bytes
+  uint64_t location = 0;
+  uint64_t sequence = 0;  // store-wide write order (persisted in the header)
+  Status status;          // out
+};
+
+struct BlockRead {
+  std::string_view key;    // the key the slot must hold (checked against its header)
+  uint8_t* dst = nullptr;  // block_bytes() writable bytes
+  uint64_t location = 0;
+  Status status;  // out: kCorrupted on checksum / key / length mismatch or a truncated slot
+};
+
+struct RecoveredBlock {
+  std::string key;
+  uint64_t location = 0;
+  uint64_t sequence = 0;
+};
+
+struct TierStats {
+  size_t capacity_blocks = 0;
+  size_t used_blocks = 0;
+  uint64_t blocks_written = 0;
+  uint64_t blocks_read = 0;
+  uint64_t bytes_written = 0;
+  uint64_t bytes_read = 0;
+  uint64_t write_errors = 0;  // every failed write, ENOSPC included
+  uint64_t no_space_errors = 0;
+  uint64_t read_errors = 0;  // I/O errors on read (not corruption)
+  uint64_t corrupted = 0;    // checksum / header mismatches and truncated slots
+  uint64_t recovered = 0;    // valid blocks found at attach
+  uint64_t write_ns = 0;     // summed wall time of WriteBatch calls
+  uint64_t read_ns = 0;
+  bool direct_io = false;         // disk: O_DIRECT in use
+  std::string io_backend;         // disk: "io_uring" or "pread"
+  std::string cold_start_reason;  // non-empty when existing storage was discarded at attach
+};
+
+class BlockTier {
+ public:
+  virtual ~BlockTier() = default;
+
+  virtual block::Tier kind() const = 0;
+  virtual size_t block_bytes() const = 0;
+  virtual size_t capacity() const = 0;  // blocks
+  virtual size_t used() const = 0;      // reserved + held-for-release locations
+
+  // A free location, or kPoolExhausted when every location is in use.
+  virtual Result<uint64_t> Reserve() = 0;
+  // Returns a location. With `forget` the block is also invalidated in storage so that a restart
+  // does not recover it (explicit remove / corruption); plain eviction may leave the bytes behind
+  // because a later write to the slot replaces them and a key always names the same content.
+  virtual void Release(uint64_t location, bool forget) = 0;
+  virtual Status Hold(uint64_t location) = 0;
+  virtual void Unhold(uint64_t location) = 0;
+
+  virtual void WriteBatch(std::span<BlockWrite> ops) = 0;
+  virtual void ReadBatch(std::span<BlockRead> ops) = 0;
+  // Memory address of a location when the tier is byte-addressable host memory, else nullptr.
+  virtual const uint8_t* Address(uint64_t location) const { return nullptr; }
+
+  // Valid blocks found when existing storage was attached (empty after a cold start). Their
+  // locations are already reserved.
+  virtual std::vector<RecoveredBlock> TakeRecovered() = 0;
+  virtual TierStats stats() const = 0;
+};
+
+}  // namespace tpusync::tier

@@ -1,0 +1,675 @@
+#include "tpusync/store/kv_store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <unordered_map>
+
+#include "tpusync/tier/disk_tier.h"
+#include "tpusync/tier/host_tier.h"
+
+namespace tpusync::store {
+namespace {
+
+using block::Tier;
+using Clock = std::chrono::steady_clock;
+
+uint64_t SinceNs(Clock::time_point t0) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+}
+
+void Record(LatencyStats& s, uint64_t ns) {
+  ++s.count;
+  s.total_ns += ns;
+  s.max_ns = std::max(s.max_ns, ns);
+}
+
+uint8_t* RowOf(const engine::RowBuffer& b, size_t i) {
+  return b.base + (b.rows.empty() ? i : b.rows[i]) * b.stride;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<KVStore>> KVStore::Open(const KVStoreOptions& o,
+                                               std::shared_ptr<engine::ThreadPool> engine) {
+  if (o.block_bytes == 0) return Status::InvalidArgument("KVStore needs block_bytes > 0");
+  if (o.host_blocks == 0 && o.disk_dir.empty()) {
+    return Status::InvalidArgument("KVStore needs host_blocks > 0 or a disk tier");
+  }
+  std::vector<std::unique_ptr<tier::BlockTier>> tiers;
+  if (o.host_blocks > 0) {
+    tier::HostTierOptions h;
+    h.block_bytes = o.block_bytes;
+    h.num_blocks = o.host_blocks;
+    if (!o.name_space.empty()) h.shm_name = "tpusync-" + o.name_space + "-host";
+    h.fingerprint = o.fingerprint;
+    h.prefault = o.prefault;
+    h.huge_pages = o.huge_pages;
+    TPUSYNC_ASSIGN_OR_RETURN(auto host, tier::HostTier::Open(h));
+    tiers.push_back(std::move(host));
+  }
+  if (!o.disk_dir.empty()) {
+    if (o.disk_blocks == 0) return Status::InvalidArgument("a disk tier needs disk_blocks > 0");
+    tier::DiskTierOptions d;
+    d.directory = o.disk_dir;
+    d.block_bytes = o.block_bytes;
+    d.num_blocks = o.disk_blocks;
+    d.segment_blocks = o.disk_segment_blocks;
+    d.fingerprint = o.fingerprint;
+    d.direct_io = o.disk_direct_io;
+    d.io_backend = o.io_backend;
+    d.io_threads = o.io_threads;
+    TPUSYNC_ASSIGN_OR_RETURN(auto disk, tier::DiskTier::Open(d));
+    tiers.push_back(std::move(disk));
+  }
+  StoreConfig c;
+  c.policy = o.policy;
+  c.policy_history = o.policy_history;
+  c.writeback_batch = o.writeback_batch;
+  c.writeback_headroom = o.writeback_headroom;
+  c.put_wait_s = o.put_wait_s;
+  return Open(std::move(tiers), c, std::move(engine));
+}
+
+Result<std::unique_ptr<KVStore>> KVStore::Open(std::vector<std::unique_ptr<tier::BlockTier>> tiers,
+                                               const StoreConfig& config,
+                                               std::shared_ptr<engine::ThreadPool> engine) {
+  if (tiers.empty()) return Status::InvalidArgument("KVStore needs at least one tier");
+  if (!engine) return Status::InvalidArgument("KVStore needs an engine");
+  for (const auto& t : tiers) {
+    if (t->block_bytes() != tiers[0]->block_bytes()) {
+      return Status::InvalidArgument("every tier of a KVStore must store the same block size");
+    }
+  }
+  std::unique_ptr<KVStore> s(new KVStore());
+  s->block_bytes_ = tiers[0]->block_bytes();
+  s->tiers_ = std::move(tiers);
+  s->engine_ = std::move(engine);
+  s->config_ = config;
+  TPUSYNC_ASSIGN_OR_RETURN(s->policy_, MakePolicy(config.policy, config.policy_history));
+  const size_t cap = s->tiers_[0]->capacity();
+  s->headroom_ = config.writeback_headroom
+                     ? config.writeback_headroom
+                     : std::max<size_t>(std::max<size_t>(1, config.writeback_batch), cap / 8);
+  s->headroom_ = std::min(s->headroom_, cap);
+  TPUSYNC_RETURN_IF_ERROR(s->Start());
+  return s;
+}
+
+Status KVStore::Start() {
+  counters_.resize(tiers_.size());
+  // Rebuild the index from what the tiers recovered, oldest write first so LRU order survives.
+  struct Found {
+    size_t tier;
+    tier::RecoveredBlock block;
+  };
+  std::vector<Found> found;
+  for (size_t t = 0; t < tiers_.size(); ++t) {
+    counters_[t].kind = tiers_[t]->kind();
+    for (auto& b : tiers_[t]->TakeRecovered()) found.push_back({t, std::move(b)});
+  }
+  std::sort(found.begin(), found.end(),
+            [](const Found& a, const Found& b) { return a.block.sequence < b.block.sequence; });
+  for (auto& f : found) {
+    sequence_ = std::max(sequence_, f.block.sequence + 1);
+    if (!index_.Insert(f.block.key, tiers_[f.tier]->kind(), f.block.location).ok()) {
+      tiers_[f.tier]->Release(f.block.location, /*forget=*/false);
+    }
+  }
+  if (tiers_.size() > 1) writeback_ = std::thread([this] { WritebackLoop(); });
+  return Status::OK();
+}
+
+KVStore::~KVStore() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wb_cv_.notify_all();
+  room_cv_.notify_all();
+  if (writeback_.joinable()) writeback_.join();
+  std::unique_lock<std::mutex> lock(ops_mu_);
+  ops_cv_.wait(lock, [this] { return active_ops_ == 0; });
+}
+
+void KVStore::OpBegin() {
+  std::lock_guard<std::mutex> lock(ops_mu_);
+  ++active_ops_;
+}
+void KVStore::OpEnd() {
+  std::lock_guard<std::mutex> lock(ops_mu_);
+  if (--active_ops_ == 0) ops_cv_.notify_all();
+}
+
+size_t KVStore::TierIndex(Tier kind) const {
+  for (size_t t = 0; t < tiers_.size(); ++t) {
+    if (tiers_[t]->kind() == kind) return t;
+  }
+  return tiers_.size();
+}
+
+size_t KVStore::Parts(size_t blocks) const {
+  const size_t bytes = blocks * block_bytes_;
+  return std::clamp<size_t>(bytes / (256 * 1024), 1, std::min(blocks, engine_->num_threads()));
+}
+
+Status KVStore::CheckRows(const engine::RowBuffer& b, size_t n) const {
+  if (n == 0) return Status::OK();
+  if (b.stride < block_bytes_) {
+    return Status::InvalidArgument(
+        StrCat("buffer row stride ", b.stride, " is smaller than the block size ", block_bytes_));
+  }
+  if (!b.rows.empty() && b.rows.size() != n) {
+    return Status::InvalidArgument(
+        StrCat(b.rows.size(), " row indices given for ", n, " keys; counts must match"));
+  }
+  if (b.rows.empty() && n > b.num_rows) {
+    return Status::InvalidArgument(
+        StrCat("buffer holds ", b.num_rows, " blocks but ", n, " keys were given"));
+  }
+  for (uint64_t r : b.rows) {
+    if (r >= b.num_rows) {
+      return Status::InvalidArgument(
+          StrCat("row index ", r, " is out of range for a buffer of ", b.num_rows, " blocks"));
+    }
+  }
+  return Status::OK();
+}
+
+bool KVStore::DropVictim(size_t t) {
+  const Tier kind = tiers_[t]->kind();
+  const bool has_lower = t + 1 < tiers_.size();
+  for (const block::Victim& v : index_.EvictionCandidates(kind, config_.writeback_batch * 2 + 8)) {
+    if (demoting_.count(v.key)) continue;
+    bool droppable = !has_lower;
+    if (has_lower) {
+      auto p = index_.Lookup(v.key, /*touch=*/false);
+      droppable = (p && p->in(tiers_[t + 1]->kind())) || demote_failed_.count(v.key) ||
+                  !policy_->AdmitBelow(v.key, kind);
+    }
+    if (!droppable) continue;
+    auto loc = index_.Remove(v.key, kind);
+    if (!loc.ok()) continue;
+    tiers_[t]->Release(*loc, /*forget=*/false);
+    ++counters_[t].evictions;
+    if (!index_.Lookup(v.key, false)) {
+      ++evicted_;
+      demote_failed_.erase(v.key);
+    }
+    return true;
+  }
+  return false;
+}
+
+Result<uint64_t> KVStore::MakeRoom(size_t t, bool wait, std::unique_lock<std::mutex>& lock) {
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(std::max(0.0, config_.put_wait_s)));
+  for (;;) {
+    auto loc = tiers_[t]->Reserve();
+    if (loc.ok()) return loc;
+    if (DropVictim(t)) continue;
+    // Room can still come from write-back below, or from puts in flight becoming evictable.
+    const bool can_come = t + 1 < tiers_.size() || (t == 0 && inflight_.size() > 1);
+    if (!wait || !can_come || stop_) {
+      return Status::PoolExhausted(StrCat("the ", block::TierName(tiers_[t]->kind()),
+                                          " tier is full of pinned or in-flight blocks (",
+                                          tiers_[t]->capacity(), " blocks)"));
+    }
+    wb_cv_.notify_all();
+    if (room_cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+      if (tiers_[t]->used() < tiers_[t]->capacity() || DropVictim(t)) continue;
+      return Status::PoolExhausted(StrCat("the ", block::TierName(tiers_[t]->kind()),
+                                          " tier stayed full for ", config_.put_wait_s,
+                                          " s: write-back to the next tier did not free a slot"));
+    }
+  }
+}
+
+engine::Future KVStore::Put(std::vector<std::string> keys, engine::RowBuffer src,
+                            std::shared_ptr<std::vector<uint8_t>> stored) {
+  const auto t0 = Clock::now();
+  Status bad = CheckRows(src, keys.size());
+  for (size_t i = 0; bad.ok() && i < keys.size(); ++i) bad = block::ValidateKey(keys[i]);
+  if (!bad.ok()) return engine::Future::Completed(bad);
+  stored->assign(keys.size(), 0);
+  // A put larger than the free room goes out in chunks: each chunk's blocks become visible (and
+  // evictable / demotable) when it completes, which is what lets the next chunk find room.
+  struct State {
+    std::vector<std::string> keys;
+    std::atomic<size_t> pending{1};  // chunks in flight + the submitting call
+    std::mutex mu;
+    Status first_error;
+    engine::Future user;
+  };
+  struct Chunk {
+    std::vector<tier::BlockWrite> ops;
+    std::vector<size_t> index;  // ops[j] is keys[index[j]]
+  };
+  auto state = std::make_shared<State>();
+  state->keys = std::move(keys);
+  state->user->TryStart();  // running from the start: Cancel cannot complete it while bytes move
+  OpBegin();
+  auto part_done = [this, state, t0](const Status& s) {
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lock(state->mu);
+      if (state->first_error.ok()) state->first_error = s;
+    }
+    if (state->pending.fetch_sub(1) != 1) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Record(put_latency_, SinceNs(t0));
+    }
+    OpEnd();
+    state->user->Complete(state->first_error);
+  };
+  tier::BlockTier* top = tiers_[0].get();
+  auto submit = [&](std::shared_ptr<Chunk> chunk) {
+    state->pending.fetch_add(1);
+    const size_t parts = Parts(chunk->ops.size());
+    std::vector<engine::ThreadPool::Task> tasks;
+    for (size_t p = 0; p < parts; ++p) {
+      const size_t lo = chunk->ops.size() * p / parts, hi = chunk->ops.size() * (p + 1) / parts;
+      tasks.push_back([chunk, top, lo, hi](const engine::FutureCore&) {
+        top->WriteBatch(std::span(chunk->ops).subspan(lo, hi - lo));
+        return Status::OK();
+      });
+    }
+    engine::Future inner = engine_->SubmitBatch(std::move(tasks));
+    inner->OnComplete([this, state, chunk, stored, part_done](const Status& s) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (size_t j = 0; j < chunk->ops.size(); ++j) {
+          tier::BlockWrite& op = chunk->ops[j];
+          const std::string& key = state->keys[chunk->index[j]];
+          inflight_.erase(key);
+          if (s.ok() && op.status.ok() && index_.Insert(key, tiers_[0]->kind(), op.location).ok()) {
+            (*stored)[chunk->index[j]] = 1;
+            ++put_stored_;
+          } else {
+            tiers_[0]->Release(op.location, /*forget=*/false);
+            ++put_rejected_;
+          }
+        }
+      }
+      room_cv_.notify_all();
+      wb_cv_.notify_all();
+      part_done(s);
+    });
+  };
+  auto chunk = std::make_shared<Chunk>();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    puts_ += state->keys.size();
+    for (size_t i = 0; i < state->keys.size(); ++i) {
+      const std::string& key = state->keys[i];
+      policy_->OnAccess(key);
+      if (inflight_.count(key) || index_.Lookup(key, /*touch=*/true)) {
+        (*stored)[i] = 1;
+        ++put_present_;
+        continue;
+      }
+      inflight_.insert(key);
+      auto loc = MakeRoom(0, /*wait=*/false, lock);
+      if (!loc.ok() && !chunk->ops.empty()) {
+        lock.unlock();
+        submit(std::move(chunk));
+        chunk = std::make_shared<Chunk>();
+        lock.lock();
+      }
+      if (!loc.ok()) loc = MakeRoom(0, /*wait=*/true, lock);
+      if (!loc.ok()) {
+        inflight_.erase(key);
+        ++put_rejected_;
+        continue;
+      }
+      chunk->ops.push_back({key, RowOf(src, i), *loc, sequence_++, Status()});
+      chunk->index.push_back(i);
+    }
+  }
+  if (!chunk->ops.empty()) submit(std::move(chunk));
+  engine::Future user = state->user;
+  part_done(Status::OK());
+  return user;
+}
+
+engine::Future KVStore::Get(std::vector<std::string> keys, engine::RowBuffer dst,
+                            std::shared_ptr<std::vector<uint8_t>> found) {
+  const auto t0 = Clock::now();
+  Status bad = CheckRows(dst, keys.size());
+  if (!bad.ok()) return engine::Future::Completed(bad);
+  found->assign(keys.size(), 0);
+  struct Job {
+    std::vector<std::string> keys;
+    std::vector<std::vector<tier::BlockRead>> reads;  // per tier
+    std::vector<std::vector<size_t>> index;
+    engine::RowBuffer dst;
+  };
+  auto job = std::make_shared<Job>();
+  job->keys = std::move(keys);
+  job->reads.resize(tiers_.size());
+  job->index.resize(tiers_.size());
+  job->dst = std::move(dst);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gets_ += job->keys.size();
+    for (size_t i = 0; i < job->keys.size(); ++i) {
+      const std::string& key = job->keys[i];
+      auto p = block::ValidateKey(key).ok() ? index_.Lookup(key, /*touch=*/true) : std::nullopt;
+      size_t t = tiers_.size();
+      if (p) {
+        for (t = 0; t < tiers_.size() && !p->in(tiers_[t]->kind()); ++t) {
+        }
+      }
+      if (t == tiers_.size()) {
+        ++misses_;
+        continue;
+      }
+      const uint64_t loc = p->location[static_cast<size_t>(tiers_[t]->kind())];
+      if (!tiers_[t]->Hold(loc).ok()) {
+        ++misses_;
+        continue;
+      }
+      policy_->OnAccess(key);
+      ++counters_[t].hits;
+      job->reads[t].push_back({key, RowOf(job->dst, i), loc, Status()});
+      job->index[t].push_back(i);
+    }
+  }
+  OpBegin();
+  std::vector<engine::ThreadPool::Task> tasks;
+  for (size_t t = 0; t < tiers_.size(); ++t) {
+    const size_t n = job->reads[t].size();
+    if (n == 0) continue;
+    const size_t parts = Parts(n);
+    tier::BlockTier* tier = tiers_[t].get();
+    for (size_t p = 0; p < parts; ++p) {
+      const size_t lo = n * p / parts, hi = n * (p + 1) / parts;
+      tasks.push_back([job, tier, t, lo, hi](const engine::FutureCore&) {
+        tier->ReadBatch(std::span(job->reads[t]).subspan(lo, hi - lo));
+        return Status::OK();
+      });
+    }
+  }
+  engine::Future user;
+  user->TryStart();  // running from the start: Cancel cannot complete it while bytes move
+  engine::Future inner = engine_->SubmitBatch(std::move(tasks));
+  inner->OnComplete([this, job, found, user, t0](const Status& s) {
+    struct Forget {
+      size_t tier;
+      uint64_t loc;
+    };
+    std::vector<Forget> forget;
+    std::vector<tier::BlockWrite> promote;
+    std::vector<size_t> promote_from;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      for (size_t t = 0; t < tiers_.size(); ++t) {
+        for (size_t j = 0; j < job->reads[t].size(); ++j) {
+          tier::BlockRead& op = job->reads[t][j];
+          const size_t i = job->index[t][j];
+          tiers_[t]->Unhold(op.location);
+          if (s.ok() && op.status.ok()) {
+            (*found)[i] = 1;
+            if (t > 0) promote_from.push_back(t * job->keys.size() + i);
+            continue;
+          }
+          ++misses_;
+          if (op.status.code() == StatusCode::kCorrupted) {
+            ++corrupted_;
+            const Tier kind = tiers_[t]->kind();
+            auto p = index_.Lookup(op.key, false);
+            if (p && p->in(kind) && p->location[static_cast<size_t>(kind)] == op.location) {
+              (void)index_.Remove(op.key, kind);
+              forget.push_back({t, op.location});
+            }
+          }
+        }
+      }
+      // Promote lower-tier hits into the fastest tier when that needs no waiting.
+      for (size_t code : promote_from) {
+        const size_t i = code % job->keys.size();
+        const std::string& key = job->keys[i];
+        auto p = index_.Lookup(key, false);
+        if (!p || p->in(tiers_[0]->kind()) || inflight_.count(key)) continue;
+        auto loc = MakeRoom(0, /*wait=*/false, lock);
+        if (!loc.ok()) break;
+        inflight_.insert(key);
+        promote.push_back({key, RowOf(job->dst, i), *loc, sequence_++, Status()});
+      }
+    }
+    for (const Forget& f : forget) tiers_[f.tier]->Release(f.loc, /*forget=*/true);
+    if (!promote.empty()) tiers_[0]->WriteBatch(promote);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (tier::BlockWrite& op : promote) {
+        inflight_.erase(std::string(op.key));
+        if (op.status.ok() && index_.Lookup(op.key, false) &&
+            index_.Insert(op.key, tiers_[0]->kind(), op.location).ok()) {
+          ++counters_[0].promotions_in;
+        } else {
+          tiers_[0]->Release(op.location, false);
+        }
+      }
+      Record(get_latency_, SinceNs(t0));
+    }
+    OpEnd();
+    user->Complete(s);
+  });
+  return user;
+}
+
+size_t KVStore::Lookup(std::span<const std::string_view> keys, std::vector<block::Placement>* out) {
+  return index_.LookupPrefix(keys, out);
+}
+
+Status KVStore::Pin(std::span<const std::string_view> keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (!index_.Lookup(keys[i], false)) {
+      return Status::NotFound(StrCat("cannot pin key #", i, ": it is not stored"));
+    }
+  }
+  for (auto k : keys) TPUSYNC_RETURN_IF_ERROR(index_.Pin(k));
+  return Status::OK();
+}
+
+Status KVStore::Unpin(std::span<const std::string_view> keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::unordered_map<std::string_view, uint32_t> need;
+  for (auto k : keys) ++need[k];
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto p = index_.Lookup(keys[i], false);
+    if (!p) return Status::NotFound(StrCat("cannot unpin key #", i, ": it is not stored"));
+    if (p->pins < need[keys[i]]) {
+      return Status::FailedPrecondition(
+          StrCat("unpin of key #", i, " which is not pinned (unbalanced pin/unpin)"));
+    }
+  }
+  for (auto k : keys) TPUSYNC_RETURN_IF_ERROR(index_.Unpin(k));
+  return Status::OK();
+}
+
+Result<size_t> KVStore::Remove(std::span<const std::string_view> keys) {
+  struct Forget {
+    size_t tier;
+    uint64_t loc;
+  };
+  std::vector<Forget> forget;
+  size_t removed = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto p = index_.Lookup(keys[i], false);
+      if (p && p->pins > 0) {
+        return Status::FailedPrecondition(
+            StrCat("cannot remove key #", i, ": it is pinned; unpin it first"));
+      }
+    }
+    for (auto k : keys) {
+      auto p = index_.Erase(k);
+      if (!p.ok()) continue;
+      ++removed;
+      for (size_t t = 0; t < tiers_.size(); ++t) {
+        if (p->in(tiers_[t]->kind())) {
+          forget.push_back({t, p->location[static_cast<size_t>(tiers_[t]->kind())]});
+        }
+      }
+      demote_failed_.erase(std::string(k));
+    }
+  }
+  for (const Forget& f : forget) tiers_[f.tier]->Release(f.loc, /*forget=*/true);
+  return removed;
+}
+
+void KVStore::Clear() {
+  std::vector<std::pair<block::BlockKey, block::Placement>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    all = index_.Snapshot();
+    index_.Clear();
+    demote_failed_.clear();
+  }
+  for (const auto& [key, p] : all) {
+    for (size_t t = 0; t < tiers_.size(); ++t) {
+      if (p.in(tiers_[t]->kind())) {
+        tiers_[t]->Release(p.location[static_cast<size_t>(tiers_[t]->kind())], /*forget=*/true);
+      }
+    }
+  }
+}
+
+void KVStore::WritebackLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    const bool wrote = WritebackRound(lock);
+    if (stop_) break;
+    if (!wrote) {
+      wb_idle_ = true;
+      room_cv_.notify_all();
+      wb_cv_.wait_for(lock, std::chrono::milliseconds(100));
+    }
+  }
+  wb_idle_ = true;
+  room_cv_.notify_all();
+}
+
+bool KVStore::WritebackRound(std::unique_lock<std::mutex>& lock) {
+  bool wrote = false;
+  for (size_t t = 0; t + 1 < tiers_.size(); ++t) {
+    tier::BlockTier& top = *tiers_[t];
+    tier::BlockTier& low = *tiers_[t + 1];
+    const Tier kind = top.kind();
+    // Only the coldest `headroom_` blocks need a copy below, and only when the tier is that full.
+    if (top.used() + headroom_ <= top.capacity()) continue;
+    std::vector<tier::BlockWrite> ops;
+    std::vector<std::string> keys;
+    std::vector<uint64_t> from;
+    keys.reserve(config_.writeback_batch);
+    for (const block::Victim& v : index_.EvictionCandidates(kind, headroom_)) {
+      if (ops.size() >= config_.writeback_batch) break;
+      if (demoting_.count(v.key) || demote_failed_.count(v.key)) continue;
+      auto p = index_.Lookup(v.key, false);
+      if (!p || p->in(low.kind()) || !policy_->AdmitBelow(v.key, kind)) continue;
+      auto loc = MakeRoom(t + 1, /*wait=*/false, lock);
+      if (!loc.ok()) break;
+      if (!top.Hold(v.location).ok()) {
+        low.Release(*loc, false);
+        continue;
+      }
+      demoting_.insert(v.key);
+      keys.push_back(v.key);
+      from.push_back(v.location);
+      ops.push_back({{}, nullptr, *loc, sequence_++, Status()});
+    }
+    if (ops.empty()) continue;
+    wb_idle_ = false;
+    writeback_inflight_ += ops.size();
+    lock.unlock();
+    std::vector<std::vector<uint8_t>> bounce;
+    for (size_t j = 0; j < ops.size(); ++j) {
+      ops[j].key = keys[j];
+      ops[j].data = top.Address(from[j]);
+      if (ops[j].data == nullptr) {  // not byte-addressable: stage through a read
+        bounce.emplace_back(block_bytes_);
+        tier::BlockRead r{keys[j], bounce.back().data(), from[j], Status()};
+        top.ReadBatch({&r, 1});
+        ops[j].data = bounce.back().data();
+        if (!r.status.ok()) ops[j].data = nullptr;
+      }
+    }
+    std::vector<tier::BlockWrite> ready;
+    for (auto& op : ops) {
+      if (op.data) ready.push_back(op);
+    }
+    low.WriteBatch(ready);
+    lock.lock();
+    bool failed = false;
+    for (size_t j = 0, r = 0; j < ops.size(); ++j) {
+      Status st = ops[j].data ? ready[r++].status : Status::IOError("source read failed");
+      top.Unhold(from[j]);
+      demoting_.erase(keys[j]);
+      auto p = index_.Lookup(keys[j], false);
+      if (st.ok() && p && !p->in(low.kind()) &&
+          index_.Insert(keys[j], low.kind(), ops[j].location).ok()) {
+        ++counters_[t + 1].demotions_in;
+        continue;
+      }
+      low.Release(ops[j].location, false);
+      if (!st.ok()) {
+        ++writeback_errors_;
+        demote_failed_.insert(keys[j]);
+        failed = true;
+      }
+    }
+    writeback_inflight_ -= ops.size();
+    wrote = true;
+    room_cv_.notify_all();
+    if (failed) {
+      // Back off so a full disk is not hammered; the failed blocks are now droppable from DRAM.
+      wb_cv_.wait_for(lock, std::chrono::milliseconds(20));
+    }
+  }
+  return wrote;
+}
+
+Status KVStore::Flush(std::chrono::nanoseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (tiers_.size() < 2) return Status::OK();
+  wb_idle_ = false;
+  wb_cv_.notify_all();
+  if (!room_cv_.wait_for(lock, timeout, [this] { return wb_idle_ || stop_; })) {
+    return Status::Timeout("write-back still busy at the flush deadline");
+  }
+  return Status::OK();
+}
+
+StoreStats KVStore::stats() const {
+  StoreStats s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s.tiers = counters_;
+    s.puts = puts_;
+    s.put_stored = put_stored_;
+    s.put_present = put_present_;
+    s.put_rejected = put_rejected_;
+    s.gets = gets_;
+    s.misses = misses_;
+    s.evicted = evicted_;
+    s.corrupted = corrupted_;
+    s.writeback_errors = writeback_errors_;
+    s.writeback_inflight = writeback_inflight_;
+    s.put_latency = put_latency_;
+    s.get_latency = get_latency_;
+    s.policy = std::string(policy_->name());
+  }
+  for (size_t t = 0; t < tiers_.size(); ++t) {
+    s.tiers[t].tier = tiers_[t]->stats();
+    s.tiers[t].indexed = index_.Count(tiers_[t]->kind());
+  }
+  s.keys = index_.size();
+  s.engine_queue = engine_->queue_depth();
+  return s;
+}
+
+}  // namespace tpusync::store

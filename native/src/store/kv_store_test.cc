@@ -1,0 +1,268 @@
+#include "tpusync/store/kv_store.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "../tier/mock_tier.h"
+
+namespace tpusync::store {
+namespace {
+
+using block::Tier;
+using tier::MockTier;
+constexpr size_t kBytes = 4096;
+constexpr auto kWait = std::chrono::seconds(10);
+
+std::string Key(int i) { return "blk-" + std::to_string(i); }
+
+struct Fixture {
+  std::shared_ptr<engine::ThreadPool> engine = std::make_shared<engine::ThreadPool>(2);
+  MockTier* host = nullptr;
+  MockTier* disk = nullptr;
+  std::unique_ptr<KVStore> store;
+
+  explicit Fixture(size_t host_blocks, size_t disk_blocks = 0, StoreConfig cfg = {}) {
+    std::vector<std::unique_ptr<tier::BlockTier>> tiers;
+    auto h = std::make_unique<MockTier>(Tier::kHost, kBytes, host_blocks);
+    host = h.get();
+    tiers.push_back(std::move(h));
+    if (disk_blocks) {
+      auto d = std::make_unique<MockTier>(Tier::kDisk, kBytes, disk_blocks);
+      disk = d.get();
+      tiers.push_back(std::move(d));
+    }
+    cfg.put_wait_s = 2.0;
+    store = std::move(KVStore::Open(std::move(tiers), cfg, engine).value());
+  }
+
+  std::vector<uint8_t> Put(const std::vector<int>& ids) {
+    std::vector<uint8_t> buf(ids.size() * kBytes);
+    std::vector<std::string> keys;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      std::fill_n(buf.begin() + i * kBytes, kBytes, static_cast<uint8_t>(ids[i]));
+      keys.push_back(Key(ids[i]));
+    }
+    auto stored = std::make_shared<std::vector<uint8_t>>();
+    engine::RowBuffer src{buf.data(), kBytes, ids.size(), {}};
+    auto f = store->Put(keys, src, stored);
+    EXPECT_TRUE(f->Wait(kWait).ok());
+    return *stored;
+  }
+  // Returns the found mask; checks the content of every hit.
+  std::vector<uint8_t> Get(const std::vector<int>& ids) {
+    std::vector<uint8_t> buf(ids.size() * kBytes, 0xee);
+    std::vector<std::string> keys;
+    for (int i : ids) keys.push_back(Key(i));
+    auto found = std::make_shared<std::vector<uint8_t>>();
+    auto f = store->Get(keys, {buf.data(), kBytes, ids.size(), {}}, found);
+    EXPECT_TRUE(f->Wait(kWait).ok());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if ((*found)[i]) {
+        EXPECT_EQ(buf[i * kBytes], static_cast<uint8_t>(ids[i]));
+        EXPECT_EQ(buf[i * kBytes + kBytes - 1], static_cast<uint8_t>(ids[i]));
+      }
+    }
+    return *found;
+  }
+};
+
+TEST(KVStore, PutGetLookupRemove) {
+  Fixture f(8);
+  EXPECT_EQ(f.Put({1, 2, 3}), (std::vector<uint8_t>{1, 1, 1}));
+  EXPECT_EQ(f.Put({2}), (std::vector<uint8_t>{1}));  // already stored: nothing written
+  EXPECT_EQ(f.host->stats().blocks_written, 3u);
+  EXPECT_EQ(f.Get({3, 9, 1}), (std::vector<uint8_t>{1, 0, 1}));
+  std::vector<std::string_view> keys = {"blk-1", "blk-2", "blk-7", "blk-3"};
+  std::vector<block::Placement> where;
+  EXPECT_EQ(f.store->Lookup(keys, &where), 2u);
+  ASSERT_EQ(where.size(), 2u);
+  EXPECT_TRUE(where[0].in(Tier::kHost));
+  std::vector<std::string_view> rm = {"blk-2", "blk-nope"};
+  EXPECT_EQ(*f.store->Remove(rm), 1u);
+  EXPECT_EQ(f.Get({2}), (std::vector<uint8_t>{0}));
+  const StoreStats s = f.store->stats();
+  EXPECT_EQ(s.put_stored, 3u);
+  EXPECT_EQ(s.put_present, 1u);
+  EXPECT_EQ(s.tiers[0].hits, 2u);
+  EXPECT_EQ(s.misses, 2u);
+  f.store->Clear();
+  EXPECT_EQ(f.store->stats().keys, 0u);
+  EXPECT_EQ(f.host->used(), 0u);
+}
+
+TEST(KVStore, BadInputIsRefusedBeforeAnythingMoves) {
+  Fixture f(4);
+  std::vector<uint8_t> buf(kBytes);
+  auto stored = std::make_shared<std::vector<uint8_t>>();
+  auto fut = f.store->Put({"a", "b"}, {buf.data(), kBytes, 1, {}}, stored);
+  EXPECT_EQ(fut->Wait(kWait).code(), StatusCode::kInvalidArgument);
+  fut = f.store->Put({std::string(65, 'k')}, {buf.data(), kBytes, 1, {}}, stored);
+  EXPECT_EQ(fut->Wait(kWait).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(f.host->used(), 0u);
+  std::vector<std::string_view> missing = {"zzz"};
+  EXPECT_EQ(f.store->Pin(missing).code(), StatusCode::kNotFound);
+}
+
+TEST(KVStore, PinnedBlocksAreNeverEvicted) {
+  Fixture f(4);
+  f.Put({1, 2, 3, 4});
+  std::vector<std::string_view> pin = {"blk-1", "blk-2"};
+  ASSERT_TRUE(f.store->Pin(pin).ok());
+  f.Put({5, 6, 7, 8});  // host only: LRU evicts the unpinned ones
+  EXPECT_EQ(f.Get({1, 2}), (std::vector<uint8_t>{1, 1}));
+  EXPECT_EQ(f.host->used(), 4u);
+  ASSERT_TRUE(f.store->Pin(pin).ok());
+  std::vector<std::string_view> rm = {"blk-1"};
+  EXPECT_EQ(f.store->Remove(rm).status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(f.store->Unpin(pin).ok());
+  ASSERT_TRUE(f.store->Unpin(pin).ok());
+  EXPECT_EQ(f.store->Unpin(pin).code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(KVStore, AllPinnedMeansNotStoredNotOverfilled) {
+  Fixture f(2);
+  f.Put({1, 2});
+  std::vector<std::string_view> pin = {"blk-1", "blk-2"};
+  ASSERT_TRUE(f.store->Pin(pin).ok());
+  EXPECT_EQ(f.Put({3}), (std::vector<uint8_t>{0}));
+  EXPECT_EQ(f.store->stats().put_rejected, 1u);
+  EXPECT_EQ(f.host->used(), 2u);
+}
+
+TEST(KVStore, FullHostDemotesToDiskAndDiskHitsArePromoted) {
+  StoreConfig cfg;
+  cfg.writeback_batch = 2;
+  Fixture f(4, 16, cfg);
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(f.Put({i}), (std::vector<uint8_t>{1})) << i;
+  ASSERT_TRUE(f.store->Flush(kWait).ok());
+  EXPECT_LE(f.host->used(), 4u);
+  // Every block is still readable: the cold ones from disk.
+  std::vector<int> all;
+  for (int i = 0; i < 12; ++i) all.push_back(i);
+  EXPECT_EQ(f.Get(all), std::vector<uint8_t>(12, 1));
+  const StoreStats s = f.store->stats();
+  EXPECT_GT(s.tiers[1].demotions_in, 0u);
+  EXPECT_GT(s.tiers[1].hits, 0u);
+  EXPECT_GT(s.tiers[0].promotions_in, 0u);
+  EXPECT_EQ(s.evicted, 0u);
+  EXPECT_LE(f.host->used(), 4u);
+  EXPECT_LE(f.disk->used(), 16u);
+}
+
+TEST(KVStore, FullDiskEvictsLru) {
+  StoreConfig cfg;
+  cfg.writeback_batch = 1;
+  Fixture f(2, 3, cfg);
+  for (int i = 0; i < 10; ++i) f.Put({i});
+  ASSERT_TRUE(f.store->Flush(kWait).ok());
+  const StoreStats s = f.store->stats();
+  EXPECT_GT(s.evicted, 0u);
+  EXPECT_LE(f.disk->used(), 3u);
+  EXPECT_LE(s.keys, 5u);
+  // The newest block survives; every key is either readable or was counted as evicted.
+  EXPECT_EQ(f.Get({9}), (std::vector<uint8_t>{1}));
+  std::vector<int> all;
+  for (int i = 0; i < 10; ++i) all.push_back(i);
+  auto found = f.Get(all);
+  size_t hits = 0;
+  for (auto x : found) hits += x;
+  EXPECT_EQ(hits + f.store->stats().evicted, 10u);
+}
+
+TEST(KVStore, DiskFullKeepsServingFromDram) {
+  StoreConfig cfg;
+  cfg.writeback_batch = 1;
+  Fixture f(2, 8, cfg);
+  f.disk->FailNextWrites(1000);
+  for (int i = 0; i < 6; ++i) f.Put({i});
+  ASSERT_TRUE(f.store->Flush(kWait).ok());
+  const StoreStats s = f.store->stats();
+  EXPECT_GT(s.writeback_errors, 0u);
+  EXPECT_GT(s.tiers[1].tier.no_space_errors, 0u);
+  EXPECT_EQ(f.Get({4, 5}), (std::vector<uint8_t>{1, 1}));  // newest still in DRAM
+  f.disk->FailNextWrites(0);
+  f.Put({40, 41, 42});
+  EXPECT_EQ(f.Get({40, 41, 42}), (std::vector<uint8_t>{1, 1, 1}));
+}
+
+TEST(KVStore, CorruptedLowerTierBlockIsAMissAndItsSlotIsReclaimed) {
+  StoreConfig cfg;
+  cfg.writeback_batch = 4;
+  cfg.writeback_headroom = 2;
+  Fixture f(2, 8, cfg);
+  for (int i = 0; i < 6; ++i) f.Put({i});
+  ASSERT_TRUE(f.store->Flush(kWait).ok());
+  std::vector<std::string_view> k0 = {"blk-0"};
+  std::vector<block::Placement> where;
+  ASSERT_EQ(f.store->Lookup(k0, &where), 1u);
+  ASSERT_TRUE(where[0].in(Tier::kDisk));
+  ASSERT_FALSE(where[0].in(Tier::kHost));
+  const size_t used = f.disk->used();
+  f.disk->Damage(where[0].location[static_cast<size_t>(Tier::kDisk)]);
+  EXPECT_EQ(f.Get({0}), (std::vector<uint8_t>{0}));
+  EXPECT_EQ(f.store->stats().corrupted, 1u);
+  EXPECT_EQ(f.disk->used(), used - 1);
+  EXPECT_EQ(f.store->Lookup(k0, nullptr), 0u);
+}
+
+TEST(KVStore, SecondUsePolicySparesTheDisk) {
+  StoreConfig cfg;
+  cfg.policy = "second_use";
+  cfg.writeback_batch = 1;
+  Fixture f(2, 8, cfg);
+  f.Put({1});
+  EXPECT_EQ(f.Get({1}), (std::vector<uint8_t>{1}));  // second use: admitted below
+  for (int i = 10; i < 16; ++i) f.Put({i});          // used once: dropped, never written
+  ASSERT_TRUE(f.store->Flush(kWait).ok());
+  EXPECT_EQ(f.Get({1}), (std::vector<uint8_t>{1}));
+  EXPECT_EQ(f.Get({10, 11}), (std::vector<uint8_t>{0, 0}));
+  EXPECT_EQ(f.disk->stats().blocks_written, 1u);
+  EXPECT_EQ(f.store->stats().policy, "second_use");
+}
+
+TEST(KVStore, RealTiersWarmRestart) {
+  namespace fs = std::filesystem;
+  const std::string ns = "kvtest-" + std::to_string(getpid());
+  const std::string dir = (fs::temp_directory_path() / ("tpusync-kv-" + ns)).string();
+  KVStoreOptions o;
+  o.block_bytes = kBytes;
+  o.host_blocks = 4;
+  o.name_space = ns;
+  o.fingerprint = "m1";
+  o.disk_dir = dir;
+  o.disk_blocks = 16;
+  o.writeback_batch = 2;
+  auto engine = std::make_shared<engine::ThreadPool>(2);
+  std::vector<uint8_t> buf(10 * kBytes);
+  std::vector<std::string> keys;
+  for (int i = 0; i < 10; ++i) {
+    std::fill_n(buf.begin() + i * kBytes, kBytes, static_cast<uint8_t>(i + 1));
+    keys.push_back(Key(i));
+  }
+  {
+    auto s = std::move(KVStore::Open(o, engine).value());
+    auto stored = std::make_shared<std::vector<uint8_t>>();
+    ASSERT_TRUE(s->Put(keys, {buf.data(), kBytes, 10, {}}, stored)->Wait(kWait).ok());
+    ASSERT_TRUE(s->Flush(kWait).ok());
+  }
+  auto s = std::move(KVStore::Open(o, engine).value());
+  std::vector<uint8_t> out(10 * kBytes);
+  auto found = std::make_shared<std::vector<uint8_t>>();
+  ASSERT_TRUE(s->Get(keys, {out.data(), kBytes, 10, {}}, found)->Wait(kWait).ok());
+  EXPECT_EQ(*found, std::vector<uint8_t>(10, 1));
+  EXPECT_EQ(out, buf);
+  s.reset();
+  ::unlink(("/dev/shm/tpusync-" + ns + "-host").c_str());
+  ::unlink(("/dev/shm/tpusync-" + ns + "-host.lock").c_str());
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace tpusync::store

@@ -1,0 +1,436 @@
+#include "tpusync/tier/disk_tier.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <unordered_map>
+
+#include "tpusync/base/checksum.h"
+
+namespace tpusync::tier {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr size_t kAlign = 4096;
+size_t RoundUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+uint64_t NowNs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+struct FreeDeleter {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+using AlignedBuf = std::unique_ptr<uint8_t, FreeDeleter>;
+AlignedBuf Aligned(size_t bytes) {
+  return AlignedBuf(static_cast<uint8_t*>(std::aligned_alloc(kAlign, RoundUp(bytes))));
+}
+
+bool IsAligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kAlign == 0; }
+
+void FillMeta(DiskMeta* m, const DiskTierOptions& o, size_t slot_bytes, size_t segment_blocks,
+              uint64_t fp) {
+  std::memset(m, 0, sizeof(*m));
+  m->magic = kDiskMetaMagic;
+  m->version = kDiskMetaVersion;
+  m->block_bytes = o.block_bytes;
+  m->slot_bytes = slot_bytes;
+  m->segment_blocks = segment_blocks;
+  m->num_blocks = o.num_blocks;
+  m->fingerprint = fp;
+  std::snprintf(m->fingerprint_text, sizeof(m->fingerprint_text), "%s", o.fingerprint.c_str());
+  m->header_checksum = Checksum64(m, offsetof(DiskMeta, header_checksum));
+}
+
+std::string MetaMismatch(const DiskMeta& have, const DiskMeta& want) {
+  if (have.magic != kDiskMetaMagic ||
+      have.header_checksum != Checksum64(&have, offsetof(DiskMeta, header_checksum))) {
+    return "tier.meta is not a valid tpusync disk tier header";
+  }
+  if (have.version != want.version) return StrCat("on-disk format version ", have.version);
+  if (have.block_bytes != want.block_bytes || have.slot_bytes != want.slot_bytes ||
+      have.segment_blocks != want.segment_blocks || have.num_blocks != want.num_blocks) {
+    return StrCat("layout changed (", have.num_blocks, " x ", have.block_bytes, " bytes in ",
+                  have.segment_blocks, "-slot segments -> ", want.num_blocks, " x ",
+                  want.block_bytes, " in ", want.segment_blocks, ")");
+  }
+  if (have.fingerprint != want.fingerprint) {
+    std::string old(have.fingerprint_text, strnlen(have.fingerprint_text, 96));
+    return StrCat("model fingerprint changed ('", old, "' -> '", want.fingerprint_text, "')");
+  }
+  return "";
+}
+
+Status WriteFileAtomic(const fs::path& path, const void* data, size_t bytes) {
+  const fs::path tmp = path.string() + ".tmp";
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::FromErrno(errno, StrCat("create ", tmp.string()));
+  const ssize_t n = write(fd, data, bytes);
+  const int err = errno;
+  const bool synced = fsync(fd) == 0;
+  close(fd);
+  if (n != static_cast<ssize_t>(bytes) || !synced) {
+    return Status::FromErrno(n < 0 || !synced ? err : ENOSPC, StrCat("write ", tmp.string()));
+  }
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    return Status::FromErrno(errno, StrCat("rename ", tmp.string()));
+  }
+  return Status::OK();
+}
+
+Status ErrnoStatus(int64_t result, size_t expected, bool write, const std::string& where) {
+  if (result < 0) return Status::FromErrno(static_cast<int>(-result), where);
+  if (write) return Status::NoSpace(StrCat(where, ": short write (filesystem full)"));
+  return Status::Corrupted(
+      StrCat(where, ": truncated slot (", result, " of ", expected, " bytes readable)"));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
+  if (o.directory.empty()) return Status::InvalidArgument("disk tier needs a directory");
+  if (o.block_bytes == 0 || o.num_blocks == 0) {
+    return Status::InvalidArgument("disk tier needs block_bytes > 0 and num_blocks > 0");
+  }
+  if (o.num_blocks > 0xffffffffu) return Status::InvalidArgument("more than 2^32 disk slots");
+  std::unique_ptr<DiskTier> t(new DiskTier());
+  t->dir_ = o.directory;
+  t->block_bytes_ = o.block_bytes;
+  t->payload_bytes_ = RoundUp(o.block_bytes);
+  t->slot_bytes_ = kSlotHeaderBytes + t->payload_bytes_;
+  t->num_blocks_ = o.num_blocks;
+  t->segment_blocks_ =
+      o.segment_blocks ? o.segment_blocks : std::max<size_t>(1, (size_t{1} << 30) / t->slot_bytes_);
+  t->segment_blocks_ = std::min(t->segment_blocks_, t->num_blocks_);
+  t->fingerprint_ = Checksum64(o.fingerprint.data(), o.fingerprint.size());
+
+  std::error_code ec;
+  fs::create_directories(o.directory, ec);
+  if (ec) {
+    return Status::IOError(
+        StrCat("disk tier directory ", o.directory, " cannot be created: ", ec.message()));
+  }
+  const fs::path dir(o.directory);
+  const std::string lock_path = (dir / "LOCK").string();
+  t->lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (t->lock_fd_ < 0) {
+    return Status::FromErrno(errno, StrCat("disk tier directory ", o.directory,
+                                           " is not writable (creating ", lock_path, ")"));
+  }
+  if (flock(t->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    return Status::FailedPrecondition(StrCat("disk tier directory ", o.directory,
+                                             " is in use by another process (", lock_path,
+                                             " is locked)"));
+  }
+  // Probe writability of the directory itself (a read-only mount lets us open an existing LOCK).
+  {
+    const std::string probe = (dir / ".write-probe").string();
+    const int fd = open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      return Status::FromErrno(errno,
+                               StrCat("disk tier directory ", o.directory, " is not writable"));
+    }
+    close(fd);
+    unlink(probe.c_str());
+  }
+  TPUSYNC_ASSIGN_OR_RETURN(t->io_, MakeIoBackend(o.io_backend, o.io_threads));
+
+  DiskMeta want;
+  FillMeta(&want, o, t->slot_bytes_, t->segment_blocks_, t->fingerprint_);
+  const fs::path meta_path = dir / "tier.meta";
+  bool cold = true;
+  if (fs::exists(meta_path)) {
+    DiskMeta have{};
+    const int fd = open(meta_path.c_str(), O_RDONLY | O_CLOEXEC);
+    const ssize_t n = fd >= 0 ? read(fd, &have, sizeof(have)) : -1;
+    if (fd >= 0) close(fd);
+    t->cold_start_reason_ = n == static_cast<ssize_t>(sizeof(have))
+                                ? MetaMismatch(have, want)
+                                : "tier.meta is truncated or unreadable";
+    cold = !t->cold_start_reason_.empty();
+  } else {
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      if (entry.path().extension() == ".tps") {
+        t->cold_start_reason_ = "segment files without tier.meta";
+        break;
+      }
+    }
+  }
+  if (!t->cold_start_reason_.empty()) {
+    std::fprintf(stderr, "tpusync: disk tier %s: %s: cold start, cached blocks discarded\n",
+                 o.directory.c_str(), t->cold_start_reason_.c_str());
+  }
+  if (cold) {
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      if (entry.path().extension() == ".tps") fs::remove(entry.path(), ec);
+    }
+    TPUSYNC_RETURN_IF_ERROR(WriteFileAtomic(meta_path, &want, sizeof(want)));
+  }
+  t->state_.assign(t->num_blocks_, kFree);
+  t->holds_.assign(t->num_blocks_, 0);
+  TPUSYNC_RETURN_IF_ERROR(t->OpenSegments(cold));
+  if (!cold) t->Scan();
+  for (size_t i = t->num_blocks_; i-- > 0;) {
+    if (t->state_[i] == kFree) t->free_.push_back(static_cast<uint32_t>(i));
+  }
+  return t;
+}
+
+Status DiskTier::OpenSegments(bool cold) {
+  const size_t n = (num_blocks_ + segment_blocks_ - 1) / segment_blocks_;
+  direct_ = true;
+  for (size_t s = 0; s < n; ++s) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "seg-%06zu.tps", s);
+    const size_t slots = std::min(segment_blocks_, num_blocks_ - s * segment_blocks_);
+    TPUSYNC_ASSIGN_OR_RETURN(auto seg, SegmentFile::Open((fs::path(dir_) / name).string(),
+                                                         slots * slot_bytes_, direct_));
+    direct_ = direct_ && seg.direct();
+    segments_.push_back(std::move(seg));
+  }
+  (void)cold;
+  return Status::OK();
+}
+
+void DiskTier::Scan() {
+  constexpr size_t kBatch = 256;
+  AlignedBuf buf = Aligned(kBatch * kSlotHeaderBytes);
+  std::unordered_map<std::string, size_t> by_key;  // key -> index in recovered_
+  for (size_t first = 0; first < num_blocks_; first += kBatch) {
+    const size_t n = std::min(kBatch, num_blocks_ - first);
+    std::vector<IoOp> ops(n);
+    for (size_t i = 0; i < n; ++i) {
+      ops[i].fd = SegmentOf(first + i).fd();
+      ops[i].offset = SlotOffset(first + i);
+      ops[i].iov[0] = {buf.get() + i * kSlotHeaderBytes, kSlotHeaderBytes};
+      ops[i].iovcnt = 1;
+    }
+    io_->Run(ops);
+    for (size_t i = 0; i < n; ++i) {
+      if (ops[i].result != static_cast<int64_t>(kSlotHeaderBytes)) continue;
+      const auto* h = reinterpret_cast<const SlotHeader*>(buf.get() + i * kSlotHeaderBytes);
+      const Status s = CheckSlotHeader(*h, block_bytes_, fingerprint_);
+      if (s.code() == StatusCode::kNotFound) continue;
+      if (!s.ok()) {
+        ++corrupted_;  // reclaimed: the slot stays free and is overwritten by a later block
+        continue;
+      }
+      const std::string key(SlotKey(*h));
+      auto [it, fresh] = by_key.emplace(key, recovered_.size());
+      if (!fresh) {
+        // The same key twice (a crash between writing a copy and freeing the old one): keep the
+        // newest; both hold the same content by the key contract.
+        RecoveredBlock& prev = recovered_[it->second];
+        if (prev.sequence >= h->sequence) continue;
+        state_[prev.location] = kFree;
+        --num_used_;
+        prev.location = first + i;
+        prev.sequence = h->sequence;
+      } else {
+        recovered_.push_back({key, first + i, h->sequence});
+      }
+      state_[first + i] = kUsed;
+      ++num_used_;
+    }
+  }
+  recovered_count_ = recovered_.size();
+}
+
+DiskTier::~DiskTier() {
+  if (lock_fd_ >= 0) close(lock_fd_);
+}
+
+const SegmentFile& DiskTier::SegmentOf(uint64_t location) const {
+  return segments_[location / segment_blocks_];
+}
+uint64_t DiskTier::SlotOffset(uint64_t location) const {
+  return (location % segment_blocks_) * slot_bytes_;
+}
+std::string DiskTier::SegmentPath(uint64_t location) const { return SegmentOf(location).path(); }
+
+size_t DiskTier::used() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return num_used_;
+}
+
+Result<uint64_t> DiskTier::Reserve() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_.empty()) {
+    return Status::PoolExhausted(
+        StrCat("disk tier ", dir_, " is full (", num_blocks_, " slots in use)"));
+  }
+  const uint32_t slot = free_.back();
+  free_.pop_back();
+  state_[slot] = kUsed;
+  ++num_used_;
+  return uint64_t{slot};
+}
+
+void DiskTier::Free(uint64_t slot) {
+  state_[slot] = kFree;
+  --num_used_;
+  free_.push_back(static_cast<uint32_t>(slot));
+}
+
+void DiskTier::Release(uint64_t location, bool forget) {
+  if (location >= num_blocks_) return;
+  if (forget) {
+    // One zeroed header page: a restart will not resurrect a removed or corrupted block.
+    AlignedBuf zero = Aligned(kSlotHeaderBytes);
+    std::memset(zero.get(), 0, kSlotHeaderBytes);
+    IoOp op;
+    op.fd = SegmentOf(location).fd();
+    op.offset = SlotOffset(location);
+    op.write = true;
+    op.iov[0] = {zero.get(), kSlotHeaderBytes};
+    op.iovcnt = 1;
+    FinishIoSync(op, 0);  // best effort: a failure leaves a slot whose next write replaces it
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_[location] != kUsed) return;
+  if (holds_[location] > 0) {
+    state_[location] = kReleasing;
+  } else {
+    Free(location);
+  }
+}
+
+Status DiskTier::Hold(uint64_t location) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (location >= num_blocks_ || state_[location] != kUsed) {
+    return Status::FailedPrecondition(StrCat("disk slot ", location, " is not in use"));
+  }
+  ++holds_[location];
+  return Status::OK();
+}
+
+void DiskTier::Unhold(uint64_t location) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (location >= num_blocks_ || holds_[location] == 0) return;
+  if (--holds_[location] == 0 && state_[location] == kReleasing) Free(location);
+}
+
+void DiskTier::WriteBatch(std::span<BlockWrite> ops) {
+  const uint64_t t0 = NowNs();
+  AlignedBuf headers = Aligned(ops.size() * kSlotHeaderBytes);
+  std::vector<AlignedBuf> bounce(ops.size());
+  std::vector<IoOp> io(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    BlockWrite& op = ops[i];
+    uint8_t* hdr = headers.get() + i * kSlotHeaderBytes;
+    std::memset(hdr, 0, kSlotHeaderBytes);
+    FillSlotHeader(reinterpret_cast<SlotHeader*>(hdr), op.key, block_bytes_,
+                   Checksum64(op.data, block_bytes_), op.sequence, fingerprint_);
+    const uint8_t* payload = op.data;
+    size_t len = block_bytes_;
+    if (direct_ && (!IsAligned(payload) || block_bytes_ % kAlign != 0)) {
+      bounce[i] = Aligned(payload_bytes_);
+      std::memcpy(bounce[i].get(), payload, block_bytes_);
+      std::memset(bounce[i].get() + block_bytes_, 0, payload_bytes_ - block_bytes_);
+      payload = bounce[i].get();
+      len = payload_bytes_;
+    }
+    io[i].fd = SegmentOf(op.location).fd();
+    io[i].offset = SlotOffset(op.location);
+    io[i].write = true;
+    io[i].iov[0] = {hdr, kSlotHeaderBytes};
+    io[i].iov[1] = {const_cast<uint8_t*>(payload), len};
+    io[i].iovcnt = 2;
+  }
+  io_->Run(io);
+  size_t ok = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (io[i].result == static_cast<int64_t>(io[i].expected())) {
+      ops[i].status = Status::OK();
+      ++ok;
+      continue;
+    }
+    ops[i].status = ErrnoStatus(io[i].result, io[i].expected(), true,
+                                StrCat("write of disk slot ", ops[i].location, " in ", dir_));
+    ++write_errors_;
+    if (ops[i].status.code() == StatusCode::kNoSpace) ++no_space_;
+  }
+  blocks_written_ += ok;
+  write_ns_ += NowNs() - t0;
+}
+
+void DiskTier::ReadBatch(std::span<BlockRead> ops) {
+  const uint64_t t0 = NowNs();
+  AlignedBuf headers = Aligned(ops.size() * kSlotHeaderBytes);
+  std::vector<AlignedBuf> bounce(ops.size());
+  std::vector<IoOp> io(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    BlockRead& op = ops[i];
+    uint8_t* payload = op.dst;
+    size_t len = block_bytes_;
+    if (direct_ && (!IsAligned(payload) || block_bytes_ % kAlign != 0)) {
+      bounce[i] = Aligned(payload_bytes_);
+      payload = bounce[i].get();
+      len = payload_bytes_;
+    }
+    io[i].fd = SegmentOf(op.location).fd();
+    io[i].offset = SlotOffset(op.location);
+    io[i].iov[0] = {headers.get() + i * kSlotHeaderBytes, kSlotHeaderBytes};
+    io[i].iov[1] = {payload, len};
+    io[i].iovcnt = 2;
+  }
+  io_->Run(io);
+  size_t ok = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    BlockRead& op = ops[i];
+    const std::string where = StrCat("read of disk slot ", op.location, " in ", dir_);
+    if (io[i].result != static_cast<int64_t>(io[i].expected())) {
+      op.status = ErrnoStatus(io[i].result, io[i].expected(), false, where);
+    } else {
+      const auto* h = reinterpret_cast<const SlotHeader*>(headers.get() + i * kSlotHeaderBytes);
+      const uint8_t* payload = bounce[i] ? bounce[i].get() : op.dst;
+      op.status = VerifyBlock(*h, op.key, payload, block_bytes_, fingerprint_);
+      if (op.status.ok() && bounce[i]) std::memcpy(op.dst, payload, block_bytes_);
+      if (!op.status.ok()) op.status = Status::Corrupted(StrCat(where, ": ", op.status.message()));
+    }
+    if (op.status.ok()) {
+      ++ok;
+    } else if (op.status.code() == StatusCode::kCorrupted) {
+      ++corrupted_;
+    } else {
+      ++read_errors_;
+    }
+  }
+  blocks_read_ += ok;
+  read_ns_ += NowNs() - t0;
+}
+
+std::vector<RecoveredBlock> DiskTier::TakeRecovered() { return std::move(recovered_); }
+
+TierStats DiskTier::stats() const {
+  TierStats s;
+  s.capacity_blocks = num_blocks_;
+  s.used_blocks = used();
+  s.blocks_written = blocks_written_;
+  s.blocks_read = blocks_read_;
+  s.bytes_written = s.blocks_written * block_bytes_;
+  s.bytes_read = s.blocks_read * block_bytes_;
+  s.write_errors = write_errors_;
+  s.no_space_errors = no_space_;
+  s.read_errors = read_errors_;
+  s.corrupted = corrupted_;
+  s.recovered = recovered_count_;
+  s.write_ns = write_ns_;
+  s.read_ns = read_ns_;
+  s.direct_io = direct_;
+  s.io_backend = std::string(io_->name());
+  s.cold_start_reason = cold_start_reason_;
+  return s;
+}
+
+}  // namespace tpusync::tier

@@ -1,0 +1,182 @@
+#include "tpusync/tier/disk_tier.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace tpusync::tier {
+namespace {
+
+namespace fs = std::filesystem;
+
+class DiskTierTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (fs::temp_directory_path() / ("tpusync-disk-" + std::to_string(getpid()) + "-" +
+                                         std::to_string(std::random_device{}())))
+               .string();
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  DiskTierOptions Options(const std::string& fp = "model-a") {
+    DiskTierOptions o;
+    o.directory = dir_;
+    o.block_bytes = kBytes;
+    o.num_blocks = 6;
+    o.segment_blocks = 4;
+    o.fingerprint = fp;
+    return o;
+  }
+  std::vector<uint8_t> Data(int seed) {
+    std::vector<uint8_t> v(kBytes);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<uint8_t>(i * 31 + seed);
+    return v;
+  }
+  uint64_t WriteOne(DiskTier& t, const std::string& key, const std::vector<uint8_t>& d,
+                    uint64_t seq = 1) {
+    BlockWrite w{key, d.data(), *t.Reserve(), seq, {}};
+    t.WriteBatch({&w, 1});
+    EXPECT_TRUE(w.status.ok()) << w.status.ToString();
+    return w.location;
+  }
+  Status ReadOne(DiskTier& t, const std::string& key, uint64_t loc, std::vector<uint8_t>* out) {
+    out->assign(kBytes, 0);
+    BlockRead r{key, out->data(), loc, {}};
+    t.ReadBatch({&r, 1});
+    return r.status;
+  }
+  static constexpr size_t kBytes = 16384;
+  std::string dir_;
+};
+
+TEST_F(DiskTierTest, LayoutIsSegmentedAndAligned) {
+  auto t = std::move(DiskTier::Open(Options()).value());
+  EXPECT_EQ(t->slot_bytes(), 4096 + kBytes);
+  EXPECT_TRUE(fs::exists(fs::path(dir_) / "tier.meta"));
+  EXPECT_TRUE(fs::exists(fs::path(dir_) / "seg-000000.tps"));
+  EXPECT_TRUE(fs::exists(fs::path(dir_) / "seg-000001.tps"));
+  EXPECT_EQ(t->SegmentPath(5), (fs::path(dir_) / "seg-000001.tps").string());
+  EXPECT_EQ(t->SlotOffset(5), t->slot_bytes());
+  EXPECT_EQ(t->SlotOffset(5) % 4096, 0u);
+}
+
+TEST_F(DiskTierTest, ReopenRecoversBlocksFromHeaders) {
+  std::vector<uint64_t> locs;
+  {
+    auto t = std::move(DiskTier::Open(Options()).value());
+    for (int i = 0; i < 5; ++i)
+      locs.push_back(WriteOne(*t, "k" + std::to_string(i), Data(i), i + 1));
+    t->Release(locs[2], /*forget=*/true);  // removed: must not come back
+  }
+  auto t = std::move(DiskTier::Open(Options()).value());
+  auto rec = t->TakeRecovered();
+  ASSERT_EQ(rec.size(), 4u);
+  EXPECT_EQ(t->used(), 4u);
+  EXPECT_EQ(t->stats().recovered, 4u);
+  for (const auto& r : rec) {
+    EXPECT_NE(r.key, "k2");
+    std::vector<uint8_t> out;
+    ASSERT_TRUE(ReadOne(*t, r.key, r.location, &out).ok());
+    EXPECT_EQ(out, Data(r.key[1] - '0'));
+    EXPECT_EQ(r.sequence, uint64_t(r.key[1] - '0' + 1));
+  }
+}
+
+TEST_F(DiskTierTest, OtherFingerprintIsAColdStart) {
+  {
+    auto t = std::move(DiskTier::Open(Options("model-a")).value());
+    WriteOne(*t, "k", Data(1));
+  }
+  testing::internal::CaptureStderr();
+  auto t = std::move(DiskTier::Open(Options("model-b")).value());
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("model fingerprint changed ('model-a' -> 'model-b'): cold start"),
+            std::string::npos)
+      << log;
+  EXPECT_TRUE(t->TakeRecovered().empty());
+  EXPECT_EQ(t->used(), 0u);
+  EXPECT_NE(t->stats().cold_start_reason, "");
+}
+
+TEST_F(DiskTierTest, CorruptedPayloadIsDetected) {
+  auto t = std::move(DiskTier::Open(Options()).value());
+  const uint64_t loc = WriteOne(*t, "k", Data(3));
+  {
+    const int fd = open(t->SegmentPath(loc).c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    uint8_t b = 0;
+    const off_t off = static_cast<off_t>(t->SlotOffset(loc) + 4096 + 100);
+    ASSERT_EQ(pread(fd, &b, 1, off), 1);
+    b ^= 0x5a;
+    ASSERT_EQ(pwrite(fd, &b, 1, off), 1);
+    close(fd);
+  }
+  std::vector<uint8_t> out;
+  const Status s = ReadOne(*t, "k", loc, &out);
+  EXPECT_EQ(s.code(), StatusCode::kCorrupted) << s.ToString();
+  EXPECT_NE(s.message().find("checksum"), std::string::npos);
+  EXPECT_EQ(t->stats().corrupted, 1u);
+}
+
+TEST_F(DiskTierTest, TruncatedSegmentIsDetected) {
+  auto t = std::move(DiskTier::Open(Options()).value());
+  const uint64_t loc = WriteOne(*t, "k", Data(4));
+  ASSERT_EQ(truncate(t->SegmentPath(loc).c_str(), static_cast<off_t>(t->SlotOffset(loc) + 6000)),
+            0);
+  std::vector<uint8_t> out;
+  const Status s = ReadOne(*t, "k", loc, &out);
+  EXPECT_EQ(s.code(), StatusCode::kCorrupted) << s.ToString();
+  EXPECT_NE(s.message().find("truncated"), std::string::npos);
+}
+
+TEST_F(DiskTierTest, SecondOpenerGetsALockError) {
+  auto first = DiskTier::Open(Options());
+  ASSERT_TRUE(first.ok());
+  auto second = DiskTier::Open(Options());
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(second.status().message().find("in use by another process"), std::string::npos);
+}
+
+TEST_F(DiskTierTest, UnwritableDirectoryIsAClearError) {
+  fs::create_directories(dir_);
+  std::ofstream(fs::path(dir_) / "file") << "x";
+  DiskTierOptions o = Options();
+  o.directory = (fs::path(dir_) / "file" / "sub").string();  // a path below a regular file
+  auto t = DiskTier::Open(o);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("cannot be created"), std::string::npos)
+      << t.status().ToString();
+}
+
+TEST_F(DiskTierTest, UnalignedSourceAndOddSizesUseBounceBuffers) {
+  DiskTierOptions o = Options();
+  o.block_bytes = 1000;
+  auto t = std::move(DiskTier::Open(o).value());
+  std::vector<uint8_t> buf(1001);
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(i);
+  BlockWrite w{"odd", buf.data() + 1, *t->Reserve(), 1, {}};
+  t->WriteBatch({&w, 1});
+  ASSERT_TRUE(w.status.ok()) << w.status.ToString();
+  std::vector<uint8_t> out(1001);
+  BlockRead r{"odd", out.data() + 1, w.location, {}};
+  t->ReadBatch({&r, 1});
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_TRUE(std::equal(out.begin() + 1, out.end(), buf.begin() + 1));
+}
+
+TEST_F(DiskTierTest, UnknownBackendIsRefused) {
+  DiskTierOptions o = Options();
+  o.io_backend = "carrier-pigeon";
+  auto t = DiskTier::Open(o);
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tpusync::tier

@@ -1,0 +1,334 @@
+"""``tpusync bench tiers``: the tiered KV store against the hardware limits, measured in one run.
+
+* host: KVStore put / get (DRAM tier: copy + XXH3 checksum per block, engine threads) vs one plain
+  memcpy of the same bytes between prefaulted buffers.
+* disk: a disk-only KVStore put (write) / get (read, checksum verified) vs ``fio`` sequential
+  O_DIRECT write / read of the same bytes, same block size, in the same directory, same run.
+* lookup: median latency of a 32-key prefix lookup in the store's index holding 10^3, 10^5 and
+  10^7 keys (ratio = latency at 10^3 / latency at N: 1.0 is flat).
+* long_session: a synthetic 1M-token KV stream through a "device" buffer holding 10% of it; cold
+  blocks are offloaded to the store (DRAM then disk) and the whole stream is read back and
+  verified at the end. The device-side footprint is reported and must stay within the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tpusync.core import _native
+from tpusync.core.bench.common import measure, progress, result_entry
+from tpusync.core.pool import default_engine
+from tpusync.core.store import KVStore
+
+GOAL = {"host_min_ratio": 0.9, "disk_min_ratio": 0.9, "lookup_min_ratio": 0.5}
+MEMCPY = "one memcpy of the same bytes between prefaulted buffers, calling thread, same run"
+
+
+def aligned(nbytes: int, fill: int | None = None) -> np.ndarray:
+    """A 4 KiB-aligned, prefaulted uint8 buffer (O_DIRECT can use it without a bounce copy)."""
+    raw = np.empty(nbytes + 4096, np.uint8)
+    off = (-raw.ctypes.data) % 4096
+    buf = raw[off : off + nbytes]
+    buf[:] = 0 if fill is None else fill
+    return buf
+
+
+def run(
+    total_bytes: int = 256 << 20,
+    repeats: int = 3,
+    directory: str | None = None,
+    block_sizes: list[int] | None = None,
+    lookup_sizes: list[int] | None = None,
+    session_tokens: int = 1 << 20,
+    session_token_bytes: int = 512,
+    show_progress: bool = True,
+) -> dict:
+    block_sizes = block_sizes or [256 << 10, 1 << 20]
+    lookup_sizes = lookup_sizes or [10**3, 10**5, 10**7]
+    base = Path(directory or tempfile.gettempdir())
+    work = Path(tempfile.mkdtemp(prefix="tpusync-bench-tiers-", dir=base))
+    engine = default_engine()
+    out: dict = {"suite": "tiers", "engine_threads": engine.num_threads, "repeats": repeats}
+    try:
+        with progress(show_progress) as bar:
+            task = bar.add_task("bench tiers", total=len(block_sizes) * 2 + 2)
+            out["host"] = []
+            for b in block_sizes:
+                out["host"].append(_host(b, total_bytes, repeats))
+                bar.advance(task)
+            out["disk"] = []
+            for b in block_sizes:
+                out["disk"].append(_disk(b, total_bytes, repeats, work))
+                bar.advance(task)
+            out["lookup"] = _lookup(lookup_sizes)
+            bar.advance(task)
+            out["long_session"] = _long_session(session_tokens, session_token_bytes, work)
+            bar.advance(task)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out["goal"] = GOAL
+    host_ok = all(
+        r[p]["ratio"] >= GOAL["host_min_ratio"] for r in out["host"] for p in ("put", "get")
+    )
+    disk_ok = all(
+        r[p]["ratio"] is not None and r[p]["ratio"] >= GOAL["disk_min_ratio"]
+        for r in out["disk"]
+        for p in ("write", "read")
+    )
+    lookup_ok = all(r["ratio"] >= GOAL["lookup_min_ratio"] for r in out["lookup"])
+    out["goal_met"] = {
+        "host": host_ok,
+        "disk": disk_ok,
+        "lookup_flat": lookup_ok,
+        "long_session_bounded": out["long_session"]["device_footprint_bounded"],
+    }
+    return out
+
+
+def _host(block: int, total: int, repeats: int) -> dict:
+    n = max(1, total // block)
+    nbytes = n * block
+    src = aligned(nbytes, 7).reshape(n, block)
+    dst = aligned(nbytes, 1).reshape(n, block)
+    store = KVStore(block, n)
+    rnd = iter(range(10**9))
+
+    def put() -> None:
+        store.clear()
+        r = next(rnd)
+        store.put([b"h%d-%d" % (r, i) for i in range(n)], src).result(120)
+
+    put_s = measure(lambda: _timed_only(put, store.clear), repeats)
+    store.clear()
+    keys = [b"g%d" % i for i in range(n)]
+    store.put(keys, src).result(120)
+    get_s = measure(lambda: store.get(keys, dst).result(120) and None, repeats)
+    ref_s = measure(lambda: _native.memcpy_seconds(dst.reshape(-1), src.reshape(-1)), repeats)
+    found = store.get(keys[:1], dst[:1]).result(10)
+    if not found[0] or not np.array_equal(dst[0], src[0]):
+        raise RuntimeError("bench tiers: host data check failed")
+    store.close()
+    return {
+        "block_bytes": block,
+        "blocks": n,
+        "bytes": nbytes,
+        "put": result_entry(nbytes, put_s, ref_s, MEMCPY),
+        "get": result_entry(nbytes, get_s, ref_s, MEMCPY),
+    }
+
+
+def _timed_only(fn, setup) -> float:
+    """Seconds of fn() alone (its own clear() excluded from the figure)."""
+    setup()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _fio(directory: Path, rw: str, block: int, nbytes: int) -> tuple[float | None, str]:
+    """GB/s of one fio sequential O_DIRECT job, or (None, why)."""
+    fio = shutil.which("fio")
+    if fio is None:
+        return None, "fio not installed (ci/apt-deps.sh fio)"
+    cmd = [
+        fio,
+        "--name=tpusync-ref",
+        f"--directory={directory}",
+        f"--rw={rw}",
+        f"--bs={block}",
+        f"--size={nbytes}",
+        "--direct=1",
+        "--ioengine=io_uring",
+        "--iodepth=32",
+        "--numjobs=1",
+        "--end_fsync=0",
+        "--output-format=json",
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        cmd[cmd.index("--ioengine=io_uring")] = "--ioengine=psync"
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            return None, f"fio failed: {r.stderr.strip()[:200]}"
+    job = json.loads(r.stdout)["jobs"][0]["read" if rw == "read" else "write"]
+    return job["bw_bytes"] / 1e9, " ".join(c for c in cmd[1:] if not c.startswith("--output"))
+
+
+def _disk(block: int, total: int, repeats: int, work: Path) -> dict:
+    n = max(1, total // block)
+    nbytes = n * block
+    src = aligned(nbytes, 5).reshape(n, block)
+    dst = aligned(nbytes, 0).reshape(n, block)
+    d = work / f"disk-{block}"
+    store = KVStore(block, 0, disk_dir=d, disk_blocks=n * (repeats + 1))
+    rounds = iter(range(10**9))
+    written: list[list[bytes]] = []
+
+    def write() -> None:
+        ks = [b"d%d-%d" % (next(rounds), i) for i in range(n)]
+        store.put(ks, src).result(600)
+        written.append(ks)
+
+    write_s = measure(write, repeats)
+    keys = written[-1]
+    read_s = measure(lambda: store.get(keys, dst).result(600) and None, repeats)
+    if not all(store.get(keys[:4], dst[:4]).result(60)) or not np.array_equal(dst[0], src[0]):
+        raise RuntimeError("bench tiers: disk data check failed")
+    tier = store.stats()["tiers"]["disk"]
+    store.close()
+    shutil.rmtree(d, ignore_errors=True)
+    fio_dir = work / f"fio-{block}"
+    fio_dir.mkdir()
+    fio_w, how_w = _fio(fio_dir, "write", block, nbytes)
+    fio_r, how_r = _fio(fio_dir, "read", block, nbytes)
+    shutil.rmtree(fio_dir, ignore_errors=True)
+
+    def entry(seconds: float, limit_gbps: float | None, how: str) -> dict:
+        how = f"fio {how}" if limit_gbps is not None else how
+        if limit_gbps is None:
+            return {
+                "gbps": round(nbytes / seconds / 1e9, 3),
+                "limit_gbps": None,
+                "limit": how,
+                "ratio": None,
+                "better": "higher",
+            }
+        return result_entry(nbytes, seconds, nbytes / limit_gbps / 1e9, how)
+
+    return {
+        "block_bytes": block,
+        "blocks": n,
+        "bytes": nbytes,
+        "directory": str(work),
+        "direct_io": tier["direct_io"],
+        "io_backend": tier["io_backend"],
+        "write": entry(write_s, fio_w, how_w),
+        "read": entry(read_s, fio_r, how_r),
+    }
+
+
+def _lookup(sizes: list[int]) -> list[dict]:
+    """Prefix-lookup latency in the store's index (tpusync.core.BlockIndex) at several sizes.
+
+    Keys are 32 bytes (like sha256 block hashes); the probes hit random stored keys, so beyond
+    the CPU caches every key costs a few DRAM accesses. Two ratios: against the smallest index
+    (cache-resident) and against the previous size (growth: 1.0 is flat).
+    """
+    rng = np.random.default_rng(0)
+    results = []
+    idx = _native.BlockIndex()
+    have = 0
+    for size in sorted(sizes):
+        ids = np.arange(have, size, dtype=np.uint64)
+        block = np.zeros((len(ids), 32), np.uint8)
+        block[:, :8] = ids.view(np.uint8).reshape(-1, 8)
+        idx.insert_many(block, _native.Tier.HOST, have)
+        del block
+        have = size
+        probes = [
+            [int(x).to_bytes(8, "little") + bytes(24) for x in rng.integers(0, size, 32)]
+            for _ in range(3000)
+        ]
+        t = []
+        for p in probes:
+            t0 = time.perf_counter_ns()
+            n, _ = idx.lookup_prefix(p)
+            t.append(time.perf_counter_ns() - t0)
+            if n != len(p):
+                raise RuntimeError("bench tiers: lookup missed a stored key")
+        results.append({"keys": size, "batch": 32, "us_per_lookup": float(np.median(t)) / 1e3})
+    del idx
+    ref = results[0]["us_per_lookup"]
+    prev = ref
+    for r in results:
+        r["limit"] = f"the same 32-key lookup at {results[0]['keys']} keys (flat = ratio 1.0)"
+        r["ratio"] = round(ref / r["us_per_lookup"], 3)
+        r["ratio_vs_previous_size"] = round(prev / r["us_per_lookup"], 3)
+        r["better"] = "higher"
+        prev = r["us_per_lookup"]
+        r["us_per_lookup"] = round(r["us_per_lookup"], 3)
+    return results
+
+
+def _long_session(tokens: int, token_bytes: int, work: Path, tokens_per_block: int = 16) -> dict:
+    block = tokens_per_block * token_bytes
+    nblocks = tokens // tokens_per_block
+    budget = max(1, nblocks // 10)  # the device holds 10% of the stream
+    batch = max(1, min(256, budget // 4))
+    device = aligned(budget * block, 0).reshape(budget, block)
+    free = list(range(budget))
+    resident: list[tuple[int, int]] = []  # (block id, device slot), oldest first
+    store = KVStore(
+        block, max(1, nblocks // 5), disk_dir=work / "session", disk_blocks=nblocks + batch
+    )
+    max_used = 0
+    rejected = 0
+    offload_s = 0.0  # time inside the store's put (the simulated prefill is not counted)
+    for first in range(0, nblocks, batch):
+        ids = list(range(first, min(nblocks, first + batch)))
+        if len(free) < len(ids):  # offload the oldest resident blocks to the store
+            out = resident[: len(ids) - len(free) + batch]
+            del resident[: len(out)]
+            t0 = time.perf_counter()
+            stored = store.put([b"s%d" % b for b, _ in out], device, rows=[s for _, s in out])
+            rejected += len(out) - sum(stored.result(120))
+            offload_s += time.perf_counter() - t0
+            free.extend(s for _, s in out)
+        for b in ids:  # "prefill" writes the new block on the device
+            slot = free.pop()
+            device[slot, :8] = np.frombuffer(b.to_bytes(8, "little"), np.uint8)
+            device[slot, 8:16] = 0xA5
+            resident.append((b, slot))
+        max_used = max(max_used, budget - len(free))
+    store.flush(120)
+    # Revisit the whole offloaded stream (a long-context re-read), batch by batch, verified.
+    reload_s = 0.0
+    still_on_device = {r for r, _ in resident}
+    offloaded = [b for b in range(nblocks) if b not in still_on_device]
+    verified = 0
+    scratch = aligned(batch * block, 0).reshape(batch, block)
+    for first in range(0, len(offloaded), batch):
+        ids = offloaded[first : first + batch]
+        t1 = time.perf_counter()
+        found = store.get([b"s%d" % b for b in ids], scratch[: len(ids)]).result(120)
+        reload_s += time.perf_counter() - t1
+        for row, (b, ok) in enumerate(zip(ids, found, strict=True)):
+            tag = int.from_bytes(scratch[row, :8].tobytes(), "little")
+            if ok and tag == b and (scratch[row, 8:16] == 0xA5).all():
+                verified += 1
+    s = store.stats()
+    store.close()
+    moved = len(offloaded) * block
+    return {
+        "device": "simulated by a host array (the accelerator side is not part of this suite)",
+        "tokens": tokens,
+        "token_bytes": token_bytes,
+        "block_bytes": block,
+        "blocks": nblocks,
+        "stream_bytes": nblocks * block,
+        "device_budget_blocks": budget,
+        "device_max_blocks_used": max_used,
+        "device_footprint_bounded": max_used <= budget,
+        "offloaded_blocks": len(offloaded),
+        "offload_rejected": rejected,
+        "offload_gbps": round(moved / offload_s / 1e9, 3),
+        "reload_gbps": round(moved / reload_s / 1e9, 3),
+        "verified_blocks": verified,
+        "host_tier_blocks": s["tiers"]["host"]["capacity_blocks"],
+        "disk_hits": s["tiers"]["disk"]["hits"],
+        "host_hits": s["tiers"]["host"]["hits"],
+        "evicted": s["evicted"],
+    }
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(json.dumps(run(show_progress=False), indent=2))
+    os._exit(0)

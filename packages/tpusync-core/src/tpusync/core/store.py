@@ -1,0 +1,239 @@
+"""KVStore: the tiered KV block store (host DRAM -> local/shared disk), with futures.
+
+Keys are engine block hashes (``bytes``, 1..64 bytes, used as is); values are fixed-size blocks of
+``block_bytes``. One store holds one block shape - several shapes use several stores.
+
+Contracts (the native core enforces them; see docs/tiers.md):
+
+* ``put`` / ``get`` copy straight between caller memory (numpy, torch or jax CPU arrays, or
+  ``HostBlockPool`` block views) and the tiers on engine threads; they return a
+  :class:`StoreFuture` whose ``result()`` is a per-key list of booleans (stored / found).
+* A key is visible only once its bytes are fully written; a put of a stored key writes nothing.
+* A full host tier drops LRU blocks that already have a disk copy; dirty ones are written down by a
+  background write-back worker, and a put waits for it at most ``put_wait_s``. Disk hits are
+  promoted to DRAM. Pinned keys are never evicted.
+* Every block carries an XXH3 checksum, verified on every disk read and when a /dev/shm host tier
+  is re-attached; a bad block is a counted miss, never data.
+* With ``namespace`` (and ``fingerprint``), a replacement process re-attaches the host tier in
+  /dev/shm and the disk tier; another fingerprint is a cold start with one stderr line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from tpusync.core import _native
+from tpusync.core.pool import default_engine
+
+__all__ = ["KVStore", "StoreFuture"]
+
+
+class StoreFuture:
+    """Completion of a store ``put`` or ``get``: ``result()`` gives one bool per key.
+
+    Store operations cannot be cancelled once submitted (bytes may already be moving into the
+    caller's buffer); ``wait`` and ``result`` take timeouts like every tpusync wait.
+    """
+
+    __slots__ = ("_future", "_mask")
+
+    def __init__(self, future: _native.Future, mask: np.ndarray) -> None:
+        self._future = future
+        self._mask = mask
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; True when complete."""
+        return self._future.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> list[bool]:
+        """Wait, raise the batch's error if any, then return the per-key flags."""
+        self._future.result(timeout)
+        return [bool(x) for x in self._mask]
+
+    def mask(self, timeout: float | None = None) -> np.ndarray:
+        """Like :meth:`result` but as a read-only uint8 numpy array (no per-key Python objects)."""
+        self._future.result(timeout)
+        return self._mask
+
+    @property
+    def state(self) -> str:
+        return self._future.state
+
+    def add_done_callback(self, fn: Callable[[StoreFuture], Any]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+
+def _keys(keys: Sequence[bytes]) -> list[bytes]:
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, bytes | bytearray):
+            raise TypeError(f"store keys are bytes (engine block hashes), got {type(k).__name__}")
+    return [bytes(k) for k in out]
+
+
+def _rows(rows: Sequence[int] | None) -> list[int] | None:
+    if rows is None:
+        return None
+    if isinstance(rows, np.ndarray):
+        return rows.astype(np.uint64, copy=False).tolist()
+    return list(rows)
+
+
+class KVStore:
+    """A tiered, content-addressed store of fixed-size KV blocks.
+
+    Args:
+        block_bytes: size of every block.
+        host_blocks: capacity of the host DRAM tier in blocks (0: disk only).
+        disk_dir: directory of the disk tier (local SSD or shared filesystem); None: no disk tier.
+        disk_blocks: capacity of the disk tier in blocks.
+        namespace: put the host tier in /dev/shm under this name so a restarted process
+            re-attaches it (with the disk tier); None: private anonymous memory.
+        fingerprint: model fingerprint; a restart with another one is a cold start.
+        policy: ``"lru"`` (every block cascades to disk) or ``"second_use"`` (only blocks used
+            twice are written to disk).
+        io_backend: ``"auto"`` (io_uring where the kernel allows it), ``"io_uring"`` or ``"pread"``.
+        put_wait_s: the longest a put waits for write-back to free DRAM before it reports a block
+            not stored.
+    """
+
+    def __init__(
+        self,
+        block_bytes: int,
+        host_blocks: int,
+        *,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_blocks: int = 0,
+        namespace: str | None = None,
+        fingerprint: str = "",
+        policy: str = "lru",
+        io_backend: str = "auto",
+        io_threads: int = 4,
+        direct_io: bool = True,
+        segment_blocks: int = 0,
+        writeback_batch: int = 32,
+        writeback_headroom: int = 0,
+        put_wait_s: float = 5.0,
+        prefault: bool = True,
+        huge_pages: bool = False,
+        engine: _native.Engine | None = None,
+    ) -> None:
+        self._engine = engine or default_engine()
+        self._native: _native.KVStoreNative | None = _native.KVStoreNative.open(
+            self._engine,
+            block_bytes,
+            host_blocks,
+            name_space=namespace or "",
+            fingerprint=fingerprint,
+            disk_dir=os.fspath(disk_dir) if disk_dir is not None else "",
+            disk_blocks=disk_blocks,
+            disk_segment_blocks=segment_blocks,
+            disk_direct_io=direct_io,
+            io_backend=io_backend,
+            io_threads=io_threads,
+            policy=policy,
+            writeback_batch=writeback_batch,
+            writeback_headroom=writeback_headroom,
+            put_wait_s=put_wait_s,
+            prefault=prefault,
+            huge_pages=huge_pages,
+        )
+        self._block_bytes = block_bytes
+
+    @property
+    def native(self) -> _native.KVStoreNative:
+        if self._native is None:
+            from tpusync.core.errors import StateError
+
+            raise StateError("the KVStore is closed")
+        return self._native
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    def put(
+        self, keys: Sequence[bytes], src: Any, rows: Sequence[int] | None = None
+    ) -> StoreFuture:
+        """Store row ``i`` of ``src`` (or row ``rows[i]``) under ``keys[i]``, asynchronously."""
+        fut, mask = self.native.put(_keys(keys), src, _rows(rows))
+        return StoreFuture(fut, mask)
+
+    def get(
+        self, keys: Sequence[bytes], dst: Any, rows: Sequence[int] | None = None
+    ) -> StoreFuture:
+        """Read ``keys[i]`` into row ``i`` of ``dst`` (or row ``rows[i]``), asynchronously.
+
+        ``result()[i]`` is False for a miss (absent, evicted, or corrupted on disk); that row's
+        bytes are then unspecified.
+        """
+        fut, mask = self.native.get(_keys(keys), dst, _rows(rows))
+        return StoreFuture(fut, mask)
+
+    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
+        """Length of the leading run of stored keys, and the fastest tier ("host", "disk") of each."""
+        n, tiers = self.native.lookup(_keys(keys))
+        return n, [t.name.lower() for t in tiers]
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Keep keys from eviction (counted; all keys must be stored, else nothing is pinned)."""
+        self.native.pin(_keys(keys))
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self.native.unpin(_keys(keys))
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Forget keys in every tier; returns how many were stored. Pinned keys are refused."""
+        return self.native.remove(_keys(keys))
+
+    def clear(self) -> None:
+        """Forget every key (pins included)."""
+        self.native.clear()
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until the write-back worker has nothing left to write."""
+        self.native.flush(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: hits / misses per tier, bytes moved, evictions, errors, queues, latencies."""
+        return self.native.stats()
+
+    def prometheus(self, registry: Any = None, prefix: str = "tpusync_store") -> Any:
+        """Register this store's metrics with a prometheus-client registry (default: global)."""
+        from tpusync.core.metrics import register_store
+
+        return register_store(self, registry=registry, prefix=prefix)
+
+    @staticmethod
+    def unlink_namespace(namespace: str) -> None:
+        """Delete the /dev/shm host tier of a namespace (no process may be using it)."""
+        for suffix in ("", ".lock"):
+            path = f"/dev/shm/tpusync-{namespace}-host{suffix}"
+            if os.path.exists(path):
+                os.unlink(path)
+
+    def close(self) -> None:
+        """Release the store (waits for operations in flight). A /dev/shm host tier persists."""
+        self._native = None
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._native is None:
+            return "KVStore(closed)"
+        s = self.stats()
+        tiers = ", ".join(
+            f"{name}={t['used_blocks']}/{t['capacity_blocks']}" for name, t in s["tiers"].items()
+        )
+        return f"KVStore(block_bytes={self._block_bytes}, keys={s['keys']}, {tiers})"
