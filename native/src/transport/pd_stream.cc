@@ -572,18 +572,24 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
     }
   };
 
-  std::vector<Status> results(link.streams.size());
+  // The first reader to fail names the cause (a timeout, say); it closes the link so the other
+  // readers stop at once, and their "connection closed" errors are only consequences.
+  std::mutex first_mu;
+  Status first_failure;
+  auto run_reader = [&](size_t i) {
+    Status s = read_stream(i);
+    if (s.ok()) return;
+    {
+      std::lock_guard lock(first_mu);
+      if (first_failure.ok()) first_failure = s;
+    }
+    if (link.streams[i]->broken()) link.Close();
+  };
   std::vector<std::thread> readers;
-  for (size_t i = 1; i < link.streams.size(); ++i) {
-    readers.emplace_back([&, i] {
-      results[i] = read_stream(i);
-      if (!results[i].ok() && link.streams[i]->broken()) link.Close();
-    });
-  }
-  results[0] = read_stream(0);
-  if (!results[0].ok() && link.streams[0]->broken()) link.Close();
+  for (size_t i = 1; i < link.streams.size(); ++i) readers.emplace_back(run_reader, i);
+  run_reader(0);
   for (auto& t : readers) t.join();
-  for (auto& r : results) TPUSYNC_RETURN_IF_ERROR(r);
+  TPUSYNC_RETURN_IF_ERROR(first_failure);
   std::lock_guard lock(mu_);
   if (std::count(src.landed.begin(), src.landed.end(), 1) != static_cast<ptrdiff_t>(n)) {
     return Status::Corrupted("producer ended the transfer before sending every block");
