@@ -36,5 +36,6 @@ void init_base(nb::module_& m);
 void init_memory(nb::module_& m);
 void init_block(nb::module_& m);
 void init_engine(nb::module_& m);
+void init_transport(nb::module_& m);
 
 }  // namespace tpusync::bindings

@@ -6,4 +6,5 @@ NB_MODULE(_native, m) {
   tpusync::bindings::init_memory(m);
   tpusync::bindings::init_block(m);
   tpusync::bindings::init_engine(m);
+  tpusync::bindings::init_transport(m);
 }
