@@ -86,6 +86,7 @@ Status MemoryStream::Take(void* dst, size_t n) {
     broken_ = true;
     return Status::Unavailable("receive: peer closed the connection (end of input)");
   }
+  if (n == 0) return Status::OK();  // dst may be null for an empty vector
   std::memcpy(dst, in_.data() + pos_, n);
   pos_ += n;
   return Status::OK();

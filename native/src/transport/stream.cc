@@ -142,7 +142,7 @@ Status ParseFrameBytes(std::span<const uint8_t> bytes, InFrame* out) {
   pos += h.meta_bytes;
   TPUSYNC_RETURN_IF_ERROR(CheckMeta(h, f.meta));
   f.checksums.resize(h.num_blocks);
-  std::memcpy(f.checksums.data(), bytes.data() + pos, sums_bytes);
+  if (sums_bytes) std::memcpy(f.checksums.data(), bytes.data() + pos, sums_bytes);
   pos += sums_bytes;
   if (bytes.size() - pos < PayloadBytes(h)) return Status::Corrupted("frame payload truncated");
   for (uint32_t i = 0; i < h.num_blocks; ++i) {
