@@ -19,12 +19,27 @@ def _cmd_version(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    defaults = {"memory": (256, 5), "transport": (1024, 3)}[args.suite]
+    args.total_mib = args.total_mib or defaults[0]
+    args.repeats = args.repeats or defaults[1]
     if args.suite == "memory":
         from tpusync.core.bench import memory
 
         result = memory.run(
             total_bytes=args.total_mib << 20, repeats=args.repeats, show_progress=not args.quiet
         )
+    elif args.suite == "transport":
+        from tpusync.core.bench import transport
+
+        result = transport.run(
+            total_bytes=args.total_mib << 20,
+            repeats=args.repeats,
+            streams=args.streams,
+            show_progress=not args.quiet,
+        )
+        if not args.json:
+            _print_transport_table(result)
+            return 0
     else:  # argparse restricts choices; kept for clarity
         raise SystemExit(f"unknown bench suite {args.suite}")
     if args.json:
@@ -51,6 +66,30 @@ def _print_table(result: dict) -> None:
             f"{r['get']['ratio']:.2f}",
         )
     Console().print(table)
+
+
+def _print_transport_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"tpusync bench transport ({result['bytes'] >> 20} MiB)")
+    for col in ("path", "GB/s", "reference GB/s", "ratio"):
+        table.add_column(col, justify="right")
+    for r in result["tcp"]:
+        ref = r.get("limit_gbps")
+        table.add_row(
+            f"TCP x{r['streams']} vs iperf3",
+            f"{r['gbps']:.2f}",
+            "-" if ref is None else f"{ref:.2f}",
+            "-" if ref is None else f"{r['ratio']:.2f}",
+        )
+    s = result["shm"]
+    table.add_row(
+        "same-host shm vs memcpy", f"{s['gbps']:.2f}", f"{s['limit_gbps']:.2f}", f"{s['ratio']:.2f}"
+    )
+    Console().print(table)
+    m = result["small"]
+    print(f"16 KiB pull: {m['latency_us']:.0f} us (TCP round trip {m['limit_us']:.0f} us)")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -80,10 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_version)
 
     p = sub.add_parser("bench", help="run a benchmark suite")
-    p.add_argument("suite", choices=["memory"])
+    p.add_argument("suite", choices=["memory", "transport"])
     p.add_argument("--json", action="store_true", help="JSON on stdout")
-    p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--total-mib",
+        type=int,
+        default=None,
+        help="MiB per measurement (memory 256, transport 1024)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="runs per figure (memory 5, transport 3)"
+    )
+    p.add_argument(
+        "--streams", type=int, nargs="+", default=None, help="transport: TCP stream counts"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_bench)
 
