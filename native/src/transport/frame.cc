@@ -10,7 +10,9 @@ constexpr size_t kChecksummedHeaderBytes = offsetof(FrameHeader, header_checksum
 constexpr uint8_t kMaxStatusCode = static_cast<uint8_t>(StatusCode::kInternal);
 }  // namespace
 
-bool IsKnownOp(uint8_t op) { return (op >= 1 && op <= 8) || (op >= 16 && op <= 20); }
+bool IsKnownOp(uint8_t op) {
+  return (op >= 1 && op <= 8) || (op >= 16 && op <= 20) || (op >= 32 && op <= 36);
+}
 
 std::string_view OpName(Op op) {
   switch (op) {
@@ -27,6 +29,11 @@ std::string_view OpName(Op op) {
     case Op::kPdEnd: return "PdEnd";
     case Op::kPdAck: return "PdAck";
     case Op::kPdShmOffer: return "PdShmOffer";
+    case Op::kStorePut: return "StorePut";
+    case Op::kStoreGet: return "StoreGet";
+    case Op::kStoreLookup: return "StoreLookup";
+    case Op::kStoreRemove: return "StoreRemove";
+    case Op::kStoreReply: return "StoreReply";
   }
   return "Unknown";
 }

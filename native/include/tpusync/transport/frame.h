@@ -63,6 +63,11 @@ enum class Op : uint8_t {
   kPdEnd = 18,      // producer -> consumer, once per stream: meta = blocks sent on this stream
   kPdAck = 19,      // consumer -> producer: meta = status code (1) + message
   kPdShmOffer = 20, // producer -> consumer (unix socket): meta = PdShmOffer, then an fd
+  kStorePut = 32,     // client -> store node: meta = keys, payload = one block per key
+  kStoreGet = 33,     // client -> store node: meta = keys
+  kStoreLookup = 34,  // client -> store node: meta = keys
+  kStoreRemove = 35,  // client -> store node: meta = keys
+  kStoreReply = 36,   // store node -> client: meta = status + per-key bytes, payload (Get)
 };
 bool IsKnownOp(uint8_t op);
 std::string_view OpName(Op op);
