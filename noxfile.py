@@ -87,7 +87,7 @@ def install_core(session: nox.Session) -> None:
         tmp.rename(cache)
         wheels = sorted(cache.glob("tpusync_core-*.whl"))
     session.install("--force-reinstall", "--no-deps", str(wheels[-1]))
-    session.install("numpy>=1.24", "rich>=13")
+    session.install("numpy>=1.24", "rich>=13", "prometheus-client>=0.17")
 
 
 def install_frameworks(session: nox.Session) -> None:

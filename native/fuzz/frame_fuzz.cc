@@ -1,6 +1,6 @@
 // libFuzzer harness for everything that reads bytes from a peer before or without trusting it:
 // the frame header parser, a stream reading frames from the input, both sides of the auth
-// handshake and the status/metadata decoders.
+// handshake and the status / metadata / store-key decoders.
 //
 // FUZZ CONTRACT: for any input, no crash, no sanitizer report, no allocation beyond the wire limits
 // and no wait (MemoryStream never blocks; an exhausted input is kUnavailable).
@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tpusync/node/store_node.h"
 #include "tpusync/transport/auth.h"
 #include "tpusync/transport/fault_stream.h"
 #include "tpusync/transport/frame.h"
@@ -37,6 +38,8 @@ void ReadFrames(std::span<const uint8_t> input) {
     (void)r.U32();
     (void)r.U64();
     (void)r.Str(64);
+    MetaReader keys(f->meta);
+    (void)node::DecodeKeys(keys);  // store node request metadata
     const uint64_t payload = PayloadBytes(f->header);
     if (payload <= scratch.size()) {
       std::vector<uint8_t*> dst(f->header.num_blocks);

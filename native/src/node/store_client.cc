@@ -161,6 +161,7 @@ Result<std::vector<bool>> StoreClient::Get(const std::vector<std::string>& keys,
   std::vector<std::vector<size_t>> ranks;
   for (const auto& k : keys) ranks.push_back(Rank(k));
   Status last;
+  size_t reached = 0;
   for (size_t round = 0; round < options_.replication; ++round) {
     std::map<size_t, std::vector<size_t>> per_node;
     for (size_t i = 0; i < keys.size(); ++i) {
@@ -178,10 +179,12 @@ Result<std::vector<bool>> StoreClient::Get(const std::vector<std::string>& keys,
         last = res.status();  // failover: the next round asks the next replica
         continue;
       }
+      reached++;
       for (size_t j = 0; j < idx.size(); ++j) found[idx[j]] = found[idx[j]] || (*res)[j];
     }
   }
   pool_->ReleaseBorrow(dst);
+  if (reached == 0 && !last.ok()) return last;  // no node answered at all: say why
   return found;
 }
 
@@ -190,6 +193,8 @@ Result<size_t> StoreClient::LookupPrefix(const std::vector<std::string>& keys) {
   std::vector<std::vector<size_t>> ranks;
   for (const auto& k : keys) ranks.push_back(Rank(k));
   size_t prefix_bound = keys.size();
+  Status last;
+  size_t reached = 0;
   for (size_t round = 0; round < options_.replication; ++round) {
     std::map<size_t, std::vector<size_t>> per_node;
     for (size_t i = 0; i < prefix_bound; ++i) {
@@ -200,10 +205,15 @@ Result<size_t> StoreClient::LookupPrefix(const std::vector<std::string>& keys) {
       std::vector<std::string> ks;
       for (size_t i : idx) ks.push_back(keys[i]);
       auto res = Call(node, Op::kStoreLookup, ks, nullptr, nullptr);
-      if (!res.ok()) continue;
+      if (!res.ok()) {
+        last = res.status();
+        continue;
+      }
+      reached++;
       for (size_t j = 0; j < idx.size(); ++j) found[idx[j]] = found[idx[j]] || (*res)[j];
     }
   }
+  if (reached == 0 && !last.ok()) return last;  // no node answered at all: say why
   size_t n = 0;
   while (n < keys.size() && found[n]) ++n;
   return n;

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "bindings.h"
+#include "tpusync/node/store_client.h"
+#include "tpusync/node/store_node.h"
 #include "tpusync/transport/pd_stream.h"
 
 namespace tpusync::bindings {
@@ -159,6 +161,90 @@ void init_transport(nb::module_& m) {
           },
           nb::arg("request_id"), nb::arg("groups"), nb::arg("timeout"))
       .def_prop_ro("idle_links", &PdConsumer::idle_links);
+
+  nb::class_<node::StoreNode>(m, "StoreNode", "A distributed prefix cache node (put/get/lookup).")
+      .def_static(
+          "start",
+          [](nb::bytes secret, const std::string& listen, size_t capacity_bytes,
+             size_t block_bytes) {
+            node::StoreNodeOptions o;
+            o.listen = listen;
+            o.capacity_bytes = capacity_bytes;
+            o.block_bytes = block_bytes;
+            auto s = MakeSecret(secret);
+            nb::gil_scoped_release release;
+            return std::shared_ptr<node::StoreNode>(Unwrap(node::StoreNode::Start(o, std::move(s))));
+          },
+          nb::arg("secret"), nb::arg("listen") = "127.0.0.1:0",
+          nb::arg("capacity_bytes") = size_t{1} << 30, nb::arg("block_bytes") = 256 << 10)
+      .def_prop_ro("address", [](const node::StoreNode& n) { return n.address().ToString(); })
+      .def_prop_ro("block_bytes", &node::StoreNode::block_bytes)
+      .def("stats",
+           [](const node::StoreNode& n) {
+             const auto s = n.stats();
+             nb::dict d;
+             d["blocks_total"] = s.blocks_total;
+             d["blocks_used"] = s.blocks_used;
+             d["puts"] = s.puts;
+             d["put_blocks"] = s.put_blocks;
+             d["put_exists"] = s.put_exists;
+             d["put_corrupt"] = s.put_corrupt;
+             d["put_no_space"] = s.put_no_space;
+             d["gets"] = s.gets;
+             d["get_hits"] = s.get_hits;
+             d["get_misses"] = s.get_misses;
+             d["lookups"] = s.lookups;
+             d["removes"] = s.removes;
+             d["evictions"] = s.evictions;
+             d["bytes_in"] = s.bytes_in;
+             d["bytes_out"] = s.bytes_out;
+             d["rejected_peers"] = s.rejected_peers;
+             d["links"] = s.links;
+             return d;
+           })
+      .def("stop", &node::StoreNode::Stop, nb::call_guard<nb::gil_scoped_release>());
+
+  nb::class_<node::StoreClient>(m, "StoreClient",
+                                "Client of several store nodes: rendezvous hashing, replicas.")
+      .def_static(
+          "create",
+          [](std::shared_ptr<BlockAllocator> pool, nb::bytes secret, std::vector<std::string> nodes,
+             size_t replication, double timeout) {
+            node::StoreClientOptions o;
+            o.nodes = std::move(nodes);
+            o.replication = replication;
+            o.timeout = Ms(timeout);
+            o.connect.timeout = Ms(timeout);
+            auto s = MakeSecret(secret);
+            return std::shared_ptr<node::StoreClient>(
+                Unwrap(node::StoreClient::Create(std::move(pool), std::move(s), o)));
+          },
+          nb::arg("pool"), nb::arg("secret"), nb::arg("nodes"), nb::arg("replication") = 1,
+          nb::arg("timeout") = 10.0)
+      .def("rank", [](const node::StoreClient& c, const std::string& key) { return c.Rank(key); },
+           nb::arg("key"))
+      .def(
+          "put",
+          [](node::StoreClient& c, const std::vector<std::string>& keys,
+             const std::vector<BlockId>& blocks) { return Unwrap(c.Put(keys, blocks)); },
+          nb::arg("keys"), nb::arg("blocks"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "get",
+          [](node::StoreClient& c, const std::vector<std::string>& keys,
+             const std::vector<BlockId>& dst) { return Unwrap(c.Get(keys, dst)); },
+          nb::arg("keys"), nb::arg("dst"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "lookup_prefix",
+          [](node::StoreClient& c, const std::vector<std::string>& keys) {
+            return Unwrap(c.LookupPrefix(keys));
+          },
+          nb::arg("keys"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "remove",
+          [](node::StoreClient& c, const std::vector<std::string>& keys) {
+            return Unwrap(c.Remove(keys));
+          },
+          nb::arg("keys"), nb::call_guard<nb::gil_scoped_release>());
 }
 
 }  // namespace tpusync::bindings

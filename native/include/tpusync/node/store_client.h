@@ -40,7 +40,8 @@ class StoreClient {
   // (stored now or already there). kUnavailable only when no node could be reached at all.
   Result<std::vector<uint32_t>> Put(const std::vector<std::string>& keys,
                                     const std::vector<BlockId>& blocks);
-  // Copies keys[i] into dst[i] when found on any replica; returns found flags.
+  // Copies keys[i] into dst[i] when found on any replica; returns found flags. Get, LookupPrefix
+  // and Remove fail (with the last node's error) only when no node answered at all.
   Result<std::vector<bool>> Get(const std::vector<std::string>& keys,
                                 const std::vector<BlockId>& dst);
   // Length of the leading run of keys present on some replica (one batched request per node per

@@ -110,6 +110,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result["verified"] else 1
 
 
+def _cmd_store_node(args: argparse.Namespace) -> int:
+    from tpusync.core.store import parse_size, run_store_node
+
+    return run_store_node(
+        listen=args.listen,
+        capacity=parse_size(args.capacity),
+        block_bytes=parse_size(args.block_bytes),
+        secret_file=args.auth_secret_file,
+        metrics_port=args.metrics_port,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpusync", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,6 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "store-node",
+        help="run a distributed prefix cache node until SIGTERM",
+        description="The shared secret comes from --auth-secret-file or $TPUSYNC_AUTH_SECRET "
+        "(never from the command line).",
+    )
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: pick one)")
+    p.add_argument("--capacity", default="1GiB", help="pool size, e.g. 8GiB")
+    p.add_argument("--block-bytes", default="256KiB", help="block size, e.g. 256KiB")
+    p.add_argument("--auth-secret-file", default=None, help="file holding the shared secret")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port")
+    p.set_defaults(func=_cmd_store_node)
 
     p = sub.add_parser("demo", help="offload a synthetic paged KV cache and back")
     p.add_argument("--layers", type=int, default=16)
