@@ -13,6 +13,8 @@ Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
 - ``stubs``   regenerate the checked-in nanobind stubs (a test fails when they are stale)
 - ``fuzz``    libFuzzer (clang-14, ASan + UBSan) on the wire frame parser and auth handshake:
               10^6 inputs from native/fuzz/corpus (``-- RUNS`` to change the count)
+- ``multihost`` store nodes, clients and P/D across three network namespaces joined by veth pairs
+              (root + iproute2; only addresses of namespaces the test creates)
 """
 
 from __future__ import annotations
@@ -218,6 +220,20 @@ def fuzz(session: nox.Session) -> None:
         str(work),
         str(ROOT / "native/fuzz/corpus"),
         external=True,
+    )
+
+
+@nox.session
+def multihost(session: nox.Session) -> None:
+    """Three namespaced hosts (ip netns + veth): store nodes, replicated client, P/D pull."""
+    _apt(session, "iproute2")
+    install_core(session)
+    session.install(*TEST_DEPS)
+    session.run(
+        "pytest",
+        str(ROOT / "packages/tpusync-core/tests/test_multihost.py"),
+        *session.posargs,
+        env={"TPUSYNC_NETNS": "1", "TPUSYNC_REPO_ROOT": str(ROOT)},
     )
 
 
