@@ -14,8 +14,9 @@ using transport::Op;
 
 StoreClient::StoreClient(std::shared_ptr<BlockAllocator> pool, Secret secret,
                          StoreClientOptions options)
-    : pool_(std::move(pool)), options_(std::move(options)), links_(std::move(secret),
-                                                                   options_.connect) {}
+    : pool_(std::move(pool)),
+      options_(std::move(options)),
+      links_(std::move(secret), options_.connect) {}
 
 Result<std::unique_ptr<StoreClient>> StoreClient::Create(std::shared_ptr<BlockAllocator> pool,
                                                          Secret secret,
@@ -23,8 +24,8 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(std::shared_ptr<BlockAl
   if (!pool) return Status::InvalidArgument("StoreClient needs a block pool");
   if (options.nodes.empty()) return Status::InvalidArgument("StoreClient needs at least one node");
   if (options.replication == 0 || options.replication > options.nodes.size()) {
-    return Status::InvalidArgument(StrCat("replication ", options.replication, " with ",
-                                          options.nodes.size(), " nodes"));
+    return Status::InvalidArgument(
+        StrCat("replication ", options.replication, " with ", options.nodes.size(), " nodes"));
   }
   std::unique_ptr<StoreClient> c(new StoreClient(std::move(pool), std::move(secret), options));
   for (const auto& n : options.nodes) {

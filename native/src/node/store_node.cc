@@ -42,8 +42,8 @@ std::vector<uint8_t> EncodeKeys(const std::vector<std::string>& keys) {
 Result<std::vector<std::string>> DecodeKeys(MetaReader& r) {
   TPUSYNC_ASSIGN_OR_RETURN(uint32_t n, r.U32());
   if (n == 0 || n > kMaxKeysPerRequest) {
-    return Status::InvalidArgument(StrCat("a request carries ", n, " keys (1..",
-                                          kMaxKeysPerRequest, " allowed)"));
+    return Status::InvalidArgument(
+        StrCat("a request carries ", n, " keys (1..", kMaxKeysPerRequest, " allowed)"));
   }
   std::vector<std::string> keys;
   keys.reserve(std::min<size_t>(n, r.remaining() / 5 + 1));
@@ -70,11 +70,10 @@ Result<std::unique_ptr<StoreNode>> StoreNode::Start(StoreNodeOptions options, Se
   auto so = options.server;
   so.listen = options.listen;
   StoreNode* self = n.get();
-  TPUSYNC_ASSIGN_OR_RETURN(n->server_,
-                           transport::Server::Start(so, std::move(secret),
-                                                    [self](std::shared_ptr<transport::Link> l) {
-                                                      self->Serve(l);
-                                                    }));
+  TPUSYNC_ASSIGN_OR_RETURN(
+      n->server_,
+      transport::Server::Start(so, std::move(secret),
+                               [self](std::shared_ptr<transport::Link> l) { self->Serve(l); }));
   return n;
 }
 

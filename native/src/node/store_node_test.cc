@@ -14,12 +14,13 @@ Secret TestSecret() { return *Secret::FromBytes("store-node-test-secret-01234567
 
 std::shared_ptr<BlockAllocator> MakePool(size_t blocks) {
   auto pool = memory::HostPool::Create({.size_bytes = BlockAllocator::StrideFor(kBlock) * blocks});
-  return std::shared_ptr<BlockAllocator>(std::move(*BlockAllocator::Create(std::move(*pool), kBlock)));
+  return std::shared_ptr<BlockAllocator>(
+      std::move(*BlockAllocator::Create(std::move(*pool), kBlock)));
 }
 
 std::unique_ptr<StoreNode> StartNode(size_t blocks = 64) {
-  auto n = StoreNode::Start({.capacity_bytes = blocks * kBlock, .block_bytes = kBlock},
-                            TestSecret());
+  auto n =
+      StoreNode::Start({.capacity_bytes = blocks * kBlock, .block_bytes = kBlock}, TestSecret());
   EXPECT_TRUE(n.ok()) << n.status().ToString();
   return std::move(*n);
 }
@@ -70,8 +71,8 @@ TEST(StoreNode, CorruptPutCommitsNothingAndFirstWriterWins) {
   auto pool = MakePool(16);
   transport::ConnectOptions co{.streams = 1};
   co.wrap = [](std::unique_ptr<transport::Stream> s, size_t) -> std::unique_ptr<transport::Stream> {
-    return std::make_unique<transport::FaultyStream>(std::move(s),
-                                                     transport::FaultPlan{.corrupt_probability = 1});
+    return std::make_unique<transport::FaultyStream>(
+        std::move(s), transport::FaultPlan{.corrupt_probability = 1});
   };
   auto bad = StoreClient::Create(pool, TestSecret(),
                                  {.nodes = {node->address().ToString()}, .connect = co});
@@ -100,7 +101,8 @@ TEST(StoreNode, FullNodeEvictsLeastRecentlyUsed) {
   auto src = *pool->Alloc(8);
   ASSERT_TRUE((*client)->Put(Keys(8, "a"), src).ok());
   EXPECT_EQ(*(*client)->LookupPrefix({"a7"}), 1u);  // touch a7
-  ASSERT_TRUE((*client)->Put(Keys(2, "b"), std::vector<BlockId>(src.begin(), src.begin() + 2)).ok());
+  ASSERT_TRUE(
+      (*client)->Put(Keys(2, "b"), std::vector<BlockId>(src.begin(), src.begin() + 2)).ok());
   EXPECT_EQ(node->stats().evictions, 2u);
   EXPECT_EQ(*(*client)->LookupPrefix({"a0"}), 0u);  // the oldest went first
   EXPECT_EQ(*(*client)->LookupPrefix({"a7", "b0", "b1"}), 3u);
@@ -136,7 +138,8 @@ TEST(StoreNode, RendezvousReplicationSurvivesANodeLoss) {
   auto got = (*client)->Get(keys, dst);
   ASSERT_TRUE(got.ok());
   EXPECT_EQ(*got, std::vector<bool>(24, true));
-  for (size_t i = 0; i < 24; ++i) EXPECT_EQ((*pool->Address(dst[i]))[7], static_cast<uint8_t>(3 + i));
+  for (size_t i = 0; i < 24; ++i)
+    EXPECT_EQ((*pool->Address(dst[i]))[7], static_cast<uint8_t>(3 + i));
   EXPECT_EQ(*(*client)->LookupPrefix(keys), 24u);
 }
 
@@ -147,15 +150,16 @@ TEST(StoreNode, MalformedRequestsGetClearErrors) {
   auto& s = *(*link)->streams[0];
   transport::MetaWriter w;
   w.U32(2).Str("only-one-key");
-  ASSERT_TRUE(s.SendMeta(transport::Op::kStoreGet, 1, w.bytes(), transport::DeadlineInMs(2000)).ok());
+  ASSERT_TRUE(
+      s.SendMeta(transport::Op::kStoreGet, 1, w.bytes(), transport::DeadlineInMs(2000)).ok());
   auto reply = s.RecvHead(transport::DeadlineInMs(2000));
   ASSERT_TRUE(reply.ok());
   transport::MetaReader r(reply->meta);
   EXPECT_EQ(*r.U8(), static_cast<uint8_t>(StatusCode::kInvalidArgument));
   // The link is still usable after a refused request.
-  ASSERT_TRUE(s.SendMeta(transport::Op::kStoreLookup, 2, EncodeKeys({"x"}),
-                         transport::DeadlineInMs(2000))
-                  .ok());
+  ASSERT_TRUE(
+      s.SendMeta(transport::Op::kStoreLookup, 2, EncodeKeys({"x"}), transport::DeadlineInMs(2000))
+          .ok());
   EXPECT_TRUE(s.RecvHead(transport::DeadlineInMs(2000)).ok());
 }
 

@@ -49,8 +49,8 @@ Result<Secret> Secret::Load(const std::string& path, const char* env_var) {
   }
   const char* env = env_var ? std::getenv(env_var) : nullptr;
   if (env == nullptr || *env == '\0') {
-    return Status::InvalidArgument(StrCat("no shared secret: pass a secret file or set $",
-                                          env_var ? env_var : kSecretEnvVar));
+    return Status::InvalidArgument(
+        StrCat("no shared secret: pass a secret file or set $", env_var ? env_var : kSecretEnvVar));
   }
   return FromBytes(env);
 }
@@ -86,9 +86,8 @@ Status ServerHandshake(Stream& stream, const Secret& secret, Deadline deadline) 
   std::span<const uint8_t> mac(resp->meta.data() + kNonceBytes, kMacBytes);
   const Mac want = Tag(secret, kClientLabel, ns, nc);
   if (CRYPTO_memcmp(want.data(), mac.data(), kMacBytes) != 0) {
-    (void)stream.SendMeta(Op::kError, 0,
-                          EncodeStatus(Status::PermissionDenied("authentication failed")),
-                          deadline);
+    (void)stream.SendMeta(
+        Op::kError, 0, EncodeStatus(Status::PermissionDenied("authentication failed")), deadline);
     return Denied("wrong MAC (the peer does not hold the shared secret)");
   }
   const Mac proof = Tag(secret, kServerLabel, nc, ns);

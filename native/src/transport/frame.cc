@@ -80,8 +80,8 @@ Result<FrameHeader> ParseHeader(std::span<const uint8_t> bytes) {
                                           " blocks, more than the limit of ", kMaxBlocksPerFrame));
   }
   if (h.block_bytes > kMaxBlockBytes) {
-    return Status::InvalidArgument(StrCat("frame block size ", h.block_bytes,
-                                          " exceeds the limit of ", kMaxBlockBytes));
+    return Status::InvalidArgument(
+        StrCat("frame block size ", h.block_bytes, " exceeds the limit of ", kMaxBlockBytes));
   }
   if ((h.num_blocks == 0) != (h.block_bytes == 0)) {
     return Status::InvalidArgument(StrCat("frame declares ", h.num_blocks, " blocks of ",

@@ -74,8 +74,7 @@ TEST(Frame, LimitsAndUnknownOpsAreRefusedBeforeAnyAllocation) {
             StatusCode::kInvalidArgument);
   EXPECT_EQ(forge([](FrameHeader& h) { h.block_bytes = kMaxBlockBytes + 1; }).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(forge([](FrameHeader& h) { h.block_bytes = 0; }).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(forge([](FrameHeader& h) { h.block_bytes = 0; }).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(forge([](FrameHeader& h) { h.op = 200; }).code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(forge([](FrameHeader&) {}).ok());
 }

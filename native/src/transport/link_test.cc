@@ -68,8 +68,7 @@ TEST(Auth, HmacMatchesRfc4231TestCase2) {
 TEST(Auth, SecretsAreAtLeast16BytesAndComeFromFileOrEnv) {
   EXPECT_EQ(Secret::FromBytes("short").status().code(), StatusCode::kInvalidArgument);
   ::unsetenv("TPUSYNC_TEST_SECRET");
-  EXPECT_EQ(Secret::Load("", "TPUSYNC_TEST_SECRET").status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(Secret::Load("", "TPUSYNC_TEST_SECRET").status().code(), StatusCode::kInvalidArgument);
   ::setenv("TPUSYNC_TEST_SECRET", "0123456789abcdef0123", 1);
   EXPECT_TRUE(Secret::Load("", "TPUSYNC_TEST_SECRET").ok());
   EXPECT_EQ(Secret::Load("/nonexistent/secret").status().code(), StatusCode::kNotFound);
@@ -150,13 +149,14 @@ TEST(Transport, StripedTransferOverLoopbackIsByteExact) {
     std::vector<const uint8_t*> ptrs;
     for (auto& b : src) ptrs.push_back(b.data());
     auto streams_raw = (*link)->raw();
-    ASSERT_TRUE(SendStriped(streams_raw, Op::kPdData, 5, kBytes, ptrs,
-                            [](size_t first, size_t count) {
-                              MetaWriter w;
-                              w.U32(static_cast<uint32_t>(first)).U32(static_cast<uint32_t>(count));
-                              return w.Take();
-                            },
-                            DeadlineInMs(10000))
+    ASSERT_TRUE(SendStriped(
+                    streams_raw, Op::kPdData, 5, kBytes, ptrs,
+                    [](size_t first, size_t count) {
+                      MetaWriter w;
+                      w.U32(static_cast<uint32_t>(first)).U32(static_cast<uint32_t>(count));
+                      return w.Take();
+                    },
+                    DeadlineInMs(10000))
                     .ok());
     // Each stream echoes its chunk back: land every block at its index, like the P/D consumer.
     std::vector<std::vector<uint8_t>> dst(kBlocks, std::vector<uint8_t>(kBytes));
@@ -200,8 +200,8 @@ TEST(Transport, DeadPeerTimesOutInsteadOfHanging) {
   auto addr = LocalAddress(lfd->get(), false);
   ASSERT_TRUE(addr.ok());
   const auto t0 = Clock::now();
-  auto link = ConnectLink(*addr, TestSecret(),
-                          {.streams = 1, .timeout = std::chrono::milliseconds(200)});
+  auto link =
+      ConnectLink(*addr, TestSecret(), {.streams = 1, .timeout = std::chrono::milliseconds(200)});
   const auto took = Clock::now() - t0;
   ASSERT_FALSE(link.ok());
   EXPECT_EQ(link.status().code(), StatusCode::kTimeout);

@@ -56,16 +56,14 @@ Result<std::unique_ptr<PdProducer>> PdProducer::Start(std::shared_ptr<BlockAlloc
   ServerOptions so = options.server;
   so.listen = options.listen;
   PdProducer* self = p.get();
-  TPUSYNC_ASSIGN_OR_RETURN(
-      p->tcp_, Server::Start(so, secret, [self](std::shared_ptr<Link> l) {
-        self->ServeLink(l, false);
-      }));
+  TPUSYNC_ASSIGN_OR_RETURN(p->tcp_, Server::Start(so, secret, [self](std::shared_ptr<Link> l) {
+                             self->ServeLink(l, false);
+                           }));
   if (!options.unix_path.empty()) {
     so.listen = "unix:" + options.unix_path;
-    TPUSYNC_ASSIGN_OR_RETURN(
-        p->unix_, Server::Start(so, secret, [self](std::shared_ptr<Link> l) {
-          self->ServeLink(l, true);
-        }));
+    TPUSYNC_ASSIGN_OR_RETURN(p->unix_, Server::Start(so, secret, [self](std::shared_ptr<Link> l) {
+                               self->ServeLink(l, true);
+                             }));
   }
   p->reaper_ = std::thread([self] { self->ReapLoop(); });
   return p;
@@ -153,8 +151,8 @@ void PdProducer::ReapLoop() {
       if (e->deadline <= now) expired.push_back(id);
     }
     for (uint64_t id : expired) {
-      Finish(id, Status::Timeout(StrCat("request ", id,
-                                        ": deadline passed before the consumer acknowledged")));
+      Finish(id, Status::Timeout(
+                     StrCat("request ", id, ": deadline passed before the consumer acknowledged")));
     }
   }
 }
@@ -239,15 +237,15 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
     for (uint32_t g = 0; g < groups && sent.ok(); ++g) {
       const size_t first = size_t{g} * e->bpg;
       const size_t count = std::min<size_t>(e->bpg, addrs.size() - first);
-      sent = SendStriped(raw, Op::kPdData, id, bb,
-                         std::span<const uint8_t* const>(addrs).subspan(first, count),
-                         [&](size_t f, size_t c) {
-                           MetaWriter w;
-                           w.U32(g).U32(groups).U32(e->bpg);
-                           w.U32(static_cast<uint32_t>(first + f)).U32(static_cast<uint32_t>(c));
-                           return w.Take();
-                         },
-                         e->deadline);
+      sent = SendStriped(
+          raw, Op::kPdData, id, bb, std::span<const uint8_t* const>(addrs).subspan(first, count),
+          [&](size_t f, size_t c) {
+            MetaWriter w;
+            w.U32(g).U32(groups).U32(e->bpg);
+            w.U32(static_cast<uint32_t>(first + f)).U32(static_cast<uint32_t>(c));
+            return w.Take();
+          },
+          e->deadline);
     }
   }
   for (size_t i = 0; i < link.streams.size() && sent.ok(); ++i) {
@@ -405,8 +403,8 @@ void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
     result = PullFrom(*req, src, *raw);
     if (raw->healthy()) {
       // Tell the producer: OK lets it free the blocks; a failure keeps them for a retry.
-      const Status ack = raw->streams[0]->SendMeta(Op::kPdAck, req->id, EncodeStatus(result),
-                                                   req->deadline);
+      const Status ack =
+          raw->streams[0]->SendMeta(Op::kPdAck, req->id, EncodeStatus(result), req->deadline);
       if (result.ok() && !ack.ok()) result = ack;
     }
     {
@@ -418,8 +416,8 @@ void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
   std::lock_guard lock(mu_);
   if (!result.ok() && req->status.state == PdState::kPending) {
     req->status.state = PdState::kFailed;
-    req->status.reason = Status(result.code(), StrCat("source ", src.peer.ToString(), ": ",
-                                                      result.message()));
+    req->status.reason =
+        Status(result.code(), StrCat("source ", src.peer.ToString(), ": ", result.message()));
   }
   if (--req->running == 0) {
     if (req->status.state == PdState::kPending) req->status.state = PdState::kDone;
@@ -431,10 +429,12 @@ void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
 Result<std::shared_ptr<PdConsumer::Mapping>> PdConsumer::MapSegment(Fd fd) {
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return Status::FromErrno(errno, "fstat(shm segment)");
-  const auto key = std::make_pair(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
+  const auto key =
+      std::make_pair(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
   {
     std::lock_guard lock(mu_);
-    if (auto it = mappings_.find(key); it != mappings_.end() && it->second->size == size_t(st.st_size)) {
+    if (auto it = mappings_.find(key);
+        it != mappings_.end() && it->second->size == size_t(st.st_size)) {
       return it->second;
     }
   }
@@ -452,8 +452,8 @@ Result<std::shared_ptr<PdConsumer::Mapping>> PdConsumer::MapSegment(Fd fd) {
 Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
   const uint64_t bb = pool_->block_bytes();
   const size_t n = src.blocks.size();
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(req.deadline -
-                                                                           Clock::now());
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(req.deadline - Clock::now());
   MetaWriter w;
   w.U32(static_cast<uint32_t>(n)).U64(bb);
   w.U32(static_cast<uint32_t>(std::clamp<int64_t>(left.count(), 0, INT32_MAX)));
@@ -466,8 +466,8 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
     std::lock_guard lock(mu_);
     if (src.groups == 0) {
       if (bpg == 0 || groups != GroupsOf(n, bpg)) {
-        return Status::Corrupted(StrCat("producer declares ", groups, " groups of ", bpg,
-                                        " blocks for ", n, " blocks"));
+        return Status::Corrupted(
+            StrCat("producer declares ", groups, " groups of ", bpg, " blocks for ", n, " blocks"));
       }
       src.groups = groups;
       src.bpg = bpg;
@@ -478,17 +478,16 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
     }
     const uint64_t gfirst = uint64_t{g} * bpg, glast = std::min<uint64_t>(gfirst + bpg, n);
     if (first < gfirst || uint64_t{first} + count > glast) {
-      return Status::Corrupted(StrCat("blocks [", first, ", ", first + count,
-                                      ") are outside group ", g));
+      return Status::Corrupted(
+          StrCat("blocks [", first, ", ", first + count, ") are outside group ", g));
     }
     for (uint32_t i = first; i < first + count; ++i) {
       if (src.landed[i]) return Status::Corrupted(StrCat("block ", i, " was sent twice"));
       src.landed[i] = 1;
     }
     src.landed_in_group[g] += count;
-    while (src.ready < src.groups &&
-           src.landed_in_group[src.ready] ==
-               std::min<uint64_t>(bpg, n - uint64_t{src.ready} * bpg)) {
+    while (src.ready < src.groups && src.landed_in_group[src.ready] ==
+                                         std::min<uint64_t>(bpg, n - uint64_t{src.ready} * bpg)) {
       src.ready++;
     }
     req.status.bytes += uint64_t{count} * bb;
@@ -511,8 +510,7 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
           Status s = DecodeStatus(f->meta);
           return s.ok() ? Status::Internal("producer sent an Error frame carrying OK") : s;
         }
-        case Op::kPdEnd:
-          return first_error;
+        case Op::kPdEnd: return first_error;
         case Op::kPdData: {
           MetaReader r(f->meta);
           auto g = r.U32(), groups = r.U32(), bpg = r.U32(), first = r.U32(), count = r.U32();
@@ -549,7 +547,8 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
           for (size_t i = 0; i < n; ++i) {
             offsets[i] = *r.U64();
             if (offsets[i] > map->size || map->size - offsets[i] < bb) {
-              return Status::Corrupted(StrCat("shm offset ", offsets[i], " is outside the segment"));
+              return Status::Corrupted(
+                  StrCat("shm offset ", offsets[i], " is outside the segment"));
             }
           }
           const uint32_t groups = GroupsOf(n, *bpg);
@@ -567,7 +566,8 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
           break;
         }
         default:
-          return Status::Corrupted(StrCat("unexpected ", OpName(f->op()), " frame from ", st.peer()));
+          return Status::Corrupted(
+              StrCat("unexpected ", OpName(f->op()), " frame from ", st.peer()));
       }
     }
   };

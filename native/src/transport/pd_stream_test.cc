@@ -70,8 +70,8 @@ TEST(PdStream, StreamsGroupsAndFreesProducerBlocksOnlyAfterAck) {
   EXPECT_EQ(ppool->num_free(), 12u);
 
   auto dst = *cpool->Alloc(20);
-  ASSERT_TRUE((*consumer)->StartRecv(7, {{(*producer)->address().ToString(), dst}},
-                                     DeadlineInMs(20000))
+  ASSERT_TRUE((*consumer)
+                  ->StartRecv(7, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(20000))
                   .ok());
   const PdStatus got = WaitEnd(**consumer, 7);
   ASSERT_EQ(got.state, PdState::kDone) << got.reason.ToString();
@@ -96,8 +96,8 @@ TEST(PdStream, ConsumerMayPullBeforeTheProducerRegisters) {
   auto producer = PdProducer::Start(ppool, TestSecret(), {});
   auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}});
   auto dst = *cpool->Alloc(8);
-  ASSERT_TRUE((*consumer)->StartRecv(1, {{(*producer)->address().ToString(), dst}},
-                                     DeadlineInMs(10000))
+  ASSERT_TRUE((*consumer)
+                  ->StartRecv(1, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(10000))
                   .ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   auto src = *ppool->Alloc(8);
@@ -120,11 +120,11 @@ TEST(PdStream, CompleteOnlyWhenEverySenderLanded) {
   auto d = *cpool->Alloc(10);
   std::vector<BlockId> d1(d.begin(), d.begin() + 4), d2(d.begin() + 4, d.end());
   ASSERT_TRUE((*p1)->RegisterSend(5, s1, 2, DeadlineInMs(10000)).ok());
-  ASSERT_TRUE((*consumer)->StartRecv(5,
-                                     {{(*p1)->address().ToString(), d1},
-                                      {(*p2)->address().ToString(), d2}},
-                                     DeadlineInMs(10000))
-                  .ok());
+  ASSERT_TRUE(
+      (*consumer)
+          ->StartRecv(5, {{(*p1)->address().ToString(), d1}, {(*p2)->address().ToString(), d2}},
+                      DeadlineInMs(10000))
+          .ok());
   // Sender 1 alone is not enough.
   auto early = (*consumer)->Wait(5, UINT32_MAX, DeadlineInMs(300));
   EXPECT_EQ(early.status().code(), StatusCode::kTimeout);

@@ -37,7 +37,8 @@ Status WaitFor(int fd, short events, Deadline deadline, const char* what) {
       if (p.revents & POLLNVAL) return Status::Unavailable(StrCat(what, ": socket closed"));
       continue;
     }
-    if (r == 0) return Status::Timeout(StrCat(what, ": deadline passed while waiting for the peer"));
+    if (r == 0)
+      return Status::Timeout(StrCat(what, ": deadline passed while waiting for the peer"));
     if (errno != EINTR) return Status::FromErrno(errno, what);
   }
 }
@@ -62,8 +63,8 @@ Result<SockAddr> Resolve(const Address& addr) {
     auto* un = reinterpret_cast<sockaddr_un*>(&out.storage);
     if (addr.host.empty() || addr.host.size() >= sizeof(un->sun_path)) {
       return Status::InvalidArgument(StrCat("unix socket path '", addr.host,
-                                            "' is empty or longer than ",
-                                            sizeof(un->sun_path) - 1, " bytes"));
+                                            "' is empty or longer than ", sizeof(un->sun_path) - 1,
+                                            " bytes"));
     }
     un->sun_family = AF_UNIX;
     std::memcpy(un->sun_path, addr.host.data(), addr.host.size());
@@ -77,8 +78,8 @@ Result<SockAddr> Resolve(const Address& addr) {
   hints.ai_flags = AI_NUMERICSERV;
   addrinfo* res = nullptr;
   const std::string port = std::to_string(addr.port);
-  const int rc = ::getaddrinfo(addr.host.empty() ? nullptr : addr.host.c_str(), port.c_str(),
-                               &hints, &res);
+  const int rc =
+      ::getaddrinfo(addr.host.empty() ? nullptr : addr.host.c_str(), port.c_str(), &hints, &res);
   if (rc != 0 || res == nullptr) {
     return Status::InvalidArgument(
         StrCat("cannot resolve '", addr.host, "': ", ::gai_strerror(rc)));
@@ -201,8 +202,8 @@ Result<Fd> Accept(int listen_fd, Deadline deadline, std::string* peer_name) {
   for (;;) {
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
-    const int c = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len,
-                            SOCK_CLOEXEC | SOCK_NONBLOCK);
+    const int c =
+        ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (c >= 0) {
       if (peer_name) {
         char buf[INET6_ADDRSTRLEN] = {};
@@ -233,8 +234,7 @@ Result<Fd> Connect(const Address& addr, Deadline deadline, const SocketOptions& 
   TPUSYNC_RETURN_IF_ERROR(ConfigureSocket(fd.get(), addr.is_unix, options));
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa.storage), sa.len) != 0) {
     if (errno != EINPROGRESS && errno != EAGAIN) {
-      return Status::Unavailable(
-          StrCat("connect ", addr.ToString(), ": ", std::strerror(errno)));
+      return Status::Unavailable(StrCat("connect ", addr.ToString(), ": ", std::strerror(errno)));
     }
     TPUSYNC_RETURN_IF_ERROR(WaitFor(fd.get(), POLLOUT, deadline, "connect"));
     int err = 0;
@@ -269,8 +269,8 @@ Status WriteAllV(int fd, std::span<const iovec> iov_in, Deadline deadline) {
         continue;
       }
       if (errno == EPIPE || errno == ECONNRESET) {
-        return Status::Unavailable(StrCat("send: peer closed the connection (",
-                                          std::strerror(errno), ")"));
+        return Status::Unavailable(
+            StrCat("send: peer closed the connection (", std::strerror(errno), ")"));
       }
       return Status::FromErrno(errno, "sendmsg");
     }

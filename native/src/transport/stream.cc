@@ -28,8 +28,8 @@ Result<InFrame> Stream::Expect(Op op, Deadline deadline) {
   }
   if (f.op() != op) {
     if (f.header.num_blocks) (void)SkipBlocks(f, deadline);
-    return Status::InvalidArgument(StrCat("expected a ", OpName(op), " frame from ", peer(),
-                                          ", got ", OpName(f.op())));
+    return Status::InvalidArgument(
+        StrCat("expected a ", OpName(op), " frame from ", peer(), ", got ", OpName(f.op())));
   }
   if (f.header.num_blocks != 0) {
     (void)SkipBlocks(f, deadline);
@@ -101,9 +101,9 @@ Status SocketStream::RecvBlocks(const InFrame& f, std::span<uint8_t* const> dst,
                                 Deadline deadline) {
   if (broken_.load()) return Status::Unavailable(StrCat("stream to ", peer_, " is closed"));
   if (dst.size() != f.header.num_blocks) {
-    return Fail(Status::InvalidArgument(StrCat("frame carries ", f.header.num_blocks,
-                                               " blocks but ", dst.size(),
-                                               " destinations were given")));
+    return Fail(
+        Status::InvalidArgument(StrCat("frame carries ", f.header.num_blocks, " blocks but ",
+                                       dst.size(), " destinations were given")));
   }
   std::vector<iovec> iov(dst.size());
   for (size_t i = 0; i < dst.size(); ++i) iov[i] = {dst[i], f.header.block_bytes};
@@ -111,8 +111,8 @@ Status SocketStream::RecvBlocks(const InFrame& f, std::span<uint8_t* const> dst,
   for (size_t i = 0; i < dst.size(); ++i) {
     if (Checksum64(dst[i], f.header.block_bytes) != f.checksums[i]) {
       // The stream itself is still in step: only this payload is bad.
-      return Status::Corrupted(StrCat("block ", i, " of a ", OpName(f.op()), " frame from ",
-                                      peer_, " failed its checksum; it was not used"));
+      return Status::Corrupted(StrCat("block ", i, " of a ", OpName(f.op()), " frame from ", peer_,
+                                      " failed its checksum; it was not used"));
     }
   }
   return Status::OK();

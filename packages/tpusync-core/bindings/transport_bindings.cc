@@ -1,9 +1,9 @@
 // The P/D streaming primitive (PdProducer / PdConsumer) over the native transport. Thin: argument
 // conversion, GIL release around every call that can block, Status -> exception.
 #include <nanobind/stl/pair.h>
-#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
@@ -173,7 +173,8 @@ void init_transport(nb::module_& m) {
             o.block_bytes = block_bytes;
             auto s = MakeSecret(secret);
             nb::gil_scoped_release release;
-            return std::shared_ptr<node::StoreNode>(Unwrap(node::StoreNode::Start(o, std::move(s))));
+            return std::shared_ptr<node::StoreNode>(
+                Unwrap(node::StoreNode::Start(o, std::move(s))));
           },
           nb::arg("secret"), nb::arg("listen") = "127.0.0.1:0",
           nb::arg("capacity_bytes") = size_t{1} << 30, nb::arg("block_bytes") = 256 << 10)
@@ -221,8 +222,9 @@ void init_transport(nb::module_& m) {
           },
           nb::arg("pool"), nb::arg("secret"), nb::arg("nodes"), nb::arg("replication") = 1,
           nb::arg("timeout") = 10.0)
-      .def("rank", [](const node::StoreClient& c, const std::string& key) { return c.Rank(key); },
-           nb::arg("key"))
+      .def(
+          "rank", [](const node::StoreClient& c, const std::string& key) { return c.Rank(key); },
+          nb::arg("key"))
       .def(
           "put",
           [](node::StoreClient& c, const std::vector<std::string>& keys,

@@ -53,7 +53,8 @@ class StoreClient {
  private:
   StoreClient(std::shared_ptr<BlockAllocator> pool, Secret secret, StoreClientOptions options);
   // Sends one request to node `n` and returns the reply frame's metadata (payload left to `recv`).
-  Result<std::vector<uint8_t>> Call(size_t n, transport::Op op, const std::vector<std::string>& keys,
+  Result<std::vector<uint8_t>> Call(size_t n, transport::Op op,
+                                    const std::vector<std::string>& keys,
                                     const std::vector<BlockId>* payload,
                                     const std::vector<BlockId>* dst_found);
   std::shared_ptr<BlockAllocator> pool_;

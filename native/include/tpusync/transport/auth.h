@@ -2,8 +2,8 @@
 // with HMAC-SHA256 (OpenSSL libcrypto).
 //
 //   server -> client  AuthChallenge  meta = Ns (32 random bytes)
-//   client -> server  AuthResponse   meta = Nc (32 random bytes) + HMAC(K, "tpusync/1 client" Ns Nc)
-//   server -> client  AuthProof      meta = HMAC(K, "tpusync/1 server" Nc Ns)
+//   client -> server  AuthResponse   meta = Nc (32 random bytes) + HMAC(K, "tpusync/1 client" Ns
+//   Nc) server -> client  AuthProof      meta = HMAC(K, "tpusync/1 server" Nc Ns)
 //
 // AUTH CONTRACT: no frame other than the three above is accepted on a connection before the
 // handshake completed; a wrong MAC, a malformed or out-of-order frame or a timeout ends the

@@ -21,9 +21,9 @@
 namespace tpusync::transport {
 
 struct FaultPlan {
-  double drop_probability = 0.0;     // per frame sent
-  double corrupt_probability = 0.0;  // per frame with a payload
-  std::chrono::milliseconds delay{0};  // before each frame sent
+  double drop_probability = 0.0;        // per frame sent
+  double corrupt_probability = 0.0;     // per frame with a payload
+  std::chrono::milliseconds delay{0};   // before each frame sent
   int64_t disconnect_after_sends = -1;  // close after this many successful sends (-1: never)
   uint64_t seed = 1;
 };

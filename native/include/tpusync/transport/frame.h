@@ -58,11 +58,11 @@ enum class Op : uint8_t {
   kError = 6,          // either way: meta = status code (1) + message
   kPing = 7,
   kPong = 8,
-  kPdPull = 16,     // consumer -> producer: meta = PdPull
-  kPdData = 17,     // producer -> consumer: meta = PdData, payload = the blocks
-  kPdEnd = 18,      // producer -> consumer, once per stream: meta = blocks sent on this stream
-  kPdAck = 19,      // consumer -> producer: meta = status code (1) + message
-  kPdShmOffer = 20, // producer -> consumer (unix socket): meta = PdShmOffer, then an fd
+  kPdPull = 16,       // consumer -> producer: meta = PdPull
+  kPdData = 17,       // producer -> consumer: meta = PdData, payload = the blocks
+  kPdEnd = 18,        // producer -> consumer, once per stream: meta = blocks sent on this stream
+  kPdAck = 19,        // consumer -> producer: meta = status code (1) + message
+  kPdShmOffer = 20,   // producer -> consumer (unix socket): meta = PdShmOffer, then an fd
   kStorePut = 32,     // client -> store node: meta = keys, payload = one block per key
   kStoreGet = 33,     // client -> store node: meta = keys
   kStoreLookup = 34,  // client -> store node: meta = keys

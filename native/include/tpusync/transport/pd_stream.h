@@ -32,8 +32,8 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <list>
 #include <cstdint>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -107,8 +107,8 @@ class PdProducer {
 };
 
 struct PdSource {
-  std::string peer;              // "HOST:PORT" or "unix:/path" of a producer
-  std::vector<BlockId> blocks;   // destination blocks, same count as the producer registered
+  std::string peer;             // "HOST:PORT" or "unix:/path" of a producer
+  std::vector<BlockId> blocks;  // destination blocks, same count as the producer registered
 };
 
 struct PdConsumerOptions {

@@ -32,8 +32,8 @@ struct OutFrame {
   uint8_t flags = 0;
   uint64_t request_id = 0;
   std::span<const uint8_t> meta;
-  uint64_t block_bytes = 0;                 // every block has this size
-  std::span<const uint8_t* const> blocks;   // payload, written in this order
+  uint64_t block_bytes = 0;                // every block has this size
+  std::span<const uint8_t* const> blocks;  // payload, written in this order
   // Optional precomputed checksums (one per block). The fault double uses this to send damaged
   // bytes under the checksums of the intact ones.
   std::span<const uint64_t> checksums;
