@@ -4,7 +4,7 @@
 set -euo pipefail
 want=("$@")
 if [ ${#want[@]} -eq 0 ]; then
-  want=(libgtest-dev libxxhash-dev liburing-dev clang-format fio iperf3 iproute2)
+  want=(libgtest-dev libxxhash-dev libssl-dev liburing-dev clang-format fio iperf3 iproute2)
 fi
 missing=()
 for p in "${want[@]}"; do

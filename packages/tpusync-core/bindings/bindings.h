@@ -55,5 +55,6 @@ void init_memory(nb::module_& m);
 void init_block(nb::module_& m);
 void init_engine(nb::module_& m);
 void init_store(nb::module_& m);
+void init_transport(nb::module_& m);
 
 }  // namespace tpusync::bindings

@@ -7,4 +7,5 @@ NB_MODULE(_native, m) {
   tpusync::bindings::init_block(m);
   tpusync::bindings::init_engine(m);
   tpusync::bindings::init_store(m);
+  tpusync::bindings::init_transport(m);
 }

@@ -19,6 +19,9 @@ def _cmd_version(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    defaults = {"memory": (256, 5), "tiers": (256, 5), "transport": (1024, 3)}[args.suite]
+    args.total_mib = args.total_mib or defaults[0]
+    args.repeats = args.repeats or defaults[1]
     if args.suite == "memory":
         from tpusync.core.bench import memory
 
@@ -36,6 +39,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             session_tokens=args.session_tokens,
             show_progress=not args.quiet,
         )
+    elif args.suite == "transport":
+        from tpusync.core.bench import transport
+
+        result = transport.run(
+            total_bytes=args.total_mib << 20,
+            repeats=args.repeats,
+            streams=args.streams,
+            show_progress=not args.quiet,
+        )
+        if not args.json:
+            _print_transport_table(result)
+            return 0
     else:  # argparse restricts choices; kept for clarity
         raise SystemExit(f"unknown bench suite {args.suite}")
     if args.json:
@@ -66,6 +81,30 @@ def _print_table(result: dict) -> None:
     Console().print(table)
 
 
+def _print_transport_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"tpusync bench transport ({result['bytes'] >> 20} MiB)")
+    for col in ("path", "GB/s", "reference GB/s", "ratio"):
+        table.add_column(col, justify="right")
+    for r in result["tcp"]:
+        ref = r.get("limit_gbps")
+        table.add_row(
+            f"TCP x{r['streams']} vs iperf3",
+            f"{r['gbps']:.2f}",
+            "-" if ref is None else f"{ref:.2f}",
+            "-" if ref is None else f"{r['ratio']:.2f}",
+        )
+    s = result["shm"]
+    table.add_row(
+        "same-host shm vs memcpy", f"{s['gbps']:.2f}", f"{s['limit_gbps']:.2f}", f"{s['ratio']:.2f}"
+    )
+    Console().print(table)
+    m = result["small"]
+    print(f"16 KiB pull: {m['latency_us']:.0f} us (TCP round trip {m['limit_us']:.0f} us)")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from tpusync.core import demo
 
@@ -84,6 +123,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result["verified"] else 1
 
 
+def _cmd_store_node(args: argparse.Namespace) -> int:
+    from tpusync.core.store_node import parse_size, run_store_node
+
+    return run_store_node(
+        listen=args.listen,
+        capacity=parse_size(args.capacity),
+        block_bytes=parse_size(args.block_bytes),
+        secret_file=args.auth_secret_file,
+        metrics_port=args.metrics_port,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpusync", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,10 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_version)
 
     p = sub.add_parser("bench", help="run a benchmark suite")
-    p.add_argument("suite", choices=["memory", "tiers"])
+    p.add_argument("suite", choices=["memory", "tiers", "transport"])
     p.add_argument("--json", action="store_true", help="JSON on stdout")
-    p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--total-mib",
+        type=int,
+        default=None,
+        help="MiB per measurement (memory 256, transport 1024)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="runs per figure (memory 5, transport 3)"
+    )
+    p.add_argument(
+        "--streams", type=int, nargs="+", default=None, help="transport: TCP stream counts"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--dir", default=None, help="tiers: directory for the disk tier and fio")
     p.add_argument(
@@ -106,6 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--session-tokens", type=int, default=1 << 20, help="tiers: long-session stream length"
     )
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "store-node",
+        help="run a distributed prefix cache node until SIGTERM",
+        description="The shared secret comes from --auth-secret-file or $TPUSYNC_AUTH_SECRET "
+        "(never from the command line).",
+    )
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: pick one)")
+    p.add_argument("--capacity", default="1GiB", help="pool size, e.g. 8GiB")
+    p.add_argument("--block-bytes", default="256KiB", help="block size, e.g. 256KiB")
+    p.add_argument("--auth-secret-file", default=None, help="file holding the shared secret")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port")
+    p.set_defaults(func=_cmd_store_node)
 
     p = sub.add_parser("demo", help="offload a synthetic paged KV cache and back")
     p.add_argument("--layers", type=int, default=16)

@@ -1,0 +1,137 @@
+// Link: N authenticated parallel streams to one peer, and the server / client / pool that make
+// them.
+//
+// LINK CONTRACT: a client opens `streams` connections to the same server, runs the auth handshake
+// on each, then binds each with (link id, stream index, stream count). The server hands the
+// handler a Link only once every stream of that id arrived, authenticated, within the handshake
+// timeout; partial links are dropped. Stream 0 carries requests and replies; every stream carries
+// payload, so large transfers are striped (SendStriped).
+//
+// POOL CONTRACT: LinkPool keeps idle healthy links per peer address and hands each out to one user
+// at a time; a link with a broken stream is closed on release, never reused.
+//
+// SHUTDOWN CONTRACT: Server::Stop stops accepting, closes every live link's streams (blocked reads
+// return), and joins every thread it started before it returns.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tpusync/base/status.h"
+#include "tpusync/transport/auth.h"
+#include "tpusync/transport/socket.h"
+#include "tpusync/transport/stream.h"
+
+namespace tpusync::transport {
+
+struct Link {
+  uint64_t id = 0;
+  Address peer;
+  std::vector<std::unique_ptr<Stream>> streams;
+  bool healthy() const;
+  void Close();
+  std::vector<Stream*> raw() const;
+};
+
+// Wraps a freshly authenticated stream (the fault double hooks in here); index = stream index.
+using StreamWrapper = std::function<std::unique_ptr<Stream>(std::unique_ptr<Stream>, size_t)>;
+
+struct ServerOptions {
+  std::string listen = "127.0.0.1:0";  // HOST:PORT or unix:/path
+  std::chrono::milliseconds handshake_timeout{5000};
+  SocketOptions socket;
+  size_t max_streams_per_link = 64;
+  StreamWrapper wrap;  // optional
+};
+
+class Server {
+ public:
+  // Runs on a server thread once per complete link; the link closes when it returns.
+  using LinkHandler = std::function<void(std::shared_ptr<Link>)>;
+  static Result<std::unique_ptr<Server>> Start(ServerOptions options, Secret secret,
+                                               LinkHandler handler);
+  ~Server();
+  const Address& address() const { return address_; }
+  void Stop();
+  uint64_t rejected() const { return rejected_.load(); }  // failed handshakes
+  uint64_t links() const { return links_.load(); }
+
+ private:
+  Server() = default;
+  void AcceptLoop();
+  void HandleConnection(Fd fd, std::string peer);
+  void Spawn(std::function<void()> fn);
+
+  ServerOptions options_;
+  Secret secret_;
+  LinkHandler handler_;
+  Address address_;
+  Fd listen_fd_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> rejected_{0}, links_{0};
+  std::thread acceptor_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  struct Pending {
+    std::vector<std::unique_ptr<Stream>> streams;
+    size_t arrived = 0;
+    Deadline expires;
+  };
+  std::map<uint64_t, Pending> pending_;
+  std::list<std::weak_ptr<Link>> live_;
+  std::list<std::thread> threads_;
+  std::vector<std::thread::id> finished_;
+};
+
+struct ConnectOptions {
+  size_t streams = 4;
+  std::chrono::milliseconds timeout{5000};  // connect + handshake, per stream
+  SocketOptions socket;
+  StreamWrapper wrap;  // optional
+};
+
+Result<std::unique_ptr<Link>> ConnectLink(const Address& peer, const Secret& secret,
+                                          const ConnectOptions& options);
+
+class LinkPool {
+ public:
+  LinkPool(Secret secret, ConnectOptions options, size_t max_idle_per_peer = 4)
+      : secret_(std::move(secret)), options_(std::move(options)), max_idle_(max_idle_per_peer) {}
+  Result<std::unique_ptr<Link>> Acquire(const Address& peer);
+  void Release(std::unique_ptr<Link> link);
+  size_t idle() const;
+  void Clear();
+  const ConnectOptions& options() const { return options_; }
+
+ private:
+  Secret secret_;
+  ConnectOptions options_;
+  size_t max_idle_;
+  mutable std::mutex mu_;
+  std::map<std::string, std::vector<std::unique_ptr<Link>>> idle_;
+};
+
+// Sends blocks[0..n) striped over `streams`: stream i gets one contiguous chunk as frames of at
+// most kMaxBlocksPerFrame blocks, metadata from make_meta(first block index, count). Streams run
+// in parallel; returns the first error.
+using MetaFn = std::function<std::vector<uint8_t>(size_t first, size_t count)>;
+Status SendStriped(std::span<Stream* const> streams, Op op, uint64_t request_id,
+                   uint64_t block_bytes, std::span<const uint8_t* const> blocks,
+                   const MetaFn& make_meta, Deadline deadline);
+
+// Process-wide log of rejected peers and transport warnings (stderr; tests can capture it).
+void LogWarning(const std::string& message);
+void SetLogSink(std::function<void(const std::string&)> sink);
+
+}  // namespace tpusync::transport

@@ -1,0 +1,153 @@
+// The prefill/decode (P/D) streaming primitive: a producer hands pool blocks to the transport
+// under a request id, a consumer pulls them into its own pool blocks, group by group (layer by
+// layer), and both sides poll per-request results.
+//
+//   producer: RegisterSend(request_id, blocks, blocks_per_group, deadline)
+//   consumer: StartRecv(request_id, {(peer, destination blocks), ...}, deadline) ... Poll()
+//
+// GROUP CONTRACT: the producer sends group 0 (blocks [0, blocks_per_group)) on every stream of the
+// link before group 1, and so on; the consumer publishes `groups_ready` (the leading run of groups
+// whose every block landed and passed its checksum, from every source), so it can start copying
+// layer 0 while later layers are still on the wire.
+//
+// OWNERSHIP CONTRACT: RegisterSend takes its own reference on every block (Retain); the caller may
+// free its reference at once. The producer drops that reference only when the consumer
+// acknowledged a complete, verified receipt or the request's deadline passed, so a block is never
+// recycled while a consumer may still read it (also on the same-host path, where the consumer
+// copies straight out of the producer's /dev/shm pool). The consumer borrows its destination
+// blocks for the duration of the receive.
+//
+// COMPLETION CONTRACT: a consumer request is done only when every declared source landed every one
+// of its blocks; the first failure of any source fails the request with that reason (kCorrupted,
+// kTimeout, kUnavailable, kNotFound...). A failed receipt is acknowledged as failed, and the
+// producer keeps the blocks registered until the deadline, so the consumer may pull again.
+//
+// SAME-HOST PATH: when the consumer reaches the producer through its Unix socket and the producer's
+// pool lives in /dev/shm, the producer passes the segment's file descriptor (SCM_RIGHTS) and block
+// offsets, and the consumer memcpys from the mapping; no TCP, no socket copy.
+//
+// Rejected alternative: push (the producer connects to the consumer). The consumer knows when its
+// destination blocks exist; pull lets it allocate first and lets one producer serve retries.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tpusync/base/status.h"
+#include "tpusync/memory/block_allocator.h"
+#include "tpusync/transport/link.h"
+
+namespace tpusync::transport {
+
+using memory::BlockAllocator;
+using memory::BlockId;
+
+enum class PdState : uint8_t { kPending = 0, kDone = 1, kFailed = 2 };
+std::string_view PdStateName(PdState s);
+
+struct PdStatus {
+  uint64_t request_id = 0;
+  PdState state = PdState::kPending;
+  Status reason;              // why it failed (OK otherwise)
+  uint32_t groups_total = 0;  // consumer: known once the first frame of every source arrived
+  uint32_t groups_ready = 0;  // consumer: leading groups complete from every source
+  uint64_t bytes = 0;         // payload bytes moved so far
+  bool shm = false;           // the same-host shared-memory path was used
+};
+
+struct PdProducerOptions {
+  std::string listen = "127.0.0.1:0";  // TCP address
+  std::string unix_path;               // optional: also listen here (same-host peers)
+  ServerOptions server;                // handshake timeout, socket options, fault wrapper
+  std::chrono::milliseconds max_pull_wait{10000};  // how long a pull may wait for RegisterSend
+};
+
+class PdProducer {
+ public:
+  static Result<std::unique_ptr<PdProducer>> Start(std::shared_ptr<BlockAllocator> pool,
+                                                   Secret secret, PdProducerOptions options);
+  ~PdProducer();
+  Address address() const { return tcp_->address(); }
+  std::string unix_address() const { return unix_ ? unix_->address().ToString() : ""; }
+
+  // blocks_per_group 0: one group. kAlreadyExists for a live request id.
+  Status RegisterSend(uint64_t request_id, std::vector<BlockId> blocks, uint32_t blocks_per_group,
+                      Deadline deadline);
+  // Every request; terminal ones (done / failed) are reported once and then forgotten.
+  std::vector<PdStatus> Poll();
+  size_t pending() const;
+  void Stop();
+
+ private:
+  struct Entry;
+  PdProducer() = default;
+  void ServeLink(const std::shared_ptr<Link>& link, bool is_unix);
+  Status ServePull(Link& link, bool is_unix, const InFrame& pull);
+  void ReapLoop();
+  void Finish(uint64_t request_id, Status reason);  // mu_ held
+
+  std::shared_ptr<BlockAllocator> pool_;
+  PdProducerOptions options_;
+  std::unique_ptr<Server> tcp_, unix_;
+  Fd shm_fd_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, std::shared_ptr<Entry>> entries_;
+  std::vector<PdStatus> finished_;
+  bool stop_ = false;
+  std::thread reaper_;
+};
+
+struct PdSource {
+  std::string peer;             // "HOST:PORT" or "unix:/path" of a producer
+  std::vector<BlockId> blocks;  // destination blocks, same count as the producer registered
+};
+
+struct PdConsumerOptions {
+  ConnectOptions connect;  // streams per link, timeouts, socket options, fault wrapper
+};
+
+class PdConsumer {
+ public:
+  static Result<std::unique_ptr<PdConsumer>> Create(std::shared_ptr<BlockAllocator> pool,
+                                                    Secret secret, PdConsumerOptions options);
+  ~PdConsumer();
+  Status StartRecv(uint64_t request_id, std::vector<PdSource> sources, Deadline deadline);
+  // Every request; terminal ones are reported once and then forgotten.
+  std::vector<PdStatus> Poll();
+  // Waits until `groups` groups are ready, the request ended, or the deadline passed.
+  Result<PdStatus> Wait(uint64_t request_id, uint32_t groups, Deadline deadline);
+  size_t idle_links() const { return links_.idle(); }
+
+ private:
+  struct Request;
+  struct Source;
+  struct Mapping;
+  PdConsumer(std::shared_ptr<BlockAllocator> pool, Secret secret, PdConsumerOptions options);
+  void RunSource(std::shared_ptr<Request> req, size_t index);
+  Status PullFrom(Request& req, Source& src, Link& link);
+  Result<std::shared_ptr<Mapping>> MapSegment(Fd fd);
+  void Update(Request& req);  // mu_ held
+
+  std::shared_ptr<BlockAllocator> pool_;
+  LinkPool links_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, std::shared_ptr<Request>> requests_;
+  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<Mapping>> mappings_;
+  struct Worker {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::list<Worker> threads_;
+};
+
+}  // namespace tpusync::transport

@@ -1,0 +1,247 @@
+#include "tpusync/node/store_client.h"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+
+#include "tpusync/base/checksum.h"
+
+namespace tpusync::node {
+
+using transport::DeadlineInMs;
+using transport::MetaReader;
+using transport::Op;
+
+StoreClient::StoreClient(std::shared_ptr<BlockAllocator> pool, Secret secret,
+                         StoreClientOptions options)
+    : pool_(std::move(pool)),
+      options_(std::move(options)),
+      links_(std::move(secret), options_.connect) {}
+
+Result<std::unique_ptr<StoreClient>> StoreClient::Create(std::shared_ptr<BlockAllocator> pool,
+                                                         Secret secret,
+                                                         StoreClientOptions options) {
+  if (!pool) return Status::InvalidArgument("StoreClient needs a block pool");
+  if (options.nodes.empty()) return Status::InvalidArgument("StoreClient needs at least one node");
+  if (options.replication == 0 || options.replication > options.nodes.size()) {
+    return Status::InvalidArgument(
+        StrCat("replication ", options.replication, " with ", options.nodes.size(), " nodes"));
+  }
+  std::unique_ptr<StoreClient> c(new StoreClient(std::move(pool), std::move(secret), options));
+  for (const auto& n : options.nodes) {
+    TPUSYNC_ASSIGN_OR_RETURN(auto a, transport::ParseAddress(n));
+    c->addrs_.push_back(a);
+    const std::string canon = a.ToString();
+    c->seeds_.push_back(Checksum64(canon.data(), canon.size()));
+  }
+  return c;
+}
+
+std::vector<size_t> StoreClient::Rank(std::string_view key) const {
+  std::vector<std::pair<uint64_t, size_t>> scored;
+  for (size_t i = 0; i < seeds_.size(); ++i) {
+    scored.emplace_back(Checksum64(key.data(), key.size(), seeds_[i]), i);
+  }
+  std::sort(scored.begin(), scored.end(), std::greater<>());
+  std::vector<size_t> out;
+  for (auto& [s, i] : scored) out.push_back(i);
+  return out;
+}
+
+Result<std::vector<uint8_t>> StoreClient::Call(size_t n, Op op,
+                                               const std::vector<std::string>& keys,
+                                               const std::vector<BlockId>* payload,
+                                               const std::vector<BlockId>* dst) {
+  TPUSYNC_ASSIGN_OR_RETURN(auto link, links_.Acquire(addrs_[n]));
+  transport::Stream& s = *link->streams[0];
+  const auto deadline = transport::Clock::now() + options_.timeout;
+  const auto meta = EncodeKeys(keys);
+  std::vector<const uint8_t*> blocks;
+  if (payload) {
+    for (BlockId b : *payload) blocks.push_back(pool_->SlotAddress(BlockAllocator::SlotOf(b)));
+  }
+  transport::OutFrame f;
+  f.op = op;
+  f.meta = meta;
+  f.blocks = blocks;
+  f.block_bytes = blocks.empty() ? 0 : pool_->block_bytes();
+  TPUSYNC_RETURN_IF_ERROR(s.Send(f, deadline));
+  auto reply = s.RecvHead(deadline);
+  if (!reply.ok()) return reply.status();
+  if (reply->op() != Op::kStoreReply) {
+    link->Close();
+    return Status::Corrupted(StrCat("store node sent ", transport::OpName(reply->op())));
+  }
+  MetaReader r(reply->meta);
+  auto code = r.U8();
+  auto msg = r.Str();
+  auto count = r.U32();
+  if (!code.ok() || !msg.ok() || !count.ok()) {
+    link->Close();
+    return Status::Corrupted("malformed store reply");
+  }
+  auto per_key = r.Bytes(*count);
+  const Status st = transport::DecodeStatus(std::span(reply->meta).first(5 + msg->size()));
+  std::vector<uint8_t> out;
+  if (per_key.ok()) out.assign(per_key->begin(), per_key->end());
+  if (st.ok() && (!per_key.ok() || out.size() != keys.size())) {
+    link->Close();
+    return Status::Corrupted("store reply has the wrong number of per-key results");
+  }
+  // Get: the payload holds the found blocks, in key order.
+  std::vector<uint8_t*> into;
+  if (dst && st.ok()) {
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (out[i]) into.push_back(pool_->SlotAddress(BlockAllocator::SlotOf((*dst)[i])));
+    }
+  }
+  if (reply->header.num_blocks != into.size() ||
+      (!into.empty() && reply->header.block_bytes != pool_->block_bytes())) {
+    link->Close();
+    return Status::Corrupted("store reply payload does not match its found flags");
+  }
+  if (!into.empty()) {
+    Status got = s.RecvBlocks(*reply, into, deadline);
+    if (!got.ok()) {
+      links_.Release(std::move(link));
+      return got;
+    }
+  }
+  links_.Release(std::move(link));
+  if (!st.ok()) return st;
+  return out;
+}
+
+Result<std::vector<uint32_t>> StoreClient::Put(const std::vector<std::string>& keys,
+                                               const std::vector<BlockId>& blocks) {
+  if (keys.size() != blocks.size()) {
+    return Status::InvalidArgument(StrCat(keys.size(), " keys for ", blocks.size(), " blocks"));
+  }
+  TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(blocks));
+  std::map<size_t, std::vector<size_t>> per_node;  // node -> key indices
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto rank = Rank(keys[i]);
+    for (size_t k = 0; k < options_.replication; ++k) per_node[rank[k]].push_back(i);
+  }
+  std::vector<uint32_t> replicas(keys.size(), 0);
+  Status last;
+  size_t reached = 0;
+  for (auto& [node, idx] : per_node) {
+    std::vector<std::string> ks;
+    std::vector<BlockId> bs;
+    for (size_t i : idx) {
+      ks.push_back(keys[i]);
+      bs.push_back(blocks[i]);
+    }
+    auto res = Call(node, Op::kStorePut, ks, &bs, nullptr);
+    if (!res.ok()) {
+      // A node that answered with a refusal (e.g. a payload damaged in flight) was reached; its
+      // replicas simply do not count.
+      last = res.status();
+      const StatusCode c = last.code();
+      if (c != StatusCode::kUnavailable && c != StatusCode::kTimeout) reached++;
+      continue;
+    }
+    reached++;
+    for (size_t j = 0; j < idx.size(); ++j) {
+      if ((*res)[j] != static_cast<uint8_t>(PutResult::kNoSpace)) replicas[idx[j]]++;
+    }
+  }
+  pool_->ReleaseBorrow(blocks);
+  if (reached == 0 && !last.ok()) return last;
+  return replicas;
+}
+
+Result<std::vector<bool>> StoreClient::Get(const std::vector<std::string>& keys,
+                                           const std::vector<BlockId>& dst) {
+  if (keys.size() != dst.size()) {
+    return Status::InvalidArgument(StrCat(keys.size(), " keys for ", dst.size(), " blocks"));
+  }
+  TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(dst));
+  std::vector<bool> found(keys.size(), false);
+  std::vector<std::vector<size_t>> ranks;
+  for (const auto& k : keys) ranks.push_back(Rank(k));
+  Status last;
+  size_t reached = 0;
+  for (size_t round = 0; round < options_.replication; ++round) {
+    std::map<size_t, std::vector<size_t>> per_node;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!found[i]) per_node[ranks[i][round]].push_back(i);
+    }
+    for (auto& [node, idx] : per_node) {
+      std::vector<std::string> ks;
+      std::vector<BlockId> ds;
+      for (size_t i : idx) {
+        ks.push_back(keys[i]);
+        ds.push_back(dst[i]);
+      }
+      auto res = Call(node, Op::kStoreGet, ks, nullptr, &ds);
+      if (!res.ok()) {
+        last = res.status();  // failover: the next round asks the next replica
+        continue;
+      }
+      reached++;
+      for (size_t j = 0; j < idx.size(); ++j) found[idx[j]] = found[idx[j]] || (*res)[j];
+    }
+  }
+  pool_->ReleaseBorrow(dst);
+  if (reached == 0 && !last.ok()) return last;  // no node answered at all: say why
+  return found;
+}
+
+Result<size_t> StoreClient::LookupPrefix(const std::vector<std::string>& keys) {
+  std::vector<bool> found(keys.size(), false);
+  std::vector<std::vector<size_t>> ranks;
+  for (const auto& k : keys) ranks.push_back(Rank(k));
+  size_t prefix_bound = keys.size();
+  Status last;
+  size_t reached = 0;
+  for (size_t round = 0; round < options_.replication; ++round) {
+    std::map<size_t, std::vector<size_t>> per_node;
+    for (size_t i = 0; i < prefix_bound; ++i) {
+      if (!found[i]) per_node[ranks[i][round]].push_back(i);
+    }
+    if (per_node.empty()) break;
+    for (auto& [node, idx] : per_node) {
+      std::vector<std::string> ks;
+      for (size_t i : idx) ks.push_back(keys[i]);
+      auto res = Call(node, Op::kStoreLookup, ks, nullptr, nullptr);
+      if (!res.ok()) {
+        last = res.status();
+        continue;
+      }
+      reached++;
+      for (size_t j = 0; j < idx.size(); ++j) found[idx[j]] = found[idx[j]] || (*res)[j];
+    }
+  }
+  if (reached == 0 && !last.ok()) return last;  // no node answered at all: say why
+  size_t n = 0;
+  while (n < keys.size() && found[n]) ++n;
+  return n;
+}
+
+Result<std::vector<bool>> StoreClient::Remove(const std::vector<std::string>& keys) {
+  std::map<size_t, std::vector<size_t>> per_node;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto rank = Rank(keys[i]);
+    for (size_t k = 0; k < options_.replication; ++k) per_node[rank[k]].push_back(i);
+  }
+  std::vector<bool> removed(keys.size(), false);
+  Status last;
+  size_t reached = 0;
+  for (auto& [node, idx] : per_node) {
+    std::vector<std::string> ks;
+    for (size_t i : idx) ks.push_back(keys[i]);
+    auto res = Call(node, Op::kStoreRemove, ks, nullptr, nullptr);
+    if (!res.ok()) {
+      last = res.status();
+      continue;
+    }
+    reached++;
+    for (size_t j = 0; j < idx.size(); ++j) removed[idx[j]] = removed[idx[j]] || (*res)[j];
+  }
+  if (reached == 0 && !last.ok()) return last;
+  return removed;
+}
+
+}  // namespace tpusync::node

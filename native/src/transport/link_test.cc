@@ -1,0 +1,279 @@
+#include "tpusync/transport/link.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <numeric>
+#include <thread>
+
+#include "tpusync/transport/fault_stream.h"
+
+namespace tpusync::transport {
+namespace {
+
+Secret TestSecret(const char* s = "a-test-secret-of-32-bytes-length") {
+  return *Secret::FromBytes(s);
+}
+
+// A server whose handler echoes every PdData frame's blocks back on the same stream index.
+struct EchoServer {
+  explicit EchoServer(ServerOptions opts = {}) {
+    auto s = Server::Start(std::move(opts), TestSecret(), [](std::shared_ptr<Link> link) {
+      std::vector<std::thread> readers;
+      for (size_t i = 0; i < link->streams.size(); ++i) {
+        readers.emplace_back([&link, i] {
+          Stream& st = *link->streams[i];
+          for (;;) {
+            auto f = st.RecvHead(DeadlineInMs(10000));
+            if (!f.ok()) return;
+            std::vector<std::vector<uint8_t>> bufs(f->header.num_blocks,
+                                                   std::vector<uint8_t>(f->header.block_bytes));
+            std::vector<uint8_t*> dst;
+            for (auto& b : bufs) dst.push_back(b.data());
+            Status s = st.RecvBlocks(*f, dst, DeadlineInMs(10000));
+            if (!s.ok()) {
+              (void)st.SendMeta(Op::kError, f->header.request_id, EncodeStatus(s),
+                                DeadlineInMs(1000));
+              continue;
+            }
+            std::vector<const uint8_t*> src(dst.begin(), dst.end());
+            OutFrame out;
+            out.op = Op::kPdData;
+            out.request_id = f->header.request_id;
+            out.meta = f->meta;
+            out.block_bytes = f->header.block_bytes;
+            out.blocks = src;
+            if (!st.Send(out, DeadlineInMs(10000)).ok()) return;
+          }
+        });
+      }
+      for (auto& t : readers) t.join();
+    });
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    server = std::move(*s);
+  }
+  std::unique_ptr<Server> server;
+};
+
+TEST(Auth, HmacMatchesRfc4231TestCase2) {
+  const std::string key = "Jefe", msg = "what do ya want for nothing?";
+  const Mac mac = HmacSha256({reinterpret_cast<const uint8_t*>(key.data()), key.size()},
+                             {reinterpret_cast<const uint8_t*>(msg.data()), msg.size()});
+  const uint8_t want[] = {0x5b, 0xdc, 0xc1, 0x46, 0xbf, 0x60, 0x75, 0x4e, 0x6a, 0x04, 0x24,
+                          0x26, 0x08, 0x95, 0x75, 0xc7, 0x5a, 0x00, 0x3f, 0x08, 0x9d, 0x27,
+                          0x39, 0x83, 0x9d, 0xec, 0x58, 0xb9, 0x64, 0xec, 0x38, 0x43};
+  EXPECT_EQ(0, std::memcmp(mac.data(), want, 32));
+}
+
+TEST(Auth, SecretsAreAtLeast16BytesAndComeFromFileOrEnv) {
+  EXPECT_EQ(Secret::FromBytes("short").status().code(), StatusCode::kInvalidArgument);
+  ::unsetenv("TPUSYNC_TEST_SECRET");
+  EXPECT_EQ(Secret::Load("", "TPUSYNC_TEST_SECRET").status().code(), StatusCode::kInvalidArgument);
+  ::setenv("TPUSYNC_TEST_SECRET", "0123456789abcdef0123", 1);
+  EXPECT_TRUE(Secret::Load("", "TPUSYNC_TEST_SECRET").ok());
+  EXPECT_EQ(Secret::Load("/nonexistent/secret").status().code(), StatusCode::kNotFound);
+}
+
+TEST(Auth, MatchingSecretsConnectAndWrongSecretIsRejectedAndLogged) {
+  std::vector<std::string> logs;
+  std::mutex mu;
+  SetLogSink([&](const std::string& m) {
+    std::lock_guard l(mu);
+    logs.push_back(m);
+  });
+  EchoServer echo;
+  auto ok = ConnectLink(echo.server->address(), TestSecret(), {.streams = 2});
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  auto bad = ConnectLink(echo.server->address(), TestSecret("a-wrong-secret-of-32-bytes-long!"),
+                         {.streams = 1});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kPermissionDenied);
+  for (int i = 0; i < 200 && echo.server->rejected() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(echo.server->rejected(), 1u);
+  echo.server->Stop();
+  SetLogSink(nullptr);
+  bool logged = false;
+  for (auto& m : logs) logged |= m.find("rejected unauthenticated peer 127.0.0.1") == 0;
+  EXPECT_TRUE(logged);
+}
+
+TEST(Auth, ServerRefusesFramesBeforeTheHandshakeAndGarbage) {
+  EchoServer echo;
+  // A client that skips the handshake and sends a Bind straight away.
+  auto fd = Connect(echo.server->address(), DeadlineInMs(2000));
+  ASSERT_TRUE(fd.ok());
+  SocketStream s(std::move(*fd), "server");
+  ASSERT_TRUE(s.Expect(Op::kAuthChallenge, DeadlineInMs(2000)).ok());
+  MetaWriter w;
+  w.U64(1).U32(0).U32(1);
+  ASSERT_TRUE(s.SendMeta(Op::kBind, 0, w.bytes(), DeadlineInMs(2000)).ok());
+  auto reply = s.RecvHead(DeadlineInMs(2000));
+  EXPECT_FALSE(reply.ok());  // the server closed the connection
+  // Pure garbage.
+  auto fd2 = Connect(echo.server->address(), DeadlineInMs(2000));
+  ASSERT_TRUE(fd2.ok());
+  std::vector<uint8_t> junk(100, 0x41);
+  ASSERT_TRUE(WriteAll(fd2->get(), junk.data(), junk.size(), DeadlineInMs(2000)).ok());
+  for (int i = 0; i < 400 && echo.server->rejected() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(echo.server->rejected(), 2u);
+  EXPECT_EQ(echo.server->links(), 0u);
+}
+
+TEST(Auth, HandshakeOverMemoryRejectsAWrongMac) {
+  // Replay: a response computed for another challenge must fail.
+  MemoryStream client_side({});
+  std::array<uint8_t, 64> resp{};
+  MetaWriter none;
+  OutFrame f;
+  f.op = Op::kAuthResponse;
+  f.meta = resp;
+  MemoryStream server_in(SerializeFrame(f));
+  const Status s = ServerHandshake(server_in, TestSecret(), DeadlineInMs(100));
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied);
+}
+
+TEST(Transport, StripedTransferOverLoopbackIsByteExact) {
+  EchoServer echo;
+  for (size_t streams : {1, 3, 4}) {
+    auto link = ConnectLink(echo.server->address(), TestSecret(), {.streams = streams});
+    ASSERT_TRUE(link.ok()) << link.status().ToString();
+    constexpr size_t kBlocks = 37, kBytes = 64 << 10;
+    std::vector<std::vector<uint8_t>> src(kBlocks, std::vector<uint8_t>(kBytes));
+    for (size_t b = 0; b < kBlocks; ++b) {
+      for (size_t i = 0; i < kBytes; ++i) src[b][i] = static_cast<uint8_t>(b * 31 + i * 7);
+    }
+    std::vector<const uint8_t*> ptrs;
+    for (auto& b : src) ptrs.push_back(b.data());
+    auto streams_raw = (*link)->raw();
+    ASSERT_TRUE(SendStriped(
+                    streams_raw, Op::kPdData, 5, kBytes, ptrs,
+                    [](size_t first, size_t count) {
+                      MetaWriter w;
+                      w.U32(static_cast<uint32_t>(first)).U32(static_cast<uint32_t>(count));
+                      return w.Take();
+                    },
+                    DeadlineInMs(10000))
+                    .ok());
+    // Each stream echoes its chunk back: land every block at its index, like the P/D consumer.
+    std::vector<std::vector<uint8_t>> dst(kBlocks, std::vector<uint8_t>(kBytes));
+    size_t landed = 0;
+    for (size_t s = 0; s < std::min(streams, kBlocks); ++s) {
+      auto f = streams_raw[s]->RecvHead(DeadlineInMs(10000));
+      ASSERT_TRUE(f.ok()) << f.status().ToString();
+      MetaReader r(f->meta);
+      const uint32_t first = *r.U32(), count = *r.U32();
+      ASSERT_EQ(count, f->header.num_blocks);
+      std::vector<uint8_t*> into;
+      for (uint32_t i = 0; i < count; ++i) into.push_back(dst[first + i].data());
+      ASSERT_TRUE(streams_raw[s]->RecvBlocks(*f, into, DeadlineInMs(10000)).ok());
+      landed += count;
+    }
+    EXPECT_EQ(landed, kBlocks);
+    EXPECT_EQ(src, dst) << streams << " streams";
+  }
+}
+
+TEST(Transport, LinkPoolReusesHealthyLinksAndDropsBrokenOnes) {
+  EchoServer echo;
+  LinkPool pool(TestSecret(), {.streams = 2});
+  auto a = pool.Acquire(echo.server->address());
+  ASSERT_TRUE(a.ok());
+  const uint64_t id = (*a)->id;
+  pool.Release(std::move(*a));
+  EXPECT_EQ(pool.idle(), 1u);
+  auto b = pool.Acquire(echo.server->address());
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ((*b)->id, id);
+  (*b)->streams[1]->Close();
+  pool.Release(std::move(*b));
+  EXPECT_EQ(pool.idle(), 0u);
+}
+
+TEST(Transport, DeadPeerTimesOutInsteadOfHanging) {
+  // A listener that accepts and never answers: the handshake must end at its deadline.
+  auto lfd = Listen(*ParseAddress("127.0.0.1:0"));
+  ASSERT_TRUE(lfd.ok());
+  auto addr = LocalAddress(lfd->get(), false);
+  ASSERT_TRUE(addr.ok());
+  const auto t0 = Clock::now();
+  auto link =
+      ConnectLink(*addr, TestSecret(), {.streams = 1, .timeout = std::chrono::milliseconds(200)});
+  const auto took = Clock::now() - t0;
+  ASSERT_FALSE(link.ok());
+  EXPECT_EQ(link.status().code(), StatusCode::kTimeout);
+  EXPECT_LT(took, std::chrono::seconds(5));
+  // Nothing listens on a closed port: unavailable, not a hang.
+  const Address gone = *addr;
+  lfd->Reset();
+  auto refused = ConnectLink(gone, TestSecret(), {.streams = 1});
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable);
+}
+
+TEST(Transport, FaultDoubleDropsCorruptsAndDisconnects) {
+  EchoServer echo;
+  std::vector<FaultyStream*> faulty;
+  ConnectOptions opts{.streams = 1};
+  opts.wrap = [&](std::unique_ptr<Stream> s, size_t) -> std::unique_ptr<Stream> {
+    auto f = std::make_unique<FaultyStream>(std::move(s), FaultPlan{.corrupt_probability = 1.0});
+    faulty.push_back(f.get());
+    return f;
+  };
+  auto link = ConnectLink(echo.server->address(), TestSecret(), opts);
+  ASSERT_TRUE(link.ok());
+  std::vector<uint8_t> block(4096, 9);
+  const uint8_t* ptr = block.data();
+  OutFrame f;
+  f.op = Op::kPdData;
+  f.block_bytes = block.size();
+  f.blocks = {&ptr, 1};
+  ASSERT_TRUE((*link)->streams[0]->Send(f, DeadlineInMs(2000)).ok());
+  // The echo server saw the damage and answered with a Corrupted error.
+  auto reply = (*link)->streams[0]->Expect(Op::kPdData, DeadlineInMs(2000));
+  EXPECT_EQ(reply.status().code(), StatusCode::kCorrupted);
+  EXPECT_EQ(faulty[0]->counters().corrupted, 1u);
+
+  // Drop: the frame never arrives, the reader times out.
+  FaultyStream drop(std::move((*link)->streams[0]), FaultPlan{.drop_probability = 1.0});
+  ASSERT_TRUE(drop.Send(f, DeadlineInMs(2000)).ok());
+  EXPECT_EQ(drop.RecvHead(DeadlineInMs(100)).status().code(), StatusCode::kTimeout);
+  EXPECT_EQ(drop.counters().dropped, 1u);
+
+  // Disconnect after one send; delay is applied before sending.
+  auto link2 = ConnectLink(echo.server->address(), TestSecret(), {.streams = 1});
+  ASSERT_TRUE(link2.ok());
+  FaultyStream cut(std::move((*link2)->streams[0]),
+                   FaultPlan{.delay = std::chrono::milliseconds(20), .disconnect_after_sends = 1});
+  ASSERT_TRUE(cut.Send(f, DeadlineInMs(2000)).ok());
+  ASSERT_TRUE(cut.RecvHead(DeadlineInMs(2000)).ok());
+  EXPECT_EQ(cut.Send(f, DeadlineInMs(2000)).code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(cut.broken());
+  EXPECT_EQ(cut.counters().delayed, 1u);
+}
+
+TEST(Transport, UnixSocketLinksWork) {
+  ServerOptions opts;
+  opts.listen = "unix:/tmp/tpusync-link-test-" + std::to_string(::getpid()) + ".sock";
+  EchoServer echo(opts);
+  EXPECT_TRUE(echo.server->address().is_unix);
+  auto link = ConnectLink(echo.server->address(), TestSecret(), {.streams = 2});
+  ASSERT_TRUE(link.ok()) << link.status().ToString();
+  EXPECT_TRUE((*link)->healthy());
+}
+
+TEST(Transport, StopJoinsEverythingWithLinksOpen) {
+  EchoServer echo;
+  auto link = ConnectLink(echo.server->address(), TestSecret(), {.streams = 4});
+  ASSERT_TRUE(link.ok());
+  const auto t0 = Clock::now();
+  echo.server->Stop();
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(3));
+  EXPECT_EQ((*link)->streams[0]->RecvHead(DeadlineInMs(2000)).status().code(),
+            StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace tpusync::transport

@@ -1,0 +1,632 @@
+#include "tpusync/transport/pd_stream.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <set>
+
+namespace tpusync::transport {
+namespace {
+
+constexpr uint8_t kPullShmOk = 1;
+constexpr auto kIdleLinkTimeout = std::chrono::minutes(10);
+
+uint32_t GroupsOf(size_t n, uint32_t bpg) { return static_cast<uint32_t>((n + bpg - 1) / bpg); }
+
+}  // namespace
+
+std::string_view PdStateName(PdState s) {
+  switch (s) {
+    case PdState::kPending: return "pending";
+    case PdState::kDone: return "done";
+    case PdState::kFailed: return "failed";
+  }
+  return "unknown";
+}
+
+// ------------------------------------------------------------------------------------- producer
+
+struct PdProducer::Entry {
+  uint64_t id = 0;
+  std::vector<BlockId> blocks;
+  uint32_t bpg = 1;
+  Deadline deadline;
+  uint64_t bytes = 0;
+};
+
+Result<std::unique_ptr<PdProducer>> PdProducer::Start(std::shared_ptr<BlockAllocator> pool,
+                                                      Secret secret, PdProducerOptions options) {
+  if (!pool) return Status::InvalidArgument("PdProducer needs a block pool");
+  std::unique_ptr<PdProducer> p(new PdProducer());
+  p->pool_ = std::move(pool);
+  p->options_ = options;
+  const std::string& shm = p->pool_->host_pool().shm_name();
+  if (!shm.empty()) {
+    p->shm_fd_ = Fd(::open(("/dev/shm/" + shm).c_str(), O_RDONLY | O_CLOEXEC));
+    if (!p->shm_fd_.valid()) {
+      LogWarning(StrCat("cannot open /dev/shm/", shm, " for same-host peers (", strerror(errno),
+                        "): they fall back to the socket path"));
+    }
+  }
+  ServerOptions so = options.server;
+  so.listen = options.listen;
+  PdProducer* self = p.get();
+  TPUSYNC_ASSIGN_OR_RETURN(p->tcp_, Server::Start(so, secret, [self](std::shared_ptr<Link> l) {
+                             self->ServeLink(l, false);
+                           }));
+  if (!options.unix_path.empty()) {
+    so.listen = "unix:" + options.unix_path;
+    TPUSYNC_ASSIGN_OR_RETURN(p->unix_, Server::Start(so, secret, [self](std::shared_ptr<Link> l) {
+                               self->ServeLink(l, true);
+                             }));
+  }
+  p->reaper_ = std::thread([self] { self->ReapLoop(); });
+  return p;
+}
+
+PdProducer::~PdProducer() { Stop(); }
+
+void PdProducer::Stop() {
+  {
+    std::lock_guard lock(mu_);
+    if (stop_) return;
+    stop_ = true;
+    cv_.notify_all();
+  }
+  if (tcp_) tcp_->Stop();
+  if (unix_) unix_->Stop();
+  if (reaper_.joinable()) reaper_.join();
+  std::lock_guard lock(mu_);
+  std::vector<uint64_t> ids;
+  for (auto& [id, e] : entries_) ids.push_back(id);
+  for (uint64_t id : ids) Finish(id, Status::Cancelled("producer stopped"));
+}
+
+Status PdProducer::RegisterSend(uint64_t request_id, std::vector<BlockId> blocks,
+                                uint32_t blocks_per_group, Deadline deadline) {
+  if (blocks.empty()) return Status::InvalidArgument("RegisterSend needs at least one block");
+  if (blocks.size() > (1u << 24)) {
+    return Status::InvalidArgument(StrCat("RegisterSend of ", blocks.size(), " blocks"));
+  }
+  auto e = std::make_shared<Entry>();
+  e->id = request_id;
+  e->bpg = blocks_per_group == 0 ? static_cast<uint32_t>(blocks.size()) : blocks_per_group;
+  e->deadline = deadline;
+  std::lock_guard lock(mu_);
+  if (stop_) return Status::FailedPrecondition("producer stopped");
+  if (entries_.count(request_id)) {
+    return Status::AlreadyExists(StrCat("request ", request_id, " is already registered"));
+  }
+  TPUSYNC_RETURN_IF_ERROR(pool_->Retain(blocks));  // OWNERSHIP CONTRACT: our own reference
+  e->blocks = std::move(blocks);
+  entries_[request_id] = e;
+  cv_.notify_all();
+  return Status::OK();
+}
+
+void PdProducer::Finish(uint64_t request_id, Status reason) {
+  auto it = entries_.find(request_id);
+  if (it == entries_.end()) return;
+  (void)pool_->Free(it->second->blocks);  // a borrow of an in-flight send keeps memory valid
+  PdStatus st;
+  st.request_id = request_id;
+  st.state = reason.ok() ? PdState::kDone : PdState::kFailed;
+  st.reason = std::move(reason);
+  st.bytes = it->second->bytes;
+  finished_.push_back(std::move(st));
+  entries_.erase(it);
+  cv_.notify_all();
+}
+
+std::vector<PdStatus> PdProducer::Poll() {
+  std::lock_guard lock(mu_);
+  std::vector<PdStatus> out = std::move(finished_);
+  finished_.clear();
+  for (auto& [id, e] : entries_) {
+    PdStatus st;
+    st.request_id = id;
+    st.bytes = e->bytes;
+    out.push_back(st);
+  }
+  return out;
+}
+
+size_t PdProducer::pending() const {
+  std::lock_guard lock(mu_);
+  return entries_.size();
+}
+
+void PdProducer::ReapLoop() {
+  std::unique_lock lock(mu_);
+  while (!stop_) {
+    cv_.wait_for(lock, std::chrono::milliseconds(20));
+    const auto now = Clock::now();
+    std::vector<uint64_t> expired;
+    for (auto& [id, e] : entries_) {
+      if (e->deadline <= now) expired.push_back(id);
+    }
+    for (uint64_t id : expired) {
+      Finish(id, Status::Timeout(
+                     StrCat("request ", id, ": deadline passed before the consumer acknowledged")));
+    }
+  }
+}
+
+void PdProducer::ServeLink(const std::shared_ptr<Link>& link, bool is_unix) {
+  Stream& s0 = *link->streams[0];
+  for (;;) {
+    auto f = s0.RecvHead(Clock::now() + kIdleLinkTimeout);
+    if (!f.ok()) return;  // peer gone, idle too long or server stopping
+    if (f->op() == Op::kPing && f->header.num_blocks == 0) {
+      if (!s0.SendMeta(Op::kPong, f->header.request_id, {}, DeadlineInMs(5000)).ok()) return;
+      continue;
+    }
+    if (f->op() != Op::kPdPull || f->header.num_blocks != 0) {
+      LogWarning(StrCat("producer: unexpected ", OpName(f->op()), " frame from ", s0.peer(),
+                        "; closing the link"));
+      return;
+    }
+    if (Status s = ServePull(*link, is_unix, *f); !s.ok()) {
+      LogWarning(StrCat("producer: request ", f->header.request_id, " to ", s0.peer(), ": ",
+                        s.ToString()));
+      if (!link->healthy()) return;
+    }
+  }
+}
+
+Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
+  const uint64_t id = pull.header.request_id;
+  Stream& s0 = *link.streams[0];
+  auto refuse = [&](Status why) -> Status {
+    TPUSYNC_RETURN_IF_ERROR(s0.SendMeta(Op::kError, id, EncodeStatus(why), DeadlineInMs(5000)));
+    for (size_t i = 1; i < link.streams.size(); ++i) {
+      TPUSYNC_RETURN_IF_ERROR(link.streams[i]->SendMeta(Op::kPdEnd, id, {}, DeadlineInMs(5000)));
+    }
+    // Every pull ends with exactly one PdAck from the consumer, a refused one too.
+    auto ack = s0.Expect(Op::kPdAck, DeadlineInMs(5000));
+    if (!ack.ok()) return ack.status();
+    return why;
+  };
+  MetaReader r(pull.meta);
+  auto n = r.U32();
+  auto block_bytes = r.U64();
+  auto wait_ms = r.U32();
+  auto flags = r.U8();
+  if (!n.ok() || !block_bytes.ok() || !wait_ms.ok() || !flags.ok() || !r.ExpectEnd().ok()) {
+    return refuse(Status::InvalidArgument("malformed PdPull frame"));
+  }
+  std::shared_ptr<Entry> e;
+  {
+    std::unique_lock lock(mu_);
+    const auto wait = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(*wait_ms),
+                                                          options_.max_pull_wait);
+    cv_.wait_for(lock, wait, [&] { return stop_ || entries_.count(id) > 0; });
+    if (auto it = entries_.find(id); it != entries_.end()) e = it->second;
+  }
+  if (!e) {
+    return refuse(Status::NotFound(
+        StrCat("request ", id, " is not registered on this producer (or its deadline passed)")));
+  }
+  if (*n != e->blocks.size() || *block_bytes != pool_->block_bytes()) {
+    return refuse(Status::InvalidArgument(
+        StrCat("request ", id, ": the consumer expects ", *n, " blocks of ", *block_bytes,
+               " bytes, the producer registered ", e->blocks.size(), " blocks of ",
+               pool_->block_bytes(), " bytes")));
+  }
+  // The blocks stay owned by us (Retain at RegisterSend); the borrow keeps them valid even if the
+  // reaper expires the request while the bytes are on the wire.
+  TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(e->blocks));
+  std::vector<const uint8_t*> addrs;
+  for (BlockId b : e->blocks) addrs.push_back(pool_->SlotAddress(BlockAllocator::SlotOf(b)));
+  const uint64_t bb = pool_->block_bytes();
+  const uint32_t groups = GroupsOf(addrs.size(), e->bpg);
+  Status sent;
+  if ((*flags & kPullShmOk) && is_unix && shm_fd_.valid()) {
+    MetaWriter w;
+    w.U64(pool_->host_pool().size()).U64(bb).U32(e->bpg).U32(static_cast<uint32_t>(addrs.size()));
+    for (const uint8_t* a : addrs) w.U64(static_cast<uint64_t>(a - pool_->host_pool().data()));
+    sent = s0.SendMeta(Op::kPdShmOffer, id, w.bytes(), e->deadline);
+    if (sent.ok()) sent = SendFd(s0.fd(), shm_fd_.get(), e->deadline);
+  } else {
+    auto raw = link.raw();
+    for (uint32_t g = 0; g < groups && sent.ok(); ++g) {
+      const size_t first = size_t{g} * e->bpg;
+      const size_t count = std::min<size_t>(e->bpg, addrs.size() - first);
+      sent = SendStriped(
+          raw, Op::kPdData, id, bb, std::span<const uint8_t* const>(addrs).subspan(first, count),
+          [&](size_t f, size_t c) {
+            MetaWriter w;
+            w.U32(g).U32(groups).U32(e->bpg);
+            w.U32(static_cast<uint32_t>(first + f)).U32(static_cast<uint32_t>(c));
+            return w.Take();
+          },
+          e->deadline);
+    }
+  }
+  for (size_t i = 0; i < link.streams.size() && sent.ok(); ++i) {
+    sent = link.streams[i]->SendMeta(Op::kPdEnd, id, {}, e->deadline);
+  }
+  pool_->ReleaseBorrow(e->blocks);
+  if (!sent.ok()) return sent;
+  {
+    std::lock_guard lock(mu_);
+    e->bytes += bb * addrs.size();
+  }
+  auto ack = s0.Expect(Op::kPdAck, e->deadline);
+  if (!ack.ok()) return ack.status();
+  const Status verdict = DecodeStatus(ack->meta);
+  std::lock_guard lock(mu_);
+  if (verdict.ok()) {
+    Finish(id, Status::OK());
+    return Status::OK();
+  }
+  // The consumer failed (e.g. a corrupt block): keep the blocks until the deadline for a retry.
+  return Status(verdict.code(), "consumer reported: " + verdict.message());
+}
+
+// ------------------------------------------------------------------------------------- consumer
+
+struct PdConsumer::Mapping {
+  const uint8_t* base = nullptr;
+  size_t size = 0;
+  ~Mapping() {
+    if (base) ::munmap(const_cast<uint8_t*>(base), size);
+  }
+};
+
+struct PdConsumer::Source {
+  Address peer;
+  std::vector<BlockId> blocks;
+  std::vector<uint8_t*> addrs;
+  uint32_t groups = 0, bpg = 0;
+  std::vector<uint32_t> landed_in_group;
+  std::vector<uint8_t> landed;
+  uint32_t ready = 0;
+  bool shm = false;
+};
+
+struct PdConsumer::Request {
+  uint64_t id = 0;
+  Deadline deadline;
+  std::vector<Source> sources;
+  std::vector<BlockId> all_blocks;  // borrowed until the request ends
+  PdStatus status;
+  size_t running = 0;
+  std::set<Link*> links;  // in use, closed on destruction
+};
+
+PdConsumer::PdConsumer(std::shared_ptr<BlockAllocator> pool, Secret secret,
+                       PdConsumerOptions options)
+    : pool_(std::move(pool)), links_(std::move(secret), options.connect) {}
+
+Result<std::unique_ptr<PdConsumer>> PdConsumer::Create(std::shared_ptr<BlockAllocator> pool,
+                                                       Secret secret, PdConsumerOptions options) {
+  if (!pool) return Status::InvalidArgument("PdConsumer needs a block pool");
+  return std::unique_ptr<PdConsumer>(
+      new PdConsumer(std::move(pool), std::move(secret), std::move(options)));
+}
+
+PdConsumer::~PdConsumer() {
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [id, r] : requests_) {
+      for (Link* l : r->links) l->Close();
+    }
+  }
+  for (auto& w : threads_) w.thread.join();
+  links_.Clear();
+}
+
+Status PdConsumer::StartRecv(uint64_t request_id, std::vector<PdSource> sources,
+                             Deadline deadline) {
+  if (sources.empty()) return Status::InvalidArgument("StartRecv needs at least one source");
+  auto req = std::make_shared<Request>();
+  req->id = request_id;
+  req->deadline = deadline;
+  req->status.request_id = request_id;
+  for (auto& s : sources) {
+    if (s.blocks.empty()) return Status::InvalidArgument("a source with no destination blocks");
+    Source src;
+    TPUSYNC_ASSIGN_OR_RETURN(src.peer, ParseAddress(s.peer));
+    for (BlockId b : s.blocks) {
+      src.addrs.push_back(pool_->SlotAddress(BlockAllocator::SlotOf(b)));
+      req->all_blocks.push_back(b);
+    }
+    src.landed.assign(s.blocks.size(), 0);
+    src.blocks = std::move(s.blocks);
+    req->sources.push_back(std::move(src));
+  }
+  {
+    std::set<BlockId> unique(req->all_blocks.begin(), req->all_blocks.end());
+    if (unique.size() != req->all_blocks.size()) {
+      return Status::InvalidArgument("a destination block appears twice in one request");
+    }
+  }
+  std::lock_guard lock(mu_);
+  if (requests_.count(request_id)) {
+    return Status::AlreadyExists(StrCat("request ", request_id, " is already receiving"));
+  }
+  // Borrow: the destination memory stays valid until the receive ends, even if freed meanwhile.
+  TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(req->all_blocks));
+  req->running = req->sources.size();
+  requests_[request_id] = req;
+  // Reap the threads of earlier sources that ended (each flags itself as its last act).
+  for (auto it = threads_.begin(); it != threads_.end();) {
+    if (it->done->load()) {
+      it->thread.join();
+      it = threads_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (size_t i = 0; i < req->sources.size(); ++i) {
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    threads_.push_back({std::thread([this, req, i, done] {
+                          RunSource(req, i);
+                          done->store(true);
+                        }),
+                        done});
+  }
+  return Status::OK();
+}
+
+void PdConsumer::Update(Request& req) {
+  uint32_t total = 0, ready = UINT32_MAX;
+  bool known = true;
+  for (const Source& s : req.sources) {
+    if (s.groups == 0) known = false;
+    total = std::max(total, s.groups);
+    ready = std::min(ready, s.ready);
+  }
+  req.status.groups_total = known ? total : 0;
+  req.status.groups_ready = known ? ready : 0;
+  cv_.notify_all();
+}
+
+void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
+  Source& src = req->sources[index];
+  Status result;
+  auto link = links_.Acquire(src.peer);
+  if (!link.ok()) {
+    result = link.status();
+  } else {
+    Link* raw = link->get();
+    {
+      std::lock_guard lock(mu_);
+      req->links.insert(raw);
+    }
+    result = PullFrom(*req, src, *raw);
+    if (raw->healthy()) {
+      // Tell the producer: OK lets it free the blocks; a failure keeps them for a retry.
+      const Status ack =
+          raw->streams[0]->SendMeta(Op::kPdAck, req->id, EncodeStatus(result), req->deadline);
+      if (result.ok() && !ack.ok()) result = ack;
+    }
+    {
+      std::lock_guard lock(mu_);
+      req->links.erase(raw);
+    }
+    links_.Release(std::move(*link));
+  }
+  std::lock_guard lock(mu_);
+  if (!result.ok() && req->status.state == PdState::kPending) {
+    req->status.state = PdState::kFailed;
+    req->status.reason =
+        Status(result.code(), StrCat("source ", src.peer.ToString(), ": ", result.message()));
+  }
+  if (--req->running == 0) {
+    if (req->status.state == PdState::kPending) req->status.state = PdState::kDone;
+    pool_->ReleaseBorrow(req->all_blocks);
+  }
+  Update(*req);
+}
+
+Result<std::shared_ptr<PdConsumer::Mapping>> PdConsumer::MapSegment(Fd fd) {
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return Status::FromErrno(errno, "fstat(shm segment)");
+  const auto key =
+      std::make_pair(static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
+  {
+    std::lock_guard lock(mu_);
+    if (auto it = mappings_.find(key);
+        it != mappings_.end() && it->second->size == size_t(st.st_size)) {
+      return it->second;
+    }
+  }
+  void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED | MAP_POPULATE,
+                   fd.get(), 0);
+  if (p == MAP_FAILED) return Status::FromErrno(errno, "mmap(shm segment)");
+  auto m = std::make_shared<Mapping>();
+  m->base = static_cast<const uint8_t*>(p);
+  m->size = static_cast<size_t>(st.st_size);
+  std::lock_guard lock(mu_);
+  mappings_[key] = m;
+  return m;
+}
+
+Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
+  const uint64_t bb = pool_->block_bytes();
+  const size_t n = src.blocks.size();
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(req.deadline - Clock::now());
+  MetaWriter w;
+  w.U32(static_cast<uint32_t>(n)).U64(bb);
+  w.U32(static_cast<uint32_t>(std::clamp<int64_t>(left.count(), 0, INT32_MAX)));
+  w.U8(link.peer.is_unix ? kPullShmOk : 0);
+  TPUSYNC_RETURN_IF_ERROR(link.streams[0]->SendMeta(Op::kPdPull, req.id, w.bytes(), req.deadline));
+
+  // Records that blocks [first, first + count) of group g landed; mu_ NOT held.
+  auto land = [&](uint32_t g, uint32_t groups, uint32_t bpg, uint32_t first,
+                  uint32_t count) -> Status {
+    std::lock_guard lock(mu_);
+    if (src.groups == 0) {
+      if (bpg == 0 || groups != GroupsOf(n, bpg)) {
+        return Status::Corrupted(
+            StrCat("producer declares ", groups, " groups of ", bpg, " blocks for ", n, " blocks"));
+      }
+      src.groups = groups;
+      src.bpg = bpg;
+      src.landed_in_group.assign(groups, 0);
+    }
+    if (groups != src.groups || bpg != src.bpg || g >= groups) {
+      return Status::Corrupted("producer changed the group layout mid-transfer");
+    }
+    const uint64_t gfirst = uint64_t{g} * bpg, glast = std::min<uint64_t>(gfirst + bpg, n);
+    if (first < gfirst || uint64_t{first} + count > glast) {
+      return Status::Corrupted(
+          StrCat("blocks [", first, ", ", first + count, ") are outside group ", g));
+    }
+    for (uint32_t i = first; i < first + count; ++i) {
+      if (src.landed[i]) return Status::Corrupted(StrCat("block ", i, " was sent twice"));
+      src.landed[i] = 1;
+    }
+    src.landed_in_group[g] += count;
+    while (src.ready < src.groups && src.landed_in_group[src.ready] ==
+                                         std::min<uint64_t>(bpg, n - uint64_t{src.ready} * bpg)) {
+      src.ready++;
+    }
+    req.status.bytes += uint64_t{count} * bb;
+    Update(req);
+    return Status::OK();
+  };
+
+  auto read_stream = [&](size_t si) -> Status {
+    Stream& st = *link.streams[si];
+    Status first_error;
+    for (;;) {
+      auto f = st.RecvHead(req.deadline);
+      if (!f.ok()) return f.status();
+      const FrameHeader& h = f->header;
+      if (h.request_id != req.id) {
+        return Status::Corrupted(StrCat("frame for request ", h.request_id, " during ", req.id));
+      }
+      switch (f->op()) {
+        case Op::kError: {
+          Status s = DecodeStatus(f->meta);
+          return s.ok() ? Status::Internal("producer sent an Error frame carrying OK") : s;
+        }
+        case Op::kPdEnd: return first_error;
+        case Op::kPdData: {
+          MetaReader r(f->meta);
+          auto g = r.U32(), groups = r.U32(), bpg = r.U32(), first = r.U32(), count = r.U32();
+          if (!g.ok() || !groups.ok() || !bpg.ok() || !first.ok() || !count.ok() ||
+              !r.ExpectEnd().ok() || *count != h.num_blocks || h.block_bytes != bb ||
+              uint64_t{*first} + *count > n) {
+            return Status::Corrupted(StrCat("malformed PdData frame from ", st.peer()));
+          }
+          std::vector<uint8_t*> dst(src.addrs.begin() + *first,
+                                    src.addrs.begin() + *first + *count);
+          Status s = st.RecvBlocks(*f, dst, req.deadline);
+          if (s.code() == StatusCode::kCorrupted && !st.broken()) {
+            if (first_error.ok()) first_error = s;  // in step: keep reading to the end
+            continue;
+          }
+          TPUSYNC_RETURN_IF_ERROR(s);
+          TPUSYNC_RETURN_IF_ERROR(land(*g, *groups, *bpg, *first, *count));
+          break;
+        }
+        case Op::kPdShmOffer: {
+          if (si != 0 || !link.peer.is_unix) {
+            return Status::Corrupted("shared-memory offer on a non-local stream");
+          }
+          TPUSYNC_ASSIGN_OR_RETURN(Fd fd, RecvFd(st.fd(), req.deadline));
+          MetaReader r(f->meta);
+          auto pool_bytes = r.U64(), obb = r.U64();
+          auto bpg = r.U32(), count = r.U32();
+          if (!pool_bytes.ok() || !obb.ok() || !bpg.ok() || !count.ok() || *obb != bb ||
+              *count != n || *bpg == 0 || r.remaining() != uint64_t{n} * 8) {
+            return Status::Corrupted("malformed PdShmOffer frame");
+          }
+          TPUSYNC_ASSIGN_OR_RETURN(auto map, MapSegment(std::move(fd)));
+          std::vector<uint64_t> offsets(n);
+          for (size_t i = 0; i < n; ++i) {
+            offsets[i] = *r.U64();
+            if (offsets[i] > map->size || map->size - offsets[i] < bb) {
+              return Status::Corrupted(
+                  StrCat("shm offset ", offsets[i], " is outside the segment"));
+            }
+          }
+          const uint32_t groups = GroupsOf(n, *bpg);
+          for (uint32_t g = 0; g < groups; ++g) {
+            const size_t gfirst = size_t{g} * *bpg, glast = std::min<size_t>(gfirst + *bpg, n);
+            for (size_t i = gfirst; i < glast; ++i) {
+              std::memcpy(src.addrs[i], map->base + offsets[i], bb);
+            }
+            TPUSYNC_RETURN_IF_ERROR(land(g, groups, *bpg, static_cast<uint32_t>(gfirst),
+                                         static_cast<uint32_t>(glast - gfirst)));
+          }
+          std::lock_guard lock(mu_);
+          src.shm = true;
+          req.status.shm = true;
+          break;
+        }
+        default:
+          return Status::Corrupted(
+              StrCat("unexpected ", OpName(f->op()), " frame from ", st.peer()));
+      }
+    }
+  };
+
+  // The first reader to fail names the cause (a timeout, say); it closes the link so the other
+  // readers stop at once, and their "connection closed" errors are only consequences.
+  std::mutex first_mu;
+  Status first_failure;
+  auto run_reader = [&](size_t i) {
+    Status s = read_stream(i);
+    if (s.ok()) return;
+    {
+      std::lock_guard lock(first_mu);
+      if (first_failure.ok()) first_failure = s;
+    }
+    if (link.streams[i]->broken()) link.Close();
+  };
+  std::vector<std::thread> readers;
+  for (size_t i = 1; i < link.streams.size(); ++i) readers.emplace_back(run_reader, i);
+  run_reader(0);
+  for (auto& t : readers) t.join();
+  TPUSYNC_RETURN_IF_ERROR(first_failure);
+  std::lock_guard lock(mu_);
+  if (std::count(src.landed.begin(), src.landed.end(), 1) != static_cast<ptrdiff_t>(n)) {
+    return Status::Corrupted("producer ended the transfer before sending every block");
+  }
+  return Status::OK();
+}
+
+std::vector<PdStatus> PdConsumer::Poll() {
+  std::lock_guard lock(mu_);
+  std::vector<PdStatus> out;
+  for (auto it = requests_.begin(); it != requests_.end();) {
+    out.push_back(it->second->status);
+    if (it->second->status.state != PdState::kPending && it->second->running == 0) {
+      it = requests_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return out;
+}
+
+Result<PdStatus> PdConsumer::Wait(uint64_t request_id, uint32_t groups, Deadline deadline) {
+  std::unique_lock lock(mu_);
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) {
+    return Status::NotFound(StrCat("request ", request_id, " is not receiving (or was polled)"));
+  }
+  auto req = it->second;
+  const bool ended = cv_.wait_until(lock, deadline, [&] {
+    return req->running == 0 ||
+           (req->status.groups_total > 0 && req->status.groups_ready >= groups);
+  });
+  if (!ended) {
+    return Status::Timeout(StrCat("request ", request_id, ": ", req->status.groups_ready, " of ",
+                                  groups, " groups ready at the deadline"));
+  }
+  return req->status;
+}
+
+}  // namespace tpusync::transport

@@ -1,0 +1,237 @@
+#include "tpusync/transport/pd_stream.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "tpusync/transport/fault_stream.h"
+
+namespace tpusync::transport {
+namespace {
+
+Secret TestSecret() { return *Secret::FromBytes("pd-test-secret-0123456789abcdef"); }
+
+std::shared_ptr<BlockAllocator> MakePool(size_t block_bytes, size_t blocks,
+                                         const std::string& shm = "") {
+  memory::HostPoolOptions o;
+  o.size_bytes = BlockAllocator::StrideFor(block_bytes) * blocks;
+  o.shm_name = shm;
+  auto pool = memory::HostPool::Create(o);
+  EXPECT_TRUE(pool.ok()) << pool.status().ToString();
+  auto a = BlockAllocator::Create(std::move(*pool), block_bytes);
+  EXPECT_TRUE(a.ok());
+  return std::shared_ptr<BlockAllocator>(std::move(*a));
+}
+
+void Fill(BlockAllocator& pool, const std::vector<BlockId>& ids, uint8_t seed) {
+  for (size_t b = 0; b < ids.size(); ++b) {
+    uint8_t* p = *pool.Address(ids[b]);
+    for (size_t i = 0; i < pool.block_bytes(); ++i) p[i] = static_cast<uint8_t>(seed + b * 13 + i);
+  }
+}
+
+bool Same(BlockAllocator& a, const std::vector<BlockId>& x, BlockAllocator& b,
+          const std::vector<BlockId>& y) {
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::memcmp(*a.Address(x[i]), *b.Address(y[i]), a.block_bytes()) != 0) return false;
+  }
+  return true;
+}
+
+PdStatus WaitEnd(PdConsumer& c, uint64_t id) {
+  auto st = c.Wait(id, UINT32_MAX, DeadlineInMs(20000));
+  EXPECT_TRUE(st.ok()) << st.status().ToString();
+  return st.ok() ? *st : PdStatus{};
+}
+
+// Waits (bounded) until the producer reports request `id` as terminal.
+PdStatus ProducerEnd(PdProducer& p, uint64_t id) {
+  for (int i = 0; i < 1000; ++i) {
+    for (auto& s : p.Poll()) {
+      if (s.request_id == id && s.state != PdState::kPending) return s;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ADD_FAILURE() << "producer never finished request " << id;
+  return {};
+}
+
+TEST(PdStream, StreamsGroupsAndFreesProducerBlocksOnlyAfterAck) {
+  auto ppool = MakePool(64 << 10, 32), cpool = MakePool(64 << 10, 32);
+  auto producer = PdProducer::Start(ppool, TestSecret(), {});
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 3}});
+  ASSERT_TRUE(consumer.ok());
+
+  auto src = *ppool->Alloc(20);
+  Fill(*ppool, src, 3);
+  ASSERT_TRUE((*producer)->RegisterSend(7, src, 4, DeadlineInMs(20000)).ok());
+  ASSERT_TRUE(ppool->Free(src).ok());  // the transport holds its own reference
+  EXPECT_EQ(ppool->num_free(), 12u);
+
+  auto dst = *cpool->Alloc(20);
+  ASSERT_TRUE((*consumer)
+                  ->StartRecv(7, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(20000))
+                  .ok());
+  const PdStatus got = WaitEnd(**consumer, 7);
+  ASSERT_EQ(got.state, PdState::kDone) << got.reason.ToString();
+  EXPECT_EQ(got.groups_total, 5u);
+  EXPECT_EQ(got.groups_ready, 5u);
+  EXPECT_EQ(got.bytes, 20u * (64 << 10));
+  EXPECT_FALSE(got.shm);
+  const PdStatus sent = ProducerEnd(**producer, 7);
+  EXPECT_EQ(sent.state, PdState::kDone);
+  EXPECT_EQ(ppool->num_free(), 32u);  // the producer released its reference after the ack
+  // Content check: re-fill a fresh producer request and compare.
+  auto src2 = *ppool->Alloc(20);
+  Fill(*ppool, src2, 3);
+  for (size_t i = 0; i < 20; ++i) {
+    ASSERT_EQ(0, std::memcmp(*ppool->Address(src2[i]), *cpool->Address(dst[i]), 64 << 10)) << i;
+  }
+  EXPECT_EQ((*consumer)->idle_links(), 1u);  // the link went back to the pool
+}
+
+TEST(PdStream, ConsumerMayPullBeforeTheProducerRegisters) {
+  auto ppool = MakePool(4096, 8), cpool = MakePool(4096, 8);
+  auto producer = PdProducer::Start(ppool, TestSecret(), {});
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}});
+  auto dst = *cpool->Alloc(8);
+  ASSERT_TRUE((*consumer)
+                  ->StartRecv(1, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(10000))
+                  .ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto src = *ppool->Alloc(8);
+  Fill(*ppool, src, 9);
+  ASSERT_TRUE((*producer)->RegisterSend(1, src, 1, DeadlineInMs(10000)).ok());
+  const PdStatus got = WaitEnd(**consumer, 1);
+  ASSERT_EQ(got.state, PdState::kDone) << got.reason.ToString();
+  EXPECT_EQ(got.groups_total, 8u);
+  EXPECT_TRUE(Same(*ppool, src, *cpool, dst));
+}
+
+TEST(PdStream, CompleteOnlyWhenEverySenderLanded) {
+  auto p1pool = MakePool(4096, 8), p2pool = MakePool(4096, 8), cpool = MakePool(4096, 16);
+  auto p1 = PdProducer::Start(p1pool, TestSecret(), {});
+  auto p2 = PdProducer::Start(p2pool, TestSecret(), {});
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {});
+  auto s1 = *p1pool->Alloc(4), s2 = *p2pool->Alloc(6);
+  Fill(*p1pool, s1, 1);
+  Fill(*p2pool, s2, 2);
+  auto d = *cpool->Alloc(10);
+  std::vector<BlockId> d1(d.begin(), d.begin() + 4), d2(d.begin() + 4, d.end());
+  ASSERT_TRUE((*p1)->RegisterSend(5, s1, 2, DeadlineInMs(10000)).ok());
+  ASSERT_TRUE(
+      (*consumer)
+          ->StartRecv(5, {{(*p1)->address().ToString(), d1}, {(*p2)->address().ToString(), d2}},
+                      DeadlineInMs(10000))
+          .ok());
+  // Sender 1 alone is not enough.
+  auto early = (*consumer)->Wait(5, UINT32_MAX, DeadlineInMs(300));
+  EXPECT_EQ(early.status().code(), StatusCode::kTimeout);
+  ASSERT_TRUE((*p2)->RegisterSend(5, s2, 3, DeadlineInMs(10000)).ok());
+  const PdStatus got = WaitEnd(**consumer, 5);
+  ASSERT_EQ(got.state, PdState::kDone) << got.reason.ToString();
+  EXPECT_TRUE(Same(*p1pool, s1, *cpool, d1));
+  EXPECT_TRUE(Same(*p2pool, s2, *cpool, d2));
+}
+
+TEST(PdStream, UnknownRequestSizeMismatchAndDeadlineFailCleanly) {
+  auto ppool = MakePool(4096, 8), cpool = MakePool(4096, 8);
+  PdProducerOptions po;
+  po.max_pull_wait = std::chrono::milliseconds(100);
+  auto producer = PdProducer::Start(ppool, TestSecret(), po);
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {});
+  auto dst = *cpool->Alloc(4);
+  const std::string peer = (*producer)->address().ToString();
+  ASSERT_TRUE((*consumer)->StartRecv(1, {{peer, dst}}, DeadlineInMs(5000)).ok());
+  PdStatus got = WaitEnd(**consumer, 1);
+  EXPECT_EQ(got.state, PdState::kFailed);
+  EXPECT_EQ(got.reason.code(), StatusCode::kNotFound);
+
+  auto src = *ppool->Alloc(3);
+  ASSERT_TRUE((*producer)->RegisterSend(2, src, 0, DeadlineInMs(300)).ok());
+  ASSERT_TRUE((*consumer)->StartRecv(2, {{peer, dst}}, DeadlineInMs(5000)).ok());
+  got = WaitEnd(**consumer, 2);
+  EXPECT_EQ(got.state, PdState::kFailed);
+  EXPECT_EQ(got.reason.code(), StatusCode::kInvalidArgument);
+  // Nobody pulls request 2 correctly: the deadline frees the producer's reference.
+  const PdStatus expired = ProducerEnd(**producer, 2);
+  EXPECT_EQ(expired.state, PdState::kFailed);
+  EXPECT_EQ(expired.reason.code(), StatusCode::kTimeout);
+  ASSERT_TRUE(ppool->Free(src).ok());
+  EXPECT_EQ(ppool->num_free(), 8u);
+  // Nothing listens: unavailable, not a hang.
+  ASSERT_TRUE((*consumer)->StartRecv(3, {{"127.0.0.1:1", dst}}, DeadlineInMs(5000)).ok());
+  got = WaitEnd(**consumer, 3);
+  EXPECT_EQ(got.state, PdState::kFailed);
+  EXPECT_EQ(got.reason.code(), StatusCode::kUnavailable);
+}
+
+// The fault double under the P/D layer: corruption, loss and disconnects end as clear failures,
+// delay only slows the transfer down.
+TEST(PdStream, FaultsBecomeCleanFailuresAndRetriesSucceed) {
+  auto ppool = MakePool(16 << 10, 16), cpool = MakePool(16 << 10, 16);
+  FaultPlan plan;
+  ServerOptions so;
+  so.wrap = [&plan](std::unique_ptr<Stream> s, size_t) -> std::unique_ptr<Stream> {
+    return std::make_unique<FaultyStream>(std::move(s), plan);
+  };
+  auto producer = PdProducer::Start(ppool, TestSecret(), {.server = so});
+  const std::string peer = (*producer)->address().ToString();
+  auto src = *ppool->Alloc(8);
+  Fill(*ppool, src, 5);
+  auto dst = *cpool->Alloc(8);
+  auto run = [&](uint64_t id, FaultPlan p, int64_t deadline_ms) {
+    plan = p;  // a fresh consumer makes a fresh link, so the new plan applies
+    auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}});
+    EXPECT_TRUE((*consumer)->StartRecv(id, {{peer, dst}}, DeadlineInMs(deadline_ms)).ok());
+    return WaitEnd(**consumer, id);
+  };
+  ASSERT_TRUE((*producer)->RegisterSend(100, src, 2, DeadlineInMs(30000)).ok());
+  // Corrupt every frame: the consumer refuses the data and says so.
+  PdStatus got = run(100, {.corrupt_probability = 1.0}, 10000);
+  EXPECT_EQ(got.state, PdState::kFailed);
+  EXPECT_EQ(got.reason.code(), StatusCode::kCorrupted) << got.reason.ToString();
+  // The producer kept the blocks; a clean retry of the same request succeeds.
+  EXPECT_EQ((*producer)->pending(), 1u);
+  got = run(100, {.delay = std::chrono::milliseconds(2), .seed = 2}, 10000);
+  ASSERT_EQ(got.state, PdState::kDone) << got.reason.ToString();
+  EXPECT_TRUE(Same(*ppool, src, *cpool, dst));
+  // Lost frames: the consumer times out at its deadline.
+  ASSERT_TRUE((*producer)->RegisterSend(101, src, 2, DeadlineInMs(30000)).ok());
+  got = run(101, {.drop_probability = 1.0}, 500);
+  EXPECT_EQ(got.state, PdState::kFailed);
+  EXPECT_EQ(got.reason.code(), StatusCode::kTimeout) << got.reason.ToString();
+  // Disconnect mid-transfer (after 3 frames on a stream): unavailable.
+  got = run(101, {.disconnect_after_sends = 3}, 10000);
+  EXPECT_EQ(got.state, PdState::kFailed);
+  EXPECT_EQ(got.reason.code(), StatusCode::kUnavailable) << got.reason.ToString();
+  plan = {};
+  got = run(101, {}, 10000);
+  ASSERT_EQ(got.state, PdState::kDone) << got.reason.ToString();
+}
+
+TEST(PdStream, SameHostPeersUseTheSharedMemorySegment) {
+  const std::string shm = "tpusync-pd-test-" + std::to_string(::getpid());
+  auto ppool = MakePool(64 << 10, 16, shm), cpool = MakePool(64 << 10, 16);
+  PdProducerOptions po;
+  po.unix_path = "/tmp/" + shm + ".sock";
+  auto producer = PdProducer::Start(ppool, TestSecret(), po);
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}});
+  auto src = *ppool->Alloc(10);
+  Fill(*ppool, src, 77);
+  auto dst = *cpool->Alloc(10);
+  ASSERT_TRUE((*producer)->RegisterSend(9, src, 3, DeadlineInMs(10000)).ok());
+  ASSERT_TRUE(
+      (*consumer)->StartRecv(9, {{(*producer)->unix_address(), dst}}, DeadlineInMs(10000)).ok());
+  const PdStatus got = WaitEnd(**consumer, 9);
+  ASSERT_EQ(got.state, PdState::kDone) << got.reason.ToString();
+  EXPECT_TRUE(got.shm);
+  EXPECT_EQ(got.groups_ready, 4u);
+  EXPECT_TRUE(Same(*ppool, src, *cpool, dst));
+  EXPECT_EQ(ProducerEnd(**producer, 9).state, PdState::kDone);
+}
+
+}  // namespace
+}  // namespace tpusync::transport

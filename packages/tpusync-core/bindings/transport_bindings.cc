@@ -1,0 +1,252 @@
+// The P/D streaming primitive (PdProducer / PdConsumer) over the native transport. Thin: argument
+// conversion, GIL release around every call that can block, Status -> exception.
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "tpusync/node/store_client.h"
+#include "tpusync/node/store_node.h"
+#include "tpusync/transport/pd_stream.h"
+
+namespace tpusync::bindings {
+namespace {
+
+using memory::BlockAllocator;
+using memory::BlockId;
+using transport::Deadline;
+using transport::PdConsumer;
+using transport::PdProducer;
+using transport::PdStatus;
+
+Deadline After(double seconds) {
+  if (!(seconds >= 0)) ThrowIfError(Status::InvalidArgument("a timeout must be >= 0 seconds"));
+  return transport::Clock::now() + std::chrono::duration_cast<transport::Clock::duration>(
+                                       std::chrono::duration<double>(seconds));
+}
+
+std::chrono::milliseconds Ms(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+transport::Secret MakeSecret(const nb::bytes& secret) {
+  return Unwrap(transport::Secret::FromBytes(std::string(secret.c_str(), secret.size())));
+}
+
+nb::dict ToDict(const PdStatus& s) {
+  nb::dict d;
+  d["request_id"] = s.request_id;
+  d["state"] = std::string(transport::PdStateName(s.state));
+  if (s.reason.ok()) {
+    d["code"] = nb::none();
+    d["reason"] = nb::none();
+  } else {
+    d["code"] = std::string(StatusCodeName(s.reason.code()));
+    d["reason"] = s.reason.ToString();
+  }
+  d["groups_total"] = s.groups_total;
+  d["groups_ready"] = s.groups_ready;
+  d["bytes"] = s.bytes;
+  d["shm"] = s.shm;
+  return d;
+}
+
+nb::list ToList(const std::vector<PdStatus>& v) {
+  nb::list out;
+  for (const auto& s : v) out.append(ToDict(s));
+  return out;
+}
+
+}  // namespace
+
+void init_transport(nb::module_& m) {
+  nb::class_<PdProducer>(m, "PdProducer",
+                         "P/D producer: serves registered pool blocks to authenticated consumers.")
+      .def_static(
+          "start",
+          [](std::shared_ptr<BlockAllocator> pool, nb::bytes secret, const std::string& listen,
+             const std::string& unix_path, double handshake_timeout, int socket_buffer_bytes) {
+            transport::PdProducerOptions o;
+            o.listen = listen;
+            o.unix_path = unix_path;
+            o.server.handshake_timeout = Ms(handshake_timeout);
+            o.server.socket.buffer_bytes = socket_buffer_bytes;
+            auto s = MakeSecret(secret);
+            nb::gil_scoped_release release;
+            return std::shared_ptr<PdProducer>(
+                Unwrap(PdProducer::Start(std::move(pool), std::move(s), o)));
+          },
+          nb::arg("pool"), nb::arg("secret"), nb::arg("listen") = "127.0.0.1:0",
+          nb::arg("unix_path") = "", nb::arg("handshake_timeout") = 5.0,
+          nb::arg("socket_buffer_bytes") = 8 << 20)
+      .def_prop_ro("address", [](const PdProducer& p) { return p.address().ToString(); })
+      .def_prop_ro("unix_address", &PdProducer::unix_address)
+      .def_prop_ro("pending", &PdProducer::pending)
+      .def(
+          "register_send",
+          [](PdProducer& p, uint64_t request_id, std::vector<BlockId> blocks, double deadline,
+             uint32_t blocks_per_group) {
+            const Deadline d = After(deadline);
+            nb::gil_scoped_release release;
+            ThrowIfError(p.RegisterSend(request_id, std::move(blocks), blocks_per_group, d));
+          },
+          nb::arg("request_id"), nb::arg("blocks"), nb::arg("deadline"),
+          nb::arg("blocks_per_group") = 0)
+      .def("poll",
+           [](PdProducer& p) {
+             std::vector<PdStatus> v;
+             {
+               nb::gil_scoped_release release;
+               v = p.Poll();
+             }
+             return ToList(v);
+           })
+      .def("stop", &PdProducer::Stop, nb::call_guard<nb::gil_scoped_release>());
+
+  nb::class_<PdConsumer>(m, "PdConsumer",
+                         "P/D consumer: pulls registered blocks into its own pool blocks.")
+      .def_static(
+          "create",
+          [](std::shared_ptr<BlockAllocator> pool, nb::bytes secret, size_t streams,
+             double connect_timeout, int socket_buffer_bytes) {
+            transport::PdConsumerOptions o;
+            o.connect.streams = streams;
+            o.connect.timeout = Ms(connect_timeout);
+            o.connect.socket.buffer_bytes = socket_buffer_bytes;
+            auto s = MakeSecret(secret);
+            nb::gil_scoped_release release;
+            return std::shared_ptr<PdConsumer>(
+                Unwrap(PdConsumer::Create(std::move(pool), std::move(s), o)));
+          },
+          nb::arg("pool"), nb::arg("secret"), nb::arg("streams") = 4,
+          nb::arg("connect_timeout") = 5.0, nb::arg("socket_buffer_bytes") = 8 << 20)
+      .def(
+          "start_recv",
+          [](PdConsumer& c, uint64_t request_id,
+             std::vector<std::pair<std::string, std::vector<BlockId>>> sources, double deadline) {
+            std::vector<transport::PdSource> src;
+            for (auto& [peer, blocks] : sources) src.push_back({peer, std::move(blocks)});
+            const Deadline d = After(deadline);
+            nb::gil_scoped_release release;
+            ThrowIfError(c.StartRecv(request_id, std::move(src), d));
+          },
+          nb::arg("request_id"), nb::arg("sources"), nb::arg("deadline"))
+      .def("poll",
+           [](PdConsumer& c) {
+             std::vector<PdStatus> v;
+             {
+               nb::gil_scoped_release release;
+               v = c.Poll();
+             }
+             return ToList(v);
+           })
+      .def(
+          "wait",
+          [](PdConsumer& c, uint64_t request_id, uint32_t groups, double timeout) {
+            const Deadline d = After(timeout);
+            Result<PdStatus> r = Status::Internal("unset");
+            {
+              nb::gil_scoped_release release;
+              r = c.Wait(request_id, groups, d);
+            }
+            return ToDict(Unwrap(std::move(r)));
+          },
+          nb::arg("request_id"), nb::arg("groups"), nb::arg("timeout"))
+      .def_prop_ro("idle_links", &PdConsumer::idle_links);
+
+  nb::class_<node::StoreNode>(m, "StoreNode", "A distributed prefix cache node (put/get/lookup).")
+      .def_static(
+          "start",
+          [](nb::bytes secret, const std::string& listen, size_t capacity_bytes,
+             size_t block_bytes) {
+            node::StoreNodeOptions o;
+            o.listen = listen;
+            o.capacity_bytes = capacity_bytes;
+            o.block_bytes = block_bytes;
+            auto s = MakeSecret(secret);
+            nb::gil_scoped_release release;
+            return std::shared_ptr<node::StoreNode>(
+                Unwrap(node::StoreNode::Start(o, std::move(s))));
+          },
+          nb::arg("secret"), nb::arg("listen") = "127.0.0.1:0",
+          nb::arg("capacity_bytes") = size_t{1} << 30, nb::arg("block_bytes") = 256 << 10)
+      .def_prop_ro("address", [](const node::StoreNode& n) { return n.address().ToString(); })
+      .def_prop_ro("block_bytes", &node::StoreNode::block_bytes)
+      .def("stats",
+           [](const node::StoreNode& n) {
+             const auto s = n.stats();
+             nb::dict d;
+             d["blocks_total"] = s.blocks_total;
+             d["blocks_used"] = s.blocks_used;
+             d["puts"] = s.puts;
+             d["put_blocks"] = s.put_blocks;
+             d["put_exists"] = s.put_exists;
+             d["put_corrupt"] = s.put_corrupt;
+             d["put_no_space"] = s.put_no_space;
+             d["gets"] = s.gets;
+             d["get_hits"] = s.get_hits;
+             d["get_misses"] = s.get_misses;
+             d["lookups"] = s.lookups;
+             d["removes"] = s.removes;
+             d["evictions"] = s.evictions;
+             d["bytes_in"] = s.bytes_in;
+             d["bytes_out"] = s.bytes_out;
+             d["rejected_peers"] = s.rejected_peers;
+             d["links"] = s.links;
+             return d;
+           })
+      .def("stop", &node::StoreNode::Stop, nb::call_guard<nb::gil_scoped_release>());
+
+  nb::class_<node::StoreClient>(m, "StoreClient",
+                                "Client of several store nodes: rendezvous hashing, replicas.")
+      .def_static(
+          "create",
+          [](std::shared_ptr<BlockAllocator> pool, nb::bytes secret, std::vector<std::string> nodes,
+             size_t replication, double timeout) {
+            node::StoreClientOptions o;
+            o.nodes = std::move(nodes);
+            o.replication = replication;
+            o.timeout = Ms(timeout);
+            o.connect.timeout = Ms(timeout);
+            auto s = MakeSecret(secret);
+            return std::shared_ptr<node::StoreClient>(
+                Unwrap(node::StoreClient::Create(std::move(pool), std::move(s), o)));
+          },
+          nb::arg("pool"), nb::arg("secret"), nb::arg("nodes"), nb::arg("replication") = 1,
+          nb::arg("timeout") = 10.0)
+      .def(
+          "rank", [](const node::StoreClient& c, const std::string& key) { return c.Rank(key); },
+          nb::arg("key"))
+      .def(
+          "put",
+          [](node::StoreClient& c, const std::vector<std::string>& keys,
+             const std::vector<BlockId>& blocks) { return Unwrap(c.Put(keys, blocks)); },
+          nb::arg("keys"), nb::arg("blocks"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "get",
+          [](node::StoreClient& c, const std::vector<std::string>& keys,
+             const std::vector<BlockId>& dst) { return Unwrap(c.Get(keys, dst)); },
+          nb::arg("keys"), nb::arg("dst"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "lookup_prefix",
+          [](node::StoreClient& c, const std::vector<std::string>& keys) {
+            return Unwrap(c.LookupPrefix(keys));
+          },
+          nb::arg("keys"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "remove",
+          [](node::StoreClient& c, const std::vector<std::string>& keys) {
+            return Unwrap(c.Remove(keys));
+          },
+          nb::arg("keys"), nb::call_guard<nb::gil_scoped_release>());
+}
+
+}  // namespace tpusync::bindings

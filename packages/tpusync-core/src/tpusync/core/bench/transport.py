@@ -1,0 +1,257 @@
+"""``tpusync bench transport``: the network transport against same-run references.
+
+1. TCP over loopback: ``total`` bytes in ``block`` blocks pulled with the P/D primitive (auth,
+   striping, per-block XXH3 checksums, writev/readv from and into pool memory) with 1, 2, 4, 8
+   streams, against ``iperf3`` with the same number of parallel streams and bytes, same run.
+2. Same host: the same pull through the producer's Unix socket, which passes the producer's
+   /dev/shm pool and lets the consumer memcpy out of it, against one numpy copy out of a mapped
+   /dev/shm file into a prefaulted buffer (the memcpy limit of that path).
+3. Small transfers: one 16 KiB block pulled end to end (pull, data, ack) over a warm 1-stream link,
+   against a plain 16 KiB TCP round trip between two Python sockets (median latency).
+
+Producer and consumer run in this one process on separate native threads; every byte crosses a
+real socket (or the shared segment). Figures are medians of ``repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from tpusync.core.bench.common import measure, progress, result_entry
+from tpusync.core.pd import PdConsumer, PdProducer
+from tpusync.core.pool import HostBlockPool
+
+STREAMS = [1, 2, 4, 8]
+SMALL = 16 << 10
+IPERF_LIMIT = "iperf3 over loopback TCP, same parallel streams and bytes, same run"
+SHM_LIMIT = "one numpy copy out of a mapped /dev/shm file into a prefaulted buffer, same run"
+RTT_LIMIT = "plain 16 KiB TCP round trip between two Python sockets on loopback, same run"
+
+
+def run(
+    total_bytes: int = 1 << 30,
+    block_bytes: int = 2 << 20,
+    repeats: int = 3,
+    streams: list[int] | None = None,
+    show_progress: bool = True,
+) -> dict:
+    streams = streams or STREAMS
+    n = max(1, total_bytes // block_bytes)
+    nbytes = n * block_bytes
+    secret = os.urandom(32)
+    tag = f"tpusync-bench-{os.getpid()}"
+    iperf = shutil.which("iperf3")
+    tcp, shm, small = [], {}, {}
+    with progress(show_progress) as bar, tempfile.TemporaryDirectory() as tmp:
+        task = bar.add_task("bench transport", total=len(streams) + 2)
+        src_pool = HostBlockPool(block_bytes, n, shm_name=tag)
+        dst_pool = HostBlockPool(block_bytes, n)
+        src, dst = src_pool.alloc(n), dst_pool.alloc(n)
+        for i, b in enumerate(src):
+            src_pool.view(b)[:] = i % 251
+        sock = os.path.join(tmp, "p.sock")
+        rid = iter(range(1, 1 << 30))
+        with PdProducer(src_pool, secret=secret, unix_path=sock) as prod:
+
+            def pull(consumer: PdConsumer, peer: str, blocks: list[int], ids: list[int]) -> dict:
+                r = next(rid)
+                prod.register_send(r, blocks, deadline=120.0, blocks_per_group=16)
+                t0 = time.perf_counter()
+                consumer.start_recv(r, peer, ids, deadline=120.0)
+                res = consumer.wait(r, timeout=120.0)
+                dt = time.perf_counter() - t0
+                if not res.done:
+                    raise RuntimeError(f"bench transport: pull failed: {res.reason}")
+                return {"seconds": dt, "shm": res.shm}
+
+            for k in streams:
+                consumer = PdConsumer(dst_pool, streams=k, secret=secret)
+                pull(consumer, prod.address, src, dst)  # warm: connect + authenticate
+                ours = measure(
+                    lambda c=consumer: pull(c, prod.address, src, dst)["seconds"], repeats
+                )
+                entry = {"streams": k}
+                if iperf:
+                    ref = statistics.median(_iperf3(iperf, k, nbytes) for _ in range(repeats))
+                    entry.update(result_entry(nbytes, ours, ref, IPERF_LIMIT))
+                else:
+                    entry.update({"gbps": round(nbytes / ours / 1e9, 3), "limit": None})
+                tcp.append(entry)
+                bar.advance(task)
+            _check(src_pool, src, dst_pool, dst)
+
+            consumer = PdConsumer(dst_pool, streams=1, secret=secret)
+            unix = prod.unix_address
+            assert pull(consumer, unix, src, dst)["shm"], "same-host pull did not use /dev/shm"
+            ours = measure(lambda: pull(consumer, unix, src, dst)["seconds"], repeats)
+            ref = measure(lambda: _shm_copy_seconds(tag, nbytes), repeats)
+            shm = {"streams": 1, **result_entry(nbytes, ours, ref, SHM_LIMIT)}
+            _check(src_pool, src, dst_pool, dst)
+            bar.advance(task)
+
+            # The block size is a property of the pool: a dedicated 16 KiB pair.
+            small = _small_latency(secret, repeats=max(20, repeats * 10))
+            bar.advance(task)
+        src_pool.free(src)
+        dst_pool.free(dst)
+    return {
+        "suite": "transport",
+        "bytes": nbytes,
+        "block_bytes": block_bytes,
+        "repeats": repeats,
+        "cpus": os.cpu_count(),
+        "tcp": tcp,
+        "shm": shm,
+        "small": small,
+        "iperf3": iperf is not None,
+        "mooncake": "not measured in this suite (see docs/wire-protocol.md)",
+    }
+
+
+def _check(src_pool, src, dst_pool, dst) -> None:
+    for i in (0, len(src) // 2, len(src) - 1):
+        if not np.array_equal(src_pool.view(src[i]), dst_pool.view(dst[i])):
+            raise RuntimeError("bench transport: data check failed")
+
+
+def _iperf3(iperf: str, streams: int, nbytes: int) -> float:
+    """Seconds iperf3 needs to move nbytes over loopback with `streams` parallel streams."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [iperf, "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        out = None
+        for _ in range(50):  # the server needs a moment to listen
+            time.sleep(0.05)
+            proc = subprocess.run(
+                [
+                    iperf,
+                    "-c",
+                    "127.0.0.1",
+                    "-p",
+                    str(port),
+                    "-n",
+                    str(nbytes),
+                    "-P",
+                    str(streams),
+                    "-J",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if proc.returncode == 0:
+                out = json.loads(proc.stdout)
+                break
+        if out is None:
+            raise RuntimeError("bench transport: iperf3 client never connected")
+        return nbytes * 8 / out["end"]["sum_received"]["bits_per_second"]
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def _shm_copy_seconds(name: str, nbytes: int) -> float:
+    dst = np.empty(nbytes, dtype=np.uint8)
+    dst[:] = 1  # prefault
+    with open(f"/dev/shm/{name}", "rb") as f:
+        m = mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ)
+        try:
+            src = np.frombuffer(m, dtype=np.uint8, count=nbytes)
+            src[::4096].sum()  # map every page before timing
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            dt = time.perf_counter() - t0
+            del src
+        finally:
+            m.close()
+    return dt
+
+
+def _small_latency(secret: bytes, repeats: int) -> dict:
+    src_pool, dst_pool = HostBlockPool(SMALL, 2), HostBlockPool(SMALL, 2)
+    src, dst = src_pool.alloc(1), dst_pool.alloc(1)
+    src_pool.view(src[0])[:] = 3
+    with PdProducer(src_pool, secret=secret) as prod:
+        consumer = PdConsumer(dst_pool, streams=1, secret=secret)
+        rid = iter(range(1, 1 << 30))
+
+        def once() -> float:
+            r = next(rid)
+            prod.register_send(r, src, deadline=30.0)
+            t0 = time.perf_counter()
+            consumer.start_recv(r, prod.address, dst, deadline=30.0)
+            res = consumer.wait(r, timeout=30.0)
+            dt = time.perf_counter() - t0
+            if not res.done:
+                raise RuntimeError(f"bench transport: small pull failed: {res.reason}")
+            return dt
+
+        once()
+        ours = measure(once, repeats)
+    ref = _tcp_round_trip(repeats)
+    return {
+        "block_bytes": SMALL,
+        "latency_us": round(ours * 1e6, 1),
+        "limit_us": round(ref * 1e6, 1),
+        "limit": RTT_LIMIT,
+        "ratio": round(ours / ref, 3),
+        "better": "lower",
+    }
+
+
+def _tcp_round_trip(repeats: int) -> float:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    payload = b"x" * SMALL
+
+    def echo() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(repeats + 1):
+                got = 0
+                while got < SMALL:
+                    chunk = conn.recv(SMALL - got)
+                    if not chunk:
+                        return
+                    got += len(chunk)
+                conn.sendall(payload)
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    cli = socket.create_connection(srv.getsockname(), timeout=30)
+    cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        cli.sendall(payload)
+        got = 0
+        while got < SMALL:
+            got += len(cli.recv(SMALL - got))
+        return time.perf_counter() - t0
+
+    try:
+        once()
+        return measure(once, repeats)
+    finally:
+        cli.close()
+        t.join(timeout=10)
+        srv.close()

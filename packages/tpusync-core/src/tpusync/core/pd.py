@@ -1,0 +1,196 @@
+"""Prefill/decode (P/D) streaming between processes: the Python face of the native primitive.
+
+A producer (prefill) hands pool blocks to :class:`PdProducer` under a request id; a consumer
+(decode) pulls them into its own pool blocks with :class:`PdConsumer`, layer by layer (block
+groups), and both sides :meth:`poll` per-request results.
+
+Contracts (enforced natively, see native/include/tpusync/transport/pd_stream.h):
+
+- ``register_send`` takes its own reference on every block: the caller may free its blocks at once;
+  the producer drops its reference only after the consumer acknowledged a complete, verified
+  receipt, or when the deadline passed.
+- A consumer request is ``done`` only when every declared source landed every block (each block's
+  XXH3 checksum verified); the first failure of any source fails it, with a reason.
+- ``groups_ready`` counts the leading groups that fully landed, so the consumer can start using
+  layer 0 while later layers are still on the wire (:meth:`PdConsumer.wait` with ``groups``).
+- Every connection is authenticated (HMAC-SHA256 challenge-response over a shared secret). The
+  secret comes from a file or ``$TPUSYNC_AUTH_SECRET``, never from a command line.
+- Same-host peers reached through the producer's Unix socket copy straight out of the producer's
+  ``/dev/shm`` pool (the pool must have an ``shm_name``): no TCP.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpusync.core import _native
+from tpusync.core.pool import HostBlockPool
+
+__all__ = ["SECRET_ENV", "PdConsumer", "PdProducer", "PdResult", "load_secret"]
+
+SECRET_ENV = "TPUSYNC_AUTH_SECRET"
+
+
+def load_secret(secret_file: str | os.PathLike[str] | None = None) -> bytes:
+    """The shared transport secret: the file's bytes (one trailing newline dropped) when
+    ``secret_file`` is given, else ``$TPUSYNC_AUTH_SECRET``. Raises ValueError when neither is set
+    or the secret is shorter than 16 bytes."""
+    if secret_file is not None:
+        data = Path(secret_file).read_bytes().rstrip(b"\r\n")
+    else:
+        env = os.environ.get(SECRET_ENV, "")
+        if not env:
+            raise ValueError(f"no transport secret: pass a secret file or set ${SECRET_ENV}")
+        data = env.encode()
+    if len(data) < 16:
+        raise ValueError(f"the transport secret has {len(data)} bytes; at least 16 are required")
+    return data
+
+
+@dataclass(frozen=True)
+class PdResult:
+    """One request's state: ``pending``, ``done`` or ``failed`` (``code`` / ``reason`` say why)."""
+
+    request_id: int
+    state: str
+    code: str | None
+    reason: str | None
+    groups_total: int
+    groups_ready: int
+    bytes: int
+    shm: bool
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    @property
+    def failed(self) -> bool:
+        return self.state == "failed"
+
+
+def _results(raw: list[dict]) -> list[PdResult]:
+    return [PdResult(**r) for r in raw]
+
+
+def _secret(secret: bytes | None, secret_file: str | os.PathLike[str] | None) -> bytes:
+    return secret if secret is not None else load_secret(secret_file)
+
+
+class PdProducer:
+    """Serves registered blocks of ``pool`` to authenticated consumers.
+
+    Listens on ``listen`` (``HOST:PORT``; port 0 picks a free one, see :attr:`address`) and, with
+    ``unix_path``, also on a Unix socket for same-host consumers.
+    """
+
+    def __init__(
+        self,
+        pool: HostBlockPool,
+        *,
+        listen: str = "127.0.0.1:0",
+        unix_path: str | None = None,
+        secret: bytes | None = None,
+        secret_file: str | os.PathLike[str] | None = None,
+        handshake_timeout: float = 5.0,
+    ) -> None:
+        self._pool = pool
+        self._native = _native.PdProducer.start(
+            pool.native,
+            _secret(secret, secret_file),
+            listen=listen,
+            unix_path=unix_path or "",
+            handshake_timeout=handshake_timeout,
+        )
+
+    @property
+    def address(self) -> str:
+        return self._native.address
+
+    @property
+    def unix_address(self) -> str | None:
+        return self._native.unix_address or None
+
+    @property
+    def pending(self) -> int:
+        return self._native.pending
+
+    def register_send(
+        self, request_id: int, blocks: Sequence[int], deadline: float, blocks_per_group: int = 0
+    ) -> None:
+        """Offer ``blocks`` under ``request_id`` until acknowledged or ``deadline`` seconds pass.
+
+        ``blocks_per_group`` (0: all in one group) sets the streaming unit, e.g. the blocks of
+        one layer. AlreadyExistsError for a live request id.
+        """
+        self._native.register_send(request_id, list(blocks), deadline, blocks_per_group)
+
+    def poll(self) -> list[PdResult]:
+        """Every request; ``done`` (acknowledged) and ``failed`` (expired) ones are reported once."""
+        return _results(self._native.poll())
+
+    def close(self) -> None:
+        """Stop serving; pending requests end as failed (cancelled) and release their blocks."""
+        self._native.stop()
+
+    def __enter__(self) -> PdProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PdConsumer:
+    """Pulls producers' blocks into blocks of ``pool`` over ``streams`` parallel connections."""
+
+    def __init__(
+        self,
+        pool: HostBlockPool,
+        *,
+        streams: int = 4,
+        secret: bytes | None = None,
+        secret_file: str | os.PathLike[str] | None = None,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self._pool = pool
+        self._native = _native.PdConsumer.create(
+            pool.native,
+            _secret(secret, secret_file),
+            streams=streams,
+            connect_timeout=connect_timeout,
+        )
+
+    def start_recv(
+        self, request_id: int, peer: str, blocks: Sequence[int], deadline: float = 30.0
+    ) -> None:
+        """Start pulling request ``request_id`` from ``peer`` (``HOST:PORT`` or ``unix:PATH``)
+        into ``blocks`` (as many as the producer registered); fails by ``deadline`` seconds."""
+        self.start_recv_multi(request_id, [(peer, blocks)], deadline)
+
+    def start_recv_multi(
+        self, request_id: int, sources: Sequence[tuple[str, Sequence[int]]], deadline: float = 30.0
+    ) -> None:
+        """Like :meth:`start_recv` with several senders, each filling its own destination blocks;
+        the request is done only when every sender landed."""
+        self._native.start_recv(request_id, [(p, list(b)) for p, b in sources], deadline)
+
+    def poll(self) -> list[PdResult]:
+        """Every request; terminal ones (``done`` / ``failed``) are reported once."""
+        return _results(self._native.poll())
+
+    def wait(self, request_id: int, groups: int | None = None, timeout: float = 30.0) -> PdResult:
+        """Block until ``groups`` groups are ready (all of them when None) or the request ended.
+
+        TimeoutError when neither happened in ``timeout`` seconds; NotFoundError for an unknown
+        (or already polled) request.
+        """
+        return PdResult(
+            **self._native.wait(request_id, 2**32 - 1 if groups is None else groups, timeout)
+        )
+
+    @property
+    def idle_links(self) -> int:
+        return self._native.idle_links

@@ -1,0 +1,169 @@
+"""The distributed prefix cache: store nodes and their client.
+
+A store node (``tpusync store-node``) keeps fixed-size blocks by key in a host pool and serves
+put / get / lookup / remove over the authenticated transport. :class:`StoreClient` spreads keys
+over several nodes with rendezvous hashing, keeps ``replication`` copies and fails over to the
+next replica when a node is down.
+
+Contracts (native/include/tpusync/node/store_node.h): a put is two-phase (reserved, received and
+checksum-verified, then committed), so no reader sees a partial block; the first committed writer
+of a key wins; a get leases its blocks while sending them; a full node evicts least-recently-used
+keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from tpusync.core import _native
+from tpusync.core.pd import load_secret
+from tpusync.core.pool import HostBlockPool
+
+__all__ = ["StoreClient", "StoreNode", "parse_size", "run_store_node"]
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """``8GiB`` / ``512MiB`` / ``64KiB`` / ``1000`` -> bytes (ValueError on anything else)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 8GiB, 512MiB, 4096)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class StoreNode:
+    """An in-process store node (the CLI runs one of these)."""
+
+    def __init__(
+        self,
+        *,
+        listen: str = "127.0.0.1:0",
+        capacity: int = 1 << 30,
+        block_bytes: int = 256 << 10,
+        secret: bytes | None = None,
+        secret_file: str | None = None,
+    ) -> None:
+        self._native = _native.StoreNode.start(
+            secret if secret is not None else load_secret(secret_file),
+            listen=listen,
+            capacity_bytes=capacity,
+            block_bytes=block_bytes,
+        )
+
+    @property
+    def address(self) -> str:
+        return self._native.address
+
+    def stats(self) -> dict[str, int]:
+        return self._native.stats()
+
+    def stop(self) -> None:
+        """Stop accepting, end every connection, join every thread."""
+        self._native.stop()
+
+
+class StoreClient:
+    """Client of the store nodes ``nodes`` (``HOST:PORT`` each), moving blocks of ``pool``."""
+
+    def __init__(
+        self,
+        pool: HostBlockPool,
+        nodes: Sequence[str],
+        *,
+        replication: int = 1,
+        secret: bytes | None = None,
+        secret_file: str | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self._pool = pool
+        self._native = _native.StoreClient.create(
+            pool.native,
+            secret if secret is not None else load_secret(secret_file),
+            list(nodes),
+            replication=replication,
+            timeout=timeout,
+        )
+
+    def rank(self, key: str) -> list[int]:
+        """Node indices for ``key``, best first (the first ``replication`` hold it)."""
+        return self._native.rank(key)
+
+    def put(self, keys: Sequence[str], blocks: Sequence[int]) -> list[int]:
+        """Store block i under keys[i]; returns how many replicas hold each key afterwards."""
+        return self._native.put(list(keys), list(blocks))
+
+    def get(self, keys: Sequence[str], dst: Sequence[int]) -> list[bool]:
+        """Copy keys[i] into block dst[i] when any replica has it; returns found flags."""
+        return self._native.get(list(keys), list(dst))
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        """Length of the leading run of ``keys`` stored somewhere (batched per node)."""
+        return self._native.lookup_prefix(list(keys))
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        return self._native.remove(list(keys))
+
+
+def _metrics(node: StoreNode, host: str, port: int) -> object:
+    """Serve the node's counters as Prometheus metrics on host:port (prometheus-client)."""
+    from prometheus_client import start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.registry import REGISTRY
+
+    gauges = {"blocks_total", "blocks_used"}
+
+    class Collector:
+        def collect(self):
+            for name, value in node.stats().items():
+                if name in gauges:
+                    yield GaugeMetricFamily(f"tpusync_store_{name}", name, value=value)
+                else:
+                    yield CounterMetricFamily(f"tpusync_store_{name}", name, value=value)
+
+    collector = Collector()
+    REGISTRY.register(collector)
+    start_http_server(port, addr=host)
+    return collector
+
+
+def run_store_node(
+    listen: str,
+    capacity: int,
+    block_bytes: int,
+    secret_file: str | None,
+    metrics_port: int | None,
+) -> int:
+    """Run a store node until SIGTERM / SIGINT, then shut it down cleanly (exit 0).
+
+    Prints one JSON line ``{"address": ..., "metrics": ...}`` on stdout once serving.
+    """
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    node = StoreNode(listen=listen, capacity=capacity, block_bytes=block_bytes,
+                     secret_file=secret_file)  # fmt: skip
+    metrics = collector = None
+    if metrics_port is not None:
+        host = node.address.rsplit(":", 1)[0].strip("[]")
+        collector = _metrics(node, host, metrics_port)
+        metrics = f"http://{host}:{metrics_port}/metrics"
+    print(json.dumps({"address": node.address, "metrics": metrics, "pid": os.getpid()}), flush=True)
+    while not stop.wait(0.2):
+        pass
+    node.stop()
+    if collector is not None:
+        from prometheus_client.registry import REGISTRY
+
+        REGISTRY.unregister(collector)
+    print(json.dumps({"stopped": True, "stats": node.stats()}), flush=True)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,42 @@
+"""`tpusync bench transport --json` runs end to end on a small size and keeps its schema."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_transport_json_schema():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tpusync.core.cli",
+            "bench",
+            "transport",
+            "--json",
+            "--quiet",
+            "--total-mib",
+            "8",
+            "--repeats",
+            "1",
+            "--streams",
+            "1",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    data = json.loads(out)
+    assert data["suite"] == "transport" and data["bytes"] == 8 << 20
+    assert [r["streams"] for r in data["tcp"]] == [1, 2]
+    for r in data["tcp"]:
+        assert r["gbps"] > 0
+        if data["iperf3"]:
+            assert r["limit_gbps"] > 0 and r["better"] == "higher"
+            assert abs(r["ratio"] - r["gbps"] / r["limit_gbps"]) < 0.01
+    assert data["shm"]["gbps"] > 0 and data["shm"]["limit_gbps"] > 0
+    small = data["small"]
+    assert small["block_bytes"] == 16 << 10 and small["better"] == "lower"
+    assert small["latency_us"] > 0 and small["limit_us"] > 0

@@ -1,0 +1,141 @@
+"""Three "hosts" with their own addresses: network namespaces joined by veth pairs to a bridge in a
+fourth namespace (nothing touches the host's own network). Store nodes run on two hosts, a client
+with replication 2 on the third; a P/D pull crosses hosts too.
+
+Runs only as root with iproute2 and TPUSYNC_NETNS=1 (the `multihost` nox session sets it; CI runs
+as root). Traffic goes only to 10.231.<n>.0/24 addresses of namespaces this test created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TPUSYNC_NETNS") != "1" or os.geteuid() != 0 or not shutil.which("ip"),
+    reason="multi-host tests need root, iproute2 and TPUSYNC_NETNS=1 (nox -s multihost)",
+)
+
+SECRET = "multihost-test-secret-0123456789"
+TAG = f"{os.getpid() % 10000:04d}"
+SUBNET = f"10.231.{os.getpid() % 200 + 1}"
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    hub = f"tps{TAG}hub"
+    names = [f"tps{TAG}h{i}" for i in (1, 2, 3)]
+    try:
+        ip("netns", "add", hub)
+        ip("-n", hub, "link", "add", "br0", "type", "bridge")
+        ip("-n", hub, "link", "set", "br0", "up")
+        for i, ns in enumerate(names, start=1):
+            ip("netns", "add", ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("link", "add", f"tv{TAG}{i}", "netns", ns, "type", "veth",
+               "peer", "name", f"tb{TAG}{i}", "netns", hub)  # fmt: skip
+            ip("-n", ns, "addr", "add", f"{SUBNET}.{i}/24", "dev", f"tv{TAG}{i}")
+            ip("-n", ns, "link", "set", f"tv{TAG}{i}", "up")
+            ip("-n", hub, "link", "set", f"tb{TAG}{i}", "master", "br0")
+            ip("-n", hub, "link", "set", f"tb{TAG}{i}", "up")
+        yield [(ns, f"{SUBNET}.{i}") for i, ns in enumerate(names, start=1)]
+    finally:
+        for ns in [*names, hub]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def in_ns(ns: str, code: str, **popen) -> subprocess.Popen:
+    env = dict(os.environ, TPUSYNC_AUTH_SECRET=SECRET)
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE, text=True, env=env, **popen,
+    )  # fmt: skip
+
+
+def test_store_nodes_and_pd_across_hosts(hosts, tmp_path):
+    (h1, a1), (h2, a2), (h3, a3) = hosts
+    nodes = []
+    for ns, addr in ((h1, a1), (h2, a2)):
+        env = dict(os.environ, TPUSYNC_AUTH_SECRET=SECRET)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "tpusync.core.cli", "store-node",
+             "--listen", f"{addr}:7600", "--capacity", "8MiB", "--block-bytes", "65536"],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        nodes.append((proc, json.loads(proc.stdout.readline())))
+    producer = in_ns(
+        h1,
+        f"""
+        import sys, time
+        import tpusync.core as tc
+        from tpusync.core.pd import PdProducer
+        pool = tc.HostBlockPool(65536, 8)
+        ids = pool.alloc(8)
+        for i, b in enumerate(ids):
+            pool.view(b)[:] = 100 + i
+        prod = PdProducer(pool, listen="{a1}:7700")
+        prod.register_send(9, ids, deadline=60.0, blocks_per_group=2)
+        print(prod.address, flush=True)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            if any(r.request_id == 9 and r.state != "pending" for r in prod.poll()):
+                print("acked", flush=True)
+                sys.exit(0)
+            time.sleep(0.01)
+        sys.exit(3)
+        """,
+    )
+    assert producer.stdout.readline().strip() == f"{a1}:7700"
+    client = in_ns(
+        h3,
+        f"""
+        import json
+        import tpusync.core as tc
+        from tpusync.core.pd import PdConsumer
+        from tpusync.core.store_node import StoreClient
+        pool = tc.HostBlockPool(65536, 32)
+        out = {{}}
+        c = StoreClient(pool, ["{a1}:7600", "{a2}:7600"], replication=2, timeout=5.0)
+        src = pool.alloc(10)
+        for i, b in enumerate(src):
+            pool.view(b)[:] = i
+        keys = [f"mh{{i}}" for i in range(10)]
+        out["put"] = c.put(keys, src)
+        dst = pool.alloc(10)
+        out["get"] = c.get(keys, dst)
+        out["data"] = all(int(pool.view(b)[0]) == i for i, b in enumerate(dst))
+        out["prefix"] = c.lookup_prefix(keys + ["none"])
+        pd = PdConsumer(pool, streams=2)
+        d = pool.alloc(8)
+        pd.start_recv(9, "{a1}:7700", d, deadline=30.0)
+        r = pd.wait(9, timeout=30.0)
+        out["pd"] = r.state
+        out["pd_data"] = all(int(pool.view(b)[5]) == 100 + i for i, b in enumerate(d))
+        print(json.dumps(out), flush=True)
+        """,
+    )
+    try:
+        out, _ = client.communicate(timeout=120)
+        res = json.loads(out)
+        assert res["put"] == [2] * 10
+        assert res["get"] == [True] * 10 and res["data"]
+        assert res["prefix"] == 10
+        assert res["pd"] == "done" and res["pd_data"]
+        assert producer.stdout.readline().strip() == "acked"
+    finally:
+        for proc in [producer, client] + [p for p, _ in nodes]:
+            if proc.poll() is None:
+                proc.terminate()
+            proc.communicate(timeout=30)
+    for proc, _ in nodes:
+        assert proc.returncode == 0  # clean SIGTERM shutdown
