@@ -18,6 +18,22 @@ def _cmd_version(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_GROUP = "tpusync.bench"
+
+
+def _plugin_suites() -> dict:
+    """Bench suites declared by other packages under the ``tpusync.bench`` entry-point group.
+
+    PLUGIN CONTRACT: an entry point ``name = "pkg.module:run"`` names a callable
+    ``run(total_bytes: int, repeats: int, show_progress: bool) -> dict`` returning the JSON
+    convention of tpusync.core.bench. Loading happens only when that suite is asked for, so the
+    core CLI never imports torch or jax by itself.
+    """
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=BENCH_GROUP) if ep.name != "memory"}
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.suite == "memory":
         from tpusync.core.bench import memory
@@ -25,12 +41,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         result = memory.run(
             total_bytes=args.total_mib << 20, repeats=args.repeats, show_progress=not args.quiet
         )
-    else:  # argparse restricts choices; kept for clarity
-        raise SystemExit(f"unknown bench suite {args.suite}")
+    else:
+        plugins = _plugin_suites()
+        if args.suite not in plugins:
+            raise SystemExit(f"unknown bench suite {args.suite}")
+        result = plugins[args.suite].load()(
+            total_bytes=args.total_mib << 20, repeats=args.repeats, show_progress=not args.quiet
+        )
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
+    elif args.suite == "memory":
         _print_table(result)
+    else:
+        print(json.dumps(result, indent=2))
     return 0
 
 
@@ -80,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_version)
 
     p = sub.add_parser("bench", help="run a benchmark suite")
-    p.add_argument("suite", choices=["memory"])
+    p.add_argument("suite", choices=["memory", *sorted(_plugin_suites())])
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
     p.add_argument("--repeats", type=int, default=5)

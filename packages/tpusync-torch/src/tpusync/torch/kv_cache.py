@@ -17,9 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 import torch
 from tpusync.core import InvalidArgumentError, _native
-from tpusync.core.kvcache.futures import TransferFuture, from_native, watch
+from tpusync.core.kvcache.futures import TransferFuture, from_native, gather, watch
 from tpusync.core.kvcache.layout import BlockFormat, KVLayout
 from tpusync.core.kvcache.manager import KVCacheManagerBase
 from tpusync.core.kvcache.plan import Piece, segments_for
@@ -121,6 +123,7 @@ class KVCacheManager(KVCacheManagerBase):
             self._pieces.append(pieces)
         self._cuda = self.device.type == "cuda"
         if self._cuda:
+            self.batch_bytes = 0  # events give per-layer completion for free
             self._stream = torch.cuda.Stream(device=self.device)
             self._pool_u8 = R.pin_pool(self.pool)
             self._load_events: dict[int, torch.cuda.Event] = {}
@@ -143,24 +146,48 @@ class KVCacheManager(KVCacheManagerBase):
             R.unpin_pool(self.pool)
             self._pool_u8 = None
 
-    # -- CPU: native segment copies ------------------------------------------------------------
-    def _d2h_layer(self, layer, blocks, host_ids, offset) -> TransferFuture:
+    # -- the transfer primitive ---------------------------------------------------------------
+    def _transfer(self, layers, blocks, host_ids, to_host) -> TransferFuture:
         if self._cuda:
-            return self._cuda_d2h(layer, blocks, host_ids, offset)
-        segs = segments_for(blocks, self._pieces[layer], offset)
-        nf = _native.put_segments(
-            self.pool.engine, self.pool.native, host_ids, self._regions[layer], segs
-        )
-        return from_native(nf, f"d2h layer {layer}")
+            futs = []
+            for layer in layers:
+                g, off = self._where(layer)
+                ids = host_ids[g].tolist()
+                futs.append(
+                    (self._cuda_d2h if to_host else self._cuda_h2d)(layer, blocks, ids, off)
+                )
+            # One stream: a batch is complete when its last layer's event has fired.
+            return futs[-1] if len(futs) == 1 else gather(futs, "cuda batch")
+        return self._cpu_transfer(layers, blocks, host_ids, to_host)
 
-    def _h2d_layer(self, layer, blocks, host_ids, offset) -> TransferFuture:
-        if self._cuda:
-            return self._cuda_h2d(layer, blocks, host_ids, offset)
-        segs = segments_for(blocks, self._pieces[layer], offset)
-        nf = _native.get_segments(
-            self.pool.engine, self.pool.native, host_ids, self._regions[layer], segs
+    def _cpu_transfer(self, layers, blocks, host_ids, to_host) -> TransferFuture:
+        """One native segment call for the whole batch of layers (engine threads, GIL released).
+
+        The call's id list is every row of ``host_ids`` (group-major); a layer's segments point
+        at its group's row and at its byte offset inside those host blocks.
+        """
+        n = int(blocks.size)
+        regions: list[torch.Tensor] = []
+        segs = []
+        for layer in layers:
+            g, off = self._where(layer)
+            base = len(regions)
+            regions.extend(self._regions[layer])
+            pieces = [
+                Piece(base + p.region, p.geometry, p.host_offset) for p in self._pieces[layer]
+            ]
+            rows = segments_for(blocks, pieces, off)
+            rows[:, 0] += np.uint64(g * n)
+            segs.append(rows)
+        call = _native.put_segments if to_host else _native.get_segments
+        nf = call(
+            self.pool.engine,
+            self.pool.native,
+            host_ids.reshape(-1).tolist(),
+            regions,
+            np.ascontiguousarray(np.concatenate(segs)),
         )
-        return from_native(nf, f"h2d layer {layer}")
+        return from_native(nf, f"{'d2h' if to_host else 'h2d'} layers {layers[0]}..{layers[-1]}")
 
     # -- CUDA: copy stream + pinned pool + events ----------------------------------------------
     def _check_live(self, host_ids: list[int]) -> None:

@@ -9,6 +9,7 @@ with the step's exception: no path hangs on a peer that went away.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import threading
 import time
@@ -74,15 +75,15 @@ class TransferFuture(cf.Future):
 
     def settle(self, fn: Callable[[], Any]) -> None:
         """Complete with fn()'s value, or with the exception it raised (once; later calls no-op)."""
-        if self.done():
+        if cf.Future.done(self):
             return
         try:
             value = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            if not self.done():
+            with contextlib.suppress(cf.InvalidStateError):
                 self.set_exception(e)
             return
-        if not self.done():
+        with contextlib.suppress(cf.InvalidStateError):
             self.set_result(value)
 
 
@@ -98,16 +99,55 @@ def failed(error: BaseException, name: str = "transfer") -> TransferFuture:
     return f
 
 
+class _NativeBacked(TransferFuture):
+    """A TransferFuture over a ``tpusync.core.Future``.
+
+    GIL CONTRACT: engine workers never run Python for it. Waiters wait on the native future
+    (GIL released); callbacks (gather / after chains) are driven by the watcher thread, which
+    polls the native future's ``done()``. Rejected alternative: the native ``add_done_callback``,
+    which makes an engine worker take the GIL and stalls every copy behind a busy Python thread
+    for up to the interpreter's switch interval.
+    """
+
+    def __init__(self, native: Any, name: str, value: Any) -> None:
+        super().__init__(name)
+        self._native = native
+        self._value = value
+        self.keepalive.append(native)
+        watch(native.done, self._settle_native)
+
+    def _settle_native(self) -> None:
+        native, value = self._native, self._value
+        self.settle(lambda: (native.result(timeout=0), value)[1])
+
+    def _wait_native(self, timeout: float | None) -> None:
+        if super().done():
+            return
+        t = default_timeout() if timeout is None else timeout
+        if self._native.wait(t):
+            self._settle_native()
+
+    def done(self) -> bool:
+        if not super().done() and self._native.done():
+            self._settle_native()
+        return super().done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._wait_native(timeout)
+        return super().result(timeout=0 if super().done() else timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait_native(timeout)
+        return super().exception(timeout=0 if super().done() else timeout)
+
+    def wait(self, timeout: float) -> bool:
+        self._wait_native(timeout)
+        return super().done()
+
+
 def from_native(native: Any, name: str, value: Any = None) -> TransferFuture:
-    """Wrap a ``tpusync.core.Future``; completes (on an engine thread) when it does."""
-    f = TransferFuture(name)
-    f.keepalive.append(native)
-
-    def done(nf: Any) -> None:
-        f.settle(lambda: (nf.result(timeout=0), value)[1])
-
-    native.add_done_callback(done)
-    return f
+    """Wrap a ``tpusync.core.Future`` (see :class:`_NativeBacked`)."""
+    return _NativeBacked(native, name, value)
 
 
 def after(
@@ -252,7 +292,12 @@ class LayeredTransfer:
         return self.overall.wait(timeout)
 
     def result(self, timeout: float | None = None) -> Any:
-        return self.overall.result(timeout)
+        """Wait for every layer (each waited on directly), then for the whole transfer."""
+        t = default_timeout() if timeout is None else timeout
+        deadline = time.monotonic() + t
+        for f in self.layers.values():
+            f.wait(max(0.0, deadline - time.monotonic()))
+        return self.overall.result(max(0.0, deadline - time.monotonic()))
 
     @property
     def state(self) -> str:

@@ -1,8 +1,8 @@
 """KVCacheManagerBase: the framework-neutral half of tpusync.torch / tpusync.jax KVCacheManager.
 
-A subclass knows its framework's tensors and implements two per-layer primitives,
-``_d2h_layer`` (gather device blocks into host blocks) and ``_h2d_layer`` (scatter host blocks into
-device blocks), each returning a TransferFuture. Everything else lives here once: host block
+A subclass knows its framework's tensors and implements one primitive, ``_transfer`` (gather a
+batch of layers' device blocks into host blocks, or scatter them back), returning a
+TransferFuture. Everything else lives here once: host block
 allocation and the ``[groups, n]`` host-id shape, argument checks, layer-by-layer batching, the
 KVStore-backed save/load/lookup and the P/D primitive over an injected BlockTransport.
 
@@ -122,59 +122,73 @@ class KVCacheManagerBase:
         per = self.format.layers_per_host_block
         return layer // per, (layer % per) * self.format.layer_block_bytes
 
-    # -- per-layer primitives (subclasses) -----------------------------------------------------
-    def _d2h_layer(
-        self, layer: int, blocks: np.ndarray, host_ids: list[int], offset: int
+    # -- the one primitive a subclass implements ---------------------------------------------
+    #: Bulk d2h / h2d put consecutive requested layers into one engine call until it moves at
+    #: least this many bytes (fewer, larger batches keep every engine thread busy); 0 = one call
+    #: per layer. A layer's future in a LayeredTransfer completes with its batch.
+    batch_bytes: int = 32 << 20
+
+    def _transfer(
+        self, layers: list[int], blocks: np.ndarray, host_ids: np.ndarray, to_host: bool
     ) -> TransferFuture:
+        """Copy ``layers`` between device blocks ``blocks`` and ``host_ids`` ([groups, n], rows
+        indexed by :meth:`_where`); arguments are already validated."""
         raise NotImplementedError
 
-    def _h2d_layer(
-        self, layer: int, blocks: np.ndarray, host_ids: list[int], offset: int
-    ) -> TransferFuture:
-        raise NotImplementedError
+    def _batches(self, layers: list[int], n: int) -> list[list[int]]:
+        if self.batch_bytes <= 0:
+            return [[x] for x in layers]
+        per = max(1, n * self.format.layer_block_bytes)
+        out, cur = [], []
+        for x in layers:
+            cur.append(x)
+            if len(cur) * per >= self.batch_bytes:
+                out.append(cur)
+                cur = []
+        if cur:
+            out.append(cur)
+        return out
 
     # -- device <-> host pool ------------------------------------------------------------------
     def d2h_layer(self, layer: int, device_blocks: Sequence[int], host_ids: Any) -> TransferFuture:
         """Gather ``device_blocks`` of one layer into host blocks (asynchronous)."""
         (layer,) = self._layers([layer])
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "d2h", unique=False)
-        ids = self._host_ids(host_ids, blocks.size)
-        g, off = self._where(layer)
-        return self._d2h_layer(layer, blocks, ids[g].tolist(), off)
+        return self._transfer([layer], blocks, self._host_ids(host_ids, blocks.size), True)
 
     def h2d_layer(self, layer: int, device_blocks: Sequence[int], host_ids: Any) -> TransferFuture:
         """Scatter host blocks into ``device_blocks`` of one layer (asynchronous)."""
         (layer,) = self._layers([layer])
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "h2d", unique=True)
-        ids = self._host_ids(host_ids, blocks.size)
-        g, off = self._where(layer)
-        return self._h2d_layer(layer, blocks, ids[g].tolist(), off)
+        return self._transfer([layer], blocks, self._host_ids(host_ids, blocks.size), False)
 
     def d2h(
         self, device_blocks: Sequence[int], host_ids: Any, layers: Iterable[int] | None = None
     ) -> LayeredTransfer:
-        """Gather every (or the given) layer, one future per layer, batched per layer."""
+        """Gather every (or the given) layer into host blocks; per-layer futures."""
         layers = self._layers(layers)
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "d2h", unique=False)
-        ids = self._host_ids(host_ids, blocks.size)
-        futs = {}
-        for layer in layers:
-            g, off = self._where(layer)
-            futs[layer] = self._d2h_layer(layer, blocks, ids[g].tolist(), off)
-        return LayeredTransfer(futs, gather(list(futs.values()), "d2h"))
+        return self._bulk(layers, blocks, self._host_ids(host_ids, blocks.size), True)
 
     def h2d(
         self, device_blocks: Sequence[int], host_ids: Any, layers: Iterable[int] | None = None
     ) -> LayeredTransfer:
-        """Scatter into every (or the given) layer, one future per layer."""
+        """Scatter host blocks into every (or the given) layer; per-layer futures."""
         layers = self._layers(layers)
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "h2d", unique=True)
-        ids = self._host_ids(host_ids, blocks.size)
-        futs = {}
-        for layer in layers:
-            g, off = self._where(layer)
-            futs[layer] = self._h2d_layer(layer, blocks, ids[g].tolist(), off)
-        return LayeredTransfer(futs, gather(list(futs.values()), "h2d"))
+        return self._bulk(layers, blocks, self._host_ids(host_ids, blocks.size), False)
+
+    def _bulk(
+        self, layers: list[int], blocks: np.ndarray, ids: np.ndarray, to_host: bool
+    ) -> LayeredTransfer:
+        futs: dict[int, TransferFuture] = {}
+        batches = []
+        for batch in self._batches(layers, blocks.size):
+            f = self._transfer(batch, blocks, ids, to_host)
+            batches.append(f)
+            for x in batch:
+                futs[x] = f
+        return LayeredTransfer(futs, gather(batches, "d2h" if to_host else "h2d"))
 
     # -- KVStore-backed save / load ------------------------------------------------------------
     def _need_store(self) -> KVStore:
