@@ -190,9 +190,17 @@ class KVCacheManager(KVCacheManagerBase):
         return from_native(nf, f"{'d2h' if to_host else 'h2d'} layers {layers[0]}..{layers[-1]}")
 
     # -- CUDA: copy stream + pinned pool + events ----------------------------------------------
-    def _check_live(self, host_ids: list[int]) -> None:
-        for i in host_ids:
-            self.pool.address(i)  # raises for unknown / stale / freed ids before any byte moves
+    def _borrow(self, host_ids: list[int]) -> list[Any]:
+        """BORROW CONTRACT (as on the native path): a view per host block, held by the future
+        until the DMA is done, so a block freed mid-copy is recycled only afterwards; unknown,
+        stale or freed ids raise here, before any byte moves."""
+        return [self.pool.view(i) for i in host_ids]
+
+    def _device_index(self, blocks) -> torch.Tensor:
+        """Block ids on the GPU without a host sync: a pageable H2D copy would synchronise the
+        copy stream (which may be waiting on compute), so stage through pinned memory."""
+        host = torch.as_tensor(blocks, dtype=torch.int64).pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def _cuda_future(self, name: str, event: torch.cuda.Event, keep: list[Any]) -> TransferFuture:
         f = TransferFuture(name)
@@ -202,14 +210,14 @@ class KVCacheManager(KVCacheManagerBase):
         return f
 
     def _cuda_d2h(self, layer, blocks, host_ids, offset) -> TransferFuture:
-        self._check_live(host_ids)
+        borrows = self._borrow(host_ids)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         done = torch.cuda.Event()
         ax = self.layout.block_axis
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            idx = torch.as_tensor(blocks, device=self.device)
+            idx = self._device_index(blocks)
             staged = torch.cat([R.staged_gather(p, ax, idx) for p in self._parts[layer]], dim=1)
             for first, count, dst in R.host_slices(
                 self.pool, self._pool_u8, host_ids, offset, staged.shape[1]
@@ -217,10 +225,10 @@ class KVCacheManager(KVCacheManagerBase):
                 # Back-to-back rows coalesce only when a row is exactly one block stride.
                 dst.copy_(staged[first : first + count].reshape(-1), non_blocking=True)
             done.record(self._stream)
-        return self._cuda_future(f"d2h layer {layer}", done, [staged, idx])
+        return self._cuda_future(f"d2h layer {layer}", done, [staged, idx, borrows])
 
     def _cuda_h2d(self, layer, blocks, host_ids, offset) -> TransferFuture:
-        self._check_live(host_ids)
+        borrows = self._borrow(host_ids)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         done = torch.cuda.Event()
@@ -228,7 +236,7 @@ class KVCacheManager(KVCacheManagerBase):
         nbytes = self.format.layer_block_bytes
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            idx = torch.as_tensor(blocks, device=self.device)
+            idx = self._device_index(blocks)
             staged = torch.empty((len(host_ids), nbytes), dtype=torch.uint8, device=self.device)
             for first, count, src in R.host_slices(
                 self.pool, self._pool_u8, host_ids, offset, nbytes
@@ -240,7 +248,7 @@ class KVCacheManager(KVCacheManagerBase):
                 off += g.block_bytes
             done.record(self._stream)
         self._load_events[layer] = done
-        return self._cuda_future(f"h2d layer {layer}", done, [staged, idx])
+        return self._cuda_future(f"h2d layer {layer}", done, [staged, idx, borrows])
 
     def wait_layer(self, layer: int) -> None:
         """CUDA: make the current stream wait (GPU-side) for the last load into ``layer``.

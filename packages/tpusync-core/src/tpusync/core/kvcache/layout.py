@@ -248,7 +248,9 @@ class PieceGeometry:
         region = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + itemsize
         inner = [d for d in range(len(shape)) if d != block_axis and shape[d] > 1]
         inner.sort(key=lambda d: -strides[d])
-        if any(strides[d] == 0 for d in inner):
+        if any(strides[d] == 0 for d in inner) or (
+            shape[block_axis] > 1 and not strides[block_axis]
+        ):
             raise InvalidArgumentError(f"broadcast (zero) strides {tuple(strides)} in a KV tensor")
         order = tuple(axes[d] for d in sorted(range(len(shape)), key=lambda d: -strides[d]))
         # Merge the innermost axes while they are contiguous.
