@@ -9,7 +9,8 @@ Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
 - ``build``   the five wheels into dist/, then proves a fresh venv installing only the
               tpusync-torch wheel pulls tpusync-core and torch and neither jax nor vllm
 - ``demo``    the main job: offload a synthetic paged KV cache to the host pool and back
-- ``bench``   ``tpusync bench memory --json`` (JSON kept in build/bench/)
+- ``bench``   ``tpusync bench memory --json`` (``-- device`` for the framework suite; JSON kept in
+              build/bench/)
 - ``stubs``   regenerate the checked-in nanobind stubs (a test fails when they are stale)
 """
 
@@ -260,6 +261,8 @@ def bench(session: nox.Session) -> None:
     out = ROOT / "build/bench"
     out.mkdir(parents=True, exist_ok=True)
     suites = session.posargs or ["memory"]
+    if any(s != "memory" for s in suites):  # plugin suites (e.g. `device`) live in framework wheels
+        install_frameworks(session)
     for suite in suites:
         result = session.run("tpusync", "bench", suite, "--json", silent=True)
         (out / f"{suite}.json").write_text(result)

@@ -241,23 +241,31 @@ class _Watcher:
             with self._cv:
                 while not self._items:
                     self._cv.wait()
-                items = list(self._items)
-            fired = []
-            now = time.monotonic()
-            for item in items:
-                check, fire, deadline = item
-                try:
-                    hit = check() or (deadline is not None and now >= deadline)
-                except BaseException:  # noqa: BLE001 - the fire step reports it
-                    hit = True
-                if hit:
-                    fired.append(item)
-                    fire()
-            with self._cv:
-                for item in fired:
-                    self._items.remove(item)
+            # Polling happens in a helper so that no reference to a finished item (and through
+            # it to native futures and pools) survives in this frame while the thread idles.
+            fired = self._poll_once()
             delay = 20e-6 if fired else min(delay * 2, 1e-3)
             time.sleep(delay)
+
+    def _poll_once(self) -> bool:
+        with self._cv:
+            items = list(self._items)
+        fired = []
+        now = time.monotonic()
+        for item in items:
+            check, fire, deadline = item
+            try:
+                hit = check() or (deadline is not None and now >= deadline)
+            except BaseException:  # noqa: BLE001 - the fire step reports it
+                hit = True
+            if hit:
+                fired.append(item)
+                with contextlib.suppress(Exception):  # fire() settles futures; never kill us
+                    fire()
+        with self._cv:
+            for item in fired:
+                self._items.remove(item)
+        return bool(fired)
 
 
 _WATCHER = _Watcher()
