@@ -147,3 +147,48 @@ def test_pytree_weights_round_trip_keeps_sharding():
         assert a.sharding == b.sharding
     with pytest.raises(tc.InvalidArgumentError, match="field 'shape'"):
         restore_weights(host, {**like, "w": jnp.zeros((8, 64))})
+
+
+class _LoopbackTransport:
+    """In-process stand-in for the network transport (a test double, not a transport)."""
+
+    def __init__(self) -> None:
+        self.published: dict[str, tuple] = {}
+
+    def publish(self, transfer_id, pool, block_ids, meta):
+        self.published[transfer_id] = (pool, list(block_ids), dict(meta))
+
+    def retract(self, transfer_id):
+        self.published.pop(transfer_id)
+
+    def fetch(self, peer, transfer_id, pool, block_ids):
+        import concurrent.futures as cf
+
+        f: cf.Future = cf.Future()
+        src_pool, src_ids, meta = peer.published[transfer_id]
+        for s, d in zip(src_ids, block_ids, strict=True):
+            pool.view(d)[:] = src_pool.view(s)
+        f.set_result(meta)
+        return f
+
+
+def test_pd_from_jax_producer_to_torch_consumer():
+    """Same layout and memory order on both ends: a JAX producer's blocks load into torch."""
+    torch = pytest.importorskip("torch")
+    from tpusync.torch import KVCacheManager as TorchManager
+
+    lay = KVLayout.jax_pages(N, H, B, D, jnp.float32)
+    host = host_cache(lay, 2, seed=3)
+    link = _LoopbackTransport()
+    prod = KVCacheManager(to_device(host), lay, host_blocks=8, transport=link)
+    prod.register_send("req", [4, 9]).result(timeout=30)
+    dst = [tuple(torch.zeros(lay.shape) for _ in range(2)) for _ in range(2)]
+    cons = TorchManager(dst, lay, host_blocks=8, transport=_LoopbackTransport())
+    assert cons.format == prod.format
+    cons.start_recv(link, "req", [0, 1]).result(timeout=30)
+    for parts, hparts in zip(dst, host, strict=True):
+        for t, h in zip(parts, hparts, strict=True):
+            np.testing.assert_array_equal(t[:, 0].numpy(), h[:, 4])
+            np.testing.assert_array_equal(t[:, 1].numpy(), h[:, 9])
+    prod.finish_send("req")
+    assert prod.pool.num_free == prod.pool.num_blocks

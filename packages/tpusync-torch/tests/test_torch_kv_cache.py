@@ -312,3 +312,35 @@ def test_protocols_are_checked():
         KVCacheManager(caches, lay, host_blocks=2, store=object())
     with pytest.raises(tc.InvalidArgumentError, match="BlockTransport protocol"):
         KVCacheManager(caches, lay, host_blocks=2, transport=object())
+
+
+def test_failed_save_drops_reserved_keys():
+    caches, lay = make_cache("nhd", layers=2)
+    pool = tc.HostBlockPool(KVCacheManager(caches, lay, host_blocks=1).host_block_bytes, 4)
+
+    class RecordingStore:
+        """A KVStore double that hands out an id the pool never allocated."""
+
+        def __init__(self):
+            self.pool, self.commits = pool, []
+
+        def lookup(self, keys):
+            return 0
+
+        def reserve(self, keys, blocks_per_key, fmt):
+            return [[123456789] * blocks_per_key for _ in keys]
+
+        def commit(self, keys, ok):
+            self.commits.append((list(keys), ok))
+
+        def acquire(self, keys):
+            raise AssertionError("not used")
+
+        def release(self, keys):
+            raise AssertionError("not used")
+
+    store = RecordingStore()
+    mgr = KVCacheManager(caches, lay, store=store)
+    with pytest.raises(tc.InvalidArgumentError, match="unknown block id"):
+        mgr.save([b"k" * 32], [1]).result(timeout=10)
+    assert store.commits == [([b"k" * 32], False)]

@@ -224,13 +224,12 @@ class KVCacheManagerBase:
             store.commit(keys, ok=False)
             raise
 
-        def finish(f: cf.Future) -> None:
+        def finish(f: cf.Future) -> Any:
             store.commit(keys, ok=not f.cancelled() and f.exception() is None)
+            return f.result(timeout=0)  # re-raises the copy's error after the keys were dropped
 
         overall = TransferFuture("save")
-        layered.overall.add_done_callback(
-            lambda f: (finish(f), overall.settle(lambda: f.result(timeout=0)))
-        )
+        layered.overall.add_done_callback(lambda f: overall.settle(lambda: finish(f)))
         return LayeredTransfer(layered.layers, overall)
 
     def load(self, hashes: Sequence[bytes], device_blocks: Sequence[int]) -> LayeredTransfer:
