@@ -35,10 +35,8 @@ def host_cache(lay, layers, seed=0):
 
 
 def to_device(host, sharding=None):
-    return [
-        [jax.device_put(a, sharding) if sharding is not None else jnp.asarray(a) for a in parts]
-        for parts in host
-    ]
+    # Copies first: on CPU jax may alias a numpy array, and loads write cache buffers in place.
+    return [[jax.device_put(np.array(a, copy=True), sharding) for a in parts] for parts in host]
 
 
 def check_moved(mgr, host, lay, src, dst):

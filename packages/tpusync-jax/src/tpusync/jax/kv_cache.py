@@ -1,8 +1,11 @@
 """tpusync.jax.KVCacheManager: device <-> host block transfers over a paged JAX KV cache.
 
-JAX arrays are immutable, so the manager OWNS the cache arrays: loads produce new arrays (a
-jitted scatter with the old buffer donated, so XLA updates it in place where the backend can) and
-:attr:`kv_caches` always holds the current ones. Read them from there after a load's future.
+The manager OWNS the cache arrays: callers must not keep other references to them (or to
+numpy arrays they alias). On CPU devices a load writes the loaded blocks into the arrays' buffers
+in place (native segment scatter through DLPack); on other devices, or with ``staged=True``, it
+produces new arrays (a jitted scatter with the old buffer donated, so XLA updates it in place
+where the backend can). Either way :attr:`kv_caches` holds the current arrays after a load's
+future completes: read them from there.
 
 Sharded arrays: each addressable shard is a piece of the layer; the host block holds the shards
 in ascending shard-index order (replicas saved once, loaded into every replica). The shard
@@ -240,6 +243,8 @@ class KVCacheManager(KVCacheManagerBase):
 
     # -- load: host -> device ------------------------------------------------------------------
     def _h2d_now(self, layers: list[int], blocks: np.ndarray, host_ids: np.ndarray) -> None:
+        if not self.staged:
+            return self._h2d_in_place(layers, blocks, host_ids)
         ax = self.layout.block_axis
         n = int(blocks.size)
         staging: dict[tuple[int, int], np.ndarray] = {}
@@ -272,6 +277,35 @@ class KVCacheManager(KVCacheManagerBase):
                     new = jax.make_array_from_single_device_arrays(arr.shape, arr.sharding, singles)
                 new_parts.append(new)
             self._arrays[layer] = new_parts
+
+    def _h2d_in_place(self, layers: list[int], blocks: np.ndarray, host_ids: np.ndarray) -> None:
+        """CPU devices: scatter straight into every shard's buffer (replicas included) with one
+        native segment call - the same bytes a donated jitted scatter would produce, without
+        XLA's element-wise scatter loop or a staging copy.
+
+        IN-PLACE CONTRACT: the manager owns the cache buffers (see the module docstring); the
+        blocks being loaded must not be read by a computation still running, exactly as on the
+        torch CUDA path where the copy stream writes blocks while compute runs."""
+        n = int(blocks.size)
+        regions, segs = [], []
+        for layer in layers:
+            g, off = self._where(layer)
+            pieces = []
+            k0 = 0
+            for arr, part in zip(self._arrays[layer], self._parts[layer], strict=True):
+                for s in arr.addressable_shards:
+                    k = k0 + part.keys.index(_shard_key(s.index, arr.shape))
+                    piece = self._pieces[layer][k]
+                    s.data.block_until_ready()
+                    pieces.append(Piece(len(regions), piece.geometry, piece.host_offset))
+                    regions.append(s.data)
+                k0 += len(part.keys)
+            rows = segments_for(blocks, pieces, off)
+            rows[:, 0] += np.uint64(g * n)
+            segs.append(rows)
+        ids = host_ids.reshape(-1).tolist()
+        segs_all = np.ascontiguousarray(np.concatenate(segs))
+        _native.get_segments(self.pool.engine, self.pool.native, ids, regions, segs_all).result()
 
     def _part_of(self, layer: int, k: int) -> tuple[int, _Part]:
         for i, part in enumerate(self._parts[layer]):
