@@ -121,24 +121,30 @@ def unpin_pool(pool: HostBlockPool) -> None:
         torch.cuda.cudart().cudaHostUnregister(base)
 
 
-def host_slices(
+def host_runs(
     pool: HostBlockPool, pool_u8: torch.Tensor, ids: list[int], offset: int, nbytes: int
-):
-    """(first batch index, count, uint8 host view) runs covering ``nbytes`` at ``offset`` of each
-    host block; consecutive slots coalesce when the rows are back to back (offset 0, full stride).
+) -> tuple[np.ndarray, list[tuple[int, int, torch.Tensor]]]:
+    """Batch order sorted by pool slot, and (first, count, uint8 host view) runs over that order
+    covering ``nbytes`` at ``offset`` of each host block.
+
+    Host blocks of consecutive slots coalesce into one DMA when their rows are back to back
+    (offset 0 and nbytes == the pool's block stride); sorting by slot first means a batch whose
+    blocks were allocated in any order still coalesces when the slots form runs.
     """
     stride = pool.native.block_stride
-    slots = [pool.native.slot_of(i) for i in ids]
-    out = []
-    i = 0
+    slots = np.asarray([pool.native.slot_of(i) for i in ids], dtype=np.int64)
+    order = np.argsort(slots, kind="stable")
+    slots = slots[order]
     coalesce = offset == 0 and nbytes == stride
-    while i < len(slots):
+    runs = []
+    i = 0
+    while i < slots.size:
         j = i + 1
         if coalesce:
-            while j < len(slots) and slots[j] == slots[j - 1] + 1:
+            while j < slots.size and slots[j] == slots[j - 1] + 1:
                 j += 1
-        start = slots[i] * stride + offset
+        start = int(slots[i]) * stride + offset
         length = (j - i - 1) * stride + nbytes
-        out.append((i, j - i, pool_u8[start : start + length]))
+        runs.append((i, j - i, pool_u8[start : start + length]))
         i = j
-    return out
+    return order, runs

@@ -14,6 +14,7 @@ makes the compute stream wait for a layer's load without blocking the host.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -126,6 +127,8 @@ class KVCacheManager(KVCacheManagerBase):
             self.batch_bytes = 0  # events give per-layer completion for free
             self._stream = torch.cuda.Stream(device=self.device)
             self._pool_u8 = R.pin_pool(self.pool)
+            # Unpinned at close() or when the manager is collected, whichever comes first.
+            self._unpin = weakref.finalize(self, R.unpin_pool, self.pool)
             self._load_events: dict[int, torch.cuda.Event] = {}
         else:
             if self.device.type != "cpu":
@@ -143,7 +146,7 @@ class KVCacheManager(KVCacheManagerBase):
         """Release the CUDA pinning of the host pool (no-op on CPU)."""
         if self._cuda and self._pool_u8 is not None:
             self._stream.synchronize()
-            R.unpin_pool(self.pool)
+            self._unpin()
             self._pool_u8 = None
 
     # -- the transfer primitive ---------------------------------------------------------------
@@ -199,8 +202,10 @@ class KVCacheManager(KVCacheManagerBase):
     def _device_index(self, blocks) -> torch.Tensor:
         """Block ids on the GPU without a host sync: a pageable H2D copy would synchronise the
         copy stream (which may be waiting on compute), so stage through pinned memory."""
-        host = torch.as_tensor(blocks, dtype=torch.int64).pin_memory()
-        return host.to(self.device, non_blocking=True)
+        host = torch.as_tensor(blocks, dtype=torch.int64)
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _cuda_future(self, name: str, event: torch.cuda.Event, keep: list[Any]) -> TransferFuture:
         f = TransferFuture(name)
@@ -214,41 +219,49 @@ class KVCacheManager(KVCacheManagerBase):
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         done = torch.cuda.Event()
-        ax = self.layout.block_axis
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            idx = self._device_index(blocks)
-            staged = torch.cat([R.staged_gather(p, ax, idx) for p in self._parts[layer]], dim=1)
-            for first, count, dst in R.host_slices(
-                self.pool, self._pool_u8, host_ids, offset, staged.shape[1]
-            ):
-                # Back-to-back rows coalesce only when a row is exactly one block stride.
-                dst.copy_(staged[first : first + count].reshape(-1), non_blocking=True)
+            keep = self._staged_d2h(layer, blocks, host_ids, offset)
             done.record(self._stream)
-        return self._cuda_future(f"d2h layer {layer}", done, [staged, idx, borrows])
+        return self._cuda_future(f"d2h layer {layer}", done, [keep, borrows])
 
     def _cuda_h2d(self, layer, blocks, host_ids, offset) -> TransferFuture:
         borrows = self._borrow(host_ids)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         done = torch.cuda.Event()
-        ax = self.layout.block_axis
-        nbytes = self.format.layer_block_bytes
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            idx = self._device_index(blocks)
-            staged = torch.empty((len(host_ids), nbytes), dtype=torch.uint8, device=self.device)
-            for first, count, src in R.host_slices(
-                self.pool, self._pool_u8, host_ids, offset, nbytes
-            ):
-                staged[first : first + count].reshape(-1).copy_(src, non_blocking=True)
-            off = 0
-            for p, g in zip(self._parts[layer], self._geoms[layer], strict=True):
-                R.staged_scatter(p, ax, idx, staged[:, off : off + g.block_bytes])
-                off += g.block_bytes
+            keep = self._staged_h2d(layer, blocks, host_ids, offset)
             done.record(self._stream)
         self._load_events[layer] = done
-        return self._cuda_future(f"h2d layer {layer}", done, [staged, idx, borrows])
+        return self._cuda_future(f"h2d layer {layer}", done, [keep, borrows])
+
+    # The device-agnostic data path of the CUDA copies (on CPU tensors - where non_blocking copies
+    # are synchronous - tests run it against the native path).
+    def _staged_d2h(self, layer, blocks, host_ids, offset) -> list[torch.Tensor]:
+        ax = self.layout.block_axis
+        nbytes = self.format.layer_block_bytes
+        order, runs = R.host_runs(self.pool, self._pool_u8, host_ids, offset, nbytes)
+        idx = self._device_index(blocks[order])  # staged rows in host-slot order
+        staged = torch.cat([R.staged_gather(p, ax, idx) for p in self._parts[layer]], dim=1)
+        for first, count, dst in runs:
+            dst.copy_(staged[first : first + count].reshape(-1), non_blocking=True)
+        return [staged, idx]
+
+    def _staged_h2d(self, layer, blocks, host_ids, offset) -> list[torch.Tensor]:
+        ax = self.layout.block_axis
+        nbytes = self.format.layer_block_bytes
+        order, runs = R.host_runs(self.pool, self._pool_u8, host_ids, offset, nbytes)
+        idx = self._device_index(blocks[order])  # staged rows in host-slot order
+        staged = torch.empty((len(host_ids), nbytes), dtype=torch.uint8, device=self.device)
+        for first, count, src in runs:
+            staged[first : first + count].reshape(-1).copy_(src, non_blocking=True)
+        off = 0
+        for p, g in zip(self._parts[layer], self._geoms[layer], strict=True):
+            R.staged_scatter(p, ax, idx, staged[:, off : off + g.block_bytes])
+            off += g.block_bytes
+        return [staged, idx]
 
     def wait_layer(self, layer: int) -> None:
         """CUDA: make the current stream wait (GPU-side) for the last load into ``layer``.

@@ -46,6 +46,7 @@ def _copy_bucket(
     tensors: list[torch.Tensor],
     to_host: bool,
     stream: torch.cuda.Stream | None,
+    pool_u8: torch.Tensor | None,
 ) -> TransferFuture:
     regions = [_bytes_of(t) for t in tensors]
     segs = weight_segments(manifest, bucket, list(range(len(regions))))
@@ -53,11 +54,11 @@ def _copy_bucket(
     if not tensors or tensors[0].device.type == "cpu":
         call = _native.put_segments if to_host else _native.get_segments
         return from_native(call(pool.engine, pool.native, ids, regions, segs), name)
-    pool_u8 = R.pin_pool(pool)
     stride = pool.native.block_stride
     slots = [pool.native.slot_of(i) for i in ids]
-    for i in ids:
-        pool.address(i)  # stale / freed ids refused before any byte moves
+    # A view per block borrows it until the DMA is done; stale / freed ids raise here, before
+    # any byte moves (the native path's BORROW CONTRACT).
+    borrows = [pool.view(i) for i in ids]
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(tensors[0].device))
     done = torch.cuda.Event()
@@ -72,8 +73,7 @@ def _copy_bucket(
                 dev.copy_(host, non_blocking=True)
         done.record(stream)
     f = TransferFuture(name)
-    f.keepalive.extend([regions, done])
-    f.add_done_callback(lambda _f: R.unpin_pool(pool))
+    f.keepalive.extend([regions, done, borrows])
     watch(done.query, lambda: f.settle(lambda: None))
     return f
 
@@ -98,10 +98,13 @@ def flatten_weights(
     bucket_ids = [pool.alloc(end - first) for first, end in manifest.buckets]
     host = HostWeights(pool, manifest, bucket_ids)
     stream = _stream_for(tensors)
+    pool_u8 = R.pin_pool(pool) if stream is not None else None
     futures = []
     for b, ids in enumerate(bucket_ids):
         ts = [tensors[e.name] for e in manifest.entries if e.bucket == b]
-        futures.append(_copy_bucket(pool, manifest, b, ids, ts, True, stream))
+        futures.append(_copy_bucket(pool, manifest, b, ids, ts, True, stream, pool_u8))
+    if pool_u8 is not None:  # one pinning for the whole call, released when every bucket is done
+        gather(futures, "flatten_weights").add_done_callback(lambda _f: R.unpin_pool(pool))
     return host, futures
 
 
@@ -119,12 +122,17 @@ def restore_weights(
         if not v.is_contiguous():
             raise InvalidArgumentError(f"weight {k!r}: restore target must be contiguous")
     stream = _stream_for(state_dict)
+    pool_u8 = R.pin_pool(host.pool) if stream is not None else None
     chosen = range(len(m.buckets)) if buckets is None else buckets
     futures = []
     for b in chosen:
         ts = [state_dict[e.name] for e in m.entries if e.bucket == b]
-        futures.append(_copy_bucket(host.pool, m, b, host.bucket_ids[b], ts, False, stream))
-    return gather(futures, "restore_weights")
+        ids = host.bucket_ids[b]
+        futures.append(_copy_bucket(host.pool, m, b, ids, ts, False, stream, pool_u8))
+    out = gather(futures, "restore_weights")
+    if pool_u8 is not None:
+        out.add_done_callback(lambda _f: R.unpin_pool(host.pool))
+    return out
 
 
 def _stream_for(tensors: Mapping[str, torch.Tensor]) -> torch.cuda.Stream | None:
