@@ -67,6 +67,29 @@ def _put(x: jax.Array, idx: jax.Array, vals: jax.Array, axis: int) -> jax.Array:
     return x.at[where].set(vals)
 
 
+def _bucket(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _padded(blocks: np.ndarray) -> np.ndarray:
+    """Block ids padded to a power-of-two count by repeating the last one, so the jitted
+    take / scatter compile once per size bucket instead of once per batch size (repeating an
+    index with its own value is idempotent)."""
+    out = np.empty(_bucket(blocks.size), np.int32)
+    out[: blocks.size] = blocks
+    out[blocks.size :] = blocks[-1]
+    return out
+
+
+def _padded_rows(vals: np.ndarray, axis: int) -> np.ndarray:
+    n = vals.shape[axis]
+    extra = _bucket(n) - n
+    if not extra:
+        return vals
+    last = np.take(vals, [n - 1] * extra, axis=axis)
+    return np.concatenate([vals, last], axis=axis)
+
+
 class _Part:
     """One array of a layer: its unique shards (primary per index) and their geometry."""
 
@@ -228,8 +251,9 @@ class KVCacheManager(KVCacheManagerBase):
         def piece_for(layer, k, piece):
             data = shards_of[layer][k]
             if self.staged:
-                idx = jax.device_put(np.asarray(blocks, np.int32), data.devices().pop())
-                host = np.ascontiguousarray(jax.device_get(_take(data, idx, ax)))
+                idx = jax.device_put(_padded(blocks), data.devices().pop())
+                taken = jax.device_get(_take(data, idx, ax))
+                host = np.ascontiguousarray(np.take(taken, np.arange(blocks.size), axis=ax))
                 geom = _c_geometry(host.shape, host.itemsize, ax, self.layout.axes)
                 return host.reshape(-1).view(np.uint8), geom
             # Zero-copy: the native binding imports the shard through DLPack (any dtype,
@@ -268,8 +292,9 @@ class KVCacheManager(KVCacheManagerBase):
                 k += len(part.keys)
                 singles = []
                 for s in arr.addressable_shards:
-                    vals = jax.device_put(by_key[_shard_key(s.index, arr.shape)], s.device)
-                    idx = jax.device_put(np.asarray(blocks, np.int32), s.device)
+                    staged_vals = by_key[_shard_key(s.index, arr.shape)]
+                    vals = jax.device_put(_padded_rows(staged_vals, ax), s.device)
+                    idx = jax.device_put(_padded(blocks), s.device)
                     singles.append(_put(s.data, idx, vals, ax))
                 if len(singles) == 1 and not isinstance(arr.sharding, jax.sharding.NamedSharding):
                     new = singles[0]
