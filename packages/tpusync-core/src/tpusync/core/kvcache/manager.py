@@ -214,9 +214,9 @@ class KVCacheManagerBase:
         slots = store.reserve(hashes, self.num_groups, self.format.to_dict())
         todo = [i for i, s in enumerate(slots) if s is not None]
         keys = [hashes[i] for i in todo]
-        if not todo:
+        if not todo:  # everything already stored: nothing to copy
             done = gather([], "save")
-            return LayeredTransfer({}, done)
+            return LayeredTransfer(dict.fromkeys(range(self.num_layers), done), done)
         ids = np.asarray([slots[i] for i in todo], dtype=np.uint64).T  # [groups, m]
         try:
             layered = self.d2h(blocks[todo], ids)
