@@ -9,8 +9,8 @@ Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
 - ``build``   the five wheels into dist/, then proves a fresh venv installing only the
               tpusync-torch wheel pulls tpusync-core and torch and neither jax nor vllm
 - ``demo``    the main job: offload a synthetic paged KV cache to the host pool and back
-- ``bench``   ``tpusync bench memory --json`` (JSON kept in build/bench/); ``-- tiers`` for the
-              tiered store (installs fio)
+- ``bench``   ``tpusync bench memory --json`` (JSON kept in build/bench/); ``-- tiers`` (installs
+              fio), ``-- transport``, ``-- device`` / ``-- device-jax`` (framework plugin suites)
 - ``stubs``   regenerate the checked-in nanobind stubs (a test fails when they are stale)
 - ``docs``    the documentation site (mkdocs, strict) into build/site
 - ``fuzz``    libFuzzer (clang-14, ASan + UBSan) on the wire frame parser and auth handshake:
@@ -320,6 +320,10 @@ def bench(session: nox.Session) -> None:
     suites = session.posargs or ["memory"]
     if "tiers" in suites:
         _apt(session, "fio")  # the same-run reference of the disk tier
+    if any(
+        s not in ("memory", "tiers", "transport") for s in suites
+    ):  # plugin suites (e.g. `device`) live in framework wheels
+        install_frameworks(session)
     for suite in suites:
         result = session.run("tpusync", "bench", suite, "--json", silent=True)
         (out / f"{suite}.json").write_text(result)

@@ -41,7 +41,68 @@ Future Transfer(ThreadPool& pool, std::shared_ptr<memory::BlockAllocator> blocks
   return f;
 }
 
+Status CheckSegments(const memory::BlockAllocator& blocks, size_t num_ids,
+                     const SegmentList& list) {
+  const uint64_t block_bytes = blocks.block_bytes();
+  for (size_t i = 0; i < list.segments.size(); ++i) {
+    const Segment& s = list.segments[i];
+    if (s.block >= num_ids) {
+      return Status::InvalidArgument(
+          StrCat("segment ", i, " names block ", s.block, " of a batch of ", num_ids, " blocks"));
+    }
+    if (s.block_offset > block_bytes || s.bytes > block_bytes - s.block_offset) {
+      return Status::InvalidArgument(StrCat("segment ", i, " covers bytes [", s.block_offset, ", ",
+                                            s.block_offset, " + ", s.bytes, ") of a block of ",
+                                            block_bytes, " bytes"));
+    }
+    if (s.region >= list.regions.size()) {
+      return Status::InvalidArgument(StrCat("segment ", i, " names region ", s.region, " of ",
+                                            list.regions.size(), " regions"));
+    }
+    const uint64_t region_bytes = list.regions[s.region].bytes;
+    if (s.region_offset > region_bytes || s.bytes > region_bytes - s.region_offset) {
+      return Status::InvalidArgument(StrCat("segment ", i, " covers bytes [", s.region_offset, ", ",
+                                            s.region_offset, " + ", s.bytes, ") of region ",
+                                            s.region, " which holds ", region_bytes, " bytes"));
+    }
+  }
+  return Status::OK();
+}
+
+Future TransferSegments(ThreadPool& pool, std::shared_ptr<memory::BlockAllocator> blocks,
+                        std::vector<memory::BlockId> ids, SegmentList user, bool put) {
+  Status valid = CheckSegments(*blocks, ids.size(), user);
+  if (!valid.ok()) return Future::Completed(valid);
+  Status borrowed = blocks->AcquireBorrow(ids);
+  if (!borrowed.ok()) return Future::Completed(borrowed);
+  std::vector<uint8_t*> block_base(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    block_base[i] = blocks->SlotAddress(memory::BlockAllocator::SlotOf(ids[i]));
+  }
+  std::vector<CopySpan> spans;
+  spans.reserve(user.segments.size());
+  for (const Segment& s : user.segments) {
+    if (s.bytes == 0) continue;
+    uint8_t* block = block_base[s.block] + s.block_offset;
+    uint8_t* mem = user.regions[s.region].base + s.region_offset;
+    spans.push_back(put ? CopySpan{block, mem, s.bytes} : CopySpan{mem, block, s.bytes});
+  }
+  Future f = CopyAsync(pool, std::move(spans));
+  f->OnComplete([blocks, ids = std::move(ids)](const Status&) { blocks->ReleaseBorrow(ids); });
+  return f;
+}
+
 }  // namespace
+
+Future PutSegments(ThreadPool& pool, std::shared_ptr<memory::BlockAllocator> blocks,
+                   std::vector<memory::BlockId> ids, SegmentList src) {
+  return TransferSegments(pool, std::move(blocks), std::move(ids), std::move(src), /*put=*/true);
+}
+
+Future GetSegments(ThreadPool& pool, std::shared_ptr<memory::BlockAllocator> blocks,
+                   std::vector<memory::BlockId> ids, SegmentList dst) {
+  return TransferSegments(pool, std::move(blocks), std::move(ids), std::move(dst), /*put=*/false);
+}
 
 Future PutBlocks(ThreadPool& pool, std::shared_ptr<memory::BlockAllocator> blocks,
                  std::vector<memory::BlockId> ids, RowBuffer src) {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -62,6 +63,8 @@ class PyFuture {
   std::vector<nb::object> keepalive;
   std::optional<SrcArray> src;
   std::optional<DstArray> dst;
+  std::vector<SrcArray> src_regions;
+  std::vector<DstArray> dst_regions;
 
   bool Done() const { return f_->done(); }
   bool Cancel() { return f_->Cancel(); }
@@ -172,6 +175,29 @@ engine::RowBuffer Rows(const Array& a, size_t n, size_t block_bytes,
       "...] (with rows=: [num_rows, ...]) whose rows are contiguous runs of block_bytes bytes")));
 }
 
+using SegmentArray = nb::ndarray<const uint64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+template <typename Array>
+engine::SegmentList Segments(const std::vector<Array>& regions, const SegmentArray& segments) {
+  if (segments.shape(1) != 5) {
+    throw StatusError(Status::InvalidArgument(
+        StrCat("segments must have shape [n, 5] (block, block_offset, region, region_offset, "
+               "bytes), got [",
+               segments.shape(0), ", ", segments.shape(1), "]")));
+  }
+  engine::SegmentList out;
+  for (const auto& r : regions) {
+    if (!CContiguous(r, 0)) {
+      throw StatusError(Status::InvalidArgument("segment regions must be C-contiguous arrays"));
+    }
+    out.regions.push_back(
+        {static_cast<uint8_t*>(const_cast<void*>(static_cast<const void*>(r.data()))), r.nbytes()});
+  }
+  out.segments.resize(segments.shape(0));
+  std::memcpy(out.segments.data(), segments.data(), segments.nbytes());
+  return out;
+}
+
 }  // namespace
 
 nb::object WrapFuture(Future f, std::optional<ReadArray> src, std::optional<WriteArray> dst) {
@@ -249,6 +275,44 @@ void init_engine(nb::module_& m) {
       nb::arg("rows") = nb::none(), nb::rv_policy::take_ownership,
       "Copy pool block ids[i] into block i of `dst` (row rows[i] when given) on the engine's "
       "threads.");
+
+  m.def(
+      "put_segments",
+      [](ThreadPool& eng, std::shared_ptr<BlockAllocator> blocks, std::vector<BlockId> ids,
+         std::vector<SrcArray> regions, SegmentArray segments) {
+        engine::SegmentList list = Segments(regions, segments);
+        Future f;
+        {
+          nb::gil_scoped_release release;
+          f = engine::PutSegments(eng, blocks, std::move(ids), std::move(list));
+        }
+        auto* out = new PyFuture(std::move(f));
+        out->src_regions = std::move(regions);
+        return out;
+      },
+      nb::arg("engine"), nb::arg("pool"), nb::arg("ids"), nb::arg("regions"), nb::arg("segments"),
+      nb::rv_policy::take_ownership,
+      "Gather: for each row (block, block_offset, region, region_offset, bytes) of the uint64 "
+      "[n, 5] `segments`, copy bytes of regions[region] into pool block ids[block]. Every bound "
+      "is checked before any byte moves.");
+
+  m.def(
+      "get_segments",
+      [](ThreadPool& eng, std::shared_ptr<BlockAllocator> blocks, std::vector<BlockId> ids,
+         std::vector<DstArray> regions, SegmentArray segments) {
+        engine::SegmentList list = Segments(regions, segments);
+        Future f;
+        {
+          nb::gil_scoped_release release;
+          f = engine::GetSegments(eng, blocks, std::move(ids), std::move(list));
+        }
+        auto* out = new PyFuture(std::move(f));
+        out->dst_regions = std::move(regions);
+        return out;
+      },
+      nb::arg("engine"), nb::arg("pool"), nb::arg("ids"), nb::arg("regions"), nb::arg("segments"),
+      nb::rv_policy::take_ownership,
+      "Scatter: the inverse of put_segments (pool block bytes into the regions).");
 
   m.def(
       "copy",

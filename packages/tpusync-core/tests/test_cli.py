@@ -84,3 +84,32 @@ def test_bench_tiers_json_schema(tmp_path):
     assert session["verified_blocks"] == session["offloaded_blocks"] > 0
     assert session["device_max_blocks_used"] <= session["device_budget_blocks"]
     assert list(tmp_path.iterdir()) == []  # the bench cleans up after itself
+
+
+def test_cli_never_imports_frameworks_and_finds_plugin_suites(monkeypatch):
+    code = (
+        "import sys; from tpusync.core import cli; cli.build_parser(); "
+        "bad = sorted(m for m in ('torch', 'jax') if m in sys.modules); "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+    class FakeEntryPoint:
+        name = "fake"
+
+        def load(self):
+            return lambda total_bytes, repeats, show_progress: {
+                "suite": "fake",
+                "bytes": total_bytes,
+                "repeats": repeats,
+            }
+
+    import importlib.metadata
+
+    monkeypatch.setattr(
+        importlib.metadata,
+        "entry_points",
+        lambda group: [FakeEntryPoint()] if group == cli.BENCH_GROUP else [],
+    )
+    args = cli.build_parser().parse_args(["bench", "fake", "--json", "--total-mib", "1"])
+    assert args.func(args) == 0

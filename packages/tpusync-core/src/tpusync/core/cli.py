@@ -18,8 +18,27 @@ def _cmd_version(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_GROUP = "tpusync.bench"
+
+
+def _plugin_suites() -> dict:
+    """Bench suites declared by other packages under the ``tpusync.bench`` entry-point group.
+
+    PLUGIN CONTRACT: an entry point ``name = "pkg.module:run"`` names a callable
+    ``run(total_bytes: int, repeats: int, show_progress: bool) -> dict`` returning the JSON
+    convention of tpusync.core.bench. Loading happens only when that suite is asked for, so the
+    core CLI never imports torch or jax by itself.
+    """
+    from importlib.metadata import entry_points
+
+    builtin = ("memory", "tiers", "transport")
+    return {ep.name: ep for ep in entry_points(group=BENCH_GROUP) if ep.name not in builtin}
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    defaults = {"memory": (256, 5), "tiers": (256, 5), "transport": (1024, 3)}[args.suite]
+    defaults = {"memory": (256, 5), "tiers": (256, 5), "transport": (1024, 3)}.get(
+        args.suite, (256, 5)
+    )
     args.total_mib = args.total_mib or defaults[0]
     args.repeats = args.repeats or defaults[1]
     if args.suite == "memory":
@@ -51,14 +70,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if not args.json:
             _print_transport_table(result)
             return 0
-    else:  # argparse restricts choices; kept for clarity
-        raise SystemExit(f"unknown bench suite {args.suite}")
+    else:
+        plugins = _plugin_suites()
+        if args.suite not in plugins:
+            raise SystemExit(f"unknown bench suite {args.suite}")
+        result = plugins[args.suite].load()(
+            total_bytes=args.total_mib << 20, repeats=args.repeats, show_progress=not args.quiet
+        )
     if args.json:
         print(json.dumps(result, indent=2))
-    elif args.suite == "tiers":
-        print(json.dumps(result, indent=2))
-    else:
+    elif args.suite == "memory":
         _print_table(result)
+    else:
+        print(json.dumps(result, indent=2))
     return 0
 
 
@@ -144,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_version)
 
     p = sub.add_parser("bench", help="run a benchmark suite")
-    p.add_argument("suite", choices=["memory", "tiers", "transport"])
+    p.add_argument("suite", choices=["memory", "tiers", "transport", *sorted(_plugin_suites())])
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.add_argument(
         "--total-mib",

@@ -1,8 +1,10 @@
 """tpusync.jax: tpusync for JAX.
 
-Available now: zero-copy JAX arrays over host pool blocks (:func:`block_array`). The paged KV cache
-manager, sharded transfers, P/D and weight-sync device side are tracked in the project's issues and
-are not part of this release yet.
+- :class:`KVCacheManager`: device <-> host block transfers over a paged KV cache held as JAX
+  arrays (sharded or not), per layer or all layers, asynchronous; KVStore-backed save / load /
+  lookup and the P/D primitive over injected store and transport objects.
+- :func:`flatten_weights` / :func:`restore_weights`: weight-sync device side for pytrees.
+- :func:`block_array`: zero-copy JAX arrays over host pool blocks.
 """
 
 from tpusync.core import require_api
@@ -10,6 +12,23 @@ from tpusync.core import require_api
 MIN_CORE_API = 1
 require_api(MIN_CORE_API, "tpusync-jax")
 
-from tpusync.jax._views import block_array  # noqa: E402 - after the API gate on purpose
+from tpusync.core.kvcache import (  # noqa: E402 - after the API gate on purpose
+    BlockFormat,
+    InterimHostStore,
+    KVLayout,
+)
+from tpusync.jax._views import block_array  # noqa: E402
+from tpusync.jax.kv_cache import KVCacheManager  # noqa: E402
+from tpusync.jax.weights import HostWeights, flatten_weights, restore_weights  # noqa: E402
 
-__all__ = ["MIN_CORE_API", "block_array"]
+__all__ = [
+    "MIN_CORE_API",
+    "BlockFormat",
+    "HostWeights",
+    "InterimHostStore",
+    "KVCacheManager",
+    "KVLayout",
+    "block_array",
+    "flatten_weights",
+    "restore_weights",
+]

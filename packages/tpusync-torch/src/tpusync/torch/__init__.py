@@ -1,8 +1,11 @@
 """tpusync.torch: tpusync for PyTorch.
 
-Available now: zero-copy torch views of host pool blocks (:func:`block_tensor`). The paged KV cache
-manager, P/D transfer and weight-sync device side are tracked in the project's issues and are not
-part of this release yet.
+- :class:`KVCacheManager`: device <-> host block transfers over a paged KV cache (any layout
+  described by a :class:`KVLayout`), per layer or all layers, asynchronous; KVStore-backed
+  save / load / lookup and the P/D primitive (register_send / start_recv / poll) over injected
+  store and transport objects.
+- :func:`flatten_weights` / :func:`restore_weights`: weight-sync device side.
+- :func:`block_tensor`: zero-copy torch views of host pool blocks.
 """
 
 from tpusync.core import require_api
@@ -10,6 +13,23 @@ from tpusync.core import require_api
 MIN_CORE_API = 1
 require_api(MIN_CORE_API, "tpusync-torch")
 
-from tpusync.torch._views import block_tensor  # noqa: E402 - after the API gate on purpose
+from tpusync.core.kvcache import (  # noqa: E402 - after the API gate on purpose
+    BlockFormat,
+    InterimHostStore,
+    KVLayout,
+)
+from tpusync.torch._views import block_tensor  # noqa: E402
+from tpusync.torch.kv_cache import KVCacheManager  # noqa: E402
+from tpusync.torch.weights import HostWeights, flatten_weights, restore_weights  # noqa: E402
 
-__all__ = ["MIN_CORE_API", "block_tensor"]
+__all__ = [
+    "MIN_CORE_API",
+    "BlockFormat",
+    "HostWeights",
+    "InterimHostStore",
+    "KVCacheManager",
+    "KVLayout",
+    "block_tensor",
+    "flatten_weights",
+    "restore_weights",
+]

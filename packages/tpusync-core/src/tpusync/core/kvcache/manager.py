@@ -1,0 +1,374 @@
+"""KVCacheManagerBase: the framework-neutral half of tpusync.torch / tpusync.jax KVCacheManager.
+
+A subclass knows its framework's tensors and implements one primitive, ``_transfer`` (gather a
+batch of layers' device blocks into host blocks, or scatter them back), returning a
+TransferFuture. Everything else lives here once: host block
+allocation and the ``[groups, n]`` host-id shape, argument checks, layer-by-layer batching, the
+KVStore-backed save/load/lookup and the P/D primitive over an injected BlockTransport.
+
+RANGE CONTRACT: device block ids, host id shapes and counts are checked before any byte moves or
+any host block is allocated; a refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from tpusync.core.errors import InvalidArgumentError, StateError
+from tpusync.core.errors import TimeoutError as TpusyncTimeoutError
+from tpusync.core.kvcache.futures import (
+    LayeredTransfer,
+    TransferFuture,
+    after,
+    default_timeout,
+    gather,
+    watch,
+)
+from tpusync.core.kvcache.layout import BlockFormat, KVLayout, check_format
+from tpusync.core.kvcache.plan import check_block_ids
+from tpusync.core.kvcache.protocols import BlockTransport, KVStore
+from tpusync.core.pool import HostBlockPool
+
+__all__ = ["KVCacheManagerBase"]
+
+
+class KVCacheManagerBase:
+    """Shared logic; see tpusync.torch.KVCacheManager / tpusync.jax.KVCacheManager."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_layers: int,
+        fmt: BlockFormat,
+        *,
+        pool: HostBlockPool | None,
+        host_blocks: int | None,
+        store: KVStore | None,
+        transport: BlockTransport | None,
+    ) -> None:
+        self.layout = layout
+        self.num_layers = num_layers
+        self.format = fmt
+        if store is not None and not isinstance(store, KVStore):
+            raise InvalidArgumentError(f"store {store!r} does not implement the KVStore protocol")
+        if transport is not None and not isinstance(transport, BlockTransport):
+            raise InvalidArgumentError(
+                f"transport {transport!r} does not implement the BlockTransport protocol"
+            )
+        if pool is None and store is not None:
+            pool = store.pool
+        if pool is None:
+            if not host_blocks:
+                raise InvalidArgumentError("give a host pool, a store or host_blocks=")
+            pool = HostBlockPool(fmt.host_block_bytes, host_blocks)
+        if pool.block_bytes != fmt.host_block_bytes:
+            raise InvalidArgumentError(
+                f"host pool field 'block_bytes' is {pool.block_bytes} but this cache's host "
+                f"blocks hold {fmt.host_block_bytes} bytes ({fmt.layers_per_host_block} layer(s) "
+                f"x {fmt.layer_block_bytes} bytes)"
+            )
+        if store is not None and store.pool is not pool:
+            raise InvalidArgumentError("the store's pool and the manager's pool must be the same")
+        self.pool = pool
+        self.store = store
+        self.transport = transport
+        self._lock = threading.Lock()
+        self._sends: dict[str, np.ndarray] = {}
+        self._recvs: dict[str, TransferFuture] = {}
+
+    # -- host blocks ---------------------------------------------------------------------------
+    @property
+    def host_block_bytes(self) -> int:
+        return self.format.host_block_bytes
+
+    @property
+    def num_groups(self) -> int:
+        return self.format.num_groups
+
+    def alloc_host(self, n: int) -> np.ndarray:
+        """Host blocks for ``n`` device blocks: int array of shape ``[num_groups, n]``."""
+        ids = self.pool.alloc(n * self.num_groups)
+        return np.asarray(ids, dtype=np.uint64).reshape(self.num_groups, n)
+
+    def free_host(self, host_ids: Any) -> None:
+        self.pool.free(np.asarray(host_ids, dtype=np.uint64).reshape(-1).tolist())
+
+    def _host_ids(self, host_ids: Any, n: int) -> np.ndarray:
+        arr = np.asarray(host_ids, dtype=np.uint64)
+        if arr.ndim == 1 and self.num_groups == 1:
+            arr = arr[None, :]
+        if arr.shape != (self.num_groups, n):
+            raise InvalidArgumentError(
+                f"host ids have shape {arr.shape}; expected ({self.num_groups}, {n}): one row per "
+                f"group of {self.format.layers_per_host_block} layer(s), one column per device block"
+            )
+        return arr
+
+    def _layers(self, layers: Iterable[int] | None) -> list[int]:
+        out = list(range(self.num_layers)) if layers is None else [int(x) for x in layers]
+        for x in out:
+            if not 0 <= x < self.num_layers:
+                raise InvalidArgumentError(f"layer {x} out of range (cache has {self.num_layers})")
+        return out
+
+    def _where(self, layer: int) -> tuple[int, int]:
+        """(group row, byte offset inside the host block) of a layer."""
+        per = self.format.layers_per_host_block
+        return layer // per, (layer % per) * self.format.layer_block_bytes
+
+    # -- the one primitive a subclass implements ---------------------------------------------
+    #: Bulk d2h / h2d put consecutive requested layers into one engine call until it moves at
+    #: least this many bytes (fewer, larger batches keep every engine thread busy); 0 = one call
+    #: per layer. A layer's future in a LayeredTransfer completes with its batch.
+    batch_bytes: int = 32 << 20
+
+    def _transfer(
+        self, layers: list[int], blocks: np.ndarray, host_ids: np.ndarray, to_host: bool
+    ) -> TransferFuture:
+        """Copy ``layers`` between device blocks ``blocks`` and ``host_ids`` ([groups, n], rows
+        indexed by :meth:`_where`); arguments are already validated."""
+        raise NotImplementedError
+
+    def _batches(self, layers: list[int], n: int) -> list[list[int]]:
+        if self.batch_bytes <= 0:
+            return [[x] for x in layers]
+        per = max(1, n * self.format.layer_block_bytes)
+        out, cur = [], []
+        for x in layers:
+            cur.append(x)
+            if len(cur) * per >= self.batch_bytes:
+                out.append(cur)
+                cur = []
+        if cur:
+            out.append(cur)
+        return out
+
+    # -- device <-> host pool ------------------------------------------------------------------
+    def d2h_layer(self, layer: int, device_blocks: Sequence[int], host_ids: Any) -> TransferFuture:
+        """Gather ``device_blocks`` of one layer into host blocks (asynchronous)."""
+        (layer,) = self._layers([layer])
+        blocks = check_block_ids(device_blocks, self.layout.num_blocks, "d2h", unique=False)
+        return self._transfer([layer], blocks, self._host_ids(host_ids, blocks.size), True)
+
+    def h2d_layer(self, layer: int, device_blocks: Sequence[int], host_ids: Any) -> TransferFuture:
+        """Scatter host blocks into ``device_blocks`` of one layer (asynchronous)."""
+        (layer,) = self._layers([layer])
+        blocks = check_block_ids(device_blocks, self.layout.num_blocks, "h2d", unique=True)
+        return self._transfer([layer], blocks, self._host_ids(host_ids, blocks.size), False)
+
+    def d2h(
+        self, device_blocks: Sequence[int], host_ids: Any, layers: Iterable[int] | None = None
+    ) -> LayeredTransfer:
+        """Gather every (or the given) layer into host blocks; per-layer futures."""
+        layers = self._layers(layers)
+        blocks = check_block_ids(device_blocks, self.layout.num_blocks, "d2h", unique=False)
+        return self._bulk(layers, blocks, self._host_ids(host_ids, blocks.size), True)
+
+    def h2d(
+        self, device_blocks: Sequence[int], host_ids: Any, layers: Iterable[int] | None = None
+    ) -> LayeredTransfer:
+        """Scatter host blocks into every (or the given) layer; per-layer futures."""
+        layers = self._layers(layers)
+        blocks = check_block_ids(device_blocks, self.layout.num_blocks, "h2d", unique=True)
+        return self._bulk(layers, blocks, self._host_ids(host_ids, blocks.size), False)
+
+    def _bulk(
+        self, layers: list[int], blocks: np.ndarray, ids: np.ndarray, to_host: bool
+    ) -> LayeredTransfer:
+        futs: dict[int, TransferFuture] = {}
+        batches = []
+        for batch in self._batches(layers, blocks.size):
+            f = self._transfer(batch, blocks, ids, to_host)
+            batches.append(f)
+            for x in batch:
+                futs[x] = f
+        return LayeredTransfer(futs, gather(batches, "d2h" if to_host else "h2d"))
+
+    # -- KVStore-backed save / load ------------------------------------------------------------
+    def _need_store(self) -> KVStore:
+        if self.store is None:
+            raise StateError("this manager has no KVStore (pass store=)")
+        return self.store
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """Number of leading ``hashes`` the store holds."""
+        return self._need_store().lookup(list(hashes))
+
+    def save(self, hashes: Sequence[bytes], device_blocks: Sequence[int]) -> LayeredTransfer:
+        """Save device blocks under their hashes (keys already stored are skipped).
+
+        Keys become visible to lookup/load only after every layer's copy succeeded; a failed
+        copy drops them and frees their host blocks.
+        """
+        store = self._need_store()
+        hashes = list(hashes)
+        blocks = check_block_ids(device_blocks, self.layout.num_blocks, "save", unique=False)
+        if len(hashes) != blocks.size:
+            raise InvalidArgumentError(f"{len(hashes)} hashes for {blocks.size} device blocks")
+        slots = store.reserve(hashes, self.num_groups, self.format.to_dict())
+        todo = [i for i, s in enumerate(slots) if s is not None]
+        keys = [hashes[i] for i in todo]
+        if not todo:  # everything already stored: nothing to copy
+            done = gather([], "save")
+            return LayeredTransfer(dict.fromkeys(range(self.num_layers), done), done)
+        ids = np.asarray([slots[i] for i in todo], dtype=np.uint64).T  # [groups, m]
+        try:
+            layered = self.d2h(blocks[todo], ids)
+        except BaseException:
+            store.commit(keys, ok=False)
+            raise
+
+        def finish(f: cf.Future) -> Any:
+            store.commit(keys, ok=not f.cancelled() and f.exception() is None)
+            return f.result(timeout=0)  # re-raises the copy's error after the keys were dropped
+
+        overall = TransferFuture("save")
+        layered.overall.add_done_callback(lambda f: overall.settle(lambda: finish(f)))
+        return LayeredTransfer(layered.layers, overall)
+
+    def load(self, hashes: Sequence[bytes], device_blocks: Sequence[int]) -> LayeredTransfer:
+        """Load stored blocks into device blocks; NotFoundError if any hash is missing."""
+        store = self._need_store()
+        hashes = list(hashes)
+        blocks = check_block_ids(device_blocks, self.layout.num_blocks, "load", unique=True)
+        if len(hashes) != blocks.size:
+            raise InvalidArgumentError(f"{len(hashes)} hashes for {blocks.size} device blocks")
+        entries = store.acquire(hashes)
+        try:
+            for _, fmt in entries:
+                check_format(self.format, fmt, "the stored block")
+            ids = np.asarray([e[0] for e in entries], dtype=np.uint64).reshape(len(entries), -1).T
+            layered = self.h2d(blocks, ids)
+        except BaseException:
+            store.release(hashes)
+            raise
+        layered.overall.add_done_callback(lambda _f: store.release(hashes))
+        return layered
+
+    # -- P/D over an injected transport --------------------------------------------------------
+    def _need_transport(self) -> BlockTransport:
+        if self.transport is None:
+            raise StateError("this manager has no BlockTransport (pass transport=)")
+        return self.transport
+
+    def register_send(self, transfer_id: str, device_blocks: Sequence[int]) -> TransferFuture:
+        """Producer side: stage device blocks into host blocks and publish them under
+        ``transfer_id``. The future completes once peers can fetch them."""
+        transport = self._need_transport()
+        blocks = check_block_ids(device_blocks, self.layout.num_blocks, "register_send", False)
+        with self._lock:
+            if transfer_id in self._sends:
+                raise InvalidArgumentError(f"transfer {transfer_id!r} is already registered")
+            ids = self.alloc_host(blocks.size)
+            self._sends[transfer_id] = ids
+        meta = {"format": self.format.to_dict(), "num_blocks": int(blocks.size)}
+
+        def publish(_: Any) -> None:
+            transport.publish(transfer_id, self.pool, ids.reshape(-1).tolist(), meta)
+
+        try:
+            staged = self.d2h(blocks, ids).overall
+        except BaseException:
+            self._drop_send(transfer_id)
+            raise
+        out = after(staged, publish, f"register_send {transfer_id}")
+        out.add_done_callback(
+            lambda f: None if f.exception() is None else self._drop_send(transfer_id)
+        )
+        return out
+
+    def _drop_send(self, transfer_id: str) -> None:
+        with self._lock:
+            ids = self._sends.pop(transfer_id, None)
+        if ids is not None:
+            self.free_host(ids)
+
+    def finish_send(self, transfer_id: str) -> None:
+        """Producer side: the consumer is done (or gave up): retract and free the host blocks."""
+        transport = self._need_transport()
+        with self._lock:
+            if transfer_id not in self._sends:
+                raise InvalidArgumentError(f"transfer {transfer_id!r} is not registered")
+        transport.retract(transfer_id)
+        self._drop_send(transfer_id)
+
+    def start_recv(
+        self,
+        peer: str,
+        transfer_id: str,
+        device_blocks: Sequence[int],
+        timeout: float | None = None,
+    ) -> TransferFuture:
+        """Consumer side: fetch ``transfer_id`` from ``peer`` into host blocks, check its format,
+        then scatter into ``device_blocks``.
+
+        The future fails with the transport's error (UnavailableError for a dead peer), with
+        InvalidArgumentError naming the field on a format mismatch (device blocks untouched), or
+        with TimeoutError once ``timeout`` (default TPUSYNC_DEFAULT_TIMEOUT_S) passes.
+        """
+        transport = self._need_transport()
+        blocks = check_block_ids(device_blocks, self.layout.num_blocks, "start_recv", True)
+        with self._lock:
+            if transfer_id in self._recvs:
+                raise InvalidArgumentError(f"transfer {transfer_id!r} is already being received")
+        ids = self.alloc_host(blocks.size)
+        try:
+            fetched = transport.fetch(peer, transfer_id, self.pool, ids.reshape(-1).tolist())
+        except BaseException:
+            self.free_host(ids)
+            raise
+
+        # HOST-BLOCK CONTRACT: the staging blocks are freed only once the transport's own future
+        # is complete, even when our deadline fired first (it may still be writing into them).
+        def free_when_transport_done(_f: Any) -> None:
+            fetched.add_done_callback(lambda _g: self.free_host(ids))
+
+        limit = default_timeout() if timeout is None else timeout
+        bounded = TransferFuture(f"fetch {transfer_id} from {peer}")
+        fetched.add_done_callback(lambda g: bounded.settle(lambda: g.result(timeout=0)))
+        watch(
+            bounded.done,
+            lambda: bounded.settle(lambda: _timeout(transfer_id, peer, limit)),
+            time.monotonic() + limit,
+        )
+
+        def scatter(meta: Any) -> Any:
+            check_format(self.format, meta.get("format", {}), f"peer {peer}")
+            if int(meta.get("num_blocks", -1)) != blocks.size:
+                raise InvalidArgumentError(
+                    f"peer {peer} sent {meta.get('num_blocks')} blocks for {blocks.size} device "
+                    f"blocks (field 'num_blocks')"
+                )
+            return self.h2d(blocks, ids).overall
+
+        out = after(bounded, scatter, f"start_recv {transfer_id}", cleanup=None)
+        out.add_done_callback(free_when_transport_done)
+        with self._lock:
+            self._recvs[transfer_id] = out
+        return out
+
+    def poll(self) -> dict[str, Any]:
+        """Finished receives since the last poll: ``{"done": [...ids], "failed": {id: error}}``."""
+        done, bad = [], {}
+        with self._lock:
+            for tid, f in list(self._recvs.items()):
+                if f.done():
+                    del self._recvs[tid]
+                    err = f.exception(timeout=0) if not f.cancelled() else StateError("cancelled")
+                    if err is None:
+                        done.append(tid)
+                    else:
+                        bad[tid] = err
+        return {"done": done, "failed": bad}
+
+
+def _timeout(transfer_id: str, peer: str, limit: float) -> Any:
+    raise TpusyncTimeoutError(
+        f"transfer {transfer_id!r} from peer {peer} not received after {limit} s"
+    )

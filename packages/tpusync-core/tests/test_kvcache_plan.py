@@ -1,0 +1,165 @@
+"""Layouts, geometry, segment plans, formats, weight plans and futures of tpusync.core.kvcache
+(framework-free: numpy arrays stand in for device tensors)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tpusync.core as tc
+from tpusync.core import _native
+from tpusync.core.kvcache import BlockFormat, InterimHostStore, KVLayout, check_format
+from tpusync.core.kvcache.futures import TransferFuture, from_native, gather
+from tpusync.core.kvcache.layout import PieceGeometry
+from tpusync.core.kvcache.plan import Piece, check_block_ids, segments_for
+from tpusync.core.kvcache.weights import plan_weights, weight_segments
+
+
+def geometry_of(a: np.ndarray, block_axis: int) -> PieceGeometry:
+    axes = [f"a{i}" for i in range(a.ndim)]
+    return PieceGeometry.of(a.shape, a.strides, a.itemsize, block_axis, axes)
+
+
+def byte_region(a: np.ndarray, g: PieceGeometry) -> np.ndarray:
+    return np.lib.stride_tricks.as_strided(a, (g.region_bytes // a.itemsize,), (a.itemsize,)).view(
+        np.uint8
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=2, max_size=4),
+    data=st.data(),
+)
+def test_segment_gather_equals_numpy_take_for_any_axis_order(shape, data):
+    """For any shape, block axis and physical axis order (a transposed view), the native segment
+    gather yields each block's elements in memory order - what np.take + transpose gives."""
+    nd = len(shape)
+    perm = data.draw(st.permutations(range(nd)))
+    ax = data.draw(st.integers(0, nd - 1))
+    phys = np.arange(int(np.prod(shape)), dtype=np.int32).reshape([shape[p] for p in perm])
+    a = phys.transpose(np.argsort(perm))  # logical view with permuted strides
+    g = geometry_of(a, ax)
+    nblocks = a.shape[ax]
+    blocks = np.array(data.draw(st.lists(st.integers(0, nblocks - 1), min_size=1, max_size=4)))
+    pool = tc.HostBlockPool(max(64, g.block_bytes), len(blocks))
+    ids = pool.alloc(len(blocks))
+    segs = segments_for(blocks, [Piece(0, g, 0)])
+    _native.put_segments(pool.engine, pool.native, ids, [byte_region(a, g)], segs).result(
+        timeout=10
+    )
+    rest = sorted((d for d in range(nd) if d != ax), key=lambda d: (-a.strides[d], d))
+    for i, b in enumerate(blocks):
+        want = np.take(a, b, axis=ax).transpose([d - (d > ax) for d in rest]).reshape(-1)
+        got = pool.view(ids[i], np.int32)[: want.size]
+        np.testing.assert_array_equal(got, want)
+
+
+def test_geometry_merges_contiguous_runs():
+    a = np.zeros((2, 10, 4, 8, 16), np.float16)  # [kv, block, token, head, dim]
+    g = geometry_of(a, 1)
+    assert g.run_bytes == 4 * 8 * 16 * 2 and g.run_offsets.tolist() == [0, 10 * g.run_bytes]
+    pages = np.zeros((4, 10, 16, 128), np.float16)  # block axis inside heads
+    g = geometry_of(pages, 1)
+    assert g.run_bytes == 16 * 128 * 2 and g.run_offsets.size == 4
+    with pytest.raises(tc.InvalidArgumentError, match="negative strides"):
+        geometry_of(np.zeros((4, 4))[::-1], 0)
+    with pytest.raises(tc.InvalidArgumentError, match="zero"):
+        geometry_of(np.broadcast_to(np.zeros((1, 4)), (3, 4)).T, 1)
+
+
+def test_block_id_checks():
+    assert check_block_ids([0, 3], 4, "x", unique=True).tolist() == [0, 3]
+    with pytest.raises(tc.InvalidArgumentError, match=r"block id 4 \(position 1\)"):
+        check_block_ids([0, 4], 4, "x", unique=False)
+    with pytest.raises(tc.InvalidArgumentError, match="repeat"):
+        check_block_ids([1, 1], 4, "x", unique=True)
+    with pytest.raises(tc.InvalidArgumentError, match="integers"):
+        check_block_ids([0.5], 4, "x", unique=False)
+
+
+def test_layout_validation_names_fields():
+    with pytest.raises(tc.InvalidArgumentError, match="field 'kv'"):
+        KVLayout(("block", "token", "dim"), 4, 4, 1, 8, "float16", "weird")
+    with pytest.raises(tc.InvalidArgumentError, match=r"lacks \['head'\]"):
+        KVLayout(("block", "token", "dim"), 4, 4, 2, 8, "float16", "fused")
+    with pytest.raises(tc.InvalidArgumentError, match="'block_size' must be > 0"):
+        KVLayout.nhd(4, 2, 0, 8, "float16")
+    lay = KVLayout.vllm_cpu(4, 2, 16, 8, "bfloat16")
+    assert lay.shape == (4, 2, 16, 16) and lay.layer_block_bytes == 2 * 16 * 16 * 2
+    with pytest.raises(tc.InvalidArgumentError, match="field 'head_dim'"):
+        lay.check_tensor((4, 2, 16, 8), "bfloat16", "t")
+
+
+def test_format_fingerprint_and_mismatch_message():
+    a = BlockFormat("float16", 16, 8, 128, "axis", (("kv", "block"),), 4, 1, 64, 64)
+    b = BlockFormat.from_dict({**a.to_dict(), "block_size": 32, "dtype": "bfloat16"})
+    assert BlockFormat.from_dict(a.to_dict()) == a and a.fingerprint != b.fingerprint
+    with pytest.raises(tc.InvalidArgumentError, match="field 'dtype'.*field 'block_size'"):
+        check_format(a, b, "peer p")
+    with pytest.raises(tc.InvalidArgumentError, match="unreadable"):
+        check_format(a, {"dtype": "x"}, "peer p")
+
+
+def test_weight_plan_buckets_never_split_tensors():
+    items = [("a", "float32", (100,), 400), ("b", "uint8", (5000,), 5000), ("c", "int64", (1,), 8)]
+    m = plan_weights(items, 1024, 2048)
+    assert [e.bucket for e in m.entries] == [0, 1, 2]
+    for e in m.entries:
+        first, end = m.buckets[e.bucket]
+        assert first * 1024 <= e.offset and e.offset + e.nbytes <= end * 1024
+        assert e.offset % 64 == 0
+    rows = weight_segments(m, 1, [0])
+    assert rows[:, 4].sum() == 5000 and rows[0, 3] == 0
+    with pytest.raises(tc.InvalidArgumentError, match="repeat"):
+        plan_weights([("a", "f", (1,), 1)] * 2, 64, 64)
+
+
+def test_interim_store_reserve_commit_evict_and_pins():
+    pool = tc.HostBlockPool(4096, 4)
+    store = InterimHostStore(pool)
+    fmt = {"x": 1}
+    (a,) = store.reserve([b"a"], 2, fmt)
+    assert len(a) == 2 and store.lookup([b"a"]) == 0  # invisible until commit
+    store.commit([b"a"], ok=True)
+    assert store.lookup([b"a"]) == 1 and store.reserve([b"a"], 2, fmt) == [None]
+    store.acquire([b"a"])  # pinned: cannot be evicted
+    with pytest.raises(tc.PoolExhaustedError):
+        store.reserve([b"b", b"c"], 2, fmt)
+    store.release([b"a"])
+    (b, c) = store.reserve([b"b", b"c"], 2, fmt)  # evicts "a"
+    assert store.lookup([b"a"]) == 0
+    store.commit([b"b", b"c"], ok=False)  # failed copy: blocks back, keys never visible
+    assert pool.num_free == 4 and store.lookup([b"b"]) == 0
+    with pytest.raises(tc.NotFoundError):
+        store.acquire([b"b"])
+
+
+def test_futures_time_out_and_propagate_errors():
+    f = TransferFuture("slow")
+    t0 = time.monotonic()
+    with pytest.raises(tc.TimeoutError, match="slow not complete after 0.05 s"):
+        f.result(timeout=0.05)
+    assert time.monotonic() - t0 < 5
+    bad: cf.Future = cf.Future()
+    g = gather([f, bad], "both")
+    bad.set_exception(tc.UnavailableError("peer died"))
+    with pytest.raises(tc.UnavailableError):
+        g.result(timeout=5)
+    f.set_result(None)
+    pool = tc.HostBlockPool(4096, 2)
+    ids = pool.alloc(1)
+    nf = from_native(pool.get(ids, np.zeros(4096, np.uint8)), "get")
+    done: list = []
+    nf.add_done_callback(done.append)
+    assert nf.result(timeout=10) is None and nf.state == "done"
+    for _ in range(1000):
+        if done:
+            break
+        time.sleep(0.005)
+    assert done == [nf]

@@ -1,0 +1,340 @@
+"""tpusync.jax.KVCacheManager: device <-> host block transfers over a paged JAX KV cache.
+
+The manager OWNS the cache arrays: callers must not keep other references to them (or to
+numpy arrays they alias). On CPU devices a load writes the loaded blocks into the arrays' buffers
+in place (native segment scatter through DLPack); on other devices, or with ``staged=True``, it
+produces new arrays (a jitted scatter with the old buffer donated, so XLA updates it in place
+where the backend can). Either way :attr:`kv_caches` holds the current arrays after a load's
+future completes: read them from there.
+
+Sharded arrays: each addressable shard is a piece of the layer; the host block holds the shards
+in ascending shard-index order (replicas saved once, loaded into every replica). The shard
+layout is part of the BlockFormat (field 'shards'). Sharding the block axis itself is refused.
+
+Paths: on CPU devices the shards are read zero-copy through DLPack and gathered by the native
+segment copy; on other devices (GPU, TPU) blocks are gathered on device with a jitted ``take``
+and moved with ``jax.device_get`` / ``jax.device_put`` (``staged=True`` forces that path on CPU).
+A PjRt path that DMAs straight between device buffers and pinned pool blocks is described in
+docs/jax.md; it would replace ``_stage_*`` without changing this class's API.
+
+Every operation runs on one manager-owned worker thread in submission order (so a load queued
+after a save of the same layer sees it), and returns a TransferFuture at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from tpusync.core import InvalidArgumentError, _native
+from tpusync.core.kvcache.futures import TransferFuture
+from tpusync.core.kvcache.layout import BlockFormat, KVLayout, PieceGeometry
+from tpusync.core.kvcache.manager import KVCacheManagerBase
+from tpusync.core.kvcache.plan import Piece, segments_for
+from tpusync.core.kvcache.protocols import BlockTransport, KVStore
+from tpusync.core.pool import HostBlockPool
+
+__all__ = ["KVCacheManager"]
+
+LayerArrays = jax.Array | Sequence[jax.Array]
+
+
+def _c_geometry(shape: Sequence[int], itemsize: int, block_axis: int, axes) -> PieceGeometry:
+    strides, acc = [], itemsize
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= int(n)
+    return PieceGeometry.of(shape, list(reversed(strides)), itemsize, block_axis, axes)
+
+
+def _shard_key(index: tuple[slice, ...], shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(s.indices(n)[0] for s, n in zip(index, shape, strict=True))
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _take(x: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
+    return jnp.take(x, idx, axis=axis)
+
+
+@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
+def _put(x: jax.Array, idx: jax.Array, vals: jax.Array, axis: int) -> jax.Array:
+    where = (slice(None),) * axis + (idx,)
+    return x.at[where].set(vals)
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _padded(blocks: np.ndarray) -> np.ndarray:
+    """Block ids padded to a power-of-two count by repeating the last one, so the jitted
+    take / scatter compile once per size bucket instead of once per batch size (repeating an
+    index with its own value is idempotent)."""
+    out = np.empty(_bucket(blocks.size), np.int32)
+    out[: blocks.size] = blocks
+    out[blocks.size :] = blocks[-1]
+    return out
+
+
+def _padded_rows(vals: np.ndarray, axis: int) -> np.ndarray:
+    n = vals.shape[axis]
+    extra = _bucket(n) - n
+    if not extra:
+        return vals
+    last = np.take(vals, [n - 1] * extra, axis=axis)
+    return np.concatenate([vals, last], axis=axis)
+
+
+class _Part:
+    """One array of a layer: its unique shards (primary per index) and their geometry."""
+
+    def __init__(self, arr: jax.Array, layout: KVLayout) -> None:
+        ax = layout.block_axis
+        shards = sorted(arr.addressable_shards, key=lambda s: _shard_key(s.index, arr.shape))
+        self.keys = []
+        self.primaries = []  # first shard of each distinct index
+        for s in shards:
+            k = _shard_key(s.index, arr.shape)
+            if s.index[ax].indices(arr.shape[ax]) != (0, arr.shape[ax], 1):
+                raise InvalidArgumentError(
+                    f"the block axis is sharded ({s.index}); shard the heads axis instead"
+                )
+            if k not in self.keys:
+                self.keys.append(k)
+                self.primaries.append(s)
+        local = self.primaries[0].data.shape
+        self.geometry = _c_geometry(local, arr.dtype.itemsize, ax, layout.axes)
+        self.shard_desc = [
+            "x".join(str(n) for n in s.data.shape) + "@" + ",".join(map(str, k))
+            for s, k in zip(self.primaries, self.keys, strict=True)
+        ]
+
+
+class KVCacheManager(KVCacheManagerBase):
+    """Moves blocks of a paged KV cache between JAX arrays (optionally sharded) and host blocks.
+
+    Arguments as for :class:`tpusync.torch.KVCacheManager`; ``staged`` forces the device-side
+    gather + device_get / device_put path even on CPU devices.
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[LayerArrays] | Mapping[str, LayerArrays],
+        layout: KVLayout,
+        *,
+        pool: HostBlockPool | None = None,
+        host_blocks: int | None = None,
+        layers_per_host_block: int = 1,
+        store: KVStore | None = None,
+        transport: BlockTransport | None = None,
+        staged: bool | None = None,
+    ) -> None:
+        if isinstance(kv_caches, Mapping):
+            self.layer_names = list(kv_caches)
+            entries = list(kv_caches.values())
+        else:
+            entries = list(kv_caches)
+            self.layer_names = [str(i) for i in range(len(entries))]
+        if not entries:
+            raise InvalidArgumentError("kv_caches is empty")
+        self._arrays: list[list[jax.Array]] = []
+        for i, e in enumerate(entries):
+            parts = [e] if isinstance(e, jax.Array) else list(e)
+            if len(parts) != layout.parts_per_layer:
+                raise InvalidArgumentError(
+                    f"layer {self.layer_names[i]}: {len(parts)} array(s) but layout field 'kv' = "
+                    f"{layout.kv!r} needs {layout.parts_per_layer}"
+                )
+            for p in parts:
+                layout.check_tensor(p.shape, p.dtype, f"layer {self.layer_names[i]}")
+            self._arrays.append(parts)
+        if not 1 <= layers_per_host_block <= len(entries):
+            raise InvalidArgumentError(
+                f"layers_per_host_block must be in [1, {len(entries)}], got {layers_per_host_block}"
+            )
+        self._parts = [[_Part(a, layout) for a in parts] for parts in self._arrays]
+        shard_descs = {tuple(d for p in parts for d in p.shard_desc) for parts in self._parts}
+        orders = {tuple(p.geometry.memory_order for p in parts) for parts in self._parts}
+        if len(shard_descs) != 1 or len(orders) != 1:
+            raise InvalidArgumentError("layers differ in sharding (field 'shards')")
+        fmt = BlockFormat(
+            dtype=layout.dtype,
+            block_size=layout.block_size,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            kv=layout.kv,
+            memory_order=orders.pop(),
+            num_layers=len(entries),
+            layers_per_host_block=layers_per_host_block,
+            layer_block_bytes=layout.layer_block_bytes,
+            host_block_bytes=layout.layer_block_bytes * layers_per_host_block,
+            shards=shard_descs.pop() if any(len(p.keys) > 1 for p in self._parts[0]) else (),
+        )
+        super().__init__(
+            layout,
+            len(entries),
+            fmt,
+            pool=pool,
+            host_blocks=host_blocks,
+            store=store,
+            transport=transport,
+        )
+        platforms = {d.platform for parts in self._arrays for a in parts for d in a.devices()}
+        self.staged = bool(staged) if staged is not None else platforms != {"cpu"}
+        self._pieces: list[list[Piece]] = []  # per layer: one piece per (part, shard)
+        for parts in self._parts:
+            off, pieces = 0, []
+            for p in parts:
+                for _ in p.primaries:
+                    pieces.append(Piece(len(pieces), p.geometry, off))
+                    off += p.geometry.block_bytes
+            self._pieces.append(pieces)
+        self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="tpusync-jax-kv")
+
+    @property
+    def kv_caches(self) -> list[list[jax.Array]]:
+        """Current cache arrays, per layer (replaced by every load)."""
+        return self._arrays
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    def _submit(self, name: str, fn) -> TransferFuture:
+        out = TransferFuture(name)
+        inner = self._worker.submit(fn)
+        out.keepalive.append(inner)
+        inner.add_done_callback(lambda g: out.settle(lambda: g.result(timeout=0)))
+        return out
+
+    # -- the transfer primitive ---------------------------------------------------------------
+    def _transfer(self, layers, blocks, host_ids, to_host) -> TransferFuture:
+        name = f"{'d2h' if to_host else 'h2d'} layers {layers[0]}..{layers[-1]}"
+        if not to_host:
+            for i in host_ids.reshape(-1).tolist():
+                self.pool.address(i)  # unknown / stale / freed ids refused before any byte moves
+        job = self._d2h_now if to_host else self._h2d_now
+        return self._submit(name, lambda: job(layers, blocks, host_ids))
+
+    def _segments(self, layers, blocks, host_ids, piece_for, staged_rows: bool):
+        """Regions and segment rows of one native call over ``layers``; ``piece_for(layer, k,
+        piece)`` returns (region array, Piece geometry to use) for piece k of a layer."""
+        n = int(blocks.size)
+        regions, segs = [], []
+        for layer in layers:
+            g, off = self._where(layer)
+            pieces = []
+            for k, piece in enumerate(self._pieces[layer]):
+                region, geom = piece_for(layer, k, piece)
+                pieces.append(Piece(len(regions), geom, piece.host_offset))
+                regions.append(region)
+            rows = segments_for(np.arange(n) if staged_rows else blocks, pieces, off)
+            rows[:, 0] += np.uint64(g * n)
+            segs.append(rows)
+        return regions, np.ascontiguousarray(np.concatenate(segs))
+
+    # -- save: device -> host ------------------------------------------------------------------
+    def _d2h_now(self, layers: list[int], blocks: np.ndarray, host_ids: np.ndarray) -> None:
+        ax = self.layout.block_axis
+        shards_of = {}
+        for layer in layers:
+            keyed = []
+            for arr, part in zip(self._arrays[layer], self._parts[layer], strict=True):
+                by_key = {_shard_key(s.index, arr.shape): s.data for s in arr.addressable_shards}
+                keyed.extend(by_key[k] for k in part.keys)
+            shards_of[layer] = keyed
+
+        def piece_for(layer, k, piece):
+            data = shards_of[layer][k]
+            if self.staged:
+                idx = jax.device_put(_padded(blocks), data.devices().pop())
+                taken = jax.device_get(_take(data, idx, ax))
+                host = np.ascontiguousarray(np.take(taken, np.arange(blocks.size), axis=ax))
+                geom = _c_geometry(host.shape, host.itemsize, ax, self.layout.axes)
+                return host.reshape(-1).view(np.uint8), geom
+            # Zero-copy: the native binding imports the shard through DLPack (any dtype,
+            # bfloat16 included) and keeps it alive until the copy is done.
+            data.block_until_ready()
+            return data, piece.geometry
+
+        regions, segs = self._segments(layers, blocks, host_ids, piece_for, self.staged)
+        ids = host_ids.reshape(-1).tolist()
+        _native.put_segments(self.pool.engine, self.pool.native, ids, regions, segs).result()
+
+    # -- load: host -> device ------------------------------------------------------------------
+    def _h2d_now(self, layers: list[int], blocks: np.ndarray, host_ids: np.ndarray) -> None:
+        if not self.staged:
+            return self._h2d_in_place(layers, blocks, host_ids)
+        ax = self.layout.block_axis
+        n = int(blocks.size)
+        staging: dict[tuple[int, int], np.ndarray] = {}
+
+        def piece_for(layer, k, piece):
+            arr_i, part = self._part_of(layer, k)
+            local = list(part.primaries[0].data.shape)
+            local[ax] = n
+            buf = np.empty(local, dtype=self._arrays[layer][arr_i].dtype)
+            staging[(layer, k)] = buf
+            return buf, _c_geometry(local, buf.itemsize, ax, self.layout.axes)
+
+        regions, segs = self._segments(layers, blocks, host_ids, piece_for, True)
+        regions = [r.reshape(-1).view(np.uint8) for r in regions]
+        ids = host_ids.reshape(-1).tolist()
+        _native.get_segments(self.pool.engine, self.pool.native, ids, regions, segs).result()
+        for layer in layers:
+            new_parts, k = [], 0
+            for arr, part in zip(self._arrays[layer], self._parts[layer], strict=True):
+                by_key = {key: staging[(layer, k + j)] for j, key in enumerate(part.keys)}
+                k += len(part.keys)
+                singles = []
+                for s in arr.addressable_shards:
+                    staged_vals = by_key[_shard_key(s.index, arr.shape)]
+                    vals = jax.device_put(_padded_rows(staged_vals, ax), s.device)
+                    idx = jax.device_put(_padded(blocks), s.device)
+                    singles.append(_put(s.data, idx, vals, ax))
+                if len(singles) == 1 and not isinstance(arr.sharding, jax.sharding.NamedSharding):
+                    new = singles[0]
+                else:
+                    new = jax.make_array_from_single_device_arrays(arr.shape, arr.sharding, singles)
+                new_parts.append(new)
+            self._arrays[layer] = new_parts
+
+    def _h2d_in_place(self, layers: list[int], blocks: np.ndarray, host_ids: np.ndarray) -> None:
+        """CPU devices: scatter straight into every shard's buffer (replicas included) with one
+        native segment call - the same bytes a donated jitted scatter would produce, without
+        XLA's element-wise scatter loop or a staging copy.
+
+        IN-PLACE CONTRACT: the manager owns the cache buffers (see the module docstring); the
+        blocks being loaded must not be read by a computation still running, exactly as on the
+        torch CUDA path where the copy stream writes blocks while compute runs."""
+        n = int(blocks.size)
+        regions, segs = [], []
+        for layer in layers:
+            g, off = self._where(layer)
+            pieces = []
+            k0 = 0
+            for arr, part in zip(self._arrays[layer], self._parts[layer], strict=True):
+                for s in arr.addressable_shards:
+                    k = k0 + part.keys.index(_shard_key(s.index, arr.shape))
+                    piece = self._pieces[layer][k]
+                    s.data.block_until_ready()
+                    pieces.append(Piece(len(regions), piece.geometry, piece.host_offset))
+                    regions.append(s.data)
+                k0 += len(part.keys)
+            rows = segments_for(blocks, pieces, off)
+            rows[:, 0] += np.uint64(g * n)
+            segs.append(rows)
+        ids = host_ids.reshape(-1).tolist()
+        segs_all = np.ascontiguousarray(np.concatenate(segs))
+        _native.get_segments(self.pool.engine, self.pool.native, ids, regions, segs_all).result()
+
+    def _part_of(self, layer: int, k: int) -> tuple[int, _Part]:
+        for i, part in enumerate(self._parts[layer]):
+            if k < len(part.keys):
+                return i, part
+            k -= len(part.keys)
+        raise IndexError(k)

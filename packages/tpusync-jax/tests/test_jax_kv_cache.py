@@ -1,0 +1,192 @@
+"""tpusync.jax.KVCacheManager on CPU: layouts, sharded arrays, staged path, store, bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tpusync.core as tc
+from tpusync.core.kvcache import InterimHostStore
+from tpusync.jax import KVCacheManager, KVLayout, flatten_weights, restore_weights
+
+N, H, B, D = 10, 4, 4, 8
+
+
+def layouts():
+    return {
+        "jax_pages": KVLayout.jax_pages(N, H, B, D, jnp.float32),
+        "vllm_cpu": KVLayout.vllm_cpu(N, H, B, D, jnp.bfloat16),
+        "nhd": KVLayout.nhd(N, H, B, D, jnp.float16),
+        "hnd": KVLayout.hnd(N, H, B, D, jnp.float32),
+    }
+
+
+def host_cache(lay, layers, seed=0):
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(lay.dtype)
+    return [
+        [rng.standard_normal(lay.shape).astype(dt) for _ in range(lay.parts_per_layer)]
+        for _ in range(layers)
+    ]
+
+
+def to_device(host, sharding=None):
+    # Copies first: on CPU jax may alias a numpy array, and loads write cache buffers in place.
+    return [[jax.device_put(np.array(a, copy=True), sharding) for a in parts] for parts in host]
+
+
+def check_moved(mgr, host, lay, src, dst):
+    ax = lay.block_axis
+    for parts, hparts in zip(mgr.kv_caches, host, strict=True):
+        for a, h in zip(parts, hparts, strict=True):
+            a = np.asarray(a)
+            for s, d in zip(src, dst, strict=True):
+                np.testing.assert_array_equal(np.take(a, d, axis=ax), np.take(h, s, axis=ax))
+            keep = [b for b in range(N) if b not in dst]
+            np.testing.assert_array_equal(np.take(a, keep, axis=ax), np.take(h, keep, axis=ax))
+
+
+@pytest.mark.parametrize("name", list(layouts()))
+@pytest.mark.parametrize("staged", [False, True])
+def test_round_trip(name, staged):
+    lay = layouts()[name]
+    host = host_cache(lay, 3)
+    mgr = KVCacheManager(
+        to_device(host), lay, host_blocks=32, staged=staged, layers_per_host_block=3
+    )
+    ids = mgr.alloc_host(3)
+    mgr.d2h([6, 1, 9], ids).result(timeout=30)
+    mgr.h2d([0, 2, 4], ids).result(timeout=30)
+    check_moved(mgr, host, lay, [6, 1, 9], [0, 2, 4])
+
+
+def test_sharded_heads_across_four_devices_and_staged_interop():
+    assert len(jax.devices()) >= 4, "conftest must set --xla_force_host_platform_device_count=4"
+    lay = KVLayout.jax_pages(N, H, B, D, jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    sharding = NamedSharding(mesh, P("tp"))
+    host = host_cache(lay, 2, seed=1)
+    direct = KVCacheManager(to_device(host, sharding), lay, host_blocks=16)
+    assert len(direct.format.shards) == 8  # 4 shards x (K, V)
+    ids = direct.alloc_host(2)
+    direct.d2h([3, 8], ids).result(timeout=30)
+    # A second manager on the staged path reads the same host blocks: identical content format.
+    staged = KVCacheManager(to_device(host, sharding), lay, pool=direct.pool, staged=True)
+    assert staged.format == direct.format
+    staged.h2d([5, 0], ids).result(timeout=30)
+    check_moved(staged, host, lay, [3, 8], [5, 0])
+    for parts in staged.kv_caches:
+        assert all(a.sharding == sharding for a in parts)
+
+
+def test_replicated_and_sharded_mesh():
+    lay = KVLayout.hnd(N, H, B, D, jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+    sharding = NamedSharding(mesh, P(None, None, "tp"))  # heads split over tp, replicated on dp
+    host = host_cache(lay, 1, seed=2)
+    mgr = KVCacheManager(to_device(host, sharding), lay, host_blocks=8)
+    ids = mgr.alloc_host(1)
+    mgr.d2h([7], ids).result(timeout=30)
+    mgr.h2d([2], ids).result(timeout=30)
+    check_moved(mgr, host, lay, [7], [2])
+    for s in mgr.kv_caches[0][0].addressable_shards:  # every replica updated
+        np.testing.assert_array_equal(
+            np.asarray(s.data)[:, 2], np.asarray(host[0][0])[s.index][:, 7]
+        )
+
+
+def test_sharded_block_axis_refused():
+    lay = KVLayout.nhd(N, H, B, D, jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    arr = jax.device_put(np.zeros((2, N, B, H, D), np.float32), NamedSharding(mesh, P(None, "x")))
+    with pytest.raises(tc.InvalidArgumentError, match="block axis is sharded"):
+        KVCacheManager([arr], lay, host_blocks=2)
+
+
+def test_bad_input_and_format_mismatch():
+    lay = KVLayout.jax_pages(N, H, B, D, jnp.float32)
+    host = host_cache(lay, 2)
+    store_probe = KVCacheManager(to_device(host), lay, host_blocks=1)
+    store = InterimHostStore(tc.HostBlockPool(store_probe.host_block_bytes, 16))
+    mgr = KVCacheManager(to_device(host), lay, store=store)
+    with pytest.raises(tc.InvalidArgumentError, match="out of range"):
+        mgr.save([b"a" * 32], [N])
+    with pytest.raises(tc.InvalidArgumentError, match="field 'dtype'"):
+        KVCacheManager(to_device(host), KVLayout.jax_pages(N, H, B, D, jnp.float16), host_blocks=1)
+    mgr.save([b"a" * 32, b"b" * 32], [1, 2]).result(timeout=30)
+    assert mgr.lookup([b"a" * 32, b"b" * 32, b"c" * 32]) == 2
+    mgr.load([b"b" * 32, b"a" * 32], [0, 3]).result(timeout=30)
+    check_moved(mgr, host, lay, [2, 1], [0, 3])
+    # Same block bytes, sharded differently: refused naming 'shards'.
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    other = KVCacheManager(to_device(host, NamedSharding(mesh, P("tp"))), lay, store=store)
+    with pytest.raises(tc.InvalidArgumentError, match="field 'shards'"):
+        other.load([b"a" * 32], [0])
+
+
+def test_pytree_weights_round_trip_keeps_sharding():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    sh = NamedSharding(mesh, P("tp"))
+    tree = {
+        "w": jax.device_put(np.arange(64 * 8, dtype=np.float32).reshape(64, 8), sh),
+        "b": [jnp.ones(5, jnp.bfloat16), jnp.int32(3)],
+    }
+    pool = tc.HostBlockPool(4096, 16)
+    host, futs = flatten_weights(tree, pool, bucket_bytes=1024)
+    [f.result(timeout=30) for f in futs]
+    like = jax.tree_util.tree_map(jnp.zeros_like, tree)
+    out = restore_weights(host, like, timeout=30)
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(tree), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert a.sharding == b.sharding
+    with pytest.raises(tc.InvalidArgumentError, match="field 'shape'"):
+        restore_weights(host, {**like, "w": jnp.zeros((8, 64))})
+
+
+class _LoopbackTransport:
+    """In-process stand-in for the network transport (a test double, not a transport)."""
+
+    def __init__(self) -> None:
+        self.published: dict[str, tuple] = {}
+
+    def publish(self, transfer_id, pool, block_ids, meta):
+        self.published[transfer_id] = (pool, list(block_ids), dict(meta))
+
+    def retract(self, transfer_id):
+        self.published.pop(transfer_id)
+
+    def fetch(self, peer, transfer_id, pool, block_ids):
+        import concurrent.futures as cf
+
+        f: cf.Future = cf.Future()
+        src_pool, src_ids, meta = peer.published[transfer_id]
+        for s, d in zip(src_ids, block_ids, strict=True):
+            pool.view(d)[:] = src_pool.view(s)
+        f.set_result(meta)
+        return f
+
+
+def test_pd_from_jax_producer_to_torch_consumer():
+    """Same layout and memory order on both ends: a JAX producer's blocks load into torch."""
+    torch = pytest.importorskip("torch")
+    from tpusync.torch import KVCacheManager as TorchManager
+
+    lay = KVLayout.jax_pages(N, H, B, D, jnp.float32)
+    host = host_cache(lay, 2, seed=3)
+    link = _LoopbackTransport()
+    prod = KVCacheManager(to_device(host), lay, host_blocks=8, transport=link)
+    prod.register_send("req", [4, 9]).result(timeout=30)
+    dst = [tuple(torch.zeros(lay.shape) for _ in range(2)) for _ in range(2)]
+    cons = TorchManager(dst, lay, host_blocks=8, transport=_LoopbackTransport())
+    assert cons.format == prod.format
+    cons.start_recv(link, "req", [0, 1]).result(timeout=30)
+    for parts, hparts in zip(dst, host, strict=True):
+        for t, h in zip(parts, hparts, strict=True):
+            np.testing.assert_array_equal(t[:, 0].numpy(), h[:, 4])
+            np.testing.assert_array_equal(t[:, 1].numpy(), h[:, 9])
+    prod.finish_send("req")
+    assert prod.pool.num_free == prod.pool.num_blocks

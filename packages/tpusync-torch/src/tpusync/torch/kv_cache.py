@@ -1,0 +1,272 @@
+"""tpusync.torch.KVCacheManager: device <-> host block transfers over a paged torch KV cache.
+
+CPU tensors: one native segment gather/scatter per layer on the engine's threads (GIL released),
+straight between the cache's strided memory and host pool blocks: no staging copy.
+
+CUDA tensors: STREAM CONTRACT - every copy runs on the manager's own copy stream. A copy first
+makes the copy stream wait for an event recorded on the caller's current stream (GPU-side; the
+host never blocks and the compute stream never waits for the copy), gathers the blocks with
+``index_select`` into a staging buffer and DMAs it into the host pool, which is registered as
+pinned memory (cudaHostRegister). Loads DMA into staging and ``index_copy_`` into the cache.
+Completion is a CUDA event: the future completes when it has fired, and :meth:`wait_layer`
+makes the compute stream wait for a layer's load without blocking the host.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+import torch
+from tpusync.core import InvalidArgumentError, _native
+from tpusync.core.kvcache.futures import TransferFuture, from_native, gather, watch
+from tpusync.core.kvcache.layout import BlockFormat, KVLayout
+from tpusync.core.kvcache.manager import KVCacheManagerBase
+from tpusync.core.kvcache.plan import Piece, segments_for
+from tpusync.core.kvcache.protocols import BlockTransport, KVStore
+from tpusync.core.pool import HostBlockPool
+from tpusync.torch import _regions as R
+
+__all__ = ["KVCacheManager"]
+
+LayerTensors = torch.Tensor | Sequence[torch.Tensor]
+
+
+class KVCacheManager(KVCacheManagerBase):
+    """Moves blocks of a paged KV cache between torch tensors and host pool blocks.
+
+    ``kv_caches``: one entry per layer (a list, or a mapping layer name -> entry in layer order);
+    an entry is one tensor, or a (K, V) pair when ``layout.kv == "separate"``. Every tensor must
+    match ``layout`` (shape, dtype) and live on one device; any strides are accepted.
+
+    ``layers_per_host_block``: layers packed into one host block (1 = one host block per layer
+    and device block; ``num_layers`` = one host block holds a device block's KV for all layers).
+
+    Host blocks come from ``pool`` (``block_bytes`` must equal :attr:`host_block_bytes`), from
+    ``store.pool``, or from a new pool of ``host_blocks`` blocks.
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[LayerTensors] | Mapping[str, LayerTensors],
+        layout: KVLayout,
+        *,
+        pool: HostBlockPool | None = None,
+        host_blocks: int | None = None,
+        layers_per_host_block: int = 1,
+        store: KVStore | None = None,
+        transport: BlockTransport | None = None,
+    ) -> None:
+        if isinstance(kv_caches, Mapping):
+            self.layer_names = list(kv_caches)
+            entries = list(kv_caches.values())
+        else:
+            entries = list(kv_caches)
+            self.layer_names = [str(i) for i in range(len(entries))]
+        if not entries:
+            raise InvalidArgumentError("kv_caches is empty")
+        self._parts: list[list[torch.Tensor]] = []
+        for i, e in enumerate(entries):
+            parts = [e] if isinstance(e, torch.Tensor) else list(e)
+            if len(parts) != layout.parts_per_layer:
+                raise InvalidArgumentError(
+                    f"layer {self.layer_names[i]}: {len(parts)} tensor(s) but layout field 'kv' = "
+                    f"{layout.kv!r} needs {layout.parts_per_layer}"
+                )
+            for p in parts:
+                layout.check_tensor(p.shape, p.dtype, f"layer {self.layer_names[i]}")
+            self._parts.append(parts)
+        devices = {p.device for parts in self._parts for p in parts}
+        if len(devices) != 1:
+            raise InvalidArgumentError(
+                f"KV tensors live on several devices: {sorted(map(str, devices))}"
+            )
+        self.device = devices.pop()
+        if not 1 <= layers_per_host_block <= len(entries):
+            raise InvalidArgumentError(
+                f"layers_per_host_block must be in [1, {len(entries)}], got {layers_per_host_block}"
+            )
+        ax = layout.block_axis
+        self._geoms = [[R.geometry(p, ax, layout.axes) for p in parts] for parts in self._parts]
+        orders = {tuple(g.memory_order for g in gs) for gs in self._geoms}
+        if len(orders) != 1:
+            raise InvalidArgumentError("layers differ in memory order (field 'memory_order')")
+        fmt = BlockFormat(
+            dtype=layout.dtype,
+            block_size=layout.block_size,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            kv=layout.kv,
+            memory_order=orders.pop(),
+            num_layers=len(entries),
+            layers_per_host_block=layers_per_host_block,
+            layer_block_bytes=layout.layer_block_bytes,
+            host_block_bytes=layout.layer_block_bytes * layers_per_host_block,
+        )
+        super().__init__(
+            layout,
+            len(entries),
+            fmt,
+            pool=pool,
+            host_blocks=host_blocks,
+            store=store,
+            transport=transport,
+        )
+        self._pieces: list[list[Piece]] = []
+        for gs in self._geoms:
+            off, pieces = 0, []
+            for k, g in enumerate(gs):
+                pieces.append(Piece(k, g, off))
+                off += g.block_bytes
+            self._pieces.append(pieces)
+        self._cuda = self.device.type == "cuda"
+        if self._cuda:
+            self.batch_bytes = 0  # events give per-layer completion for free
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._pool_u8 = R.pin_pool(self.pool)
+            # Unpinned at close() or when the manager is collected, whichever comes first.
+            self._unpin = weakref.finalize(self, R.unpin_pool, self.pool)
+            self._load_events: dict[int, torch.cuda.Event] = {}
+        else:
+            if self.device.type != "cpu":
+                raise InvalidArgumentError(f"device {self.device} is not supported (cpu, cuda)")
+            self._regions = [
+                [R.byte_region(p, g) for p, g in zip(parts, gs, strict=True)]
+                for parts, gs in zip(self._parts, self._geoms, strict=True)
+            ]
+
+    @property
+    def kv_caches(self) -> list[list[torch.Tensor]]:
+        return self._parts
+
+    def close(self) -> None:
+        """Release the CUDA pinning of the host pool (no-op on CPU)."""
+        if self._cuda and self._pool_u8 is not None:
+            self._stream.synchronize()
+            self._unpin()
+            self._pool_u8 = None
+
+    # -- the transfer primitive ---------------------------------------------------------------
+    def _transfer(self, layers, blocks, host_ids, to_host) -> TransferFuture:
+        if self._cuda:
+            futs = []
+            for layer in layers:
+                g, off = self._where(layer)
+                ids = host_ids[g].tolist()
+                futs.append(
+                    (self._cuda_d2h if to_host else self._cuda_h2d)(layer, blocks, ids, off)
+                )
+            # One stream: a batch is complete when its last layer's event has fired.
+            return futs[-1] if len(futs) == 1 else gather(futs, "cuda batch")
+        return self._cpu_transfer(layers, blocks, host_ids, to_host)
+
+    def _cpu_transfer(self, layers, blocks, host_ids, to_host) -> TransferFuture:
+        """One native segment call for the whole batch of layers (engine threads, GIL released).
+
+        The call's id list is every row of ``host_ids`` (group-major); a layer's segments point
+        at its group's row and at its byte offset inside those host blocks.
+        """
+        n = int(blocks.size)
+        regions: list[torch.Tensor] = []
+        segs = []
+        for layer in layers:
+            g, off = self._where(layer)
+            base = len(regions)
+            regions.extend(self._regions[layer])
+            pieces = [
+                Piece(base + p.region, p.geometry, p.host_offset) for p in self._pieces[layer]
+            ]
+            rows = segments_for(blocks, pieces, off)
+            rows[:, 0] += np.uint64(g * n)
+            segs.append(rows)
+        call = _native.put_segments if to_host else _native.get_segments
+        nf = call(
+            self.pool.engine,
+            self.pool.native,
+            host_ids.reshape(-1).tolist(),
+            regions,
+            np.ascontiguousarray(np.concatenate(segs)),
+        )
+        return from_native(nf, f"{'d2h' if to_host else 'h2d'} layers {layers[0]}..{layers[-1]}")
+
+    # -- CUDA: copy stream + pinned pool + events ----------------------------------------------
+    def _borrow(self, host_ids: list[int]) -> list[Any]:
+        """BORROW CONTRACT (as on the native path): a view per host block, held by the future
+        until the DMA is done, so a block freed mid-copy is recycled only afterwards; unknown,
+        stale or freed ids raise here, before any byte moves."""
+        return [self.pool.view(i) for i in host_ids]
+
+    def _device_index(self, blocks) -> torch.Tensor:
+        """Block ids on the GPU without a host sync: a pageable H2D copy would synchronise the
+        copy stream (which may be waiting on compute), so stage through pinned memory."""
+        host = torch.as_tensor(blocks, dtype=torch.int64)
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _cuda_future(self, name: str, event: torch.cuda.Event, keep: list[Any]) -> TransferFuture:
+        f = TransferFuture(name)
+        f.keepalive.extend(keep)
+        f.keepalive.append(event)
+        watch(event.query, lambda: f.settle(lambda: None))
+        return f
+
+    def _cuda_d2h(self, layer, blocks, host_ids, offset) -> TransferFuture:
+        borrows = self._borrow(host_ids)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            keep = self._staged_d2h(layer, blocks, host_ids, offset)
+            done.record(self._stream)
+        return self._cuda_future(f"d2h layer {layer}", done, [keep, borrows])
+
+    def _cuda_h2d(self, layer, blocks, host_ids, offset) -> TransferFuture:
+        borrows = self._borrow(host_ids)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            keep = self._staged_h2d(layer, blocks, host_ids, offset)
+            done.record(self._stream)
+        self._load_events[layer] = done
+        return self._cuda_future(f"h2d layer {layer}", done, [keep, borrows])
+
+    # The device-agnostic data path of the CUDA copies (on CPU tensors - where non_blocking copies
+    # are synchronous - tests run it against the native path).
+    def _staged_d2h(self, layer, blocks, host_ids, offset) -> list[torch.Tensor]:
+        ax = self.layout.block_axis
+        nbytes = self.format.layer_block_bytes
+        order, runs = R.host_runs(self.pool, self._pool_u8, host_ids, offset, nbytes)
+        idx = self._device_index(blocks[order])  # staged rows in host-slot order
+        staged = torch.cat([R.staged_gather(p, ax, idx) for p in self._parts[layer]], dim=1)
+        for first, count, dst in runs:
+            dst.copy_(staged[first : first + count].reshape(-1), non_blocking=True)
+        return [staged, idx]
+
+    def _staged_h2d(self, layer, blocks, host_ids, offset) -> list[torch.Tensor]:
+        ax = self.layout.block_axis
+        nbytes = self.format.layer_block_bytes
+        order, runs = R.host_runs(self.pool, self._pool_u8, host_ids, offset, nbytes)
+        idx = self._device_index(blocks[order])  # staged rows in host-slot order
+        staged = torch.empty((len(host_ids), nbytes), dtype=torch.uint8, device=self.device)
+        for first, count, src in runs:
+            staged[first : first + count].reshape(-1).copy_(src, non_blocking=True)
+        off = 0
+        for p, g in zip(self._parts[layer], self._geoms[layer], strict=True):
+            R.staged_scatter(p, ax, idx, staged[:, off : off + g.block_bytes])
+            off += g.block_bytes
+        return [staged, idx]
+
+    def wait_layer(self, layer: int) -> None:
+        """CUDA: make the current stream wait (GPU-side) for the last load into ``layer``.
+        CPU: no-op (wait on the layer's future instead)."""
+        if self._cuda:
+            ev = self._load_events.get(layer)
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)

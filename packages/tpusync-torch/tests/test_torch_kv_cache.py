@@ -1,0 +1,381 @@
+"""tpusync.torch.KVCacheManager on CPU: every layout variant, packing, store, P/D, bad input."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import tpusync.core as tc
+from tpusync.core.kvcache import InterimHostStore, KVLayout
+from tpusync.torch import KVCacheManager
+from tpusync.torch import _regions as R
+
+N, H, B, D = 12, 2, 4, 8
+
+
+def _vllm_hnd_view(dtype):
+    # vLLM's stride-permuted HND: logical [2, N, B, H, D] over physical [2, N, H, B, D].
+    phys = torch.randn(2, N, H, B, D).to(dtype)
+    return phys.permute(0, 1, 3, 2, 4), KVLayout.nhd(N, H, B, D, dtype)
+
+
+def make_layer(variant: str, dtype=torch.float16):
+    """One layer's tensors (tuple) and the layout describing them."""
+    if variant == "vllm_cpu":
+        lay = KVLayout.vllm_cpu(N, H, B, D, dtype)
+        return (torch.randn(lay.shape).to(dtype),), lay
+    if variant == "nhd":
+        lay = KVLayout.nhd(N, H, B, D, dtype)
+        return (torch.randn(lay.shape).to(dtype),), lay
+    if variant == "hnd":
+        lay = KVLayout.hnd(N, H, B, D, dtype)
+        return (torch.randn(lay.shape).to(dtype),), lay
+    if variant == "hnd_strided":
+        t, lay = _vllm_hnd_view(dtype)
+        return (t,), lay
+    if variant == "block_inside_heads":  # [H, N, B, D] K and V separate (JAX-style pages)
+        lay = KVLayout.jax_pages(N, H, B, D, dtype)
+        return (torch.randn(lay.shape).to(dtype), torch.randn(lay.shape).to(dtype)), lay
+    if variant == "kv_inner":  # flashinfer-like [N, 2, B, H, D]
+        lay = KVLayout(("block", "kv", "token", "head", "dim"), N, B, H, D, dtype, "axis")
+        return (torch.randn(lay.shape).to(dtype),), lay
+    raise AssertionError(variant)
+
+
+VARIANTS = ["vllm_cpu", "nhd", "hnd", "hnd_strided", "block_inside_heads", "kv_inner"]
+
+
+def make_cache(variant, layers=3, dtype=torch.float16):
+    layer_list, lay = [], None
+    for _ in range(layers):
+        parts, lay = make_layer(variant, dtype)
+        layer_list.append(parts if len(parts) > 1 else parts[0])
+    return layer_list, lay
+
+
+def parts_of(mgr):
+    return mgr.kv_caches
+
+
+def block(t, ax, b):
+    return t.select(ax, b)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("per_host", [1, 3])
+@pytest.mark.parametrize("batch_bytes", [0, 32 << 20])
+def test_round_trip_every_layout(variant, per_host, batch_bytes):
+    """Per-layer engine calls (batch_bytes=0) and one call for all layers give the same bytes."""
+    caches, lay = make_cache(variant)
+    mgr = KVCacheManager(caches, lay, host_blocks=64, layers_per_host_block=per_host)
+    mgr.batch_bytes = batch_bytes
+    src = [7, 2, 11, 2]
+    dst = [0, 5, 9, 3]
+    ids = mgr.alloc_host(len(src))
+    before = [[p.clone() for p in parts] for parts in parts_of(mgr)]
+    mgr.d2h(src, ids).result(timeout=10)
+    for parts in parts_of(mgr):
+        for p in parts:
+            p.zero_()
+    mgr.h2d(dst, ids).result(timeout=10)
+    ax = lay.block_axis
+    for parts, orig in zip(parts_of(mgr), before, strict=True):
+        for p, o in zip(parts, orig, strict=True):
+            for s, d in zip(src, dst, strict=True):
+                assert torch.equal(block(p, ax, d), block(o, ax, s))
+            untouched = [b for b in range(N) if b not in dst]
+            assert not p.index_select(ax, torch.tensor(untouched)).any()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_staged_path_bytes_equal_native_bytes(variant):
+    """The CUDA path's device-side gather/scatter (index_select + permute) produces exactly the
+    host block bytes of the native segment path, so both ends interoperate."""
+    caches, lay = make_cache(variant, layers=1, dtype=torch.bfloat16)
+    mgr = KVCacheManager(caches, lay, host_blocks=8)
+    ids = mgr.alloc_host(3)
+    mgr.d2h([4, 0, 9], ids).result(timeout=10)
+    native = np.stack([mgr.pool.view(int(i)) for i in ids[0]])
+    idx = torch.tensor([4, 0, 9])
+    staged = torch.cat(
+        [R.staged_gather(p, lay.block_axis, idx) for p in mgr.kv_caches[0]], dim=1
+    ).numpy()
+    np.testing.assert_array_equal(native, staged)
+    # And the inverse: scatter those bytes elsewhere with the staged path, compare natively.
+    copies = [p.clone() for p in mgr.kv_caches[0]]
+    off = 0
+    for p in copies:
+        nb = R.geometry(p, lay.block_axis, lay.axes).block_bytes
+        R.staged_scatter(
+            p, lay.block_axis, torch.tensor([1, 2, 3]), torch.from_numpy(native[:, off : off + nb])
+        )
+        off += nb
+    for p, c in zip(mgr.kv_caches[0], copies, strict=True):
+        for s, d in ((4, 1), (0, 2), (9, 3)):
+            assert torch.equal(block(c, lay.block_axis, d), block(p, lay.block_axis, s))
+
+
+def test_layer_by_layer_futures_and_packed_offsets():
+    caches, lay = make_cache("nhd", layers=4)
+    mgr = KVCacheManager(caches, lay, host_blocks=16, layers_per_host_block=2)
+    assert mgr.num_groups == 2 and mgr.host_block_bytes == 2 * lay.layer_block_bytes
+    ids = mgr.alloc_host(2)
+    futs = [mgr.d2h_layer(layer, [3, 4], ids) for layer in range(4)]
+    for f in futs:
+        assert f.result(timeout=10) is None and f.state == "done"
+    # Layer 3 lives in group 1 at offset 1 * layer_block_bytes of host block ids[1][0].
+    raw = mgr.pool.view(int(ids[1][0]), torch.float16 and "float16")
+    half = lay.layer_block_bytes // 2
+    k3 = caches[3][0, 3].reshape(-1).numpy()
+    np.testing.assert_array_equal(raw[half : half + k3.size], k3)
+
+
+def test_store_save_lookup_load_and_dedup():
+    caches, lay = make_cache("vllm_cpu", layers=2)
+    probe = KVCacheManager(caches, lay, host_blocks=1)
+    store = InterimHostStore(tc.HostBlockPool(probe.host_block_bytes, 32))
+    mgr = KVCacheManager(caches, lay, store=store)
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    assert mgr.lookup(hashes) == 0
+    saved = mgr.save(hashes, [5, 6, 7])
+    saved.result(timeout=10)
+    assert mgr.lookup(hashes) == 3 and mgr.lookup([b"zz" * 16, *hashes]) == 0
+    free_before = store.pool.num_free
+    again = mgr.save(hashes[:2], [1, 1])  # already stored: skipped, no blocks taken
+    again.layer(1).result(timeout=10)
+    again.result(timeout=10)
+    assert store.pool.num_free == free_before
+    orig = [c.clone() for c in caches]
+    out = mgr.load(hashes, [0, 1, 2])
+    out.layer(0).result(timeout=10)
+    out.result(timeout=10)
+    for c, o in zip(caches, orig, strict=True):
+        assert torch.equal(c[0], o[5]) and torch.equal(c[2], o[7])
+    with pytest.raises(tc.NotFoundError):
+        mgr.load([b"missing" * 4], [0])
+    store.commit([], ok=True)
+
+
+def test_store_refuses_other_format_naming_field():
+    caches, lay = make_cache("vllm_cpu", layers=2)
+    probe = KVCacheManager(caches, lay, host_blocks=1)
+    store = InterimHostStore(tc.HostBlockPool(probe.host_block_bytes, 8))
+    writer = KVCacheManager(caches, lay, store=store)
+    writer.save([b"k" * 32], [1]).result(timeout=10)
+    # Same bytes per block, different block_size / heads split: must be refused by name.
+    other = KVLayout.vllm_cpu(N, H * 2, B // 2, D, torch.float16)
+    reader = KVCacheManager([torch.zeros(other.shape, dtype=torch.float16)] * 2, other, store=store)
+    before = reader.kv_caches[0][0].clone()
+    with pytest.raises(tc.InvalidArgumentError, match="field 'block_size'"):
+        reader.load([b"k" * 32], [0])
+    assert torch.equal(reader.kv_caches[0][0], before)
+    assert reader.lookup([b"k" * 32]) == 1  # the key was released, not leaked as pinned
+    store.acquire([b"k" * 32])
+    store.release([b"k" * 32])
+
+
+def test_bad_input_refused_before_any_byte_moves():
+    caches, lay = make_cache("hnd", layers=2)
+    mgr = KVCacheManager(caches, lay, host_blocks=8)
+    ids = mgr.alloc_host(2)
+    snap = mgr.pool.view(int(ids[0][0])).copy()
+    with pytest.raises(
+        tc.InvalidArgumentError, match=r"block id 12 \(position 1\) is out of range"
+    ):
+        mgr.d2h([0, 12], ids)
+    with pytest.raises(tc.InvalidArgumentError, match="out of range"):
+        mgr.h2d([-1, 0], ids)
+    with pytest.raises(tc.InvalidArgumentError, match="repeat"):
+        mgr.h2d([3, 3], ids)
+    with pytest.raises(tc.InvalidArgumentError, match=r"expected \(2, 3\)"):
+        mgr.d2h([0, 1, 2], ids)
+    with pytest.raises(tc.InvalidArgumentError, match="layer 5 out of range"):
+        mgr.d2h_layer(5, [0, 1], ids)
+    np.testing.assert_array_equal(mgr.pool.view(int(ids[0][0])), snap)
+    mgr.free_host(ids)
+    with pytest.raises(tc.TpusyncError):  # freed host ids: refused by the native borrow check
+        mgr.d2h([0, 1], ids).result(timeout=10)
+
+
+def test_layout_mismatches_name_the_field():
+    lay = KVLayout.nhd(N, H, B, D, torch.float16)
+    with pytest.raises(tc.InvalidArgumentError, match="field 'dtype'"):
+        KVCacheManager([torch.zeros(lay.shape, dtype=torch.float32)], lay, host_blocks=2)
+    with pytest.raises(tc.InvalidArgumentError, match="field 'block_size'"):
+        KVCacheManager([torch.zeros(2, N, B + 1, H, D, dtype=torch.float16)], lay, host_blocks=2)
+    with pytest.raises(tc.InvalidArgumentError, match="field 'num_kv_heads'"):
+        KVCacheManager([torch.zeros(2, N, B, H + 1, D, dtype=torch.float16)], lay, host_blocks=2)
+    with pytest.raises(tc.InvalidArgumentError, match="field 'kv'"):
+        KVCacheManager(
+            [torch.zeros(lay.shape, dtype=torch.float16)] * 1,
+            KVLayout.jax_pages(N, H, B, D, "float16"),
+            host_blocks=2,
+        )
+    with pytest.raises(tc.InvalidArgumentError, match="field 'block_bytes'"):
+        KVCacheManager(
+            [torch.zeros(lay.shape, dtype=torch.float16)], lay, pool=tc.HostBlockPool(4096, 2)
+        )
+    with pytest.raises(tc.InvalidArgumentError, match="field 'axes'"):
+        KVLayout(("block", "token"), N, B, H, D, "float16", "fused")
+
+
+class FakeTransport:
+    """In-process stand-in for the network transport (a test double, not a transport)."""
+
+    def __init__(self, dead: bool = False, silent: bool = False) -> None:
+        self.published: dict[str, tuple] = {}
+        self.dead, self.silent = dead, silent
+        self.pending: list[cf.Future] = []
+
+    def publish(self, transfer_id, pool, block_ids, meta):
+        self.published[transfer_id] = (pool, list(block_ids), dict(meta))
+
+    def retract(self, transfer_id):
+        self.published.pop(transfer_id)
+
+    def fetch(self, peer, transfer_id, pool, block_ids):
+        f: cf.Future = cf.Future()
+        if self.dead:
+            threading.Timer(
+                0.01, lambda: f.set_exception(tc.UnavailableError(f"peer {peer} is dead"))
+            ).start()
+            return f
+        if self.silent:
+            self.pending.append(f)
+            return f
+        src_pool, src_ids, meta = peer.published[transfer_id]
+        for s, d in zip(src_ids, block_ids, strict=True):
+            pool.view(d)[:] = src_pool.view(s)
+        f.set_result(meta)
+        return f
+
+
+def test_pd_register_send_start_recv_poll():
+    caches, lay = make_cache("hnd_strided", layers=2)
+    prod_t = FakeTransport()
+    prod = KVCacheManager(caches, lay, host_blocks=8, transport=prod_t)
+    dst_caches = [torch.zeros_like(c) for c in caches]
+    cons = KVCacheManager(dst_caches, lay, host_blocks=8, transport=FakeTransport())
+    prod.register_send("req-1", [3, 8]).result(timeout=10)
+    f = cons.start_recv(prod_t, "req-1", [0, 1])
+    f.result(timeout=10)
+    assert cons.poll() == {"done": ["req-1"], "failed": {}}
+    for c, d in zip(caches, dst_caches, strict=True):
+        assert torch.equal(d[:, 0], c[:, 3]) and torch.equal(d[:, 1], c[:, 8])
+    free = prod.pool.num_free
+    prod.finish_send("req-1")
+    assert prod.pool.num_free == free + 2 * prod.num_groups
+    assert cons.pool.num_free == cons.pool.num_blocks  # staging blocks returned
+
+
+def test_pd_mismatched_peer_format_refused_by_field():
+    caches, lay = make_cache("nhd", layers=2)
+    prod_t = FakeTransport()
+    prod = KVCacheManager(caches, lay, host_blocks=8, transport=prod_t)
+    prod.register_send("r", [1]).result(timeout=10)
+    hnd = KVLayout.hnd(N, H, B, D, torch.float16)
+    cons = KVCacheManager(
+        [torch.zeros(hnd.shape, dtype=torch.float16)] * 2,
+        hnd,
+        host_blocks=8,
+        transport=FakeTransport(),
+    )
+    f = cons.start_recv(prod_t, "r", [0])
+    with pytest.raises(tc.InvalidArgumentError, match="field 'memory_order'"):
+        f.result(timeout=10)
+    assert not cons.kv_caches[0][0].any()
+    assert "r" in cons.poll()["failed"]
+
+
+def test_dead_or_silent_peer_is_a_failed_future_not_a_hang():
+    caches, lay = make_cache("nhd", layers=1)
+    cons = KVCacheManager(caches, lay, host_blocks=8, transport=FakeTransport(dead=True))
+    f = cons.start_recv("peer-a", "x", [0])
+    with pytest.raises(tc.UnavailableError, match="dead"):
+        f.result(timeout=10)
+    silent = FakeTransport(silent=True)
+    cons2 = KVCacheManager(caches, lay, host_blocks=8, transport=silent)
+    g = cons2.start_recv("peer-b", "y", [1], timeout=0.2)
+    with pytest.raises(tc.TimeoutError, match="not received after 0.2 s"):
+        g.result(timeout=10)
+    # The staging block stays held while the transport may still write into it.
+    assert cons2.pool.num_free == cons2.pool.num_blocks - 1
+    silent.pending[0].set_exception(tc.UnavailableError("gone"))
+    assert cons2.pool.num_free == cons2.pool.num_blocks
+
+
+def test_protocols_are_checked():
+    caches, lay = make_cache("nhd", layers=1)
+    with pytest.raises(tc.InvalidArgumentError, match="KVStore protocol"):
+        KVCacheManager(caches, lay, host_blocks=2, store=object())
+    with pytest.raises(tc.InvalidArgumentError, match="BlockTransport protocol"):
+        KVCacheManager(caches, lay, host_blocks=2, transport=object())
+
+
+def test_failed_save_drops_reserved_keys():
+    caches, lay = make_cache("nhd", layers=2)
+    pool = tc.HostBlockPool(KVCacheManager(caches, lay, host_blocks=1).host_block_bytes, 4)
+
+    class RecordingStore:
+        """A KVStore double that hands out an id the pool never allocated."""
+
+        def __init__(self):
+            self.pool, self.commits = pool, []
+
+        def lookup(self, keys):
+            return 0
+
+        def reserve(self, keys, blocks_per_key, fmt):
+            return [[123456789] * blocks_per_key for _ in keys]
+
+        def commit(self, keys, ok):
+            self.commits.append((list(keys), ok))
+
+        def acquire(self, keys):
+            raise AssertionError("not used")
+
+        def release(self, keys):
+            raise AssertionError("not used")
+
+    store = RecordingStore()
+    mgr = KVCacheManager(caches, lay, store=store)
+    with pytest.raises(tc.InvalidArgumentError, match="unknown block id"):
+        mgr.save([b"k" * 32], [1]).result(timeout=10)
+    assert store.commits == [([b"k" * 32], False)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("per_host", [1, 3])
+def test_cuda_data_path_on_cpu_tensors_matches_native_path(variant, per_host):
+    """The CUDA path's data movement (sorted-slot runs, staging, index_select / index_copy_,
+    coalesced DMA slices of the whole-pool tensor), run on CPU tensors, writes the same host
+    bytes as the native path and loads them back exactly. Streams, events and pinning are what
+    only ci/device/gpu_check.sh covers."""
+    caches, lay = make_cache(variant)
+    mgr = KVCacheManager(caches, lay, host_blocks=64, layers_per_host_block=per_host)
+    mgr._pool_u8 = R.pool_tensor(mgr.pool)
+    scratch = mgr.alloc_host(8)
+    mgr.free_host(scratch[:, ::2])  # later allocations get out-of-order, gapped slots
+    src = np.array([9, 1, 4, 1])
+    native, staged = mgr.alloc_host(4), mgr.alloc_host(4)
+    mgr.d2h(src, native).result(timeout=10)
+    for layer in range(mgr.num_layers):
+        g, off = mgr._where(layer)
+        mgr._staged_d2h(layer, src, staged[g].tolist(), off)
+    for a, b in zip(native.reshape(-1), staged.reshape(-1), strict=True):
+        np.testing.assert_array_equal(mgr.pool.view(int(a)), mgr.pool.view(int(b)))
+    before = [[p.clone() for p in parts] for parts in mgr.kv_caches]
+    dst = np.array([0, 2, 3, 11])
+    for layer in range(mgr.num_layers):
+        g, off = mgr._where(layer)
+        mgr._staged_h2d(layer, dst, staged[g].tolist(), off)
+    ax = lay.block_axis
+    for parts, orig in zip(mgr.kv_caches, before, strict=True):
+        for p, o in zip(parts, orig, strict=True):
+            for s, d in zip(src, dst, strict=True):
+                assert torch.equal(block(p, ax, d), block(o, ax, s))
+            assert torch.equal(block(p, ax, 5), block(o, ax, 5))
