@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,21 +30,36 @@ def model_dir() -> Path:
 
 
 def _run(name: str, model: Path, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp(name) / "result.json"
+    work = tmp_path_factory.mktemp(name)
+    out, log = work / "result.json", work / "stderr.log"
     script = Path(__file__).with_name("vllm_scenarios.py")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script), name, str(model), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"scenario {name} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    # Own session: vLLM's engine-core and worker children are killed with the group on any exit,
+    # and output goes to files (a child holding an inherited pipe would stall a pipe reader).
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), name, str(model), str(out)],
+            env=env,
+            stdout=err,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=30)
+    stderr = log.read_text(errors="replace")
+    if rc != 0 or not out.exists():
+        pytest.fail(f"scenario {name} failed (rc {rc}):\n{stderr[-6000:]}")
     result = json.loads(out.read_text())
-    result["stderr"] = proc.stderr
-    print(f"{name}: {json.dumps(result)[:3000]}")
+    result["stderr"] = stderr
+    print(f"{name}: {json.dumps({k: v for k, v in result.items() if k != 'stderr'})[:3000]}")
     return result
 
 

@@ -236,7 +236,7 @@ def scenario_multiprocess(model: str) -> dict:
     llm.reset_prefix_cache()
     r["warm"] = generate(llm, ids)
     r["events"] = sub.drain(2.0)
-    r["pids"] = {"frontend": os.getpid()}
+    llm.llm_engine.engine_core.shutdown(timeout=30)  # stops the engine-core and worker processes
     return r
 
 
