@@ -108,6 +108,8 @@ def test_failed_loads_are_reported_and_recomputed(inproc):
     assert inproc["failed_load"]["tokens"] == inproc["cold"]["tokens"]
     assert inproc["pins_after_failure"] == 0
     assert inproc["worker_totals"]["load_failures"] == 1
+    # The failed keys were dropped and the recomputed blocks saved again.
+    assert inproc["resaved_after_failure"] == FULL_BLOCKS
 
 
 def test_abort_after_load_releases_pins(inproc):
@@ -127,7 +129,7 @@ def test_preemption_mid_request_is_safe(inproc):
 
 def test_worker_moved_the_bytes(inproc):
     totals = inproc["worker_totals"]
-    assert totals["saved_blocks"] >= 3 * FULL_BLOCKS  # warm-up, cold and repopulate runs
+    assert totals["saved_blocks"] >= 3 * FULL_BLOCKS  # warm-up, cold and recomputed runs
     assert totals["loaded_blocks"] >= 4 * FULL_BLOCKS
     assert totals["save_failures"] == 0
 

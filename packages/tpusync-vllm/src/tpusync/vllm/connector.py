@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,6 +74,7 @@ class Transfer:
     keys: list[bytes]
     slots: list[int]
     block_ids: list[int]
+    first_block: int = 0  # index of keys[0] in the request's block_hashes
 
 
 @dataclass
@@ -164,7 +166,9 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         self._lookups: dict[str, tuple[int, int]] = {}
         self._pins: dict[str, list[bytes]] = {}
         self._pending_loads: list[Transfer] = []
-        self._last_loads: dict[int, bytes] = {}
+        # block id -> (req, block index, key) of the loads of the last two steps (two: with async
+        # scheduling, step N+1's metadata is built before step N's output arrives).
+        self._load_history: deque[dict[int, tuple[str, int, bytes]]] = deque(maxlen=2)
         self._stored_events: list[BlockStored] = []
         self.stats: dict[str, int] = {
             "queries": 0,
@@ -230,11 +234,18 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         first = max(0, (hit_blocks * self.block_size - num_external_tokens) // self.block_size)
         keys = list(request.block_hashes[first:end])
         block_ids = blocks.get_block_ids()[0][first:end]
-        # Same thread as the lookup and no eviction in between, so the keys are still there.
-        self.directory.pin(keys)
-        self._pins.setdefault(req_id, []).extend(keys)
-        slots = self.directory.slots(keys)
-        self._pending_loads.append(Transfer(req_id, keys, slots, list(block_ids)))
+        # Same thread as the lookup and no eviction in between, so the keys are still there; if
+        # not (a bug), the load is sent with slot -1, which the worker rejects as a load error:
+        # vLLM recomputes instead of the scheduler crashing.
+        try:
+            self.directory.pin(keys)
+        except tc.NotFoundError:
+            log.warning("tpusync: prefix of %s vanished before it was pinned", req_id)
+            slots = [-1] * len(keys)
+        else:
+            self._pins.setdefault(req_id, []).extend(keys)
+            slots = self.directory.slots(keys)
+        self._pending_loads.append(Transfer(req_id, keys, slots, list(block_ids), first))
         self._saved_upto[req_id] = max(self._saved_upto[req_id], end)
         self.stats["hit_blocks"] += len(keys)
         self.stats["hit_tokens"] += num_external_tokens
@@ -243,9 +254,13 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.directory is not None
         meta = TpusyncMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        self._last_loads = {
-            b: k for t in meta.loads for b, k in zip(t.block_ids, t.keys, strict=True)
-        }
+        self._load_history.append(
+            {
+                b: (t.req_id, t.first_block + i, k)
+                for t in meta.loads
+                for i, (b, k) in enumerate(zip(t.block_ids, t.keys, strict=True))
+            }
+        )
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
             if request is None:
@@ -307,10 +322,19 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         bad = getattr(connector_output, "invalid_block_ids", None) or set()
         if bad and self.directory is not None:
-            keys = [self._last_loads[b] for b in bad if b in self._last_loads]
+            failed = []
+            for b in bad:
+                for step in reversed(self._load_history):
+                    if b in step:
+                        failed.append(step[b])
+                        break
             self.stats["load_errors_seen"] += len(bad)
-            # Do not offer these keys again; vLLM recomputes (or fails) the blocks.
-            self.directory.remove(keys)
+            # Do not offer these keys again; vLLM recomputes (or fails) the blocks, and the
+            # request saves them again from the first failed block on.
+            self.directory.remove([k for _, _, k in failed])
+            for req_id, index, _ in failed:
+                if req_id in self._saved_upto:
+                    self._saved_upto[req_id] = min(self._saved_upto[req_id], index)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
