@@ -25,9 +25,21 @@ def prompt(seed: int = 0) -> list[int]:
     return [rng.randrange(3, 150) for _ in range(PROMPT_LEN)]  # the tokenizer has 153 ids
 
 
-def make_llm(model: str, *, policy: str = "recompute", extra: dict | None = None):
+def make_llm(
+    model: str,
+    *,
+    policy: str = "recompute",
+    extra: dict | None = None,
+    vllm_events: str | None = None,
+):
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
+
+    events = None
+    if vllm_events:  # vLLM's own publisher: carries what the connector's take_events() returns
+        events = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=vllm_events, topic="kv"
+        )
 
     ktc = KVTransferConfig(
         kv_connector="TpusyncConnector",  # by name: proves the vllm.general_plugins entry point
@@ -46,6 +58,7 @@ def make_llm(model: str, *, policy: str = "recompute", extra: dict | None = None
         enforce_eager=True,
         enable_prefix_caching=True,
         kv_transfer_config=ktc,
+        kv_events_config=events,
         seed=0,
     )
 
@@ -77,12 +90,12 @@ def connectors(llm):
 class Subscriber:
     """A ZMQ SUB that decodes with vLLM's own event classes."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, topic: str = "kv@") -> None:
         import zmq
 
         self.sock = zmq.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt_string(zmq.SUBSCRIBE, "kv@")
+        self.sock.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.sock.connect(endpoint)
 
     def drain(self, wait_s: float = 1.0) -> list[dict]:
@@ -228,7 +241,14 @@ def scenario_multiprocess(model: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     sub = Subscriber(endpoint)
-    llm = make_llm(model, extra={"kv_events_endpoint": endpoint, "pod_id": "pod-mp"})
+    vllm_port = free_port()
+    # vLLM's PUB binds only wildcard endpoints (it connects to host:port ones).
+    vllm_sub = Subscriber(f"tcp://127.0.0.1:{vllm_port}", topic="kv")
+    llm = make_llm(
+        model,
+        extra={"kv_events_endpoint": endpoint, "pod_id": "pod-mp"},
+        vllm_events=f"tcp://*:{vllm_port}",
+    )
     ids = prompt(3)
     generate(llm, prompt(98))
     llm.reset_prefix_cache()
@@ -236,6 +256,7 @@ def scenario_multiprocess(model: str) -> dict:
     llm.reset_prefix_cache()
     r["warm"] = generate(llm, ids)
     r["events"] = sub.drain(2.0)
+    r["vllm_events"] = vllm_sub.drain(1.0)
     llm.llm_engine.engine_core.shutdown(timeout=30)  # stops the engine-core and worker processes
     return r
 
