@@ -164,3 +164,10 @@ def test_default_multiprocess_engine(multiprocess):
     assert stored and all(
         e["medium"] == "CPU" and e["topic"].startswith("kv@pod-mp@") for e in stored
     )
+
+
+def test_take_events_flow_through_vllms_own_publisher(multiprocess):
+    # vLLM publishes its own cache events and, in the same stream, the connector's take_events()
+    # objects with the tier as medium.
+    media = {e["medium"] for e in multiprocess["vllm_events"] if e["type"] == "BlockStored"}
+    assert "CPU" in media
