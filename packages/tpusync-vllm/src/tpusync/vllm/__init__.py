@@ -1,12 +1,25 @@
 """tpusync.vllm: a vLLM KV connector on tpusync.
 
-NOT IMPLEMENTED YET: this release ships only the package and its API gate; the TpusyncConnector
-(offload, shared prefix cache, P/D, KV events) is tracked in the project's issues.
+``TpusyncConnector`` (host-tier offload and prefix reuse, KV events with the tier as medium) is
+imported lazily, so ``import tpusync.vllm`` works without vLLM installed. Load it in vLLM with
+``{"kv_connector": "TpusyncConnector", "kv_role": "kv_both"}`` (registered by the
+``vllm.general_plugins`` entry point) or with ``"kv_connector_module_path": "tpusync.vllm"``.
+Reference: docs/vllm.md.
 """
+
+from typing import Any
 
 from tpusync.core import require_api
 
 MIN_CORE_API = 1
 require_api(MIN_CORE_API, "tpusync-vllm")
 
-__all__ = ["MIN_CORE_API"]
+__all__ = ["MIN_CORE_API", "TpusyncConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TpusyncConnector":
+        from tpusync.vllm.connector import TpusyncConnector
+
+        return TpusyncConnector
+    raise AttributeError(f"module 'tpusync.vllm' has no attribute {name!r}")

@@ -1,0 +1,282 @@
+"""KV-cache events for prefix-cache-aware routers (llm-d's KV-events wire format).
+
+One publisher for every tpusync tier. WIRE CONTRACT (what a router subscribes to):
+
+- ZMQ PUB socket; every message is multipart ``[topic, seq, payload]``.
+- ``topic`` is ``kv@<pod-id>@<model>`` (UTF-8), so a SUB can filter by pod or model prefix.
+- ``seq`` is an 8-byte big-endian unsigned counter, +1 per message, so a subscriber detects gaps.
+- ``payload`` is a msgpack batch ``[ts, events, dp_rank]`` (ts: float seconds since the epoch).
+- Each event is one of BlockStored / BlockRemoved / AllBlocksCleared, encoded either as a tagged
+  map (``{"type": "BlockStored", "block_hashes": [...], ...}``, what current vLLM emits) or as a
+  positional array (``["BlockStored", block_hashes, parent, token_ids, block_size, lora_id,
+  medium]``, what older vLLM emits). The publisher emits one encoding (tagged by default);
+  :func:`decode_batch` reads both.
+- ``medium`` names the tier that holds the block (``CPU``, ``DISK``, ``REMOTE``); a router must be
+  given a weight per medium, otherwise it scores a tier hit like an accelerator hit.
+- Block hashes are the serving engine's own hashes (bytes or int), never re-derived here.
+
+Publishing never blocks the caller on a slow subscriber: ZMQ drops at the high-water mark (a PUB
+socket's documented behaviour) and the sequence gap tells the router to resynchronise. The
+rejected alternative, a blocking PUSH socket, would let one stuck router stall the engine.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgpack
+import zmq
+
+from tpusync.core.errors import InvalidArgumentError, StateError
+
+__all__ = [
+    "MEDIUMS",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "KVEventPublisher",
+    "decode_batch",
+    "encode_batch",
+    "topic_for",
+]
+
+MEDIUMS = ("GPU", "CPU", "DISK", "REMOTE")
+BlockHash = bytes | int
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Blocks became available in ``medium``; ``parent_block_hash`` chains the first one."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks left ``medium`` (evicted or deleted)."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every block of the publisher is gone (cache reset)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+Encoding = Literal["tagged", "positional"]
+
+
+def topic_for(pod_id: str, model: str) -> str:
+    """``kv@<pod-id>@<model>``; neither part may contain '@' (it would break prefix filters)."""
+    if not pod_id or not model or "@" in pod_id or "@" in model:
+        raise InvalidArgumentError(
+            f"topic parts must be non-empty and free of '@': pod_id={pod_id!r} model={model!r}"
+        )
+    return f"kv@{pod_id}@{model}"
+
+
+def _check_medium(medium: str | None) -> None:
+    if medium is not None and medium not in MEDIUMS:
+        raise InvalidArgumentError(f"medium {medium!r} is not one of {MEDIUMS}")
+
+
+def _event_to_wire(event: KVEvent, encoding: Encoding) -> Any:
+    if isinstance(event, BlockStored):
+        _check_medium(event.medium)
+        if encoding == "positional":
+            return [
+                "BlockStored",
+                list(event.block_hashes),
+                event.parent_block_hash,
+                list(event.token_ids),
+                event.block_size,
+                event.lora_id,
+                event.medium,
+            ]
+        out = {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_id": event.lora_id,
+            "medium": event.medium,
+            "lora_name": None,
+        }
+        out.update(event.extra)
+        return out
+    if isinstance(event, BlockRemoved):
+        _check_medium(event.medium)
+        if encoding == "positional":
+            return ["BlockRemoved", list(event.block_hashes), event.medium]
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": list(event.block_hashes),
+            "medium": event.medium,
+        }
+    if isinstance(event, AllBlocksCleared):
+        return ["AllBlocksCleared"] if encoding == "positional" else {"type": "AllBlocksCleared"}
+    raise InvalidArgumentError(f"not a KV event: {event!r}")
+
+
+def _event_from_wire(raw: Any) -> KVEvent:
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        if kind == "BlockStored":
+            known = {
+                "type",
+                "block_hashes",
+                "parent_block_hash",
+                "token_ids",
+                "block_size",
+                "lora_id",
+                "medium",
+                "lora_name",
+            }
+            return BlockStored(
+                block_hashes=list(raw["block_hashes"]),
+                parent_block_hash=raw.get("parent_block_hash"),
+                token_ids=list(raw.get("token_ids") or []),
+                block_size=int(raw["block_size"]),
+                lora_id=raw.get("lora_id"),
+                medium=raw.get("medium"),
+                extra={k: v for k, v in raw.items() if k not in known},
+            )
+        if kind == "BlockRemoved":
+            return BlockRemoved(block_hashes=list(raw["block_hashes"]), medium=raw.get("medium"))
+        if kind == "AllBlocksCleared":
+            return AllBlocksCleared()
+    elif isinstance(raw, list | tuple) and raw:
+        kind = raw[0]
+        if kind == "BlockStored" and len(raw) >= 6:
+            return BlockStored(
+                block_hashes=list(raw[1]),
+                parent_block_hash=raw[2],
+                token_ids=list(raw[3]),
+                block_size=int(raw[4]),
+                lora_id=raw[5],
+                medium=raw[6] if len(raw) > 6 else None,
+            )
+        if kind == "BlockRemoved" and len(raw) >= 2:
+            return BlockRemoved(block_hashes=list(raw[1]), medium=raw[2] if len(raw) > 2 else None)
+        if kind == "AllBlocksCleared":
+            return AllBlocksCleared()
+    raise InvalidArgumentError(f"undecodable KV event: {raw!r:.200}")
+
+
+def encode_batch(
+    events: Sequence[KVEvent],
+    *,
+    ts: float | None = None,
+    dp_rank: int | None = None,
+    encoding: Encoding = "tagged",
+) -> bytes:
+    """msgpack ``[ts, events, dp_rank]`` (the payload frame of one message)."""
+    if encoding not in ("tagged", "positional"):
+        raise InvalidArgumentError(f"encoding must be 'tagged' or 'positional', not {encoding!r}")
+    wire = [_event_to_wire(e, encoding) for e in events]
+    return msgpack.packb([time.time() if ts is None else ts, wire, dp_rank], use_bin_type=True)
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[KVEvent], int | None]:
+    """Inverse of :func:`encode_batch`, for both encodings (and batches without dp_rank)."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated classes
+        raise InvalidArgumentError(f"KV event batch is not msgpack: {exc}") from exc
+    if not isinstance(raw, list | tuple) or len(raw) < 2:
+        raise InvalidArgumentError("KV event batch must be [ts, events, dp_rank]")
+    dp_rank = raw[2] if len(raw) > 2 else None
+    return float(raw[0]), [_event_from_wire(e) for e in raw[1]], dp_rank
+
+
+class KVEventPublisher:
+    """ZMQ PUB of KV events (see the module docstring for the wire contract).
+
+    THREAD CONTRACT: :meth:`publish` may be called from any thread; a lock serialises the socket
+    (ZMQ sockets are not thread-safe) and the sequence counter, so sequence numbers are gapless
+    in publish order. :meth:`close` is idempotent; publishing after close raises StateError.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        pod_id: str,
+        model: str,
+        dp_rank: int | None = None,
+        encoding: Encoding = "tagged",
+        bind: bool = True,
+        high_water_mark: int = 100_000,
+    ) -> None:
+        if encoding not in ("tagged", "positional"):
+            raise InvalidArgumentError(
+                f"encoding must be 'tagged' or 'positional', not {encoding!r}"
+            )
+        self.topic = topic_for(pod_id, model)
+        self._topic_bytes = self.topic.encode()
+        self._dp_rank = dp_rank
+        self._encoding: Encoding = encoding
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = self._ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.SNDHWM, high_water_mark)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            if bind:
+                self._sock.bind(endpoint)
+            else:
+                self._sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._sock.close(0)
+            self._sock = None
+            raise InvalidArgumentError(
+                f"cannot open KV event endpoint {endpoint!r}: {exc}"
+            ) from exc
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
+
+    @property
+    def sequence(self) -> int:
+        """The sequence number the next message will carry."""
+        return self._seq
+
+    def publish(self, events: Iterable[KVEvent], *, ts: float | None = None) -> int | None:
+        """Send one batch; returns its sequence number (None when ``events`` is empty)."""
+        batch = list(events)
+        if not batch:
+            return None
+        payload = encode_batch(batch, ts=ts, dp_rank=self._dp_rank, encoding=self._encoding)
+        with self._lock:
+            if self._sock is None:
+                raise StateError("KVEventPublisher is closed")
+            seq = self._seq
+            self._sock.send_multipart([self._topic_bytes, struct.pack(">Q", seq), payload])
+            self._seq += 1
+        return seq
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(0)
+                self._sock = None
+
+    def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,90 @@
+"""``kv_connector_extra_config`` keys of TpusyncConnector (reference: docs/vllm.md).
+
+Every key is checked: an unknown key, a wrong type, or a key whose backing feature is not in this
+build raises :class:`ConfigError` when vLLM constructs the connector, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from tpusync.core import InvalidArgumentError
+
+__all__ = ["PENDING_KEYS", "ConfigError", "TpusyncVllmConfig"]
+
+
+class ConfigError(InvalidArgumentError):
+    """A kv_connector_extra_config key is unknown, malformed or not available in this build."""
+
+
+# Keys documented now whose features live on branches not merged into this build.
+PENDING_KEYS: dict[str, str] = {
+    "disk_dir": "the disk tier of the tiered KVStore",
+    "disk_bytes": "the disk tier of the tiered KVStore",
+    "shm_name": "the /dev/shm warm-restart pool of the tiered KVStore",
+    "store_nodes": "the network transport and tpusync store nodes",
+    "auth_secret_file": "the network transport (store-node authentication)",
+    "metrics_port": "the Prometheus exporter",
+}
+
+
+@dataclass(frozen=True)
+class TpusyncVllmConfig:
+    host_bytes: int = 1 << 30
+    namespace: str | None = None
+    metrics: bool = True
+    load_timeout_s: float = 60.0
+    save_timeout_s: float = 60.0
+    kv_events_endpoint: str | None = None
+    kv_events_encoding: str = "tagged"
+    pod_id: str = ""
+    prefault: bool = True
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> TpusyncVllmConfig:
+        extra = dict(extra or {})
+        for key, feature in PENDING_KEYS.items():
+            if key in extra:
+                raise ConfigError(
+                    f"kv_connector_extra_config[{key!r}] is not available in this build of "
+                    f"tpusync-vllm: it needs {feature}, which is not merged yet (see docs/vllm.md)"
+                )
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)} "
+                f"(pending: {sorted(PENDING_KEYS)})"
+            )
+        kwargs: dict[str, Any] = {}
+        for key, value in extra.items():
+            default = getattr(cls, key)
+            if key in ("namespace", "kv_events_endpoint"):
+                ok = value is None or isinstance(value, str)
+            elif isinstance(default, bool):
+                ok = isinstance(value, bool)
+            elif isinstance(default, int):
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif isinstance(default, float):
+                ok = isinstance(value, int | float) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, str)
+            if not ok:
+                raise ConfigError(
+                    f"kv_connector_extra_config[{key!r}] must be {type(default).__name__}, "
+                    f"got {value!r}"
+                )
+            kwargs[key] = value
+        cfg = cls(**kwargs)
+        if cfg.host_bytes <= 0:
+            raise ConfigError(f"host_bytes must be positive, got {cfg.host_bytes}")
+        if cfg.load_timeout_s <= 0 or cfg.save_timeout_s <= 0:
+            raise ConfigError("load_timeout_s and save_timeout_s must be positive")
+        if cfg.kv_events_encoding not in ("tagged", "positional"):
+            raise ConfigError("kv_events_encoding must be 'tagged' or 'positional'")
+        return cfg
+
+    def resolved_pod_id(self) -> str:
+        return self.pod_id or socket.gethostname().replace("@", "_")
