@@ -11,6 +11,7 @@ Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
 - ``demo``    the main job: offload a synthetic paged KV cache to the host pool and back
 - ``bench``   ``tpusync bench memory --json`` (JSON kept in build/bench/)
 - ``stubs``   regenerate the checked-in nanobind stubs (a test fails when they are stale)
+- ``integration-sglang`` tpusync-sglang against real SGLang 0.5.23 on CPU (own venv, see below)
 """
 
 from __future__ import annotations
@@ -264,6 +265,33 @@ def bench(session: nox.Session) -> None:
         result = session.run("tpusync", "bench", suite, "--json", silent=True)
         (out / f"{suite}.json").write_text(result)
         print(result)
+
+
+SGLANG = "sglang==0.5.23"
+SGLANG_DIR = ROOT / "integrations/sglang"
+
+
+@nox.session(name="integration-sglang")
+def integration_sglang(session: nox.Session) -> None:
+    """tpusync-sglang's suite against real SGLang 0.5.23 objects on CPU.
+
+    SGLang goes in with --no-deps: its metadata pins a CUDA torch and CUDA-only kernel wheels.
+    What it needs to import on CPU is listed in integrations/sglang/requirements-cpu-test.txt,
+    installed under a constraint that keeps torch at the local CPU build.
+    """
+    constraints = ROOT / "build/sglang-constraints.txt"
+    constraints.parent.mkdir(parents=True, exist_ok=True)
+    constraints.write_text(TORCH + "\n")
+    session.install("-c", str(constraints), "-r", str(SGLANG_DIR / "requirements-cpu-test.txt"))
+    session.install("--no-deps", SGLANG)
+    install_core(session)
+    session.install("--no-deps", "--force-reinstall", str(SGLANG_DIR))
+    session.run(
+        "pytest",
+        str(SGLANG_DIR / "tests"),
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TPUSYNC_REPO_ROOT": str(ROOT)},
+    )
 
 
 @nox.session
