@@ -13,8 +13,6 @@ import cpu_shim  # noqa: E402 - must run before anything imports sglang
 
 cpu_shim.install()
 
-MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
-
 
 @pytest.fixture(scope="session")
 def sglang_pools():
