@@ -54,7 +54,9 @@ def _create(host, extra=None, **cfg):
 
 
 def _page_hashes(n_pages: int, page_size: int, seed: int = 0) -> list[str]:
-    tokens = torch.randint(0, 50_000, (n_pages * page_size,), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(
+        0, 50_000, (n_pages * page_size,), generator=torch.Generator().manual_seed(seed)
+    )
     return get_hash_str(tokens.tolist(), None, page_size=page_size)
 
 
@@ -129,7 +131,7 @@ def test_miss_leaves_host_pages_untouched(sglang_pools, layout):
     _fill_random(host, dst, seed=3)
     before = _pages(host, dst)
     assert backend.batch_get_v1(_page_hashes(2, host.page_size, seed=9), dst) == [False, False]
-    assert all(torch.equal(a, b) for a, b in zip(before, _pages(host, dst)))
+    assert all(torch.equal(a, b) for a, b in zip(before, _pages(host, dst), strict=True))
 
 
 @pytest.mark.parametrize("layout", MHA_LAYOUTS)

@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
-
 from tpusync.sglang.page_store import DEFAULT_TIMEOUT_S, InterimHostPageStore, PageStore
 
 __all__ = ["HostPoolRows", "TpusyncHiCacheStorage", "page_key"]
@@ -181,7 +181,9 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         rows = HostPoolRows(mem_pool_host)
         if self._store is None:
-            pages = self._capacity_pages or max(1, int(self._capacity_gb * 2**30) // rows.page_bytes)
+            pages = self._capacity_pages or max(
+                1, int(self._capacity_gb * 2**30) // rows.page_bytes
+            )
             self._store = InterimHostPageStore(
                 rows.segment_bytes, rows.segments_per_page, pages, prefault=self._prefault
             )
@@ -275,7 +277,7 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         if target_locations is None or len(target_locations) != len(keys):
             logger.error("tpusync batch_get needs one target tensor per key")
             return out
-        for i, (key, target) in enumerate(zip(keys, target_locations)):
+        for i, (key, target) in enumerate(zip(keys, target_locations, strict=True)):
             try:
                 table = self._page_table(target)
                 spp = self.store.segments_per_page
@@ -306,7 +308,7 @@ class TpusyncHiCacheStorage(HiCacheStorage):
             logger.error("tpusync batch_set needs one value tensor per key")
             return False
         ok = True
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             try:
                 page = value.contiguous() if isinstance(value, torch.Tensor) else value
                 table = self._page_table(page)

@@ -176,7 +176,11 @@ class InterimHostPageStore:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {**self._stats, "pages": len(self._slots), "free_pages": self._capacity - self._held}
+            return {
+                **self._stats,
+                "pages": len(self._slots),
+                "free_pages": self._capacity - self._held,
+            }
 
     # -- PageStore ------------------------------------------------------------------------------
 
