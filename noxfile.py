@@ -108,8 +108,10 @@ def check_versions() -> None:
     version = (ROOT / "VERSION").read_text().strip()
     major, minor, _ = (int(x) for x in version.split("."))
     problems = []
-    for pkg in PACKAGES:
-        meta = tomllib.loads((ROOT / "packages" / pkg / "pyproject.toml").read_text())["project"]
+    # Integrations (integrations/<name>) follow the same version and core-range rules.
+    dirs = {p: ROOT / "packages" / p for p in PACKAGES} | {"tpusync-sglang": SGLANG_DIR}
+    for pkg, pkg_dir in dirs.items():
+        meta = tomllib.loads((pkg_dir / "pyproject.toml").read_text())["project"]
         if meta["version"] != version:
             problems.append(f"{pkg}: version {meta['version']} != VERSION {version}")
         deps = meta.get("dependencies", []) + [
@@ -125,7 +127,7 @@ def check_versions() -> None:
                 )
     if problems:
         raise SystemExit("version check failed:\n  " + "\n  ".join(problems))
-    print(f"versions: all {len(PACKAGES)} packages at {version}")
+    print(f"versions: all {len(dirs)} packages at {version}")
 
 
 @nox.session
