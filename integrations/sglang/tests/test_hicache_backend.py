@@ -181,6 +181,22 @@ def test_capacity_evicts_oldest_pages(sglang_pools):
     assert [backend.exists(k) for k in keys] == [False, False, True, True, True]
 
 
+def test_get_stats_reports_sglang_storage_metrics_per_interval(sglang_pools):
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    _, host = sglang_pools("page_first")
+    backend = _create(host)
+    keys = _page_hashes(3, host.page_size)
+    idx = host.alloc(3 * host.page_size)
+    backend.batch_set_v1(keys, idx)
+    backend.batch_get_v1(keys[:2], idx[: 2 * host.page_size])
+    stats = backend.get_stats()
+    assert isinstance(stats, StorageMetrics)
+    assert (stats.backup_pgs, stats.prefetch_pgs) == ([3], [2])
+    assert all(b > 0 for b in stats.backup_bandwidth + stats.prefetch_bandwidth)
+    assert backend.get_stats().backup_pgs == []  # reset after each read
+
+
 def test_clear_forgets_everything(sglang_pools):
     _, host = sglang_pools("layer_first")
     backend = _create(host)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -174,6 +176,9 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         self._store: PageStore | None = store
         self._rows: HostPoolRows | None = None
         self._namespace = b""
+        # SGLang's storage metrics for the interval since the last get_stats() call.
+        self._metrics_lock = threading.Lock()
+        self._metrics: dict[str, list] = _empty_metrics()
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -252,7 +257,10 @@ class TpusyncHiCacheStorage(HiCacheStorage):
                     f"got {host_indices.numel()}"
                 )
             rows = self._rows.rows(host_indices)
-            return op(self._keys(keys), self._rows.table, rows, self._timeout)
+            start = time.perf_counter()
+            ok = op(self._keys(keys), self._rows.table, rows, self._timeout)
+            self._record(what, sum(ok), time.perf_counter() - start)
+            return ok
         except Exception as e:  # noqa: BLE001 - SGLang threads must get per-page failures
             logger.error("tpusync batch_%s_v1 failed for %d page(s): %s", what, len(keys), e)
             return [False] * len(keys)
@@ -332,11 +340,33 @@ class TpusyncHiCacheStorage(HiCacheStorage):
             self._store.clear()
 
     def get_stats(self):
-        stats = getattr(self._store, "stats", None)
-        return stats() if callable(stats) else None
+        """SGLang StorageMetrics for the zero-copy traffic since the previous call (then reset).
+
+        prefetch = storage -> host pool (batch_get_v1), backup = host pool -> storage
+        (batch_set_v1); bandwidth in GB/s per call. The page store's own counters are
+        ``self.store.stats()``.
+        """
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._metrics_lock:
+            metrics, self._metrics = self._metrics, _empty_metrics()
+        return StorageMetrics(**metrics)
+
+    def _record(self, what: str, pages: int, seconds: float) -> None:
+        if not pages or self._rows is None:
+            return
+        gbps = pages * self._rows.page_bytes / max(seconds, 1e-9) / 1e9
+        kind = "prefetch" if what == "get" else "backup"
+        with self._metrics_lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(gbps)
 
     def close(self) -> None:
         self.clear()
+
+
+def _empty_metrics() -> dict[str, list]:
+    return {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
 
 
 def _positive(extra: dict, name: str, default, kind):
