@@ -8,11 +8,13 @@
 //
 // History (one line per bump):
 //   1: base / memory / block / engine: BlockPool, BlockIndex, Engine, futures, DLPack views.
+//   2: KVStore (host + disk tiers, warm restart), segment gather/scatter, P/D producer/consumer,
+//      store node + client, checksum64 over arrays.
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 1;
+inline constexpr int kApiVersion = 2;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

@@ -19,7 +19,7 @@ from typing import Any
 from tpusync.core import require_api
 from tpusync.sglang.page_store import InterimHostPageStore, PageStore
 
-MIN_CORE_API = 1
+MIN_CORE_API = 2
 require_api(MIN_CORE_API, "tpusync-sglang")
 
 __all__ = ["MIN_CORE_API", "InterimHostPageStore", "PageStore", "TpusyncHiCacheStorage"]

@@ -9,7 +9,7 @@
 
 from tpusync.core import require_api
 
-MIN_CORE_API = 1
+MIN_CORE_API = 2
 require_api(MIN_CORE_API, "tpusync-jax")
 
 from tpusync.core.kvcache import (  # noqa: E402 - after the API gate on purpose

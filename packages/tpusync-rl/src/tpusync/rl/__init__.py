@@ -17,7 +17,7 @@ They are tracked in the project's issues.
 
 from tpusync.core import require_api
 
-MIN_CORE_API = 1
+MIN_CORE_API = 2
 require_api(MIN_CORE_API, "tpusync-rl")
 
 from tpusync.rl.chunks import (  # noqa: E402 - after the API gate on purpose
