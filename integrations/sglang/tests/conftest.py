@@ -40,3 +40,32 @@ def sglang_pools():
         return device, host
 
     return make
+
+
+@pytest.fixture(scope="session")
+def sglang_mla_pools():
+    """Factory for MLA (device pool, host pool) pairs built by SGLang's own classes on CPU."""
+    torch = pytest.importorskip("torch")
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    def make(layout: str, *, page_size: int = 4, layers: int = 3):
+        device = MLATokenToKVPool(
+            64, page_size, torch.bfloat16, 32, 16, layers, "cpu", False,
+            start_layer=0, end_layer=layers - 1,
+        )  # fmt: skip
+        host = MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=device.size,
+            start_layer=0,
+            end_layer=layers - 1,
+            target_layer_num=layers,
+        )
+        return device, host
+
+    return make

@@ -29,7 +29,9 @@ EXTRA = {
 }
 
 
-def _config(extra=None, *, tp_rank=0, tp_size=1, model="tiny-test") -> HiCacheStorageConfig:
+def _config(
+    extra=None, *, tp_rank=0, tp_size=1, model="tiny-test", mla=False
+) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
@@ -37,7 +39,7 @@ def _config(extra=None, *, tp_rank=0, tp_size=1, model="tiny-test") -> HiCacheSt
         pp_size=1,
         attn_cp_rank=0,
         attn_cp_size=1,
-        is_mla_model=False,
+        is_mla_model=mla,
         enable_storage_metrics=False,
         is_page_first_layout=True,
         model_name=model,
@@ -155,6 +157,26 @@ def test_zero_copy_and_legacy_paths_agree_byte_for_byte(sglang_pools, layout):
     out = host.alloc(host.page_size)
     assert backend.batch_get_v1(keys[1:], out) == [True]
     assert torch.equal(host.get_data_page(int(out[0]), flat=True), original[1])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_mla_pages_round_trip_and_paths_agree(sglang_mla_pools, layout):
+    _, host = sglang_mla_pools(layout)
+    backend = _create(host, mla=True)
+    keys = _page_hashes(3, host.page_size, seed=12)
+    src = host.alloc(3 * host.page_size)
+    _fill_random(host, src, seed=13)
+    expected = _pages(host, src)
+    assert backend.batch_set_v1(keys, src) == [True] * 3
+    assert backend.batch_exists(keys) == 3
+    host.free(src)
+    dst = host.alloc(3 * host.page_size)
+    _fill_random(host, dst, seed=14)
+    assert backend.batch_get_v1(keys, dst) == [True] * 3
+    assert all(torch.equal(a, b) for a, b in zip(expected, _pages(host, dst), strict=True))
+    dummy = host.get_dummy_flat_data_page()
+    assert backend.get(keys[2], dummy) is dummy
+    assert torch.equal(dummy, expected[2])
 
 
 def test_same_hash_on_other_tp_rank_is_a_different_page(sglang_pools):
