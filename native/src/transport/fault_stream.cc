@@ -61,15 +61,22 @@ std::vector<uint8_t> SerializeFrame(const OutFrame& f) {
   h.num_blocks = static_cast<uint32_t>(f.blocks.size());
   h.block_bytes = f.block_bytes;
   const auto head = EncodeHeader(h, f.meta);
-  std::vector<uint8_t> out(head.begin(), head.end());
-  out.insert(out.end(), f.meta.begin(), f.meta.end());
-  for (size_t i = 0; i < f.blocks.size(); ++i) {
+  const size_t n = f.blocks.size();
+  std::vector<uint8_t> out(kHeaderBytes + f.meta.size() + n * 8 + n * f.block_bytes);
+  uint8_t* p = out.data();
+  std::memcpy(p, head.data(), kHeaderBytes);
+  p += kHeaderBytes;
+  if (!f.meta.empty()) std::memcpy(p, f.meta.data(), f.meta.size());
+  p += f.meta.size();
+  for (size_t i = 0; i < n; ++i, p += 8) {
     const uint64_t c =
         f.checksums.empty() ? Checksum64(f.blocks[i], f.block_bytes) : f.checksums[i];
-    const auto* p = reinterpret_cast<const uint8_t*>(&c);
-    out.insert(out.end(), p, p + 8);
+    std::memcpy(p, &c, 8);
   }
-  for (const uint8_t* b : f.blocks) out.insert(out.end(), b, b + f.block_bytes);
+  for (const uint8_t* b : f.blocks) {
+    std::memcpy(p, b, f.block_bytes);
+    p += f.block_bytes;
+  }
   return out;
 }
 

@@ -86,7 +86,7 @@ void init_transport(nb::module_& m) {
           },
           nb::arg("pool"), nb::arg("secret"), nb::arg("listen") = "127.0.0.1:0",
           nb::arg("unix_path") = "", nb::arg("handshake_timeout") = 5.0,
-          nb::arg("socket_buffer_bytes") = 8 << 20)
+          nb::arg("socket_buffer_bytes") = 0)
       .def_prop_ro("address", [](const PdProducer& p) { return p.address().ToString(); })
       .def_prop_ro("unix_address", &PdProducer::unix_address)
       .def_prop_ro("pending", &PdProducer::pending)
@@ -127,7 +127,7 @@ void init_transport(nb::module_& m) {
                 Unwrap(PdConsumer::Create(std::move(pool), std::move(s), o)));
           },
           nb::arg("pool"), nb::arg("secret"), nb::arg("streams") = 4,
-          nb::arg("connect_timeout") = 5.0, nb::arg("socket_buffer_bytes") = 8 << 20)
+          nb::arg("connect_timeout") = 5.0, nb::arg("socket_buffer_bytes") = 0)
       .def(
           "start_recv",
           [](PdConsumer& c, uint64_t request_id,

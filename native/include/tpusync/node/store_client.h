@@ -26,7 +26,8 @@ namespace tpusync::node {
 struct StoreClientOptions {
   std::vector<std::string> nodes;
   size_t replication = 1;
-  transport::ConnectOptions connect{.streams = 1};
+  transport::ConnectOptions connect{
+      .streams = 1, .timeout = std::chrono::milliseconds(5000), .socket = {}, .wrap = {}};
   std::chrono::milliseconds timeout{10000};  // per request
 };
 
