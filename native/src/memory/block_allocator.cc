@@ -10,7 +10,8 @@ size_t BlockAllocator::StrideFor(size_t block_bytes) {
 }
 
 Result<std::unique_ptr<BlockAllocator>> BlockAllocator::Create(std::unique_ptr<HostPool> pool,
-                                                               size_t block_bytes, size_t offset) {
+                                                               size_t block_bytes, size_t offset,
+                                                               size_t max_blocks) {
   if (!pool) return Status::InvalidArgument("BlockAllocator needs a host pool");
   if (block_bytes == 0) return Status::InvalidArgument("block size must be > 0 bytes");
   if (offset % 4096 != 0)
@@ -21,7 +22,8 @@ Result<std::unique_ptr<BlockAllocator>> BlockAllocator::Create(std::unique_ptr<H
                                           " bytes cannot hold one block of ", block_bytes,
                                           " bytes after a ", offset, "-byte header"));
   }
-  const size_t n = (pool->size() - offset) / stride;
+  size_t n = (pool->size() - offset) / stride;
+  if (max_blocks > 0) n = std::min(n, max_blocks);
   if (n > 0xffffffffu) return Status::InvalidArgument("more than 2^32 blocks in one pool");
   std::unique_ptr<BlockAllocator> a(new BlockAllocator());
   a->base_ = pool->data() + offset;

@@ -179,7 +179,22 @@ Status KVStore::CheckRows(const engine::RowBuffer& b, size_t n) const {
 bool KVStore::DropVictim(size_t t) {
   const Tier kind = tiers_[t]->kind();
   const bool has_lower = t + 1 < tiers_.size();
-  for (const block::Victim& v : index_.EvictionCandidates(kind, config_.writeback_batch * 2 + 8)) {
+  // Usually the least recent block is droppable: look at a few first, then further.
+  auto cands = index_.EvictionCandidates(kind, 8);
+  if (cands.size() == 8) {
+    bool any = false;
+    for (const block::Victim& v : cands) {
+      if (demoting_.count(v.key)) continue;
+      auto p = has_lower ? index_.Lookup(v.key, false) : std::nullopt;
+      if (!has_lower || (p && p->in(tiers_[t + 1]->kind())) || demote_failed_.count(v.key) ||
+          !policy_->AdmitBelow(v.key, kind)) {
+        any = true;
+        break;
+      }
+    }
+    if (!any) cands = index_.EvictionCandidates(kind, config_.writeback_batch * 2 + 8);
+  }
+  for (const block::Victim& v : cands) {
     if (demoting_.count(v.key)) continue;
     bool droppable = !has_lower;
     if (has_lower) {
@@ -562,72 +577,87 @@ bool KVStore::WritebackRound(std::unique_lock<std::mutex>& lock) {
     const Tier kind = top.kind();
     // Only the coldest `headroom_` blocks need a copy below, and only when the tier is that full.
     if (top.used() + headroom_ <= top.capacity()) continue;
-    std::vector<tier::BlockWrite> ops;
-    std::vector<std::string> keys;
-    std::vector<uint64_t> from;
-    keys.reserve(config_.writeback_batch);
-    for (const block::Victim& v : index_.EvictionCandidates(kind, headroom_)) {
-      if (ops.size() >= config_.writeback_batch) break;
-      if (demoting_.count(v.key) || demote_failed_.count(v.key)) continue;
-      auto p = index_.Lookup(v.key, false);
-      if (!p || p->in(low.kind()) || !policy_->AdmitBelow(v.key, kind)) continue;
-      auto loc = MakeRoom(t + 1, /*wait=*/false, lock);
-      if (!loc.ok()) break;
-      if (!top.Hold(v.location).ok()) {
-        low.Release(*loc, false);
-        continue;
-      }
-      demoting_.insert(v.key);
-      keys.push_back(v.key);
-      from.push_back(v.location);
-      ops.push_back({{}, nullptr, *loc, sequence_++, Status()});
+    auto eligible = [&](const std::string& key) {
+      if (demoting_.count(key) || demote_failed_.count(key)) return false;
+      auto p = index_.Lookup(key, false);
+      return p && p->in(kind) && !p->in(low.kind()) && policy_->AdmitBelow(key, kind);
+    };
+    // One scan of the cold window per round, written in chunks of writeback_batch (the scan is
+    // O(headroom); rescanning per chunk would hold the store lock far longer than the I/O).
+    std::vector<block::Victim> dirty;
+    for (block::Victim& v : index_.EvictionCandidates(kind, headroom_)) {
+      if (eligible(v.key)) dirty.push_back(std::move(v));
     }
-    if (ops.empty()) continue;
-    wb_idle_ = false;
-    writeback_inflight_ += ops.size();
-    lock.unlock();
-    std::vector<std::vector<uint8_t>> bounce;
-    for (size_t j = 0; j < ops.size(); ++j) {
-      ops[j].key = keys[j];
-      ops[j].data = top.Address(from[j]);
-      if (ops[j].data == nullptr) {  // not byte-addressable: stage through a read
-        bounce.emplace_back(block_bytes_);
-        tier::BlockRead r{keys[j], bounce.back().data(), from[j], Status()};
-        top.ReadBatch({&r, 1});
-        ops[j].data = bounce.back().data();
-        if (!r.status.ok()) ops[j].data = nullptr;
+    for (size_t first = 0; first < dirty.size() && !stop_; first += config_.writeback_batch) {
+      const size_t last = std::min(dirty.size(), first + config_.writeback_batch);
+      std::vector<tier::BlockWrite> ops;
+      std::vector<std::string> keys;
+      std::vector<uint64_t> from;
+      keys.reserve(last - first);
+      for (size_t d = first; d < last; ++d) {
+        const block::Victim& v = dirty[d];
+        if (!eligible(v.key)) continue;  // changed while the lock was released
+        auto p = index_.Lookup(v.key, false);
+        if (p->location[static_cast<size_t>(kind)] != v.location) continue;
+        auto loc = MakeRoom(t + 1, /*wait=*/false, lock);
+        if (!loc.ok()) break;
+        if (!top.Hold(v.location).ok()) {
+          low.Release(*loc, false);
+          continue;
+        }
+        demoting_.insert(v.key);
+        keys.push_back(v.key);
+        from.push_back(v.location);
+        ops.push_back({{}, nullptr, *loc, sequence_++, Status()});
       }
-    }
-    std::vector<tier::BlockWrite> ready;
-    for (auto& op : ops) {
-      if (op.data) ready.push_back(op);
-    }
-    low.WriteBatch(ready);
-    lock.lock();
-    bool failed = false;
-    for (size_t j = 0, r = 0; j < ops.size(); ++j) {
-      Status st = ops[j].data ? ready[r++].status : Status::IOError("source read failed");
-      top.Unhold(from[j]);
-      demoting_.erase(keys[j]);
-      auto p = index_.Lookup(keys[j], false);
-      if (st.ok() && p && !p->in(low.kind()) &&
-          index_.Insert(keys[j], low.kind(), ops[j].location).ok()) {
-        ++counters_[t + 1].demotions_in;
-        continue;
+      if (ops.empty()) continue;
+      wb_idle_ = false;
+      writeback_inflight_ += ops.size();
+      lock.unlock();
+      std::vector<std::vector<uint8_t>> bounce;
+      bounce.reserve(ops.size());
+      for (size_t j = 0; j < ops.size(); ++j) {
+        ops[j].key = keys[j];
+        ops[j].data = top.Address(from[j]);
+        if (ops[j].data == nullptr) {  // not byte-addressable: stage through a read
+          bounce.emplace_back(block_bytes_);
+          tier::BlockRead r{keys[j], bounce.back().data(), from[j], Status()};
+          top.ReadBatch({&r, 1});
+          ops[j].data = r.status.ok() ? bounce.back().data() : nullptr;
+        }
       }
-      low.Release(ops[j].location, false);
-      if (!st.ok()) {
-        ++writeback_errors_;
-        demote_failed_.insert(keys[j]);
-        failed = true;
+      std::vector<tier::BlockWrite> ready;
+      for (auto& op : ops) {
+        if (op.data) ready.push_back(op);
       }
-    }
-    writeback_inflight_ -= ops.size();
-    wrote = true;
-    room_cv_.notify_all();
-    if (failed) {
-      // Back off so a full disk is not hammered; the failed blocks are now droppable from DRAM.
-      wb_cv_.wait_for(lock, std::chrono::milliseconds(20));
+      low.WriteBatch(ready);
+      lock.lock();
+      bool failed = false;
+      for (size_t j = 0, r = 0; j < ops.size(); ++j) {
+        Status st = ops[j].data ? ready[r++].status : Status::IOError("source read failed");
+        top.Unhold(from[j]);
+        demoting_.erase(keys[j]);
+        auto p = index_.Lookup(keys[j], false);
+        if (st.ok() && p && !p->in(low.kind()) &&
+            index_.Insert(keys[j], low.kind(), ops[j].location).ok()) {
+          ++counters_[t + 1].demotions_in;
+          continue;
+        }
+        low.Release(ops[j].location, false);
+        if (!st.ok()) {
+          ++writeback_errors_;
+          demote_failed_.insert(keys[j]);
+          failed = true;
+        }
+      }
+      writeback_inflight_ -= ops.size();
+      wrote = true;
+      room_cv_.notify_all();
+      if (failed) {
+        // Back off so a full disk is not hammered; the failed blocks are now droppable from DRAM.
+        wb_cv_.wait_for(lock, std::chrono::milliseconds(20));
+        break;
+      }
     }
   }
   return wrote;

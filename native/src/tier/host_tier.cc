@@ -93,8 +93,8 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const HostTierOptions& o) {
   TPUSYNC_ASSIGN_OR_RETURN(auto pool, memory::HostPool::Create(po));
   const bool attached = pool->attached();
   auto* region = reinterpret_cast<HostRegionHeader*>(pool->data());
-  TPUSYNC_ASSIGN_OR_RETURN(auto alloc,
-                           memory::BlockAllocator::Create(std::move(pool), o.block_bytes, meta));
+  TPUSYNC_ASSIGN_OR_RETURN(auto alloc, memory::BlockAllocator::Create(
+                                           std::move(pool), o.block_bytes, meta, o.num_blocks));
   t->blocks_ = std::move(alloc);
   t->shm_name_ = o.shm_name;
   t->headers_ = reinterpret_cast<SlotHeader*>(reinterpret_cast<uint8_t*>(region) + 4096);

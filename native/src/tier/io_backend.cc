@@ -14,21 +14,21 @@ void FinishIoSync(IoOp& op, size_t done) {
   const size_t total = op.expected();
   while (done < total) {
     // Rebuild the iovec tail from `done`.
-    iovec rest[2];
-    int cnt = 0;
+    std::vector<iovec> rest;
+    rest.reserve(op.iov.size());
     size_t skip = done;
-    for (int i = 0; i < op.iovcnt; ++i) {
-      if (skip >= op.iov[i].iov_len) {
-        skip -= op.iov[i].iov_len;
+    for (const iovec& v : op.iov) {
+      if (skip >= v.iov_len) {
+        skip -= v.iov_len;
         continue;
       }
-      rest[cnt].iov_base = static_cast<uint8_t*>(op.iov[i].iov_base) + skip;
-      rest[cnt].iov_len = op.iov[i].iov_len - skip;
+      rest.push_back({static_cast<uint8_t*>(v.iov_base) + skip, v.iov_len - skip});
       skip = 0;
-      ++cnt;
     }
     const off_t off = static_cast<off_t>(op.offset + done);
-    const ssize_t n = op.write ? pwritev(op.fd, rest, cnt, off) : preadv(op.fd, rest, cnt, off);
+    const int cnt = static_cast<int>(rest.size());
+    const ssize_t n =
+        op.write ? pwritev(op.fd, rest.data(), cnt, off) : preadv(op.fd, rest.data(), cnt, off);
     if (n < 0) {
       if (errno == EINTR) continue;
       op.result = -errno;

@@ -42,9 +42,11 @@ class IoUringBackend final : public IoBackend {
         if (sqe == nullptr) break;
         IoOp& op = ops[next];
         if (op.write) {
-          io_uring_prep_writev(sqe, op.fd, op.iov, op.iovcnt, op.offset);
+          io_uring_prep_writev(sqe, op.fd, op.iov.data(), static_cast<unsigned>(op.iov.size()),
+                               op.offset);
         } else {
-          io_uring_prep_readv(sqe, op.fd, op.iov, op.iovcnt, op.offset);
+          io_uring_prep_readv(sqe, op.fd, op.iov.data(), static_cast<unsigned>(op.iov.size()),
+                              op.offset);
         }
         io_uring_sqe_set_data(sqe, &op);
         ++next;

@@ -129,6 +129,16 @@ TYPED_TEST(TierConformance, WriteThenReadRoundTrips) {
   EXPECT_EQ(s.blocks_read, 5u);
 }
 
+TYPED_TEST(TierConformance, SmallBlocksCapacityIsExact) {
+  // 64-byte blocks: a page-rounded pool could hold 64 of them; the tier must still hold 3.
+  auto t = TypeParam::Make(64, 3, this->dir_ + "-small");
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(t->Reserve().ok());
+  EXPECT_EQ(t->Reserve().status().code(), StatusCode::kPoolExhausted);
+  EXPECT_EQ(t->capacity(), 3u);
+  t.reset();
+  std::filesystem::remove_all(this->dir_ + "-small");
+}
+
 TYPED_TEST(TierConformance, CapacityIsExactAndReleaseFrees) {
   auto& t = *this->tier_;
   std::vector<uint64_t> locs;

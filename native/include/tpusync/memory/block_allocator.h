@@ -44,8 +44,11 @@ class BlockAllocator {
   // Blocks start at `offset` bytes into the pool (room for a caller's metadata region) and are
   // spaced by block_stride(): block_bytes rounded up to 4 KiB (blocks >= 4 KiB, so O_DIRECT and DMA
   // can use them in place) or to 64 bytes (cache line) for smaller blocks.
+  // With max_blocks > 0 at most that many blocks are carved (a pool rounded up to whole pages can
+  // otherwise hold a few more small blocks than asked for).
   static Result<std::unique_ptr<BlockAllocator>> Create(std::unique_ptr<HostPool> pool,
-                                                        size_t block_bytes, size_t offset = 0);
+                                                        size_t block_bytes, size_t offset = 0,
+                                                        size_t max_blocks = 0);
 
   static uint32_t SlotOf(BlockId id) { return static_cast<uint32_t>(id & 0xffffffffu); }
   static size_t StrideFor(size_t block_bytes);

@@ -91,6 +91,7 @@ class DiskTier final : public BlockTier {
   Status OpenSegments(bool cold);
   void Scan();
   void Free(uint64_t slot);  // mu_ held
+  void RunCoalesced(std::vector<IoOp>& ops);
   const SegmentFile& SegmentOf(uint64_t location) const;
 
   std::string dir_;

@@ -21,6 +21,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "tpusync/base/status.h"
 
@@ -30,13 +31,12 @@ struct IoOp {
   int fd = -1;
   uint64_t offset = 0;
   bool write = false;
-  iovec iov[2] = {};
-  int iovcnt = 0;
-  int64_t result = 0;  // out: bytes transferred or -errno
+  std::vector<iovec> iov;  // at most IOV_MAX entries (adjacent slots are coalesced into one op)
+  int64_t result = 0;      // out: bytes transferred or -errno
 
   size_t expected() const {
     size_t n = 0;
-    for (int i = 0; i < iovcnt; ++i) n += iov[i].iov_len;
+    for (const iovec& v : iov) n += v.iov_len;
     return n;
   }
 };
