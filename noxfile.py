@@ -43,6 +43,7 @@ PURE = [p for p in PACKAGES if p != "tpusync-core"]
 TORCH = "torch==2.13.0"
 JAX = "jax==0.10.2"
 NANOBIND = "nanobind==3.1.0"
+RUFF = "ruff==0.17.6"  # pinned: newer ruff releases change formatting (Markdown code blocks)
 BUILD_DEPS = ["scikit-build-core>=0.10", NANOBIND, "ninja", "cmake>=3.24"]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
 STUB = ROOT / "packages/tpusync-core/src/tpusync/core/_native.pyi"
@@ -141,7 +142,7 @@ def check_versions() -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
+    session.install(RUFF)
     _apt(session, "clang-format")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
