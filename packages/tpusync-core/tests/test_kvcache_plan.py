@@ -21,11 +21,11 @@ from tpusync.core.kvcache import (
     check_format,
 )
 from tpusync.core.kvcache import KVStore as KVStoreProtocol
-from tpusync.core.store import KVStore
 from tpusync.core.kvcache.futures import TransferFuture, from_native, gather
 from tpusync.core.kvcache.layout import PieceGeometry
 from tpusync.core.kvcache.plan import Piece, check_block_ids, segments_for
 from tpusync.core.kvcache.weights import plan_weights, weight_segments
+from tpusync.core.store import KVStore
 
 
 def geometry_of(a: np.ndarray, block_axis: int) -> PieceGeometry:

@@ -291,7 +291,8 @@ class KVCacheManagerBase:
                 view, rows = self._pool_rows(ids)
                 put = store.put(keys[skip * self.num_groups :], view, rows)
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                finish(lambda: _raise(e))
+                err = e
+                finish(lambda: _raise(err))
                 return
             put.add_done_callback(lambda g: finish(lambda: _check_flags(g, "save")))
 
@@ -335,7 +336,8 @@ class KVCacheManagerBase:
                 _check_flags(g, "load")
                 layered = self.h2d(blocks, ids)
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                finish(lambda: _raise(e))
+                err = e
+                finish(lambda: _raise(err))
                 return
             for x, f in layered.layers.items():
                 f.add_done_callback(lambda h, x=x: layers[x].settle(lambda: h.result(timeout=0)))
