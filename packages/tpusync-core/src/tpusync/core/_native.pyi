@@ -4,15 +4,21 @@ tpusync native core (C++20): host block pools, block index, copy engine.
 
 from collections.abc import Sequence
 import enum
-from typing import Annotated, Any
+from typing import Annotated, Any, overload
 
+import numpy
 from numpy.typing import NDArray
 
 
-API_VERSION: int = 1
+API_VERSION: int = 2
 
+@overload
 def checksum64(data: bytes, seed: int = 0) -> int:
     """XXH3-64 checksum of bytes (the checksum every stored block carries)."""
+
+@overload
+def checksum64(data: Annotated[NDArray, dict(order='C', device='cpu', writable=False)], seed: int = 0) -> int:
+    """XXH3-64 checksum of a C-contiguous host array's bytes, without a copy."""
 
 class BlockPool:
     """Fixed-size host blocks in one prefaulted pool (anonymous or /dev/shm)."""
@@ -115,6 +121,11 @@ class BlockIndex:
 
     def insert(self, key: bytes, tier: Tier, location: int) -> None: ...
 
+    def insert_many(self, keys: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu', writable=False)], tier: Tier, first_location: int) -> None:
+        """
+        Insert row i of a [n, key_bytes] uint8 array at location first_location + i (bulk registration; stops at the first error).
+        """
+
     def lookup(self, key: bytes, touch: bool = True) -> Placement | None: ...
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> tuple[int, list[Placement]]:
@@ -185,6 +196,16 @@ def get_blocks(engine: Engine, pool: BlockPool, ids: Sequence[int], dst: Annotat
     Copy pool block ids[i] into block i of `dst` (row rows[i] when given) on the engine's threads.
     """
 
+def put_segments(engine: Engine, pool: BlockPool, ids: Sequence[int], regions: Sequence[Annotated[NDArray, dict(device='cpu', writable=False)]], segments: Annotated[NDArray[numpy.uint64], dict(shape=(None, None), order='C', device='cpu', writable=False)]) -> Future:
+    """
+    Gather: for each row (block, block_offset, region, region_offset, bytes) of the uint64 [n, 5] `segments`, copy bytes of regions[region] into pool block ids[block]. Every bound is checked before any byte moves.
+    """
+
+def get_segments(engine: Engine, pool: BlockPool, ids: Sequence[int], regions: Sequence[Annotated[NDArray, dict(device='cpu')]], segments: Annotated[NDArray[numpy.uint64], dict(shape=(None, None), order='C', device='cpu', writable=False)]) -> Future:
+    """
+    Scatter: the inverse of put_segments (pool block bytes into the regions).
+    """
+
 def copy(engine: Engine, dst: Annotated[NDArray, dict(device='cpu')], src: Annotated[NDArray, dict(device='cpu', writable=False)]) -> Future:
     """Copy all bytes of src into dst, split across the engine's threads."""
 
@@ -192,3 +213,105 @@ def memcpy_seconds(dst: Annotated[NDArray, dict(device='cpu')], src: Annotated[N
     """
     Seconds for one plain memcpy on the calling thread (benchmark reference).
     """
+
+class KVStoreNative:
+    """Tiered KV block store (use tpusync.core.KVStore, the Python face)."""
+
+    @staticmethod
+    def open(engine: Engine, block_bytes: int, host_blocks: int, name_space: str = '', fingerprint: str = '', disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False) -> KVStoreNative: ...
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def put(self, keys: Sequence[bytes], src: Annotated[NDArray, dict(device='cpu', writable=False)], rows: Sequence[int] | None = None) -> tuple[object, object]:
+        """
+        (future, stored mask): mask[i] is 1 once keys[i] is stored (read it after the future).
+        """
+
+    def get(self, keys: Sequence[bytes], dst: Annotated[NDArray, dict(device='cpu')], rows: Sequence[int] | None = None) -> tuple[object, object]:
+        """(future, found mask): mask[i] is 1 when keys[i] was read and verified."""
+
+    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[Tier]]:
+        """(length of the leading run of stored keys, fastest tier of each)"""
+
+    def pin(self, keys: Sequence[bytes]) -> None: ...
+
+    def unpin(self, keys: Sequence[bytes]) -> None: ...
+
+    def remove(self, keys: Sequence[bytes]) -> int: ...
+
+    def clear(self) -> None: ...
+
+    def flush(self, timeout: float) -> None: ...
+
+    def stats(self) -> dict: ...
+
+class PdProducer:
+    """
+    P/D producer: serves registered pool blocks to authenticated consumers.
+    """
+
+    @staticmethod
+    def start(pool: BlockPool, secret: bytes, listen: str = '127.0.0.1:0', unix_path: str = '', handshake_timeout: float = 5.0, socket_buffer_bytes: int = 8388608) -> PdProducer: ...
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def unix_address(self) -> str: ...
+
+    @property
+    def pending(self) -> int: ...
+
+    def register_send(self, request_id: int, blocks: Sequence[int], deadline: float, blocks_per_group: int = 0) -> None: ...
+
+    def poll(self) -> list: ...
+
+    def stop(self) -> None: ...
+
+class PdConsumer:
+    """P/D consumer: pulls registered blocks into its own pool blocks."""
+
+    @staticmethod
+    def create(pool: BlockPool, secret: bytes, streams: int = 4, connect_timeout: float = 5.0, socket_buffer_bytes: int = 8388608) -> PdConsumer: ...
+
+    def start_recv(self, request_id: int, sources: Sequence[tuple[str, Sequence[int]]], deadline: float) -> None: ...
+
+    def poll(self) -> list: ...
+
+    def wait(self, request_id: int, groups: int, timeout: float) -> dict: ...
+
+    @property
+    def idle_links(self) -> int: ...
+
+class StoreNode:
+    """A distributed prefix cache node (put/get/lookup)."""
+
+    @staticmethod
+    def start(secret: bytes, listen: str = '127.0.0.1:0', capacity_bytes: int = 1073741824, block_bytes: int = 262144) -> StoreNode: ...
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def stats(self) -> dict: ...
+
+    def stop(self) -> None: ...
+
+class StoreClient:
+    """Client of several store nodes: rendezvous hashing, replicas."""
+
+    @staticmethod
+    def create(pool: BlockPool, secret: bytes, nodes: Sequence[str], replication: int = 1, timeout: float = 10.0) -> StoreClient: ...
+
+    def rank(self, key: str) -> list[int]: ...
+
+    def put(self, keys: Sequence[str], blocks: Sequence[int]) -> list[int]: ...
+
+    def get(self, keys: Sequence[str], dst: Sequence[int]) -> list[bool]: ...
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int: ...
+
+    def remove(self, keys: Sequence[str]) -> list[bool]: ...
