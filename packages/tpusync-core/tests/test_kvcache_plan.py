@@ -13,11 +13,19 @@ from hypothesis import strategies as st
 
 import tpusync.core as tc
 from tpusync.core import _native
-from tpusync.core.kvcache import BlockFormat, InterimHostStore, KVLayout, check_format
+from tpusync.core.kvcache import (
+    BlockFormat,
+    BlockTransport,
+    KVLayout,
+    PdBlockTransport,
+    check_format,
+)
+from tpusync.core.kvcache import KVStore as KVStoreProtocol
 from tpusync.core.kvcache.futures import TransferFuture, from_native, gather
 from tpusync.core.kvcache.layout import PieceGeometry
 from tpusync.core.kvcache.plan import Piece, check_block_ids, segments_for
 from tpusync.core.kvcache.weights import plan_weights, weight_segments
+from tpusync.core.store import KVStore
 
 
 def geometry_of(a: np.ndarray, block_axis: int) -> PieceGeometry:
@@ -120,24 +128,20 @@ def test_weight_plan_buckets_never_split_tensors():
         plan_weights([("a", "f", (1,), 1)] * 2, 64, 64)
 
 
-def test_interim_store_reserve_commit_evict_and_pins():
-    pool = tc.HostBlockPool(4096, 4)
-    store = InterimHostStore(pool)
-    fmt = {"x": 1}
-    (a,) = store.reserve([b"a"], 2, fmt)
-    assert len(a) == 2 and store.lookup([b"a"]) == 0  # invisible until commit
-    store.commit([b"a"], ok=True)
-    assert store.lookup([b"a"]) == 1 and store.reserve([b"a"], 2, fmt) == [None]
-    store.acquire([b"a"])  # pinned: cannot be evicted
-    with pytest.raises(tc.PoolExhaustedError):
-        store.reserve([b"b", b"c"], 2, fmt)
-    store.release([b"a"])
-    (b, c) = store.reserve([b"b", b"c"], 2, fmt)  # evicts "a"
-    assert store.lookup([b"a"]) == 0
-    store.commit([b"b", b"c"], ok=False)  # failed copy: blocks back, keys never visible
-    assert pool.num_free == 4 and store.lookup([b"b"]) == 0
-    with pytest.raises(tc.NotFoundError):
-        store.acquire([b"b"])
+def test_real_store_and_transport_satisfy_the_protocols():
+    store = KVStore(4096, 4)
+    assert isinstance(store, KVStoreProtocol)
+    pool = tc.HostBlockPool(256, 16)
+    t = PdBlockTransport(pool, secret=b"plan-test-secret-0123456789")
+    try:
+        assert isinstance(t, BlockTransport) and t.meta_blocks == 8  # ceil(2048 / 256)
+        with pytest.raises(tc.InvalidArgumentError, match="another host pool"):
+            t.publish("x", tc.HostBlockPool(256, 2), [], {})
+        with pytest.raises(tc.InvalidArgumentError, match="exceeds"):
+            t.publish("x", pool, [], {"big": "y" * 4096})
+        assert pool.num_free == 16  # a refused publish takes nothing
+    finally:
+        t.close()
 
 
 def test_futures_time_out_and_propagate_errors():

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tpusync.core as tc
-from tpusync.core.kvcache import InterimHostStore, KVLayout
-from tpusync.torch import KVCacheManager
+from tpusync.core.kvcache import KVLayout
+from tpusync.torch import KVCacheManager, KVStore, PdBlockTransport
 from tpusync.torch import _regions as R
 
 N, H, B, D = 12, 2, 4, 8
@@ -134,48 +134,80 @@ def test_layer_by_layer_futures_and_packed_offsets():
     np.testing.assert_array_equal(raw[half : half + k3.size], k3)
 
 
-def test_store_save_lookup_load_and_dedup():
+def test_store_save_lookup_load_and_dedup_through_disk_tier(tmp_path):
     caches, lay = make_cache("vllm_cpu", layers=2)
     probe = KVCacheManager(caches, lay, host_blocks=1)
-    store = InterimHostStore(tc.HostBlockPool(probe.host_block_bytes, 32))
-    mgr = KVCacheManager(caches, lay, store=store)
-    hashes = [bytes([i]) * 32 for i in range(3)]
+    store = KVStore(probe.host_block_bytes, 4, disk_dir=tmp_path, disk_blocks=256, direct_io=False)
+    cap = store.stats()["tiers"]["host"]["capacity_blocks"]  # rounded up to whole pages
+    mgr = KVCacheManager(caches, lay, host_blocks=4 * cap, store=store)
+    # cap hashes x 2 layer groups: twice what DRAM holds, so the oldest are read from disk.
+    hashes = [i.to_bytes(4, "big") * 8 for i in range(cap)]
+    src = [i % N for i in range(cap)]
     assert mgr.lookup(hashes) == 0
-    saved = mgr.save(hashes, [5, 6, 7])
-    saved.result(timeout=10)
-    assert mgr.lookup(hashes) == 3 and mgr.lookup([b"zz" * 16, *hashes]) == 0
-    free_before = store.pool.num_free
-    again = mgr.save(hashes[:2], [1, 1])  # already stored: skipped, no blocks taken
+    saved = mgr.save(hashes, src)
+    saved.result(timeout=30)
+    store.flush(timeout=30)
+    assert mgr.lookup(hashes) == cap and mgr.lookup([b"zz" * 16, *hashes]) == 0
+    assert mgr.pool.num_free == mgr.pool.num_blocks  # staging blocks returned
+    again = mgr.save(hashes[:2], [1, 1])  # already stored: skipped, nothing copied
     again.layer(1).result(timeout=10)
     again.result(timeout=10)
-    assert store.pool.num_free == free_before
     orig = [c.clone() for c in caches]
-    out = mgr.load(hashes, [0, 1, 2])
-    out.layer(0).result(timeout=10)
-    out.result(timeout=10)
+    dst = [0, 1, 2, 3, 4, 11]
+    out = mgr.load(hashes[:6], dst)
+    out.layer(0).result(timeout=30)
+    out.result(timeout=30)
     for c, o in zip(caches, orig, strict=True):
-        assert torch.equal(c[0], o[5]) and torch.equal(c[2], o[7])
-    with pytest.raises(tc.NotFoundError):
+        for d, s in zip(dst, src[:6], strict=True):
+            assert torch.equal(c[d], o[s])
+    assert mgr.pool.num_free == mgr.pool.num_blocks
+    assert store.stats()["tiers"]["disk"]["hits"] >= 6  # the oldest keys left DRAM
+    with pytest.raises(tc.NotFoundError, match="position 0"):
         mgr.load([b"missing" * 4], [0])
-    store.commit([], ok=True)
+    with pytest.raises(tc.InvalidArgumentError, match="1..54 bytes"):
+        mgr.lookup([b"x" * 55])
 
 
-def test_store_refuses_other_format_naming_field():
+def test_store_warm_restart_serves_a_new_manager(tmp_path):
+    caches, lay = make_cache("nhd", layers=2)
+    bb = KVCacheManager(caches, lay, host_blocks=1).host_block_bytes
+    ns = f"integ-{tmp_path.name}"[:40]
+    kw = dict(disk_dir=tmp_path, disk_blocks=16, namespace=ns, fingerprint="m1", direct_io=False)
+    try:
+        with KVStore(bb, 8, **kw) as store:
+            KVCacheManager(caches, lay, host_blocks=4, store=store).save([b"w" * 32], [3]).result(
+                timeout=30
+            )
+            store.flush(timeout=30)
+        dst = [torch.zeros_like(c) for c in caches]
+        with KVStore(bb, 8, **kw) as store:
+            mgr = KVCacheManager(dst, lay, host_blocks=4, store=store)
+            assert mgr.lookup([b"w" * 32]) == 1
+            mgr.load([b"w" * 32], [0]).result(timeout=30)
+        for c, d in zip(caches, dst, strict=True):
+            assert torch.equal(d[:, 0], c[:, 3])
+    finally:
+        KVStore.unlink_namespace(ns)
+
+
+def test_store_keys_carry_the_format_so_other_formats_miss():
     caches, lay = make_cache("vllm_cpu", layers=2)
     probe = KVCacheManager(caches, lay, host_blocks=1)
-    store = InterimHostStore(tc.HostBlockPool(probe.host_block_bytes, 8))
-    writer = KVCacheManager(caches, lay, store=store)
+    store = KVStore(probe.host_block_bytes, 8)
+    writer = KVCacheManager(caches, lay, host_blocks=4, store=store)
     writer.save([b"k" * 32], [1]).result(timeout=10)
-    # Same bytes per block, different block_size / heads split: must be refused by name.
+    # Same bytes per block, different block_size / heads split: a miss, never foreign bytes.
     other = KVLayout.vllm_cpu(N, H * 2, B // 2, D, torch.float16)
-    reader = KVCacheManager([torch.zeros(other.shape, dtype=torch.float16)] * 2, other, store=store)
-    before = reader.kv_caches[0][0].clone()
-    with pytest.raises(tc.InvalidArgumentError, match="field 'block_size'"):
+    reader = KVCacheManager(
+        [torch.zeros(other.shape, dtype=torch.float16)] * 2, other, host_blocks=4, store=store
+    )
+    assert reader.format.host_block_bytes == writer.format.host_block_bytes
+    assert writer.lookup([b"k" * 32]) == 1 and reader.lookup([b"k" * 32]) == 0
+    with pytest.raises(tc.NotFoundError):
         reader.load([b"k" * 32], [0])
-    assert torch.equal(reader.kv_caches[0][0], before)
-    assert reader.lookup([b"k" * 32]) == 1  # the key was released, not leaked as pinned
-    store.acquire([b"k" * 32])
-    store.release([b"k" * 32])
+    assert not reader.kv_caches[0][0].any()
+    with pytest.raises(tc.InvalidArgumentError, match="store field 'block_bytes'"):
+        KVCacheManager(caches, lay, host_blocks=4, store=KVStore(probe.host_block_bytes * 2, 2))
 
 
 def test_bad_input_refused_before_any_byte_moves():
@@ -254,41 +286,67 @@ class FakeTransport:
         return f
 
 
-def test_pd_register_send_start_recv_poll():
+SECRET = b"integ-test-secret-0123456789"
+
+
+def test_pd_register_send_start_recv_poll_over_tcp():
     caches, lay = make_cache("hnd_strided", layers=2)
-    prod_t = FakeTransport()
-    prod = KVCacheManager(caches, lay, host_blocks=8, transport=prod_t)
-    dst_caches = [torch.zeros_like(c) for c in caches]
-    cons = KVCacheManager(dst_caches, lay, host_blocks=8, transport=FakeTransport())
-    prod.register_send("req-1", [3, 8]).result(timeout=10)
-    f = cons.start_recv(prod_t, "req-1", [0, 1])
-    f.result(timeout=10)
-    assert cons.poll() == {"done": ["req-1"], "failed": {}}
-    for c, d in zip(caches, dst_caches, strict=True):
-        assert torch.equal(d[:, 0], c[:, 3]) and torch.equal(d[:, 1], c[:, 8])
-    free = prod.pool.num_free
-    prod.finish_send("req-1")
-    assert prod.pool.num_free == free + 2 * prod.num_groups
-    assert cons.pool.num_free == cons.pool.num_blocks  # staging blocks returned
+    pool = tc.HostBlockPool(KVCacheManager(caches, lay, host_blocks=1).host_block_bytes, 8)
+    with PdBlockTransport(pool, secret=SECRET) as prod_t:
+        prod = KVCacheManager(caches, lay, pool=pool, transport=prod_t)
+        dst_caches = [torch.zeros_like(c) for c in caches]
+        cpool = tc.HostBlockPool(pool.block_bytes, 8)
+        cons = KVCacheManager(
+            dst_caches, lay, pool=cpool, transport=PdBlockTransport(cpool, secret=SECRET)
+        )
+        prod.register_send("req-1", [3, 8]).result(timeout=10)
+        f = cons.start_recv(prod_t.address, "req-1", [0, 1])
+        f.result(timeout=20)
+        assert cons.poll() == {"done": ["req-1"], "failed": {}}
+        for c, d in zip(caches, dst_caches, strict=True):
+            assert torch.equal(d[:, 0], c[:, 3]) and torch.equal(d[:, 1], c[:, 8])
+        prod.finish_send("req-1")
+        assert cpool.num_free == cpool.num_blocks  # staging and meta blocks returned
 
 
 def test_pd_mismatched_peer_format_refused_by_field():
     caches, lay = make_cache("nhd", layers=2)
-    prod_t = FakeTransport()
-    prod = KVCacheManager(caches, lay, host_blocks=8, transport=prod_t)
-    prod.register_send("r", [1]).result(timeout=10)
-    hnd = KVLayout.hnd(N, H, B, D, torch.float16)
-    cons = KVCacheManager(
-        [torch.zeros(hnd.shape, dtype=torch.float16)] * 2,
-        hnd,
-        host_blocks=8,
-        transport=FakeTransport(),
-    )
-    f = cons.start_recv(prod_t, "r", [0])
-    with pytest.raises(tc.InvalidArgumentError, match="field 'memory_order'"):
-        f.result(timeout=10)
-    assert not cons.kv_caches[0][0].any()
-    assert "r" in cons.poll()["failed"]
+    pool = tc.HostBlockPool(KVCacheManager(caches, lay, host_blocks=1).host_block_bytes, 8)
+    with PdBlockTransport(pool, secret=SECRET) as prod_t:
+        prod = KVCacheManager(caches, lay, pool=pool, transport=prod_t)
+        prod.register_send("r", [1]).result(timeout=10)
+        hnd = KVLayout.hnd(N, H, B, D, torch.float16)
+        cpool = tc.HostBlockPool(pool.block_bytes, 8)
+        cons = KVCacheManager(
+            [torch.zeros(hnd.shape, dtype=torch.float16)] * 2,
+            hnd,
+            pool=cpool,
+            transport=PdBlockTransport(cpool, secret=SECRET),
+        )
+        f = cons.start_recv(prod_t.address, "r", [0])
+        with pytest.raises(tc.InvalidArgumentError, match="field 'memory_order'"):
+            f.result(timeout=20)
+        assert not cons.kv_caches[0][0].any()
+        assert "r" in cons.poll()["failed"]
+
+
+def test_pd_wrong_secret_or_no_producer_fails_the_future():
+    caches, lay = make_cache("nhd", layers=1)
+    pool = tc.HostBlockPool(KVCacheManager(caches, lay, host_blocks=1).host_block_bytes, 8)
+    prod_t = PdBlockTransport(pool, secret=SECRET)
+    prod = KVCacheManager(caches, lay, pool=pool, transport=prod_t)
+    prod.register_send("s", [2]).result(timeout=10)
+    cpool = tc.HostBlockPool(pool.block_bytes, 8)
+    bad = PdBlockTransport(cpool, secret=b"another-secret-0123456789")
+    cons = KVCacheManager([torch.zeros_like(caches[0])], lay, pool=cpool, transport=bad)
+    with pytest.raises(tc.UnavailableError):
+        cons.start_recv(prod_t.address, "s", [0]).result(timeout=20)
+    addr = prod_t.address
+    prod_t.close()
+    good = PdBlockTransport(cpool, secret=SECRET)
+    cons2 = KVCacheManager([torch.zeros_like(caches[0])], lay, pool=cpool, transport=good)
+    with pytest.raises(tc.UnavailableError):
+        cons2.start_recv(addr, "s", [0]).result(timeout=20)
 
 
 def test_dead_or_silent_peer_is_a_failed_future_not_a_hang():
@@ -316,36 +374,30 @@ def test_protocols_are_checked():
         KVCacheManager(caches, lay, host_blocks=2, transport=object())
 
 
-def test_failed_save_drops_reserved_keys():
+def test_save_the_store_could_not_keep_fails_and_frees_staging():
     caches, lay = make_cache("nhd", layers=2)
-    pool = tc.HostBlockPool(KVCacheManager(caches, lay, host_blocks=1).host_block_bytes, 4)
+    bb = KVCacheManager(caches, lay, host_blocks=1).host_block_bytes
 
-    class RecordingStore:
-        """A KVStore double that hands out an id the pool never allocated."""
+    class FullStore:
+        """A KVStore double whose put keeps nothing (a store full of pinned blocks)."""
 
-        def __init__(self):
-            self.pool, self.commits = pool, []
+        block_bytes = bb
 
         def lookup(self, keys):
-            return 0
+            return 0, []
 
-        def reserve(self, keys, blocks_per_key, fmt):
-            return [[123456789] * blocks_per_key for _ in keys]
+        def put(self, keys, src, rows=None):
+            f: cf.Future = cf.Future()
+            f.set_result([False] * len(keys))
+            return f
 
-        def commit(self, keys, ok):
-            self.commits.append((list(keys), ok))
-
-        def acquire(self, keys):
+        def get(self, keys, dst, rows=None):
             raise AssertionError("not used")
 
-        def release(self, keys):
-            raise AssertionError("not used")
-
-    store = RecordingStore()
-    mgr = KVCacheManager(caches, lay, store=store)
-    with pytest.raises(tc.InvalidArgumentError, match="unknown block id"):
+    mgr = KVCacheManager(caches, lay, host_blocks=4, store=FullStore())
+    with pytest.raises(tc.PoolExhaustedError, match="kept 0 of 2"):
         mgr.save([b"k" * 32], [1]).result(timeout=10)
-    assert store.commits == [([b"k" * 32], False)]
+    assert mgr.pool.num_free == mgr.pool.num_blocks
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -45,8 +45,10 @@ class KVCacheManager(KVCacheManagerBase):
     ``layers_per_host_block``: layers packed into one host block (1 = one host block per layer
     and device block; ``num_layers`` = one host block holds a device block's KV for all layers).
 
-    Host blocks come from ``pool`` (``block_bytes`` must equal :attr:`host_block_bytes`), from
-    ``store.pool``, or from a new pool of ``host_blocks`` blocks.
+    Host (staging) blocks come from ``pool`` (``block_bytes`` must equal
+    :attr:`host_block_bytes`) or from a new pool of ``host_blocks`` blocks. ``store``: the tiered
+    :class:`tpusync.core.KVStore` (``block_bytes`` = :attr:`host_block_bytes`); ``transport``: a
+    :class:`~tpusync.core.kvcache.PdBlockTransport` over the same pool.
     """
 
     def __init__(

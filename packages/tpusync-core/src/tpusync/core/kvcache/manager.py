@@ -13,14 +13,20 @@ any host block is allocated; a refused call changes nothing.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from tpusync.core.errors import InvalidArgumentError, StateError
+from tpusync.core.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    PoolExhaustedError,
+    StateError,
+)
 from tpusync.core.errors import TimeoutError as TpusyncTimeoutError
 from tpusync.core.kvcache.futures import (
     LayeredTransfer,
@@ -61,11 +67,9 @@ class KVCacheManagerBase:
             raise InvalidArgumentError(
                 f"transport {transport!r} does not implement the BlockTransport protocol"
             )
-        if pool is None and store is not None:
-            pool = store.pool
         if pool is None:
             if not host_blocks:
-                raise InvalidArgumentError("give a host pool, a store or host_blocks=")
+                raise InvalidArgumentError("give a host pool or host_blocks=")
             pool = HostBlockPool(fmt.host_block_bytes, host_blocks)
         if pool.block_bytes != fmt.host_block_bytes:
             raise InvalidArgumentError(
@@ -73,14 +77,19 @@ class KVCacheManagerBase:
                 f"blocks hold {fmt.host_block_bytes} bytes ({fmt.layers_per_host_block} layer(s) "
                 f"x {fmt.layer_block_bytes} bytes)"
             )
-        if store is not None and store.pool is not pool:
-            raise InvalidArgumentError("the store's pool and the manager's pool must be the same")
+        if store is not None and store.block_bytes != fmt.host_block_bytes:
+            raise InvalidArgumentError(
+                f"store field 'block_bytes' is {store.block_bytes} but this cache's host blocks "
+                f"hold {fmt.host_block_bytes} bytes"
+            )
         self.pool = pool
         self.store = store
         self.transport = transport
         self._lock = threading.Lock()
         self._sends: dict[str, np.ndarray] = {}
         self._recvs: dict[str, TransferFuture] = {}
+        self._key_tag = bytes.fromhex(fmt.fingerprint)
+        self._rows_view: np.ndarray | None = None
 
     # -- host blocks ---------------------------------------------------------------------------
     @property
@@ -196,60 +205,152 @@ class KVCacheManagerBase:
             raise StateError("this manager has no KVStore (pass store=)")
         return self.store
 
+    def store_keys(self, hashes: Sequence[bytes]) -> list[bytes]:
+        """The store keys of ``hashes``, hash-major: ``hash || format fingerprint || group``.
+
+        KEY CONTRACT (see protocols.KVStore): the 8-byte format fingerprint makes a cache of
+        another block format miss instead of reading foreign bytes; hashes are 1..54 bytes so a
+        key fits the store's 64-byte limit.
+        """
+        out = []
+        for h in hashes:
+            if not isinstance(h, bytes | bytearray) or not 1 <= len(h) <= 54:
+                raise InvalidArgumentError(
+                    f"block hashes are 1..54 bytes (got {type(h).__name__} of "
+                    f"{len(h) if isinstance(h, bytes | bytearray) else '?'} bytes)"
+                )
+            for g in range(self.num_groups):
+                out.append(bytes(h) + self._key_tag + g.to_bytes(2, "big"))
+        return out
+
+    def _pool_rows(self, ids: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """A [slots, host_block_bytes] view over the whole pool (no copy) and the row of each
+        host id in ``ids`` ([groups, n]), hash-major to match :meth:`store_keys`."""
+        native = self.pool.native
+        stride = native.pool_bytes // self.pool.num_blocks
+        if self._rows_view is None:
+            flat = np.ctypeslib.as_array(
+                ctypes.cast(native.base_address, ctypes.POINTER(ctypes.c_uint8)),
+                shape=(native.pool_bytes,),
+            )
+            self._rows_view = np.lib.stride_tricks.as_strided(
+                flat, shape=(self.pool.num_blocks, self.host_block_bytes), strides=(stride, 1)
+            )
+        base = native.base_address
+        rows = []
+        for i in ids.T.reshape(-1).tolist():
+            off = self.pool.address(int(i)) - base
+            if off % stride:
+                raise StateError(f"host block {i} is not on a {stride}-byte slot boundary")
+            rows.append(off // stride)
+        return self._rows_view, rows
+
     def lookup(self, hashes: Sequence[bytes]) -> int:
-        """Number of leading ``hashes`` the store holds."""
-        return self._need_store().lookup(list(hashes))
+        """Number of leading ``hashes`` the store holds (every layer group of each)."""
+        n, _ = self._need_store().lookup(self.store_keys(list(hashes)))
+        return n // self.num_groups
 
     def save(self, hashes: Sequence[bytes], device_blocks: Sequence[int]) -> LayeredTransfer:
-        """Save device blocks under their hashes (keys already stored are skipped).
+        """Save device blocks under their hashes; the leading run already stored is skipped.
 
-        Keys become visible to lookup/load only after every layer's copy succeeded; a failed
-        copy drops them and frees their host blocks.
+        Device blocks are gathered into staging host blocks (per-layer futures), then copied into
+        the store (host DRAM, written down to disk by the store). The overall future fails with
+        PoolExhaustedError when the store could not keep every block (full and write-back too
+        slow); staging blocks are freed in every case. A key is visible to lookup/load only
+        once its bytes are fully in the store (the store's contract).
         """
         store = self._need_store()
         hashes = list(hashes)
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "save", unique=False)
         if len(hashes) != blocks.size:
             raise InvalidArgumentError(f"{len(hashes)} hashes for {blocks.size} device blocks")
-        slots = store.reserve(hashes, self.num_groups, self.format.to_dict())
-        todo = [i for i, s in enumerate(slots) if s is not None]
-        keys = [hashes[i] for i in todo]
-        if not todo:  # everything already stored: nothing to copy
+        keys = self.store_keys(hashes)
+        skip = store.lookup(keys)[0] // self.num_groups
+        if skip == len(hashes):  # everything already stored: nothing to copy
             done = gather([], "save")
             return LayeredTransfer(dict.fromkeys(range(self.num_layers), done), done)
-        ids = np.asarray([slots[i] for i in todo], dtype=np.uint64).T  # [groups, m]
+        ids = self.alloc_host(len(hashes) - skip)
         try:
-            layered = self.d2h(blocks[todo], ids)
+            layered = self.d2h(blocks[skip:], ids)
         except BaseException:
-            store.commit(keys, ok=False)
+            self.free_host(ids)
             raise
+        out = TransferFuture("save")
 
-        def finish(f: cf.Future) -> Any:
-            store.commit(keys, ok=not f.cancelled() and f.exception() is None)
-            return f.result(timeout=0)  # re-raises the copy's error after the keys were dropped
+        # STAGING CONTRACT: staging blocks are freed BEFORE the overall future completes, so a
+        # caller woken by it sees them back in the pool.
+        def finish(result: Callable[[], Any]) -> None:
+            self.free_host(ids)
+            out.settle(result)
 
-        overall = TransferFuture("save")
-        layered.overall.add_done_callback(lambda f: overall.settle(lambda: finish(f)))
-        return LayeredTransfer(layered.layers, overall)
+        def on_gathered(f: cf.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                finish(lambda: f.result(timeout=0))
+                return
+            try:
+                view, rows = self._pool_rows(ids)
+                put = store.put(keys[skip * self.num_groups :], view, rows)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                err = e
+                finish(lambda: _raise(err))
+                return
+            put.add_done_callback(lambda g: finish(lambda: _check_flags(g, "save")))
+
+        layered.overall.add_done_callback(on_gathered)
+        return LayeredTransfer(layered.layers, out)
 
     def load(self, hashes: Sequence[bytes], device_blocks: Sequence[int]) -> LayeredTransfer:
-        """Load stored blocks into device blocks; NotFoundError if any hash is missing."""
+        """Load stored blocks into device blocks.
+
+        NotFoundError at once (nothing copied) when the store does not hold every hash; a key
+        evicted between that check and the read fails the future with NotFoundError, device
+        blocks untouched. Store reads land in staging host blocks (disk hits are promoted by the
+        store), then one scatter per layer batch fills the device blocks.
+        """
         store = self._need_store()
         hashes = list(hashes)
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "load", unique=True)
         if len(hashes) != blocks.size:
             raise InvalidArgumentError(f"{len(hashes)} hashes for {blocks.size} device blocks")
-        entries = store.acquire(hashes)
+        keys = self.store_keys(hashes)
+        have = store.lookup(keys)[0] // self.num_groups
+        if have < len(hashes):
+            raise NotFoundError(
+                f"hash {hashes[have].hex()[:16]} (position {have}) is not in the store; "
+                f"nothing copied"
+            )
+        ids = self.alloc_host(len(hashes))
+        layers = {x: TransferFuture(f"load layer {x}") for x in range(self.num_layers)}
+        out = TransferFuture("load")
+
+        def finish(result: Callable[[], Any]) -> None:  # STAGING CONTRACT as in save
+            self.free_host(ids)
+            out.settle(result)
+            err = out.exception(timeout=0)
+            for lf in layers.values():  # a failed read never reached the scatter
+                if err is not None:
+                    lf.settle(lambda: _raise(err))
+
+        def on_read(g: Any) -> None:
+            try:
+                _check_flags(g, "load")
+                layered = self.h2d(blocks, ids)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                err = e
+                finish(lambda: _raise(err))
+                return
+            for x, f in layered.layers.items():
+                f.add_done_callback(lambda h, x=x: layers[x].settle(lambda: h.result(timeout=0)))
+            layered.overall.add_done_callback(lambda h: finish(lambda: h.result(timeout=0)))
+
         try:
-            for _, fmt in entries:
-                check_format(self.format, fmt, "the stored block")
-            ids = np.asarray([e[0] for e in entries], dtype=np.uint64).reshape(len(entries), -1).T
-            layered = self.h2d(blocks, ids)
+            view, rows = self._pool_rows(ids)
+            read = store.get(keys, view, rows)
         except BaseException:
-            store.release(hashes)
+            self.free_host(ids)
             raise
-        layered.overall.add_done_callback(lambda _f: store.release(hashes))
-        return layered
+        read.add_done_callback(on_read)
+        return LayeredTransfer(layers, out)
 
     # -- P/D over an injected transport --------------------------------------------------------
     def _need_transport(self) -> BlockTransport:
@@ -325,9 +426,16 @@ class KVCacheManagerBase:
             raise
 
         # HOST-BLOCK CONTRACT: the staging blocks are freed only once the transport's own future
-        # is complete, even when our deadline fired first (it may still be writing into them).
-        def free_when_transport_done(_f: Any) -> None:
-            fetched.add_done_callback(lambda _g: self.free_host(ids))
+        # is complete, even when our deadline fired first (it may still be writing into them);
+        # when it is, they are freed BEFORE the returned future completes.
+        out = TransferFuture(f"start_recv {transfer_id}")
+
+        def finish(f: cf.Future) -> None:
+            if fetched.done():
+                self.free_host(ids)
+            else:
+                fetched.add_done_callback(lambda _g: self.free_host(ids))
+            out.settle(lambda: f.result(timeout=0))
 
         limit = default_timeout() if timeout is None else timeout
         bounded = TransferFuture(f"fetch {transfer_id} from {peer}")
@@ -347,8 +455,7 @@ class KVCacheManagerBase:
                 )
             return self.h2d(blocks, ids).overall
 
-        out = after(bounded, scatter, f"start_recv {transfer_id}", cleanup=None)
-        out.add_done_callback(free_when_transport_done)
+        after(bounded, scatter, f"start_recv {transfer_id}", cleanup=None).add_done_callback(finish)
         with self._lock:
             self._recvs[transfer_id] = out
         return out
@@ -366,6 +473,23 @@ class KVCacheManagerBase:
                     else:
                         bad[tid] = err
         return {"done": done, "failed": bad}
+
+
+def _check_flags(fut: Any, what: str) -> None:
+    """Raise unless every key of a completed store future was stored / found."""
+    flags = fut.result(timeout=0)
+    missing = len(flags) - sum(bool(x) for x in flags)
+    if missing and what == "load":
+        raise NotFoundError(f"{missing} of {len(flags)} blocks left the store before the read")
+    if missing:
+        raise PoolExhaustedError(
+            f"the store kept {len(flags) - missing} of {len(flags)} blocks (full, write-back too "
+            f"slow)"
+        )
+
+
+def _raise(err: BaseException) -> Any:
+    raise err
 
 
 def _timeout(transfer_id: str, peer: str, limit: float) -> Any:

@@ -3,15 +3,15 @@
 Managers only move bytes between device memory and host pool blocks; WHERE host blocks come from
 and go to is somebody else's job, behind these two small protocols:
 
-- :class:`KVStore` (the tiered store: host DRAM, disk, remote nodes) hands out host pool blocks to
-  fill on save and pinned host blocks to read on load, keyed by the engine's block hashes.
+- :class:`KVStore` (the tiered store, :class:`tpusync.core.KVStore`: host DRAM and disk) copies
+  host pool blocks in on save and out on load, keyed by the engine's block hashes.
 - :class:`BlockTransport` (the P/D network transport) publishes host blocks under a transfer id
   and fetches a peer's published blocks into local host blocks.
 
-INTERIM: tpusync.core.kvcache.interim_store.InterimHostStore implements KVStore over one
-HostBlockPool and a BlockIndex (no disk, no remote). There is no transport implementation in this
-package on purpose: the network transport lives in its own component, and tests use an in-process
-fake. Both protocols are ``runtime_checkable`` so managers refuse an object lacking a method early.
+Implementations: :class:`tpusync.core.KVStore` satisfies :class:`KVStore` directly (no adapter);
+:class:`tpusync.core.kvcache.pd_transport.PdBlockTransport` implements :class:`BlockTransport`
+over the P/D primitive (:mod:`tpusync.core.pd`). Both protocols are ``runtime_checkable`` so
+managers refuse an object lacking a method early.
 """
 
 from __future__ import annotations
@@ -27,48 +27,42 @@ __all__ = ["BlockTransport", "KVStore"]
 
 @runtime_checkable
 class KVStore(Protocol):
-    """Content-addressed host block store.
+    """Content-addressed block store; :class:`tpusync.core.KVStore` (host DRAM + disk tiers)
+    implements it as is.
 
-    KEY CONTRACT: a key names one device block's KV for ALL layers (the engine's chained block
-    hash); it maps to ``blocks_per_key`` host blocks of ``pool`` (one per layer group) and to the
-    writer's block format dict, returned to readers so they can refuse a mismatch.
+    COPY CONTRACT: the store copies between its tiers and caller memory (here: rows of the
+    manager's host pool), so the manager never hands pool blocks to the store and the store never
+    hands its blocks out. ``block_bytes`` must equal the manager's host block size.
+
+    KEY CONTRACT (kept by the manager, see KVCacheManagerBase.store_keys): one engine block hash
+    maps to one store key per host block group, ``hash || format fingerprint (8 bytes) ||
+    group (2 bytes)``, so caches of different block formats sharing a store never read each
+    other's bytes (a different format is a miss).
     """
 
     @property
-    def pool(self) -> HostBlockPool:
-        """The host pool whose blocks reserve/acquire hand out (the manager copies into it)."""
+    def block_bytes(self) -> int:
+        """Size of every stored block."""
         ...
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Length of the leading run of ``keys`` that are stored (no pins taken)."""
+    def put(self, keys: Sequence[bytes], src: Any, rows: Sequence[int] | None = None) -> Any:
+        """Store row ``rows[i]`` of ``src`` under ``keys[i]``; a future whose ``result(timeout)``
+        is one bool per key (stored)."""
         ...
 
-    def reserve(
-        self, keys: Sequence[bytes], blocks_per_key: int, fmt: Mapping[str, Any]
-    ) -> list[list[int] | None]:
-        """Host blocks to fill for each key; None for a key already stored (skip it).
-
-        Reserved keys are invisible to lookup/acquire until :meth:`commit`.
-        """
+    def get(self, keys: Sequence[bytes], dst: Any, rows: Sequence[int] | None = None) -> Any:
+        """Read ``keys[i]`` into row ``rows[i]`` of ``dst``; ``result(timeout)`` is one bool per
+        key (found: False for a miss, whose row is then unspecified)."""
         ...
 
-    def commit(self, keys: Sequence[bytes], ok: bool) -> None:
-        """Publish reserved keys (``ok``) or drop them and free their blocks (copy failed)."""
-        ...
-
-    def acquire(self, keys: Sequence[bytes]) -> list[tuple[list[int], Mapping[str, Any]]]:
-        """Pin every key and return its host blocks and format; NotFoundError (nothing pinned)
-        if any key is missing."""
-        ...
-
-    def release(self, keys: Sequence[bytes]) -> None:
-        """Unpin keys acquired earlier."""
+    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
+        """Length of the leading run of stored ``keys`` and the fastest tier of each."""
         ...
 
 
 @runtime_checkable
 class BlockTransport(Protocol):
-    """P/D block transport between engines (implemented by the network transport component).
+    """P/D block transport between engines (:class:`~tpusync.core.kvcache.pd_transport.PdBlockTransport`).
 
     DEAD-PEER CONTRACT: ``fetch`` returns a future that FAILS (UnavailableError) when the peer is
     dead or goes away; it never stays pending forever after the transport has noticed. The manager
