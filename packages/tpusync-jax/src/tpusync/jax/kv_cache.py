@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from tpusync.core import InvalidArgumentError, _native
 from tpusync.core.kvcache.futures import TransferFuture
-from tpusync.core.kvcache.layout import BlockFormat, KVLayout, PieceGeometry
+from tpusync.core.kvcache.layout import BlockFormat, KVLayout, PieceGeometry, split_layers
 from tpusync.core.kvcache.manager import KVCacheManagerBase
 from tpusync.core.kvcache.plan import Piece, segments_for
 from tpusync.core.kvcache.protocols import BlockTransport, KVStore
@@ -134,25 +134,10 @@ class KVCacheManager(KVCacheManagerBase):
         transport: BlockTransport | None = None,
         staged: bool | None = None,
     ) -> None:
-        if isinstance(kv_caches, Mapping):
-            self.layer_names = list(kv_caches)
-            entries = list(kv_caches.values())
-        else:
-            entries = list(kv_caches)
-            self.layer_names = [str(i) for i in range(len(entries))]
-        if not entries:
-            raise InvalidArgumentError("kv_caches is empty")
-        self._arrays: list[list[jax.Array]] = []
-        for i, e in enumerate(entries):
-            parts = [e] if isinstance(e, jax.Array) else list(e)
-            if len(parts) != layout.parts_per_layer:
-                raise InvalidArgumentError(
-                    f"layer {self.layer_names[i]}: {len(parts)} array(s) but layout field 'kv' = "
-                    f"{layout.kv!r} needs {layout.parts_per_layer}"
-                )
-            for p in parts:
-                layout.check_tensor(p.shape, p.dtype, f"layer {self.layer_names[i]}")
-            self._arrays.append(parts)
+        self.layer_names, self._arrays = split_layers(
+            kv_caches, layout, lambda e: isinstance(e, jax.Array), "array"
+        )
+        entries = self._arrays
         if not 1 <= layers_per_host_block <= len(entries):
             raise InvalidArgumentError(
                 f"layers_per_host_block must be in [1, {len(entries)}], got {layers_per_host_block}"

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tpusync.core import InvalidArgumentError, _native
 from tpusync.core.kvcache.futures import TransferFuture, from_native, gather, watch
-from tpusync.core.kvcache.layout import BlockFormat, KVLayout
+from tpusync.core.kvcache.layout import BlockFormat, KVLayout, split_layers
 from tpusync.core.kvcache.manager import KVCacheManagerBase
 from tpusync.core.kvcache.plan import Piece, segments_for
 from tpusync.core.kvcache.protocols import BlockTransport, KVStore
@@ -62,25 +62,10 @@ class KVCacheManager(KVCacheManagerBase):
         store: KVStore | None = None,
         transport: BlockTransport | None = None,
     ) -> None:
-        if isinstance(kv_caches, Mapping):
-            self.layer_names = list(kv_caches)
-            entries = list(kv_caches.values())
-        else:
-            entries = list(kv_caches)
-            self.layer_names = [str(i) for i in range(len(entries))]
-        if not entries:
-            raise InvalidArgumentError("kv_caches is empty")
-        self._parts: list[list[torch.Tensor]] = []
-        for i, e in enumerate(entries):
-            parts = [e] if isinstance(e, torch.Tensor) else list(e)
-            if len(parts) != layout.parts_per_layer:
-                raise InvalidArgumentError(
-                    f"layer {self.layer_names[i]}: {len(parts)} tensor(s) but layout field 'kv' = "
-                    f"{layout.kv!r} needs {layout.parts_per_layer}"
-                )
-            for p in parts:
-                layout.check_tensor(p.shape, p.dtype, f"layer {self.layer_names[i]}")
-            self._parts.append(parts)
+        self.layer_names, self._parts = split_layers(
+            kv_caches, layout, lambda e: isinstance(e, torch.Tensor), "tensor"
+        )
+        entries = self._parts
         devices = {p.device for parts in self._parts for p in parts}
         if len(devices) != 1:
             raise InvalidArgumentError(

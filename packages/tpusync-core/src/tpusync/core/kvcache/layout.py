@@ -271,6 +271,37 @@ class PieceGeometry:
         return cls(offsets, run, strides[block_axis], region, order)
 
 
+def split_layers(
+    kv_caches: Sequence[Any] | Mapping[str, Any], layout: KVLayout, is_part: Any, noun: str
+) -> tuple[list[str], list[list[Any]]]:
+    """Layer names and per-layer parts of an engine's caches, checked against ``layout``.
+
+    ``kv_caches`` is a sequence or a name -> entry mapping; an entry is one tensor / array
+    (``is_part(entry)``) or a sequence of them (K and V). The count of parts and every part's
+    shape and dtype are checked here, once for both frameworks.
+    """
+    if isinstance(kv_caches, Mapping):
+        names = [str(n) for n in kv_caches]
+        entries = list(kv_caches.values())
+    else:
+        entries = list(kv_caches)
+        names = [str(i) for i in range(len(entries))]
+    if not entries:
+        raise InvalidArgumentError("kv_caches is empty")
+    layers = []
+    for name, e in zip(names, entries, strict=True):
+        parts = [e] if is_part(e) else list(e)
+        if len(parts) != layout.parts_per_layer:
+            raise InvalidArgumentError(
+                f"layer {name}: {len(parts)} {noun}(s) but layout field 'kv' = "
+                f"{layout.kv!r} needs {layout.parts_per_layer}"
+            )
+        for p in parts:
+            layout.check_tensor(p.shape, p.dtype, f"layer {name}")
+        layers.append(parts)
+    return names, layers
+
+
 def _itemsize(dtype: str) -> int:
     sizes = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "bool": 1}
     if dtype in sizes:
