@@ -186,6 +186,9 @@ def cpp(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """All packages' pytest suites, the C++ suite and the version check."""
     check_versions()
+    # The bench-schema tests compare against iperf3 and fio when present: install them so a bare
+    # machine exercises the same paths as a developer's.
+    _apt(session, "iperf3", "fio")
     run_cpp(session, sanitize=False)
     install_core(session)
     install_frameworks(session)
