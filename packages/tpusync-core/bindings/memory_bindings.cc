@@ -3,6 +3,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <memory>
@@ -28,6 +29,38 @@ std::string ShapeString(const std::vector<size_t>& dims) {
 struct Borrow {
   std::shared_ptr<BlockAllocator> blocks;
   BlockId id;
+};
+
+// BATCH BORROW CONTRACT: every id is checked and borrowed at once (all or nothing, one lock);
+// the borrows end at release() or when the object is collected, whichever comes first. It is what
+// a framework holds while a DMA it issued itself (a CUDA copy stream) reads or writes the blocks:
+// a block freed meanwhile is recycled only afterwards. Rejected alternative: one numpy view per
+// block, which costs a Python object per block and dominated large CUDA batches.
+class BatchBorrow {
+ public:
+  BatchBorrow(std::shared_ptr<BlockAllocator> blocks, std::vector<BlockId> ids)
+      : blocks_(std::move(blocks)), ids_(std::move(ids)) {
+    ThrowIfError(blocks_->AcquireBorrow(ids_));
+  }
+  BatchBorrow(const BatchBorrow&) = delete;
+  BatchBorrow& operator=(const BatchBorrow&) = delete;
+  ~BatchBorrow() { Release(); }
+
+  void Release() {
+    if (blocks_) blocks_->ReleaseBorrow(ids_);
+    blocks_.reset();
+  }
+  bool active() const { return blocks_ != nullptr; }
+  size_t size() const { return ids_.size(); }
+  std::vector<uint32_t> slots() const {
+    std::vector<uint32_t> out(ids_.size());
+    for (size_t i = 0; i < ids_.size(); ++i) out[i] = BlockAllocator::SlotOf(ids_[i]);
+    return out;
+  }
+
+ private:
+  std::shared_ptr<BlockAllocator> blocks_;
+  std::vector<BlockId> ids_;
 };
 
 // Shape and dtype checks, then a borrow that the array's owner capsule returns when the last
@@ -71,6 +104,13 @@ nb::ndarray<Framework...> MakeView(const std::shared_ptr<BlockAllocator>& blocks
 }  // namespace
 
 void init_memory(nb::module_& m) {
+  nb::class_<BatchBorrow>(m, "BlockBorrow",
+                          "Borrows of a batch of blocks (memory kept valid until release()).")
+      .def_prop_ro("active", &BatchBorrow::active)
+      .def_prop_ro("slots", &BatchBorrow::slots, "Pool slot of each id, in the given order.")
+      .def("__len__", &BatchBorrow::size)
+      .def("release", &BatchBorrow::Release, "End the borrows now (idempotent).");
+
   nb::class_<BlockAllocator>(
       m, "BlockPool", "Fixed-size host blocks in one prefaulted pool (anonymous or /dev/shm).")
       .def_static(
@@ -142,6 +182,14 @@ void init_memory(nb::module_& m) {
           },
           nb::arg("id"))
       .def_static("slot_of", &BlockAllocator::SlotOf, nb::arg("id"))
+      .def(
+          "borrow",
+          [](std::shared_ptr<BlockAllocator> a, std::vector<BlockId> ids) {
+            return std::make_unique<BatchBorrow>(std::move(a), std::move(ids));
+          },
+          nb::arg("ids"),
+          "Borrow every block of ``ids`` at once (unknown, stale or freed ids raise, none "
+          "borrowed); the memory stays valid until the returned BlockBorrow is released.")
       .def(
           "view",
           [](std::shared_ptr<BlockAllocator> a, BlockId id, const std::string& dtype,

@@ -87,6 +87,23 @@ def test_view_of_freed_block_refused_and_live_view_keeps_memory(pool):
     assert pool.num_free == 8
 
 
+def test_batch_borrow_is_all_or_nothing_and_delays_recycling(pool):
+    ids = pool.alloc(3)
+    (dead,) = pool.alloc(1)
+    pool.free([dead])
+    with pytest.raises(tc.StateError):
+        pool.borrow([*ids, dead])  # one freed id: nothing borrowed
+    assert pool.stats()["num_borrowed"] == 0
+    b = pool.borrow(ids)
+    assert len(b) == 3 and b.active
+    assert list(b.slots) == [pool.native.slot_of(i) for i in ids]
+    pool.free(ids)
+    assert pool.num_free == 5  # the borrowed slots are not recycled yet
+    b.release()
+    b.release()  # idempotent
+    assert not b.active and pool.num_free == 8
+
+
 def test_view_with_wrong_dtype_or_shape(pool):
     (a,) = pool.alloc(1)
     with pytest.raises(

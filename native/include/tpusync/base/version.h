@@ -10,11 +10,13 @@
 //   1: base / memory / block / engine: BlockPool, BlockIndex, Engine, futures, DLPack views.
 //   2: KVStore (host + disk tiers, warm restart), segment gather/scatter, P/D producer/consumer,
 //      store node + client, checksum64 over arrays.
+//   3: BlockPool.borrow (batch borrows for DMA issued outside the core, e.g. CUDA streams), and
+//      whatever else the helpers of the same stop add (see git log).
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 2;
+inline constexpr int kApiVersion = 3;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

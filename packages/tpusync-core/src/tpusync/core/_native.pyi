@@ -10,7 +10,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-API_VERSION: int = 2
+API_VERSION: int = 3
 
 @overload
 def checksum64(data: bytes, seed: int = 0) -> int:
@@ -19,6 +19,21 @@ def checksum64(data: bytes, seed: int = 0) -> int:
 @overload
 def checksum64(data: Annotated[NDArray, dict(order='C', device='cpu', writable=False)], seed: int = 0) -> int:
     """XXH3-64 checksum of a C-contiguous host array's bytes, without a copy."""
+
+class BlockBorrow:
+    """Borrows of a batch of blocks (memory kept valid until release())."""
+
+    @property
+    def active(self) -> bool: ...
+
+    @property
+    def slots(self) -> list[int]:
+        """Pool slot of each id, in the given order."""
+
+    def __len__(self) -> int: ...
+
+    def release(self) -> None:
+        """End the borrows now (idempotent)."""
 
 class BlockPool:
     """Fixed-size host blocks in one prefaulted pool (anonymous or /dev/shm)."""
@@ -72,6 +87,11 @@ class BlockPool:
 
     @staticmethod
     def slot_of(id: int) -> int: ...
+
+    def borrow(self, ids: Sequence[int]) -> BlockBorrow:
+        """
+        Borrow every block of ``ids`` at once (unknown, stale or freed ids raise, none borrowed); the memory stays valid until the returned BlockBorrow is released.
+        """
 
     def view(self, id: int, dtype: str = 'uint8', shape: Sequence[int] | None = None) -> NDArray:
         """

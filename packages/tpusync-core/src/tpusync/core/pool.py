@@ -111,6 +111,12 @@ class HostBlockPool:
     def address(self, block_id: int) -> int:
         return self._pool.address(block_id)
 
+    def borrow(self, ids: Sequence[int]) -> _native.BlockBorrow:
+        """Borrow many blocks at once (all or none): their memory stays valid, even if freed,
+        until the returned object's ``release()`` or collection. ``.slots`` gives each id's
+        pool slot. For DMA issued outside the core (CUDA copy streams)."""
+        return self._pool.borrow(_ids(ids))
+
     def view(self, block_id: int, dtype: Any = "uint8", shape: Sequence[int] | None = None):
         """A writable numpy array over one block (no copy)."""
         return self._pool.view(block_id, dtype_name(dtype), None if shape is None else list(shape))
