@@ -418,14 +418,14 @@ def test_cuda_data_path_on_cpu_tensors_matches_native_path(variant, per_host):
     mgr.d2h(src, native).result(timeout=10)
     for layer in range(mgr.num_layers):
         g, off = mgr._where(layer)
-        mgr._staged_d2h(layer, src, staged[g].tolist(), off)
+        mgr._staged_d2h(layer, src, mgr._borrow(staged[g].tolist()).slots, off)
     for a, b in zip(native.reshape(-1), staged.reshape(-1), strict=True):
         np.testing.assert_array_equal(mgr.pool.view(int(a)), mgr.pool.view(int(b)))
     before = [[p.clone() for p in parts] for parts in mgr.kv_caches]
     dst = np.array([0, 2, 3, 11])
     for layer in range(mgr.num_layers):
         g, off = mgr._where(layer)
-        mgr._staged_h2d(layer, dst, staged[g].tolist(), off)
+        mgr._staged_h2d(layer, dst, mgr._borrow(staged[g].tolist()).slots, off)
     ax = lay.block_axis
     for parts, orig in zip(mgr.kv_caches, before, strict=True):
         for p, o in zip(parts, orig, strict=True):

@@ -63,8 +63,9 @@ def _take(x: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
 def _put(x: jax.Array, idx: jax.Array, vals: jax.Array, axis: int) -> jax.Array:
+    """Scatter ``vals`` into blocks ``idx``; out-of-range ids (the padding) are dropped."""
     where = (slice(None),) * axis + (idx,)
-    return x.at[where].set(vals)
+    return x.at[where].set(vals, mode="drop")
 
 
 def _bucket(n: int) -> int:
@@ -81,13 +82,12 @@ def _padded(blocks: np.ndarray) -> np.ndarray:
     return out
 
 
-def _padded_rows(vals: np.ndarray, axis: int) -> np.ndarray:
-    n = vals.shape[axis]
-    extra = _bucket(n) - n
-    if not extra:
-        return vals
-    last = np.take(vals, [n - 1] * extra, axis=axis)
-    return np.concatenate([vals, last], axis=axis)
+def _padded_drop(blocks: np.ndarray, num_blocks: int) -> np.ndarray:
+    """Block ids padded to a power-of-two count with an out-of-range id, which the scatter
+    drops: the padding rows of a staging buffer are never written to the cache."""
+    out = np.full(_bucket(blocks.size), num_blocks, np.int32)
+    out[: blocks.size] = blocks
+    return out
 
 
 class _Part:
@@ -233,16 +233,29 @@ class KVCacheManager(KVCacheManagerBase):
                 keyed.extend(by_key[k] for k in part.keys)
             shards_of[layer] = keyed
 
+        taken: dict[tuple[int, int], jax.Array] = {}
+        if self.staged:
+            # Every layer's device gather is dispatched and its device -> host copy started
+            # before the first is waited on, so transfers overlap each other and the gathers.
+            idx_on: dict = {}
+            for layer in layers:
+                for k, data in enumerate(shards_of[layer]):
+                    dev = next(iter(data.devices()))
+                    if dev not in idx_on:
+                        idx_on[dev] = jax.device_put(_padded(blocks), dev)
+                    t = _take(data, idx_on[dev], ax)
+                    t.copy_to_host_async()
+                    taken[(layer, k)] = t
+
         def piece_for(layer, k, piece):
-            data = shards_of[layer][k]
             if self.staged:
-                idx = jax.device_put(_padded(blocks), data.devices().pop())
-                taken = jax.device_get(_take(data, idx, ax))
-                host = np.ascontiguousarray(np.take(taken, np.arange(blocks.size), axis=ax))
+                # The padded gather as is: rows >= blocks.size (padding) are never read.
+                host = np.asarray(taken.pop((layer, k)))
                 geom = _c_geometry(host.shape, host.itemsize, ax, self.layout.axes)
                 return host.reshape(-1).view(np.uint8), geom
             # Zero-copy: the native binding imports the shard through DLPack (any dtype,
             # bfloat16 included) and keeps it alive until the copy is done.
+            data = shards_of[layer][k]
             data.block_until_ready()
             return data, piece.geometry
 
@@ -261,7 +274,7 @@ class KVCacheManager(KVCacheManagerBase):
         def piece_for(layer, k, piece):
             arr_i, part = self._part_of(layer, k)
             local = list(part.primaries[0].data.shape)
-            local[ax] = n
+            local[ax] = _bucket(n)  # padding rows are dropped by the scatter (_padded_drop)
             buf = np.empty(local, dtype=self._arrays[layer][arr_i].dtype)
             staging[(layer, k)] = buf
             return buf, _c_geometry(local, buf.itemsize, ax, self.layout.axes)
@@ -270,6 +283,7 @@ class KVCacheManager(KVCacheManagerBase):
         regions = [r.reshape(-1).view(np.uint8) for r in regions]
         ids = host_ids.reshape(-1).tolist()
         _native.get_segments(self.pool.engine, self.pool.native, ids, regions, segs).result()
+        idx_on: dict = {}
         for layer in layers:
             new_parts, k = [], 0
             for arr, part in zip(self._arrays[layer], self._parts[layer], strict=True):
@@ -277,10 +291,11 @@ class KVCacheManager(KVCacheManagerBase):
                 k += len(part.keys)
                 singles = []
                 for s in arr.addressable_shards:
-                    staged_vals = by_key[_shard_key(s.index, arr.shape)]
-                    vals = jax.device_put(_padded_rows(staged_vals, ax), s.device)
-                    idx = jax.device_put(_padded(blocks), s.device)
-                    singles.append(_put(s.data, idx, vals, ax))
+                    vals = jax.device_put(by_key[_shard_key(s.index, arr.shape)], s.device)
+                    if s.device not in idx_on:
+                        size = s.data.shape[ax]
+                        idx_on[s.device] = jax.device_put(_padded_drop(blocks, size), s.device)
+                    singles.append(_put(s.data, idx_on[s.device], vals, ax))
                 if len(singles) == 1 and not isinstance(arr.sharding, jax.sharding.NamedSharding):
                     new = singles[0]
                 else:

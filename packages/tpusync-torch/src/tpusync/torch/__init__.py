@@ -10,7 +10,7 @@
 
 from tpusync.core import require_api
 
-MIN_CORE_API = 2
+MIN_CORE_API = 3  # HostBlockPool.borrow
 require_api(MIN_CORE_API, "tpusync-torch")
 
 from tpusync.core.kvcache import (  # noqa: E402 - after the API gate on purpose

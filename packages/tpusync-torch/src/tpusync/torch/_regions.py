@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -122,17 +123,18 @@ def unpin_pool(pool: HostBlockPool) -> None:
 
 
 def host_runs(
-    pool: HostBlockPool, pool_u8: torch.Tensor, ids: list[int], offset: int, nbytes: int
+    pool: HostBlockPool, pool_u8: torch.Tensor, slots: Sequence[int], offset: int, nbytes: int
 ) -> tuple[np.ndarray, list[tuple[int, int, torch.Tensor]]]:
     """Batch order sorted by pool slot, and (first, count, uint8 host view) runs over that order
-    covering ``nbytes`` at ``offset`` of each host block.
+    covering ``nbytes`` at ``offset`` of each host block (``slots``: the batch's pool slots, as
+    :meth:`HostBlockPool.borrow` gives them).
 
     Host blocks of consecutive slots coalesce into one DMA when their rows are back to back
     (offset 0 and nbytes == the pool's block stride); sorting by slot first means a batch whose
     blocks were allocated in any order still coalesces when the slots form runs.
     """
     stride = pool.native.block_stride
-    slots = np.asarray([pool.native.slot_of(i) for i in ids], dtype=np.int64)
+    slots = np.asarray(slots, dtype=np.int64)
     order = np.argsort(slots, kind="stable")
     slots = slots[order]
     coalesce = offset == 0 and nbytes == stride

@@ -14,6 +14,7 @@ makes the compute stream wait for a layer's load without blocking the host.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,7 +23,12 @@ import numpy as np
 
 import torch
 from tpusync.core import InvalidArgumentError, _native
-from tpusync.core.kvcache.futures import TransferFuture, from_native, gather, watch
+from tpusync.core.kvcache.futures import (
+    TransferFuture,
+    default_timeout,
+    from_native,
+    watch,
+)
 from tpusync.core.kvcache.layout import BlockFormat, KVLayout, split_layers
 from tpusync.core.kvcache.manager import KVCacheManagerBase
 from tpusync.core.kvcache.plan import Piece, segments_for
@@ -146,8 +152,10 @@ class KVCacheManager(KVCacheManagerBase):
                 futs.append(
                     (self._cuda_d2h if to_host else self._cuda_h2d)(layer, blocks, ids, off)
                 )
-            # One stream: a batch is complete when its last layer's event has fired.
-            return futs[-1] if len(futs) == 1 else gather(futs, "cuda batch")
+            if len(futs) == 1:
+                return futs[0]
+            # One stream, in order: a batch is complete when its last layer's event has fired.
+            return _CudaEventFuture("cuda batch", futs[-1].event, futs)
         return self._cpu_transfer(layers, blocks, host_ids, to_host)
 
     def _cpu_transfer(self, layers, blocks, host_ids, to_host) -> TransferFuture:
@@ -180,11 +188,11 @@ class KVCacheManager(KVCacheManagerBase):
         return from_native(nf, f"{'d2h' if to_host else 'h2d'} layers {layers[0]}..{layers[-1]}")
 
     # -- CUDA: copy stream + pinned pool + events ----------------------------------------------
-    def _borrow(self, host_ids: list[int]) -> list[Any]:
-        """BORROW CONTRACT (as on the native path): a view per host block, held by the future
-        until the DMA is done, so a block freed mid-copy is recycled only afterwards; unknown,
-        stale or freed ids raise here, before any byte moves."""
-        return [self.pool.view(i) for i in host_ids]
+    def _borrow(self, host_ids: list[int]) -> Any:
+        """BORROW CONTRACT (as on the native path): one batch borrow of the host blocks, held by
+        the future until the DMA is done, so a block freed mid-copy is recycled only afterwards;
+        unknown, stale or freed ids raise here, before any byte moves."""
+        return self.pool.borrow(host_ids)
 
     def _device_index(self, blocks) -> torch.Tensor:
         """Block ids on the GPU without a host sync: a pageable H2D copy would synchronise the
@@ -195,11 +203,7 @@ class KVCacheManager(KVCacheManagerBase):
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _cuda_future(self, name: str, event: torch.cuda.Event, keep: list[Any]) -> TransferFuture:
-        f = TransferFuture(name)
-        f.keepalive.extend(keep)
-        f.keepalive.append(event)
-        watch(event.query, lambda: f.settle(lambda: None))
-        return f
+        return _CudaEventFuture(name, event, keep)
 
     def _cuda_d2h(self, layer, blocks, host_ids, offset) -> TransferFuture:
         borrows = self._borrow(host_ids)
@@ -208,7 +212,7 @@ class KVCacheManager(KVCacheManagerBase):
         done = torch.cuda.Event()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            keep = self._staged_d2h(layer, blocks, host_ids, offset)
+            keep = self._staged_d2h(layer, blocks, borrows.slots, offset)
             done.record(self._stream)
         return self._cuda_future(f"d2h layer {layer}", done, [keep, borrows])
 
@@ -219,29 +223,30 @@ class KVCacheManager(KVCacheManagerBase):
         done = torch.cuda.Event()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            keep = self._staged_h2d(layer, blocks, host_ids, offset)
+            keep = self._staged_h2d(layer, blocks, borrows.slots, offset)
             done.record(self._stream)
         self._load_events[layer] = done
         return self._cuda_future(f"h2d layer {layer}", done, [keep, borrows])
 
     # The device-agnostic data path of the CUDA copies (on CPU tensors - where non_blocking copies
     # are synchronous - tests run it against the native path).
-    def _staged_d2h(self, layer, blocks, host_ids, offset) -> list[torch.Tensor]:
+    def _staged_d2h(self, layer, blocks, slots, offset) -> list[torch.Tensor]:
         ax = self.layout.block_axis
         nbytes = self.format.layer_block_bytes
-        order, runs = R.host_runs(self.pool, self._pool_u8, host_ids, offset, nbytes)
+        order, runs = R.host_runs(self.pool, self._pool_u8, slots, offset, nbytes)
         idx = self._device_index(blocks[order])  # staged rows in host-slot order
-        staged = torch.cat([R.staged_gather(p, ax, idx) for p in self._parts[layer]], dim=1)
+        parts = [R.staged_gather(p, ax, idx) for p in self._parts[layer]]
+        staged = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         for first, count, dst in runs:
             dst.copy_(staged[first : first + count].reshape(-1), non_blocking=True)
         return [staged, idx]
 
-    def _staged_h2d(self, layer, blocks, host_ids, offset) -> list[torch.Tensor]:
+    def _staged_h2d(self, layer, blocks, slots, offset) -> list[torch.Tensor]:
         ax = self.layout.block_axis
         nbytes = self.format.layer_block_bytes
-        order, runs = R.host_runs(self.pool, self._pool_u8, host_ids, offset, nbytes)
+        order, runs = R.host_runs(self.pool, self._pool_u8, slots, offset, nbytes)
         idx = self._device_index(blocks[order])  # staged rows in host-slot order
-        staged = torch.empty((len(host_ids), nbytes), dtype=torch.uint8, device=self.device)
+        staged = torch.empty((len(slots), nbytes), dtype=torch.uint8, device=self.device)
         for first, count, src in runs:
             staged[first : first + count].reshape(-1).copy_(src, non_blocking=True)
         off = 0
@@ -257,3 +262,33 @@ class KVCacheManager(KVCacheManagerBase):
             ev = self._load_events.get(layer)
             if ev is not None:
                 torch.cuda.current_stream(self.device).wait_event(ev)
+
+
+class _CudaEventFuture(TransferFuture):
+    """Complete when a CUDA event has fired.
+
+    Callbacks are driven by the shared watcher thread; a caller blocked in :meth:`result` polls
+    the event itself in 10-200 us steps (GIL released while sleeping), because the watcher's
+    back-off reaches 1 ms and would add that much to every waited transfer. Rejected
+    alternative: ``event.synchronize()``, which cannot honour a timeout.
+    """
+
+    def __init__(self, name: str, event: torch.cuda.Event, keep: list[Any]) -> None:
+        super().__init__(name)
+        self.event = event
+        self.keepalive.extend(keep)
+        watch(event.query, lambda: self.settle(lambda: None))
+
+    def result(self, timeout: float | None = None) -> Any:
+        t = default_timeout() if timeout is None else timeout
+        deadline = time.monotonic() + t
+        delay = 10e-6
+        while not self.done():
+            if self.event.query():
+                self.settle(lambda: None)
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 200e-6)
+        return super().result(timeout=max(0.0, deadline - time.monotonic()))
