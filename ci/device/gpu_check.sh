@@ -10,7 +10,7 @@
 #
 # Needs: python3 with a CUDA build of torch and numpy (PYTHON=... to choose), and either
 # tpusync-core/tpusync-torch installed, or what building them needs (nanobind, scikit-build-core,
-# ninja, cmake, libxxhash-dev): then they are built into a venv that sees the system's torch.
+# ninja, cmake, libxxhash-dev): then they are built into build/gpu-check-site (pip --target).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
@@ -18,13 +18,13 @@ py=${PYTHON:-python3}
 deadline=${GPU_CHECK_TIMEOUT_S:-290}
 
 if ! "$py" -c "import tpusync.core, tpusync.torch" 2>/dev/null; then
-  venv=build/gpu-check-venv
-  [ -x "$venv/bin/python" ] || "$py" -m venv --system-site-packages "$venv"
-  [ "$(id -u)" = 0 ] && bash ci/apt-deps.sh libxxhash-dev || true
-  "$venv/bin/pip" install -q --no-build-isolation -Cbuild-dir=build/gpu-check-skbuild \
-    packages/tpusync-core
-  "$venv/bin/pip" install -q --no-deps packages/tpusync-torch
-  py=$venv/bin/python
+  # --target, not a venv: a venv made from a venv's python sees the base interpreter's packages.
+  site=build/gpu-check-site
+  [ "$(id -u)" = 0 ] && bash ci/apt-deps.sh libxxhash-dev libssl-dev || true
+  "$py" -m pip install -q --no-deps --no-build-isolation --upgrade --target "$site" \
+    -Cbuild-dir=build/gpu-check-skbuild packages/tpusync-core
+  "$py" -m pip install -q --no-deps --upgrade --target "$site" packages/tpusync-torch
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi
 "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
 
@@ -134,4 +134,6 @@ print(f"weights: {len(sd)} tensors in {len(futures)} buckets restored exactly")
 print("gpu_check correctness: OK")
 PY
 
-timeout 200 "$py" -m tpusync.core.cli bench device --json --quiet --total-mib 512 --repeats 5
+for mib in 512 2048; do  # per-call overheads weigh less on bigger batches: both sizes reported
+  timeout 200 "$py" -m tpusync.core.cli bench device --json --quiet --total-mib $mib --repeats 5
+done
