@@ -94,6 +94,13 @@ class PdBlockTransport:
         self._sent: set[str] = set()
         self._pending: dict[int, tuple[cf.Future, list[int], str]] = {}
         self._poller: threading.Thread | None = None
+        self._stats = {"fetched": 0, "fetched_shm": 0, "fetched_bytes": 0, "fetch_failed": 0}
+
+    def stats(self) -> dict[str, int]:
+        """Consumer-side counters: completed fetches (``fetched_shm`` of them over the same-host
+        shared-memory path), their bytes, and failed fetches."""
+        with self._lock:
+            return dict(self._stats)
 
     @property
     def address(self) -> str:
@@ -188,6 +195,13 @@ class PdBlockTransport:
                     if not r.done:
                         err = UnavailableError(f"transfer {what} failed ({r.code}): {r.reason}")
                 self.pool.free(meta_ids)
+                with self._lock:
+                    if err is None:
+                        self._stats["fetched"] += 1
+                        self._stats["fetched_shm"] += int(bool(r.shm))
+                        self._stats["fetched_bytes"] += int(r.bytes)
+                    else:
+                        self._stats["fetch_failed"] += 1
                 if err is None:
                     fut.set_result(meta)
                 else:
