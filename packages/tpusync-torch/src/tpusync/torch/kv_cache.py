@@ -118,7 +118,10 @@ class KVCacheManager(KVCacheManagerBase):
         self._cuda = self.device.type == "cuda"
         if self._cuda:
             self.batch_bytes = 0  # events give per-layer completion for free
+            # Two streams so that layer i+1's gather / scatter kernels overlap layer i's DMA:
+            # kernels run on _kernel_stream, DMAs on _stream, ordered per layer by events.
             self._stream = torch.cuda.Stream(device=self.device)
+            self._kernel_stream = torch.cuda.Stream(device=self.device)
             self._pool_u8 = R.pin_pool(self.pool)
             # Unpinned at close() or when the manager is collected, whichever comes first.
             self._unpin = weakref.finalize(self, R.unpin_pool, self.pool)
@@ -139,6 +142,7 @@ class KVCacheManager(KVCacheManagerBase):
         """Release the CUDA pinning of the host pool (no-op on CPU)."""
         if self._cuda and self._pool_u8 is not None:
             self._stream.synchronize()
+            self._kernel_stream.synchronize()
             self._unpin()
             self._pool_u8 = None
 
@@ -205,54 +209,81 @@ class KVCacheManager(KVCacheManagerBase):
     def _cuda_future(self, name: str, event: torch.cuda.Event, keep: list[Any]) -> TransferFuture:
         return _CudaEventFuture(name, event, keep)
 
+    # STREAM CONTRACT: each layer's work waits for an event of the caller's stream, then runs
+    # gather kernel -> DMA (save) or DMA -> scatter kernel (load). Kernels of all layers run in
+    # submission order on _kernel_stream, DMAs in submission order on _stream, so any two
+    # operations on the same device or host blocks keep their submission order; staging tensors
+    # are held by the future until its last event fires (no allocator reuse while in flight).
     def _cuda_d2h(self, layer, blocks, host_ids, offset) -> TransferFuture:
         borrows = self._borrow(host_ids)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
-        done = torch.cuda.Event()
+        gathered, done = torch.cuda.Event(), torch.cuda.Event()
+        with torch.cuda.stream(self._kernel_stream):
+            self._kernel_stream.wait_event(ready)
+            staged, idx, runs = self._staged_gather(layer, blocks, borrows.slots, offset)
+            gathered.record(self._kernel_stream)
         with torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)
-            keep = self._staged_d2h(layer, blocks, borrows.slots, offset)
+            self._stream.wait_event(gathered)
+            self._dma_to_host(staged, runs)
             done.record(self._stream)
-        return self._cuda_future(f"d2h layer {layer}", done, [keep, borrows])
+        return self._cuda_future(f"d2h layer {layer}", done, [staged, idx, borrows])
 
     def _cuda_h2d(self, layer, blocks, host_ids, offset) -> TransferFuture:
         borrows = self._borrow(host_ids)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
-        done = torch.cuda.Event()
+        landed, done = torch.cuda.Event(), torch.cuda.Event()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            keep = self._staged_h2d(layer, blocks, borrows.slots, offset)
-            done.record(self._stream)
+            staged, idx = self._dma_from_host(layer, blocks, borrows.slots, offset)
+            landed.record(self._stream)
+        with torch.cuda.stream(self._kernel_stream):
+            self._kernel_stream.wait_event(landed)
+            self._staged_scatter(layer, staged, idx)
+            done.record(self._kernel_stream)
         self._load_events[layer] = done
-        return self._cuda_future(f"h2d layer {layer}", done, [keep, borrows])
+        return self._cuda_future(f"h2d layer {layer}", done, [staged, idx, borrows])
 
     # The device-agnostic data path of the CUDA copies (on CPU tensors - where non_blocking copies
     # are synchronous - tests run it against the native path).
-    def _staged_d2h(self, layer, blocks, slots, offset) -> list[torch.Tensor]:
-        ax = self.layout.block_axis
+    def _staged_gather(self, layer, blocks, slots, offset):
+        """Blocks of ``layer`` as uint8 rows in host-slot order, the index used, and the DMA runs."""
         nbytes = self.format.layer_block_bytes
         order, runs = R.host_runs(self.pool, self._pool_u8, slots, offset, nbytes)
         idx = self._device_index(blocks[order])  # staged rows in host-slot order
-        parts = [R.staged_gather(p, ax, idx) for p in self._parts[layer]]
+        parts = [R.staged_gather(p, self.layout.block_axis, idx) for p in self._parts[layer]]
         staged = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return staged, idx, runs
+
+    @staticmethod
+    def _dma_to_host(staged: torch.Tensor, runs) -> None:
         for first, count, dst in runs:
             dst.copy_(staged[first : first + count].reshape(-1), non_blocking=True)
-        return [staged, idx]
 
-    def _staged_h2d(self, layer, blocks, slots, offset) -> list[torch.Tensor]:
-        ax = self.layout.block_axis
+    def _dma_from_host(self, layer, blocks, slots, offset):
         nbytes = self.format.layer_block_bytes
         order, runs = R.host_runs(self.pool, self._pool_u8, slots, offset, nbytes)
         idx = self._device_index(blocks[order])  # staged rows in host-slot order
         staged = torch.empty((len(slots), nbytes), dtype=torch.uint8, device=self.device)
         for first, count, src in runs:
             staged[first : first + count].reshape(-1).copy_(src, non_blocking=True)
+        return staged, idx
+
+    def _staged_scatter(self, layer, staged: torch.Tensor, idx: torch.Tensor) -> None:
         off = 0
         for p, g in zip(self._parts[layer], self._geoms[layer], strict=True):
-            R.staged_scatter(p, ax, idx, staged[:, off : off + g.block_bytes])
+            R.staged_scatter(p, self.layout.block_axis, idx, staged[:, off : off + g.block_bytes])
             off += g.block_bytes
+
+    def _staged_d2h(self, layer, blocks, slots, offset) -> list[torch.Tensor]:
+        staged, idx, runs = self._staged_gather(layer, blocks, slots, offset)
+        self._dma_to_host(staged, runs)
+        return [staged, idx]
+
+    def _staged_h2d(self, layer, blocks, slots, offset) -> list[torch.Tensor]:
+        staged, idx = self._dma_from_host(layer, blocks, slots, offset)
+        self._staged_scatter(layer, staged, idx)
         return [staged, idx]
 
     def wait_layer(self, layer: int) -> None:
