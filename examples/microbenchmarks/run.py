@@ -40,8 +40,9 @@ def paths(node: Any, label: str = "") -> list[tuple[str, dict]]:
     """Every measured throughput entry (a dict with 'gbps') with a readable label."""
     found: list[tuple[str, dict]] = []
     if isinstance(node, dict):
-        if "gbps" in node:
-            return [(label.strip(" /"), node)]
+        if "gbps" in node or "latency_us" in node:
+            extra = f" streams={node['streams']}" if "streams" in node else ""
+            return [(label.strip(" /") + extra, node)]
         tag = ""
         for key in ("block_bytes", "streams", "keys", "name", "path"):
             if key in node and not isinstance(node[key], dict | list):
@@ -58,6 +59,7 @@ def paths(node: Any, label: str = "") -> list[tuple[str, dict]]:
 
 
 def plot(suite: str, entries: list[tuple[str, dict]], out: Path) -> None:
+    entries = [(lbl, e) for lbl, e in entries if "gbps" in e]
     labels = [" ".join(lbl.split()) for lbl, _ in entries]
     gbps = [e["gbps"] for _, e in entries]
     limits = [e.get("limit_gbps") or 0.0 for _, e in entries]
@@ -93,10 +95,15 @@ def main() -> int:
                 print(f"{suite}: no throughput entries in the JSON")
                 continue
             for label, e in entries:
-                ref = f"{e['limit_gbps']:.2f}" if e.get("limit_gbps") else "-"
+                name = " ".join(label.split())
                 ratio = f"{e['ratio']:.2f}" if e.get("ratio") is not None else "-"
-                print(f"{suite:9} {' '.join(label.split()):40} {e['gbps']:8.2f} GB/s  "
-                      f"reference {ref:>6} GB/s  ratio {ratio:>5}  ({e.get('limit', '')})")  # fmt: skip
+                if "gbps" in e:
+                    ref = f"{e['limit_gbps']:.2f}" if e.get("limit_gbps") else "-"
+                    fig, unit = f"{e['gbps']:8.2f}", "GB/s"
+                else:
+                    ref, fig, unit = f"{e['limit_us']:.1f}", f"{e['latency_us']:8.1f}", "us  "
+                print(f"{suite:9} {name:32} {fig} {unit}  reference {ref:>6} {unit}  "
+                      f"ratio {ratio:>5}  ({e.get('limit', '')[:70]})")  # fmt: skip
             png = out / f"{suite}.png"
             plot(suite, entries, png)
             print(f"wrote {png} and {out / (suite + '.json')}")

@@ -25,17 +25,18 @@ import tpusync.core as tc
 from tpusync.torch import KVCacheManager, KVLayout, PdBlockTransport
 
 LAYERS, HEADS, BLOCK_TOKENS, HEAD_DIM, NUM_BLOCKS = 4, 2, 16, 64, 64
+DTYPE = torch.float16
 
 
 def make_cache(layout: KVLayout) -> list[torch.Tensor]:
-    return [torch.zeros(layout.shape, dtype=layout.dtype) for _ in range(LAYERS)]
+    return [torch.zeros(layout.shape, dtype=DTYPE) for _ in range(LAYERS)]
 
 
 def prompt_kv(layout: KVLayout, num_blocks: int, seed: int) -> list[torch.Tensor]:
     """What the prefill step 'computed': per layer [num_blocks, heads, tokens, 2*dim]."""
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, *layout.shape[1:])
-    return [torch.randn(shape, generator=g, dtype=torch.float32).to(layout.dtype) for _ in range(LAYERS)]
+    return [torch.randn(shape, generator=g, dtype=torch.float32).to(DTYPE) for _ in range(LAYERS)]
 
 
 def digest(tensors: list[torch.Tensor]) -> str:
@@ -57,7 +58,7 @@ def main() -> int:
     ap.add_argument("--request", default="req-0")
     args = ap.parse_args()
 
-    layout = KVLayout.vllm_cpu(NUM_BLOCKS, HEADS, BLOCK_TOKENS, HEAD_DIM, torch.float16)
+    layout = KVLayout.vllm_cpu(NUM_BLOCKS, HEADS, BLOCK_TOKENS, HEAD_DIM, DTYPE)
     caches = make_cache(layout)
     probe = KVCacheManager(caches, layout, host_blocks=1)
     pool = tc.HostBlockPool(probe.host_block_bytes, 4 * args.blocks * LAYERS, shm_name=args.shm)

@@ -30,7 +30,7 @@ def handoff(blocks: int, via: str, env: dict[str, str], tmp: str) -> dict:
         if not line:
             raise SystemExit("prefill exited before publishing (see its stderr above)")
         p = json.loads(line)
-        peer = f"unix:{p['unix']}" if via == "unix" else p["tcp"]
+        peer = p["unix"] if via == "unix" else p["tcp"]  # unix_address reads "unix:PATH"
         out = subprocess.run(
             [sys.executable, str(SCRIPT), "decode", "--blocks", str(blocks), "--peer", peer],
             capture_output=True, text=True, env=env, timeout=120,

@@ -223,13 +223,13 @@ def test_a_sequence_gap_clears_the_pod_and_garbage_is_counted():
         sub.poll(0.1)
         seq = sub.streams["pod-g@tiny"].next_seq
         send(seq, [BlockStored(HASHES[:3], None, [], 16, None, "CPU")])
-        assert sub.wait_for(lambda: idx.score(HASHES)["pod-g"] > 0, 5)
+        assert sub.wait_for(lambda: idx.score(HASHES).get("pod-g", 0) > 0, 5)
         send(seq + 5, [BlockStored(HASHES[5:6], None, [], 16, None, "CPU")])  # 4 lost
         assert sub.wait_for(lambda: sub.streams["pod-g@tiny"].gaps == 1, 5)
         assert idx.media(HASHES[0]) == {}  # cleared: the lost messages may have removed it
         assert idx.media(HASHES[5]) == {"pod-g": {"CPU"}}
         raw.send_multipart([topic, b"short", b"x"])
-        raw.send_multipart([b"not-a-topic", struct.pack(">Q", 0), encode_batch([])])
+        raw.send_multipart([b"kv@no-model", struct.pack(">Q", 0), encode_batch([])])
         raw.send_multipart([topic, struct.pack(">Q", seq + 6), msgpack.packb([1.0, [["?"]]])])
         assert sub.wait_for(lambda: sub.undecodable == 3, 5)
     finally:
