@@ -98,8 +98,7 @@ def main() -> int:
             reused_total += n
             computed_total += len(hashes) - n
             print(
-                f"{turn:>4} {len(hashes):>6} {n:>6} {len(hashes) - n:>8} "
-                f"{on_host:>5} {on_disk:>5}"
+                f"{turn:>4} {len(hashes):>6} {n:>6} {len(hashes) - n:>8} {on_host:>5} {on_disk:>5}"
             )
         store.flush(60)
         s = store.stats()

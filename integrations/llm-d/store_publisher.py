@@ -24,7 +24,9 @@ from tpusync.core.events import KVEventPublisher, StoreEventBridge
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--epp", required=True, help="llm-d's kvEventsConfig.zmqEndpoint, e.g. tcp://epp:5557")
+    ap.add_argument(
+        "--epp", required=True, help="llm-d's kvEventsConfig.zmqEndpoint, e.g. tcp://epp:5557"
+    )
     ap.add_argument("--pod", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block")

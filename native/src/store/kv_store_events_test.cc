@@ -57,9 +57,7 @@ void Apply(Replay& r, const std::vector<StoreEvent>& evs) {
         EXPECT_EQ(r[e.key].erase(e.tier), 1u) << "removed but never stored: " << e.key;
         if (r[e.key].empty()) r.erase(e.key);
         break;
-      case StoreEvent::Kind::kCleared:
-        r.clear();
-        break;
+      case StoreEvent::Kind::kCleared: r.clear(); break;
     }
   }
 }

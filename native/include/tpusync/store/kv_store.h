@@ -115,9 +115,9 @@ struct StoreStats {
 // order it happened: kStored when a key becomes readable in a tier (put, promotion, write-back
 // demotion), kRemoved when it leaves one (LRU drop, corruption, Remove), kCleared for Clear().
 // The queue is bounded: when the consumer falls behind, the oldest events are dropped and counted
-// (events_dropped), and the consumer should resynchronise (publish AllBlocksCleared and re-announce).
-// Rejected alternative: a callback into Python from engine threads - it would take the GIL inside
-// the store lock and let a slow publisher stall every put and get.
+// (events_dropped), and the consumer should resynchronise (publish AllBlocksCleared and
+// re-announce). Rejected alternative: a callback into Python from engine threads - it would take
+// the GIL inside the store lock and let a slow publisher stall every put and get.
 struct StoreEvent {
   enum class Kind : uint8_t { kStored = 0, kRemoved = 1, kCleared = 2 };
   Kind kind = Kind::kStored;
