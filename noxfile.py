@@ -446,10 +446,6 @@ def integration_vllm(session: nox.Session) -> None:
     session.log(f"integration-vllm: total {time.monotonic() - t0:.0f} s")
 
 
-if __name__ == "__main__":  # pragma: no cover - convenience
-    os.execvp("nox", ["nox", "-f", __file__, *sys.argv[1:]])
-
-
 # examples/<name>/run.py, in the order the `examples` session runs them (small sizes for CI).
 EXAMPLES = {
     "microbenchmarks": ["--total-mib", "16", "--repeats", "2", "--out", "build/examples/bench"],
@@ -471,3 +467,7 @@ def examples(session: nox.Session) -> None:
             session.error(f"unknown example {name!r}; known: {', '.join(EXAMPLES)}")
         session.log(f"example {name}")
         session.run("python", str(ROOT / "examples" / name / "run.py"), *EXAMPLES[name])
+
+
+if __name__ == "__main__":  # pragma: no cover - convenience
+    os.execvp("nox", ["nox", "-f", __file__, *sys.argv[1:]])
