@@ -190,6 +190,9 @@ class KVEventSubscriber:
     ``topics``. Call :meth:`poll` from one thread (ZMQ sockets are single-threaded), or
     :meth:`start` a daemon thread that polls until :meth:`close`.
 
+    The index is keyed by pod only: keep one :class:`PrefixIndex` (and pass ``model``) per model
+    when pods serve several models.
+
     GAP CONTRACT: every topic's sequence numbers must be consecutive; after a gap (the publisher
     dropped messages at its high-water mark, or the subscriber joined late) the pod's entries
     cannot be trusted, so the pod is cleared from the index and rebuilt from later events. A
