@@ -37,6 +37,9 @@ def main() -> None:
         store = tc.KVStore(4096, 8, disk_dir=disk, disk_blocks=256)
         # connect (bind=False): llm-d's indexer binds zmqEndpoint and every pod connects to it.
         pub = KVEventPublisher(args.epp, pod_id=args.pod, model=args.model, bind=False)
+        # A PUB drops messages until the connection and the router's subscription are up (ZMQ's
+        # slow joiner); a real engine starts long before its first blocks, this demo does not.
+        time.sleep(0.5)
         with StoreEventBridge(store, pub, block_size=args.block_size):
             # Stand-in for an engine: 32 blocks, so 24 are demoted to the disk tier.
             keys = [i.to_bytes(8, "big") * 4 for i in range(32)]
