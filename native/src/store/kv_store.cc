@@ -207,6 +207,7 @@ bool KVStore::DropVictim(size_t t) {
     if (!loc.ok()) continue;
     tiers_[t]->Release(*loc, /*forget=*/false);
     ++counters_[t].evictions;
+    Emit(StoreEvent::Kind::kRemoved, kind, v.key);
     if (!index_.Lookup(v.key, false)) {
       ++evicted_;
       demote_failed_.erase(v.key);
@@ -301,6 +302,7 @@ engine::Future KVStore::Put(std::vector<std::string> keys, engine::RowBuffer src
           if (s.ok() && op.status.ok() && index_.Insert(key, tiers_[0]->kind(), op.location).ok()) {
             (*stored)[chunk->index[j]] = 1;
             ++put_stored_;
+            Emit(StoreEvent::Kind::kStored, tiers_[0]->kind(), key);
           } else {
             tiers_[0]->Release(op.location, /*forget=*/false);
             ++put_rejected_;
@@ -436,6 +438,7 @@ engine::Future KVStore::Get(std::vector<std::string> keys, engine::RowBuffer dst
             auto p = index_.Lookup(op.key, false);
             if (p && p->in(kind) && p->location[static_cast<size_t>(kind)] == op.location) {
               (void)index_.Remove(op.key, kind);
+              Emit(StoreEvent::Kind::kRemoved, kind, op.key);
               forget.push_back({t, op.location});
             }
           }
@@ -462,6 +465,7 @@ engine::Future KVStore::Get(std::vector<std::string> keys, engine::RowBuffer dst
         if (op.status.ok() && index_.Lookup(op.key, false) &&
             index_.Insert(op.key, tiers_[0]->kind(), op.location).ok()) {
           ++counters_[0].promotions_in;
+          Emit(StoreEvent::Kind::kStored, tiers_[0]->kind(), op.key);
         } else {
           tiers_[0]->Release(op.location, false);
         }
@@ -527,6 +531,7 @@ Result<size_t> KVStore::Remove(std::span<const std::string_view> keys) {
       ++removed;
       for (size_t t = 0; t < tiers_.size(); ++t) {
         if (p->in(tiers_[t]->kind())) {
+          Emit(StoreEvent::Kind::kRemoved, tiers_[t]->kind(), k);
           forget.push_back({t, p->location[static_cast<size_t>(tiers_[t]->kind())]});
         }
       }
@@ -544,6 +549,10 @@ void KVStore::Clear() {
     all = index_.Snapshot();
     index_.Clear();
     demote_failed_.clear();
+    if (event_capacity_ > 0) {
+      events_.clear();  // superseded: a consumer re-reads the (empty) store after kCleared
+      Emit(StoreEvent::Kind::kCleared, block::Tier::kHost, {});
+    }
   }
   for (const auto& [key, p] : all) {
     for (size_t t = 0; t < tiers_.size(); ++t) {
@@ -641,6 +650,7 @@ bool KVStore::WritebackRound(std::unique_lock<std::mutex>& lock) {
         if (st.ok() && p && !p->in(low.kind()) &&
             index_.Insert(keys[j], low.kind(), ops[j].location).ok()) {
           ++counters_[t + 1].demotions_in;
+          Emit(StoreEvent::Kind::kStored, low.kind(), keys[j]);
           continue;
         }
         low.Release(ops[j].location, false);
@@ -700,6 +710,41 @@ StoreStats KVStore::stats() const {
   s.keys = index_.size();
   s.engine_queue = engine_->queue_depth();
   return s;
+}
+
+void KVStore::Emit(StoreEvent::Kind kind, Tier tier, std::string_view key) {
+  if (event_capacity_ == 0) return;
+  if (events_.size() >= event_capacity_) {
+    events_.pop_front();
+    ++events_dropped_;
+  }
+  events_.push_back(StoreEvent{kind, tier, std::string(key)});
+}
+
+void KVStore::EnableEvents(size_t capacity) {
+  std::lock_guard<std::mutex> lock(mu_);
+  event_capacity_ = capacity;
+  if (capacity == 0) {
+    events_.clear();
+    events_dropped_ = 0;
+  }
+  while (events_.size() > capacity) {
+    events_.pop_front();
+    ++events_dropped_;
+  }
+}
+
+std::vector<StoreEvent> KVStore::TakeEvents(size_t max, uint64_t* dropped) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t n = std::min(max, events_.size());
+  std::vector<StoreEvent> out(std::make_move_iterator(events_.begin()),
+                              std::make_move_iterator(events_.begin() + n));
+  events_.erase(events_.begin(), events_.begin() + n);
+  if (dropped) {
+    *dropped = events_dropped_;
+    events_dropped_ = 0;
+  }
+  return out;
 }
 
 }  // namespace tpusync::store

@@ -220,7 +220,29 @@ void init_store(nb::module_& m) {
                 std::chrono::duration<double>(timeout))));
           },
           nb::arg("timeout"))
-      .def("stats", [](const KVStore& s) { return Stats(s.stats()); });
+      .def("stats", [](const KVStore& s) { return Stats(s.stats()); })
+      .def("enable_events", &KVStore::EnableEvents, nb::arg("capacity"),
+           "Record placement changes (capacity > 0: queue bound; 0: off).")
+      .def(
+          "take_events",
+          [](KVStore& s, size_t max) {
+            std::vector<store::StoreEvent> evs;
+            uint64_t dropped = 0;
+            {
+              nb::gil_scoped_release release;
+              evs = s.TakeEvents(max, &dropped);
+            }
+            static constexpr const char* kKinds[] = {"stored", "removed", "cleared"};
+            nb::list out;
+            for (const auto& e : evs) {
+              out.append(nb::make_tuple(kKinds[static_cast<size_t>(e.kind)], e.tier,
+                                        nb::bytes(e.key.data(), e.key.size())));
+            }
+            return nb::make_tuple(out, dropped);
+          },
+          nb::arg("max") = 65536,
+          "([(kind, tier, key)], events dropped since the last call); kind is 'stored', "
+          "'removed' or 'cleared'.");
 }
 
 }  // namespace tpusync::bindings

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -109,6 +110,21 @@ struct StoreStats {
   std::string policy;
 };
 
+// A change of where a key lives, for KV-event publishers (tpusync.core.events via the bindings).
+// EVENT CONTRACT: with events enabled, every index change is recorded under the store lock in the
+// order it happened: kStored when a key becomes readable in a tier (put, promotion, write-back
+// demotion), kRemoved when it leaves one (LRU drop, corruption, Remove), kCleared for Clear().
+// The queue is bounded: when the consumer falls behind, the oldest events are dropped and counted
+// (events_dropped), and the consumer should resynchronise (publish AllBlocksCleared and
+// re-announce). Rejected alternative: a callback into Python from engine threads - it would take
+// the GIL inside the store lock and let a slow publisher stall every put and get.
+struct StoreEvent {
+  enum class Kind : uint8_t { kStored = 0, kRemoved = 1, kCleared = 2 };
+  Kind kind = Kind::kStored;
+  block::Tier tier = block::Tier::kHost;  // unused for kCleared
+  std::string key;
+};
+
 class KVStore {
  public:
   static Result<std::unique_ptr<KVStore>> Open(const KVStoreOptions& options,
@@ -146,7 +162,14 @@ class KVStore {
   Status Flush(std::chrono::nanoseconds timeout);
   StoreStats stats() const;
 
+  // Starts (capacity > 0) or stops (0) recording StoreEvents; stopping drops the queue.
+  void EnableEvents(size_t capacity);
+  // Removes and returns up to `max` of the oldest recorded events; *dropped (optional) receives
+  // and resets the count of events lost to the bound since the last call.
+  std::vector<StoreEvent> TakeEvents(size_t max, uint64_t* dropped = nullptr);
+
  private:
+  void Emit(StoreEvent::Kind kind, block::Tier tier, std::string_view key);  // mu_ held
   KVStore() = default;
   Status Start();
   // A free location in tier t, dropping clean / refused LRU victims; with `wait`, waits up to
@@ -188,6 +211,9 @@ class KVStore {
   uint64_t puts_ = 0, put_stored_ = 0, put_present_ = 0, put_rejected_ = 0, gets_ = 0, misses_ = 0,
            evicted_ = 0, corrupted_ = 0, writeback_errors_ = 0, writeback_inflight_ = 0;
   LatencyStats put_latency_, get_latency_;
+  std::deque<StoreEvent> events_;  // mu_ held; bounded by event_capacity_
+  size_t event_capacity_ = 0;      // 0: events off
+  uint64_t events_dropped_ = 0;
 };
 
 }  // namespace tpusync::store

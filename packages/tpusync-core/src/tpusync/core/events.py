@@ -25,14 +25,17 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgpack
 import zmq
 
 from tpusync.core.errors import InvalidArgumentError, StateError
+
+if TYPE_CHECKING:
+    from tpusync.core.store import KVStore
 
 __all__ = [
     "MEDIUMS",
@@ -41,6 +44,8 @@ __all__ = [
     "BlockStored",
     "KVEvent",
     "KVEventPublisher",
+    "StoreEventBridge",
+    "TIER_MEDIUM",
     "decode_batch",
     "encode_batch",
     "topic_for",
@@ -276,6 +281,126 @@ class KVEventPublisher:
                 self._sock = None
 
     def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+#: The ``medium`` string each KVStore tier announces.
+TIER_MEDIUM = {"device": "GPU", "host": "CPU", "disk": "DISK", "remote": "REMOTE"}
+
+
+class StoreEventBridge:
+    """Publishes a :class:`~tpusync.core.KVStore`'s placement changes as KV events.
+
+    Every put, write-back demotion (host -> disk), promotion (disk -> host), LRU eviction,
+    corruption drop, ``remove`` and ``clear`` becomes a BlockStored / BlockRemoved /
+    AllBlocksCleared with the tier as ``medium`` (host ``CPU``, disk ``DISK``, remote ``REMOTE``).
+    Consecutive changes of one kind and tier share one event.
+
+    ORDER CONTRACT: events are published in the order the store's index changed (the native queue
+    is filled under the store lock), so a subscriber replaying them holds the store's placement.
+    LOSS CONTRACT: when the native queue overflowed (``capacity`` events behind), the bridge
+    publishes AllBlocksCleared first: a router then under-estimates this pod until new events
+    arrive, which costs a cache hit but never routes to a block that is gone. Rejected
+    alternative: re-announcing the whole store after a loss - the store has no cheap snapshot and
+    a burst of millions of events would hit the publisher's high-water mark anyway.
+
+    Store keys are announced as block hashes as is, unless ``key_to_hash`` maps them (keys must be
+    the serving engine's own block hashes for a router to match them). Token ids are not known at
+    this level: events carry ``token_ids=[]``, ``parent_block_hash=None`` and ``block_size``.
+
+    With ``interval_s`` set, a daemon thread drains every ``interval_s`` seconds; otherwise call
+    :meth:`pump`. :meth:`close` stops the thread (bounded join) and drains once more.
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        publisher: KVEventPublisher,
+        *,
+        block_size: int,
+        capacity: int = 65536,
+        interval_s: float | None = 0.05,
+        key_to_hash: Callable[[bytes], BlockHash] | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise InvalidArgumentError(f"block_size must be > 0, not {block_size}")
+        if interval_s is not None and interval_s <= 0:
+            raise InvalidArgumentError(f"interval_s must be > 0 or None, not {interval_s}")
+        self._store = store
+        self._publisher = publisher
+        self._block_size = block_size
+        self._key_to_hash = key_to_hash or (lambda k: k)
+        self._lock = threading.Lock()
+        self.published_events = 0
+        self.overflows = 0
+        store.enable_events(capacity)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if interval_s is not None:
+            self._thread = threading.Thread(
+                target=self._loop, args=(interval_s,), name="tpusync-store-events", daemon=True
+            )
+            self._thread.start()
+
+    def _loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.pump()
+            except StateError:  # store or publisher closed underneath us
+                return
+
+    def pump(self) -> int:
+        """Drain the store's queue once and publish; returns the number of events published."""
+        with self._lock:
+            raw, dropped = self._store.take_events()
+            events: list[KVEvent] = []
+            if dropped:
+                self.overflows += 1
+                events.append(AllBlocksCleared())
+            run_kind, run_tier = "", ""
+            run_keys: list[bytes] = []
+
+            def flush_run() -> None:
+                if not run_keys:
+                    return
+                medium = TIER_MEDIUM[run_tier]
+                hashes = [self._key_to_hash(k) for k in run_keys]
+                if run_kind == "stored":
+                    events.append(BlockStored(hashes, None, [], self._block_size, None, medium))
+                else:
+                    events.append(BlockRemoved(hashes, medium))
+
+            for kind, tier, key in raw:
+                if kind == "cleared":
+                    flush_run()
+                    run_keys = []
+                    events.append(AllBlocksCleared())
+                    continue
+                if (kind, tier) != (run_kind, run_tier):
+                    flush_run()
+                    run_kind, run_tier, run_keys = kind, tier, []
+                run_keys.append(key)
+            flush_run()
+            if events:
+                self._publisher.publish(events)
+                self.published_events += len(events)
+            return len(events)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the polling thread (waits at most ``timeout``), then drain what is left."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        try:
+            self.pump()
+        except StateError:
+            pass
+
+    def __enter__(self) -> StoreEventBridge:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -205,6 +205,28 @@ class KVStore:
         """Counters: hits / misses per tier, bytes moved, evictions, errors, queues, latencies."""
         return self.native.stats()
 
+    def enable_events(self, capacity: int = 65536) -> None:
+        """Record every placement change (put, demotion, promotion, eviction, remove, clear).
+
+        The native queue keeps at most ``capacity`` events (oldest dropped first, counted);
+        ``0`` turns recording off. :class:`tpusync.core.events.StoreEventBridge` drains it onto a
+        KV-event publisher.
+        """
+        if capacity < 0:
+            from tpusync.core.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"event capacity must be >= 0, not {capacity}")
+        self.native.enable_events(capacity)
+
+    def take_events(self, max_events: int = 65536) -> tuple[list[tuple[str, str, bytes]], int]:
+        """Oldest recorded events as ``(kind, tier, key)`` and the count dropped since last call.
+
+        ``kind`` is ``"stored"``, ``"removed"`` or ``"cleared"``; ``tier`` is ``"host"``,
+        ``"disk"`` or ``"remote"`` (meaningless for ``"cleared"``).
+        """
+        raw, dropped = self.native.take_events(max_events)
+        return [(k, t.name.lower(), key) for k, t, key in raw], int(dropped)
+
     def prometheus(self, registry: Any = None, prefix: str = "tpusync_store") -> Any:
         """Register this store's metrics with a prometheus-client registry (default: global)."""
         from tpusync.core.metrics import register_store
