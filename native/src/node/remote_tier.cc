@@ -17,9 +17,9 @@ Result<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions options, 
     return Status::InvalidArgument("a remote tier needs capacity_blocks > 0");
   }
   std::unique_ptr<RemoteTier> t(new RemoteTier(options));
-  TPUSYNC_ASSIGN_OR_RETURN(t->client_,
-                           StoreClient::CreateRaw(options.block_bytes, std::move(secret),
-                                                  std::move(options.client)));
+  TPUSYNC_ASSIGN_OR_RETURN(
+      t->client_,
+      StoreClient::CreateRaw(options.block_bytes, std::move(secret), std::move(options.client)));
   t->slots_.resize(options.capacity_blocks);
   for (size_t i = options.capacity_blocks; i-- > 0;) t->free_.push_back(i);
   return t;

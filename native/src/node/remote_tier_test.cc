@@ -37,9 +37,10 @@ Cluster StartNodes(size_t n, size_t blocks = 256) {
   return c;
 }
 
-std::unique_ptr<store::KVStore> OpenStore(size_t host_blocks, const Cluster& c, size_t replicas,
-                                          std::shared_ptr<engine::ThreadPool> engine,
-                                          std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
+std::unique_ptr<store::KVStore> OpenStore(
+    size_t host_blocks, const Cluster& c, size_t replicas,
+    std::shared_ptr<engine::ThreadPool> engine,
+    std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
   store::KVStoreOptions o;
   o.block_bytes = kBlock;
   o.host_blocks = host_blocks;
@@ -141,7 +142,7 @@ TEST(RemoteTierStore, SecondStoreFindsThePrefixOnTheNodesUnderALease) {
   EXPECT_EQ(cluster.nodes[0]->stats().leases_active, 24u);
   EXPECT_EQ(GetAll(*b, keys), std::vector<uint8_t>(24, 1));
   EXPECT_EQ(cluster.nodes[0]->stats().leases_active, 0u);  // each read ended its lease
-  EXPECT_EQ(b->stats().tiers[0].promotions_in, 24u);      // and landed in B's DRAM
+  EXPECT_EQ(b->stats().tiers[0].promotions_in, 24u);       // and landed in B's DRAM
   EXPECT_EQ(Lookup(*b, keys), 24u);
 }
 

@@ -155,7 +155,8 @@ Status WaitStore(engine::Future f, std::shared_ptr<std::vector<uint8_t>>& buf) {
 }
 }  // namespace
 
-Status StoreNode::HandlePut(Stream& s, const InFrame& f, std::shared_ptr<std::vector<uint8_t>>& buf) {
+Status StoreNode::HandlePut(Stream& s, const InFrame& f,
+                            std::shared_ptr<std::vector<uint8_t>>& buf) {
   const uint64_t id = f.header.request_id;
   const size_t bb = store_->block_bytes();
   MetaReader r(f.meta);
@@ -220,7 +221,8 @@ Status StoreNode::HandlePut(Stream& s, const InFrame& f, std::shared_ptr<std::ve
   return Reply(s, id, Status::OK(), result);
 }
 
-Status StoreNode::HandleGet(Stream& s, const InFrame& f, std::shared_ptr<std::vector<uint8_t>>& buf) {
+Status StoreNode::HandleGet(Stream& s, const InFrame& f,
+                            std::shared_ptr<std::vector<uint8_t>>& buf) {
   const size_t bb = store_->block_bytes();
   MetaReader r(f.meta);
   auto keys = DecodeKeys(r);

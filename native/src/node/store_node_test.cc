@@ -182,7 +182,8 @@ TEST(StoreNode, LeasedKeysSurviveEvictionUntilReadOrExpiry) {
   EXPECT_EQ(*(*client)->LookupPrefix({"a0"}, std::chrono::milliseconds(60000)), 1u);
   EXPECT_EQ(*(*client)->LookupPrefix({"a1"}, std::chrono::milliseconds(200)), 1u);
   EXPECT_EQ(node->stats().leases_active, 2u);
-  ASSERT_TRUE((*client)->Put(Keys(6, "b"), std::vector<BlockId>(src.begin(), src.begin() + 6)).ok());
+  ASSERT_TRUE(
+      (*client)->Put(Keys(6, "b"), std::vector<BlockId>(src.begin(), src.begin() + 6)).ok());
   EXPECT_EQ(*(*client)->LookupPrefix({"a0", "a1"}), 2u);  // leased: not evicted
   EXPECT_EQ(*(*client)->LookupPrefix({"a2"}), 0u);        // unleased LRU keys went first
   // A read ends a0's lease; a1's lease expires on its own.
@@ -201,8 +202,8 @@ TEST(StoreNode, LeasedKeysSurviveEvictionUntilReadOrExpiry) {
 }
 
 TEST(StoreNode, DiskTierBelowDramHoldsWhatDramCannot) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("tpusync-node-disk-" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("tpusync-node-disk-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   {
     auto node = StoreNode::Start({.capacity_bytes = 4 * kBlock,
@@ -270,8 +271,8 @@ TEST(StoreNodeLoad, ConcurrentClientsMixedOpsLoseNothing) {
   std::vector<std::thread> threads;
   for (size_t c = 0; c < clients; ++c) {
     threads.emplace_back([&, c] {
-      auto client = StoreClient::CreateRaw(kLoadBlock, TestSecret(),
-                                           {.nodes = addrs, .replication = 2});
+      auto client =
+          StoreClient::CreateRaw(kLoadBlock, TestSecret(), {.nodes = addrs, .replication = 2});
       if (!client.ok()) {
         errors++;
         return;

@@ -30,8 +30,7 @@ uint8_t* RowOf(const engine::RowBuffer& b, size_t i) {
 
 }  // namespace
 
-Result<std::vector<std::unique_ptr<tier::BlockTier>>> KVStore::OpenTiers(
-    const KVStoreOptions& o) {
+Result<std::vector<std::unique_ptr<tier::BlockTier>>> KVStore::OpenTiers(const KVStoreOptions& o) {
   if (o.block_bytes == 0) return Status::InvalidArgument("KVStore needs block_bytes > 0");
   if (o.host_blocks == 0 && o.disk_dir.empty()) {
     return Status::InvalidArgument("KVStore needs host_blocks > 0 or a disk tier");

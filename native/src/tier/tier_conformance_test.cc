@@ -13,9 +13,9 @@
 #include <gtest/gtest.h>
 
 #include "mock_tier.h"
-#include "tpusync/tier/disk_tier.h"
 #include "tpusync/node/remote_tier.h"
 #include "tpusync/node/store_node.h"
+#include "tpusync/tier/disk_tier.h"
 #include "tpusync/tier/host_tier.h"
 
 namespace tpusync::tier {

@@ -250,8 +250,8 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
     // group, so the slowest stream of each group stalled all the others.
     auto raw = link.raw();
     const size_t k = std::max<size_t>(1, raw.size());
-    const size_t per_frame = std::clamp<size_t>(kPdFrameBytes / std::max<uint64_t>(bb, 1), 1,
-                                                kMaxBlocksPerFrame);
+    const size_t per_frame =
+        std::clamp<size_t>(kPdFrameBytes / std::max<uint64_t>(bb, 1), 1, kMaxBlocksPerFrame);
     std::atomic<bool> failed{false};
     auto send_stream = [&](size_t si) -> Status {
       for (uint32_t g = 0; g < groups; ++g) {
@@ -283,7 +283,8 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
     };
     std::vector<Status> results(k);
     std::vector<std::thread> senders;
-    for (size_t si = 1; si < k; ++si) senders.emplace_back([&, si] { results[si] = send_stream(si); });
+    for (size_t si = 1; si < k; ++si)
+      senders.emplace_back([&, si] { results[si] = send_stream(si); });
     results[0] = send_stream(0);
     for (auto& t : senders) t.join();
     for (auto& r : results) {

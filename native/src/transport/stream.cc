@@ -111,7 +111,8 @@ Status SocketStream::RecvBlocks(const InFrame& f, std::span<uint8_t* const> dst,
   // checksums - for multi-MiB frames the second pass re-read every byte from DRAM.
   constexpr uint64_t kVerifyBatchBytes = uint64_t{1} << 20;
   const uint64_t bb = f.header.block_bytes;
-  const size_t per = static_cast<size_t>(std::max<uint64_t>(1, kVerifyBatchBytes / std::max<uint64_t>(bb, 1)));
+  const size_t per =
+      static_cast<size_t>(std::max<uint64_t>(1, kVerifyBatchBytes / std::max<uint64_t>(bb, 1)));
   std::vector<iovec> iov;
   iov.reserve(std::min(per, dst.size()));
   Status bad;

@@ -34,8 +34,8 @@
 #include <string>
 #include <vector>
 
-#include "tpusync/base/status.h"
 #include <unordered_map>
+#include "tpusync/base/status.h"
 
 #include "tpusync/block/block_index.h"
 #include "tpusync/engine/thread_pool.h"
@@ -64,9 +64,9 @@ struct StoreNodeOptions {
   std::string listen = "127.0.0.1:0";
   size_t capacity_bytes = 1ull << 30;  // host DRAM tier
   size_t block_bytes = 256 << 10;
-  std::string disk_dir;         // non-empty: a disk tier below DRAM
+  std::string disk_dir;  // non-empty: a disk tier below DRAM
   size_t disk_capacity_bytes = 0;
-  size_t engine_threads = 2;    // the KVStore's copy threads
+  size_t engine_threads = 2;  // the KVStore's copy threads
   transport::ServerOptions server;
 };
 
