@@ -369,8 +369,29 @@ PdConsumer::~PdConsumer() {
       for (Link* l : r->links) l->Close();
     }
   }
-  for (auto& w : threads_) w.thread.join();
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;  // workers finish the queued sources, then exit
+  }
+  work_cv_.notify_all();
+  for (auto& w : workers_) w.join();
   links_.Clear();
+}
+
+void PdConsumer::WorkerLoop() {
+  std::unique_lock lock(mu_);
+  --spawning_;
+  for (;;) {
+    ++idle_workers_;
+    work_cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+    --idle_workers_;
+    if (jobs_.empty()) return;  // stopping, nothing left
+    Job job = std::move(jobs_.front());
+    jobs_.pop_front();
+    lock.unlock();
+    RunSource(std::move(job.req), job.index);
+    lock.lock();
+  }
 }
 
 Status PdConsumer::StartRecv(uint64_t request_id, std::vector<PdSource> sources,
@@ -406,23 +427,12 @@ Status PdConsumer::StartRecv(uint64_t request_id, std::vector<PdSource> sources,
   TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(req->all_blocks));
   req->running = req->sources.size();
   requests_[request_id] = req;
-  // Reap the threads of earlier sources that ended (each flags itself as its last act).
-  for (auto it = threads_.begin(); it != threads_.end();) {
-    if (it->done->load()) {
-      it->thread.join();
-      it = threads_.erase(it);
-    } else {
-      ++it;
-    }
+  for (size_t i = 0; i < req->sources.size(); ++i) jobs_.push_back({req, i});
+  while (jobs_.size() > idle_workers_ + spawning_) {
+    workers_.emplace_back([this] { WorkerLoop(); });
+    ++spawning_;
   }
-  for (size_t i = 0; i < req->sources.size(); ++i) {
-    auto done = std::make_shared<std::atomic<bool>>(false);
-    threads_.push_back({std::thread([this, req, i, done] {
-                          RunSource(req, i);
-                          done->store(true);
-                        }),
-                        done});
-  }
+  work_cv_.notify_all();
   return Status::OK();
 }
 
