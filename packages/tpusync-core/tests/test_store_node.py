@@ -244,3 +244,30 @@ def test_kvstore_with_remote_nodes_demotes_and_shares(secret_file):
     finally:
         for proc, _ in procs:
             stop(proc)
+
+
+def test_store_node_cli_disk_tier_holds_what_dram_cannot(secret_file, tmp_path):
+    cmd = [sys.executable, "-m", "tpusync.core.cli", "store-node", "--listen", "127.0.0.1:0",
+           "--capacity", str(4 * BLOCK), "--block-bytes", str(BLOCK),
+           "--disk-dir", str(tmp_path / "disk"), "--disk-capacity", str(64 * BLOCK),
+           "--auth-secret-file", str(secret_file)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        pool = tc.HostBlockPool(BLOCK, 64)
+        client = StoreClient(pool, [info["address"]], secret=SECRET, timeout=10.0)
+        keys = [f"disk-{i}" for i in range(24)]
+        src = pool.alloc(24)
+        for i, b in enumerate(src):
+            pool.view(b)[:] = np.uint8(i + 1)
+        for i in range(0, 24, 2):  # small puts: DRAM write-back to disk keeps up
+            assert client.put(keys[i : i + 2], src[i : i + 2]) == [1, 1]
+        dst = pool.alloc(24)
+        assert client.get(keys, dst) == [True] * 24
+        for i, b in enumerate(dst):
+            assert (pool.view(b) == np.uint8(i + 1)).all()
+    finally:
+        out = stop(proc)
+    stats = json.loads(out.strip().splitlines()[-1])["stats"]
+    assert stats["blocks_total"] == 4 and stats["disk_blocks_total"] == 64
+    assert stats["disk_blocks_used"] >= 20
