@@ -18,16 +18,17 @@ StoreClient::StoreClient(std::shared_ptr<BlockAllocator> pool, Secret secret,
       options_(std::move(options)),
       links_(std::move(secret), options_.connect) {}
 
-Result<std::unique_ptr<StoreClient>> StoreClient::Create(std::shared_ptr<BlockAllocator> pool,
-                                                         Secret secret,
-                                                         StoreClientOptions options) {
-  if (!pool) return Status::InvalidArgument("StoreClient needs a block pool");
+Result<std::unique_ptr<StoreClient>> StoreClient::Make(std::shared_ptr<BlockAllocator> pool,
+                                                       size_t block_bytes, Secret secret,
+                                                       StoreClientOptions options) {
+  if (block_bytes == 0) return Status::InvalidArgument("StoreClient needs block_bytes > 0");
   if (options.nodes.empty()) return Status::InvalidArgument("StoreClient needs at least one node");
   if (options.replication == 0 || options.replication > options.nodes.size()) {
     return Status::InvalidArgument(
         StrCat("replication ", options.replication, " with ", options.nodes.size(), " nodes"));
   }
   std::unique_ptr<StoreClient> c(new StoreClient(std::move(pool), std::move(secret), options));
+  c->block_bytes_ = block_bytes;
   for (const auto& n : options.nodes) {
     TPUSYNC_ASSIGN_OR_RETURN(auto a, transport::ParseAddress(n));
     c->addrs_.push_back(a);
@@ -35,6 +36,19 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(std::shared_ptr<BlockAl
     c->seeds_.push_back(Checksum64(canon.data(), canon.size()));
   }
   return c;
+}
+
+Result<std::unique_ptr<StoreClient>> StoreClient::Create(std::shared_ptr<BlockAllocator> pool,
+                                                         Secret secret,
+                                                         StoreClientOptions options) {
+  if (!pool) return Status::InvalidArgument("StoreClient needs a block pool");
+  const size_t bytes = pool->block_bytes();
+  return Make(std::move(pool), bytes, std::move(secret), std::move(options));
+}
+
+Result<std::unique_ptr<StoreClient>> StoreClient::CreateRaw(size_t block_bytes, Secret secret,
+                                                            StoreClientOptions options) {
+  return Make(nullptr, block_bytes, std::move(secret), std::move(options));
 }
 
 std::vector<size_t> StoreClient::Rank(std::string_view key) const {
@@ -50,21 +64,20 @@ std::vector<size_t> StoreClient::Rank(std::string_view key) const {
 
 Result<std::vector<uint8_t>> StoreClient::Call(size_t n, Op op,
                                                const std::vector<std::string>& keys,
-                                               const std::vector<BlockId>* payload,
-                                               const std::vector<BlockId>* dst) {
+                                               std::span<const uint8_t* const> payload,
+                                               std::span<uint8_t* const> dst, uint8_t flags,
+                                               std::span<const uint8_t> extra_meta) {
   TPUSYNC_ASSIGN_OR_RETURN(auto link, links_.Acquire(addrs_[n]));
   transport::Stream& s = *link->streams[0];
   const auto deadline = transport::Clock::now() + options_.timeout;
-  const auto meta = EncodeKeys(keys);
-  std::vector<const uint8_t*> blocks;
-  if (payload) {
-    for (BlockId b : *payload) blocks.push_back(pool_->SlotAddress(BlockAllocator::SlotOf(b)));
-  }
+  auto meta = EncodeKeys(keys);
+  meta.insert(meta.end(), extra_meta.begin(), extra_meta.end());
   transport::OutFrame f;
   f.op = op;
+  f.flags = flags;
   f.meta = meta;
-  f.blocks = blocks;
-  f.block_bytes = blocks.empty() ? 0 : pool_->block_bytes();
+  f.blocks = payload;
+  f.block_bytes = payload.empty() ? 0 : block_bytes_;
   TPUSYNC_RETURN_IF_ERROR(s.Send(f, deadline));
   auto reply = s.RecvHead(deadline);
   if (!reply.ok()) return reply.status();
@@ -90,13 +103,13 @@ Result<std::vector<uint8_t>> StoreClient::Call(size_t n, Op op,
   }
   // Get: the payload holds the found blocks, in key order.
   std::vector<uint8_t*> into;
-  if (dst && st.ok()) {
+  if (!dst.empty() && st.ok()) {
     for (size_t i = 0; i < out.size(); ++i) {
-      if (out[i]) into.push_back(pool_->SlotAddress(BlockAllocator::SlotOf((*dst)[i])));
+      if (out[i]) into.push_back(dst[i]);
     }
   }
   if (reply->header.num_blocks != into.size() ||
-      (!into.empty() && reply->header.block_bytes != pool_->block_bytes())) {
+      (!into.empty() && reply->header.block_bytes != block_bytes_)) {
     link->Close();
     return Status::Corrupted("store reply payload does not match its found flags");
   }
@@ -112,12 +125,44 @@ Result<std::vector<uint8_t>> StoreClient::Call(size_t n, Op op,
   return out;
 }
 
+Result<std::vector<uint8_t>> StoreClient::CallChunked(size_t n, Op op,
+                                                      const std::vector<std::string>& keys,
+                                                      std::span<const uint8_t* const> payload,
+                                                      std::span<uint8_t* const> dst) {
+  const size_t per = std::max<size_t>(1, kMaxRequestBytes / block_bytes_);
+  if (keys.size() <= per) return Call(n, op, keys, payload, dst);
+  std::vector<uint8_t> out;
+  out.reserve(keys.size());
+  for (size_t lo = 0; lo < keys.size(); lo += per) {
+    const size_t hi = std::min(keys.size(), lo + per);
+    std::vector<std::string> ks(keys.begin() + lo, keys.begin() + hi);
+    auto res = Call(n, op, ks, payload.empty() ? payload : payload.subspan(lo, hi - lo),
+                    dst.empty() ? dst : dst.subspan(lo, hi - lo));
+    if (!res.ok()) return res.status();
+    out.insert(out.end(), res->begin(), res->end());
+  }
+  return out;
+}
+
 Result<std::vector<uint32_t>> StoreClient::Put(const std::vector<std::string>& keys,
                                                const std::vector<BlockId>& blocks) {
+  if (!pool_) return Status::FailedPrecondition("this StoreClient has no block pool");
   if (keys.size() != blocks.size()) {
     return Status::InvalidArgument(StrCat(keys.size(), " keys for ", blocks.size(), " blocks"));
   }
   TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(blocks));
+  std::vector<const uint8_t*> src;
+  for (BlockId b : blocks) src.push_back(pool_->SlotAddress(BlockAllocator::SlotOf(b)));
+  auto res = PutRaw(keys, src);
+  pool_->ReleaseBorrow(blocks);
+  return res;
+}
+
+Result<std::vector<uint32_t>> StoreClient::PutRaw(const std::vector<std::string>& keys,
+                                                  std::span<const uint8_t* const> blocks) {
+  if (keys.size() != blocks.size()) {
+    return Status::InvalidArgument(StrCat(keys.size(), " keys for ", blocks.size(), " blocks"));
+  }
   std::map<size_t, std::vector<size_t>> per_node;  // node -> key indices
   for (size_t i = 0; i < keys.size(); ++i) {
     auto rank = Rank(keys[i]);
@@ -128,12 +173,12 @@ Result<std::vector<uint32_t>> StoreClient::Put(const std::vector<std::string>& k
   size_t reached = 0;
   for (auto& [node, idx] : per_node) {
     std::vector<std::string> ks;
-    std::vector<BlockId> bs;
+    std::vector<const uint8_t*> bs;
     for (size_t i : idx) {
       ks.push_back(keys[i]);
       bs.push_back(blocks[i]);
     }
-    auto res = Call(node, Op::kStorePut, ks, &bs, nullptr);
+    auto res = CallChunked(node, Op::kStorePut, ks, bs, {});
     if (!res.ok()) {
       // A node that answered with a refusal (e.g. a payload damaged in flight) was reached; its
       // replicas simply do not count.
@@ -147,17 +192,29 @@ Result<std::vector<uint32_t>> StoreClient::Put(const std::vector<std::string>& k
       if ((*res)[j] != static_cast<uint8_t>(PutResult::kNoSpace)) replicas[idx[j]]++;
     }
   }
-  pool_->ReleaseBorrow(blocks);
   if (reached == 0 && !last.ok()) return last;
   return replicas;
 }
 
 Result<std::vector<bool>> StoreClient::Get(const std::vector<std::string>& keys,
                                            const std::vector<BlockId>& dst) {
+  if (!pool_) return Status::FailedPrecondition("this StoreClient has no block pool");
   if (keys.size() != dst.size()) {
     return Status::InvalidArgument(StrCat(keys.size(), " keys for ", dst.size(), " blocks"));
   }
   TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(dst));
+  std::vector<uint8_t*> into;
+  for (BlockId b : dst) into.push_back(pool_->SlotAddress(BlockAllocator::SlotOf(b)));
+  auto res = GetRaw(keys, into);
+  pool_->ReleaseBorrow(dst);
+  return res;
+}
+
+Result<std::vector<bool>> StoreClient::GetRaw(const std::vector<std::string>& keys,
+                                              std::span<uint8_t* const> dst) {
+  if (keys.size() != dst.size()) {
+    return Status::InvalidArgument(StrCat(keys.size(), " keys for ", dst.size(), " blocks"));
+  }
   std::vector<bool> found(keys.size(), false);
   std::vector<std::vector<size_t>> ranks;
   for (const auto& k : keys) ranks.push_back(Rank(k));
@@ -170,12 +227,12 @@ Result<std::vector<bool>> StoreClient::Get(const std::vector<std::string>& keys,
     }
     for (auto& [node, idx] : per_node) {
       std::vector<std::string> ks;
-      std::vector<BlockId> ds;
+      std::vector<uint8_t*> ds;
       for (size_t i : idx) {
         ks.push_back(keys[i]);
         ds.push_back(dst[i]);
       }
-      auto res = Call(node, Op::kStoreGet, ks, nullptr, &ds);
+      auto res = CallChunked(node, Op::kStoreGet, ks, {}, ds);
       if (!res.ok()) {
         last = res.status();  // failover: the next round asks the next replica
         continue;
@@ -184,18 +241,29 @@ Result<std::vector<bool>> StoreClient::Get(const std::vector<std::string>& keys,
       for (size_t j = 0; j < idx.size(); ++j) found[idx[j]] = found[idx[j]] || (*res)[j];
     }
   }
-  pool_->ReleaseBorrow(dst);
   if (reached == 0 && !last.ok()) return last;  // no node answered at all: say why
   return found;
 }
 
 Result<size_t> StoreClient::LookupPrefix(const std::vector<std::string>& keys) {
+  return Lookup(keys, 0);
+}
+
+Result<size_t> StoreClient::LookupPrefix(const std::vector<std::string>& keys,
+                                         std::chrono::milliseconds lease) {
+  const auto ms = std::clamp<int64_t>(lease.count(), 1, kMaxLeaseMs);
+  return Lookup(keys, static_cast<uint32_t>(ms));
+}
+
+Result<size_t> StoreClient::Lookup(const std::vector<std::string>& keys, uint32_t lease_ms) {
   std::vector<bool> found(keys.size(), false);
   std::vector<std::vector<size_t>> ranks;
   for (const auto& k : keys) ranks.push_back(Rank(k));
   size_t prefix_bound = keys.size();
   Status last;
   size_t reached = 0;
+  transport::MetaWriter extra;
+  if (lease_ms) extra.U32(lease_ms);
   for (size_t round = 0; round < options_.replication; ++round) {
     std::map<size_t, std::vector<size_t>> per_node;
     for (size_t i = 0; i < prefix_bound; ++i) {
@@ -205,7 +273,8 @@ Result<size_t> StoreClient::LookupPrefix(const std::vector<std::string>& keys) {
     for (auto& [node, idx] : per_node) {
       std::vector<std::string> ks;
       for (size_t i : idx) ks.push_back(keys[i]);
-      auto res = Call(node, Op::kStoreLookup, ks, nullptr, nullptr);
+      auto res = Call(node, Op::kStoreLookup, ks, {}, {}, lease_ms ? kLeaseFlag : uint8_t{0},
+                      extra.bytes());
       if (!res.ok()) {
         last = res.status();
         continue;
@@ -232,7 +301,7 @@ Result<std::vector<bool>> StoreClient::Remove(const std::vector<std::string>& ke
   for (auto& [node, idx] : per_node) {
     std::vector<std::string> ks;
     for (size_t i : idx) ks.push_back(keys[i]);
-    auto res = Call(node, Op::kStoreRemove, ks, nullptr, nullptr);
+    auto res = Call(node, Op::kStoreRemove, ks, {}, {});
     if (!res.ok()) {
       last = res.status();
       continue;

@@ -60,13 +60,20 @@ Result<std::unique_ptr<StoreNode>> StoreNode::Start(StoreNodeOptions options, Se
     return Status::InvalidArgument(StrCat("capacity ", options.capacity_bytes,
                                           " bytes cannot hold one block of ", options.block_bytes));
   }
+  if (!options.disk_dir.empty() && options.disk_capacity_bytes < options.block_bytes) {
+    return Status::InvalidArgument(StrCat("disk capacity ", options.disk_capacity_bytes,
+                                          " bytes cannot hold one block of ", options.block_bytes));
+  }
   std::unique_ptr<StoreNode> n(new StoreNode());
-  memory::HostPoolOptions po;
-  const size_t blocks = options.capacity_bytes / BlockAllocator::StrideFor(options.block_bytes);
-  po.size_bytes = BlockAllocator::StrideFor(options.block_bytes) * blocks;
-  TPUSYNC_ASSIGN_OR_RETURN(auto host, memory::HostPool::Create(po));
-  TPUSYNC_ASSIGN_OR_RETURN(n->pool_, BlockAllocator::Create(std::move(host), options.block_bytes));
-  n->stats_.blocks_total = blocks;
+  n->options_ = options;
+  n->engine_ = std::make_shared<engine::ThreadPool>(std::max<size_t>(1, options.engine_threads));
+  store::KVStoreOptions ko;
+  ko.block_bytes = options.block_bytes;
+  ko.host_blocks = options.capacity_bytes / options.block_bytes;
+  ko.disk_dir = options.disk_dir;
+  if (!options.disk_dir.empty()) ko.disk_blocks = options.disk_capacity_bytes / options.block_bytes;
+  ko.prefault = false;  // a node may be sized far above what its first minutes use
+  TPUSYNC_ASSIGN_OR_RETURN(n->store_, store::KVStore::Open(ko, n->engine_));
   auto so = options.server;
   so.listen = options.listen;
   StoreNode* self = n.get();
@@ -77,30 +84,53 @@ Result<std::unique_ptr<StoreNode>> StoreNode::Start(StoreNodeOptions options, Se
   return n;
 }
 
-StoreNode::~StoreNode() { Stop(); }
+StoreNode::~StoreNode() {
+  Stop();
+  server_.reset();  // every handler thread is joined before the store goes away
+  store_.reset();
+}
 
 void StoreNode::Stop() {
   if (server_) server_->Stop();
 }
 
 StoreNodeStats StoreNode::stats() const {
+  const store::StoreStats ks = store_->stats();
   std::lock_guard lock(stats_mu_);
   StoreNodeStats s = stats_;
-  s.blocks_used = pool_->num_blocks() - pool_->num_free();
+  for (const auto& t : ks.tiers) {
+    if (t.kind == block::Tier::kHost) {
+      s.blocks_total = t.tier.capacity_blocks;
+      s.blocks_used = t.tier.used_blocks;
+    } else if (t.kind == block::Tier::kDisk) {
+      s.disk_blocks_total = t.tier.capacity_blocks;
+      s.disk_blocks_used = t.tier.used_blocks;
+    }
+  }
+  s.evictions = ks.evicted;
   s.rejected_peers = server_ ? server_->rejected() : 0;
   s.links = server_ ? server_->links() : 0;
+  {
+    std::lock_guard l2(lease_mu_);
+    s.leases_active = 0;
+    for (const auto& [k, l] : leases_) s.leases_active += l.count;
+  }
   return s;
 }
 
 void StoreNode::Serve(const std::shared_ptr<transport::Link>& link) {
   Stream& s = *link->streams[0];
+  // The connection's receive / send buffer (grown to the largest request it served). Shared so a
+  // store operation that outlives its wait keeps the memory it writes into.
+  auto buf = std::make_shared<std::vector<uint8_t>>();
   for (;;) {
     auto f = s.RecvHead(transport::Clock::now() + kIdleLinkTimeout);
     if (!f.ok()) return;
+    SweepLeases(false);
     Status st;
     switch (f->op()) {
-      case Op::kStorePut: st = HandlePut(s, *f); break;
-      case Op::kStoreGet: st = HandleGet(s, *f); break;
+      case Op::kStorePut: st = HandlePut(s, *f, buf); break;
+      case Op::kStoreGet: st = HandleGet(s, *f, buf); break;
       case Op::kStoreLookup: st = HandleLookup(s, *f); break;
       case Op::kStoreRemove: st = HandleRemove(s, *f); break;
       default:
@@ -112,27 +142,23 @@ void StoreNode::Serve(const std::shared_ptr<transport::Link>& link) {
   }
 }
 
-Result<std::vector<BlockId>> StoreNode::Reserve(size_t n) {
-  auto ids = pool_->Alloc(n);
-  if (ids.ok()) return ids;
-  const size_t short_by = n - std::min(n, pool_->num_free());
-  size_t evicted = 0;
-  for (const auto& v : index_.EvictionCandidates(block::Tier::kHost, short_by)) {
-    auto loc = index_.Remove(v.key, block::Tier::kHost);
-    if (loc.ok()) {
-      (void)pool_->Free({&*loc, 1});
-      evicted++;
-    }
+namespace {
+// Waits for a store operation; on timeout the buffer it writes into is handed to the operation
+// so that it stays valid until the engine is done with it, and the connection gets a new one.
+Status WaitStore(engine::Future f, std::shared_ptr<std::vector<uint8_t>>& buf) {
+  Status st = f->Wait(std::chrono::milliseconds(kIoTimeoutMs));
+  if (st.code() == StatusCode::kTimeout && !f->done()) {
+    f->OnComplete([keep = buf](const Status&) {});
+    buf = std::make_shared<std::vector<uint8_t>>();
   }
-  {
-    std::lock_guard lock(stats_mu_);
-    stats_.evictions += evicted;
-  }
-  return pool_->Alloc(n);
+  return st;
 }
+}  // namespace
 
-Status StoreNode::HandlePut(Stream& s, const InFrame& f) {
+Status StoreNode::HandlePut(Stream& s, const InFrame& f,
+                            std::shared_ptr<std::vector<uint8_t>>& buf) {
   const uint64_t id = f.header.request_id;
+  const size_t bb = store_->block_bytes();
   MetaReader r(f.meta);
   auto keys = DecodeKeys(r);
   Status bad = keys.ok() ? r.ExpectEnd() : keys.status();
@@ -140,117 +166,185 @@ Status StoreNode::HandlePut(Stream& s, const InFrame& f) {
     bad = Status::InvalidArgument(
         StrCat("put of ", keys->size(), " keys carries ", f.header.num_blocks, " blocks"));
   }
-  if (bad.ok() && f.header.block_bytes != pool_->block_bytes()) {
-    bad = Status::InvalidArgument(StrCat("put of ", f.header.block_bytes,
-                                         "-byte blocks to a node of ", pool_->block_bytes(),
-                                         "-byte blocks"));
+  if (bad.ok() && f.header.block_bytes != bb) {
+    bad = Status::InvalidArgument(
+        StrCat("put of ", f.header.block_bytes, "-byte blocks to a node of ", bb, "-byte blocks"));
+  }
+  if (bad.ok() && keys->size() * bb > kMaxNodeRequestBytes) {
+    bad = Status::InvalidArgument(StrCat("put of ", keys->size() * bb, " bytes in one request (",
+                                         kMaxNodeRequestBytes, " allowed)"));
   }
   if (!bad.ok()) {
     TPUSYNC_RETURN_IF_ERROR(s.SkipBlocks(f, DeadlineInMs(kIoTimeoutMs)));
     return Reply(s, id, bad, {});
   }
   const size_t n = keys->size();
-  // Phase 1: reserve (invisible to readers) and receive straight into the reserved blocks.
-  Result<std::vector<BlockId>> ids = Status::Internal("unset");
-  {
-    std::lock_guard lock(mu_);
-    ids = Reserve(n);
-  }
-  if (!ids.ok()) {
-    TPUSYNC_RETURN_IF_ERROR(s.SkipBlocks(f, DeadlineInMs(kIoTimeoutMs)));
-    {
-      std::lock_guard lock(stats_mu_);
-      stats_.put_no_space += n;
-    }
-    return Reply(s, id, Status::OK(),
-                 std::vector<uint8_t>(n, static_cast<uint8_t>(PutResult::kNoSpace)));
-  }
+  // Phase 1: receive into the connection's buffer (invisible to readers), checksums verified.
+  if (buf->size() < n * bb) buf->resize(n * bb);
   std::vector<uint8_t*> dst;
-  for (BlockId b : *ids) dst.push_back(pool_->SlotAddress(BlockAllocator::SlotOf(b)));
+  for (size_t i = 0; i < n; ++i) dst.push_back(buf->data() + i * bb);
   Status got = s.RecvBlocks(f, dst, DeadlineInMs(kIoTimeoutMs));
   if (!got.ok()) {
-    (void)pool_->Free(*ids);  // nothing was committed
     std::lock_guard lock(stats_mu_);
     stats_.put_corrupt += (got.code() == StatusCode::kCorrupted);
     if (s.broken()) return got;
-    return Reply(s, id, got, {});
+    return Reply(s, id, got, {});  // nothing was committed
   }
-  // Phase 2: commit. First committed writer wins.
+  // Phase 2: commit through the KVStore (visible only once completely written to a tier).
   std::vector<uint8_t> result(n, static_cast<uint8_t>(PutResult::kStored));
-  std::vector<BlockId> dup;
-  {
-    std::lock_guard lock(mu_);
-    for (size_t i = 0; i < n; ++i) {
-      if (!index_.Insert((*keys)[i], block::Tier::kHost, (*ids)[i]).ok()) {
-        result[i] = static_cast<uint8_t>(PutResult::kExists);
-        dup.push_back((*ids)[i]);
-      }
+  std::vector<block::Placement> placed;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string_view k = (*keys)[i];
+    if (store_->Lookup({&k, 1}, &placed) == 1) result[i] = static_cast<uint8_t>(PutResult::kExists);
+  }
+  auto stored = std::make_shared<std::vector<uint8_t>>();
+  Status st = WaitStore(store_->Put(*keys, {buf->data(), bb, n, {}}, stored), buf);
+  size_t new_blocks = 0, exists = 0, no_space = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!st.ok() || i >= stored->size() || !(*stored)[i]) {
+      result[i] = static_cast<uint8_t>(PutResult::kNoSpace);
+      ++no_space;
+    } else if (result[i] == static_cast<uint8_t>(PutResult::kExists)) {
+      ++exists;
+    } else {
+      ++new_blocks;
     }
   }
-  if (!dup.empty()) (void)pool_->Free(dup);
   {
     std::lock_guard lock(stats_mu_);
     stats_.puts++;
-    stats_.put_blocks += n - dup.size();
-    stats_.put_exists += dup.size();
-    stats_.bytes_in += n * pool_->block_bytes();
+    stats_.put_blocks += new_blocks;
+    stats_.put_exists += exists;
+    stats_.put_no_space += no_space;
+    stats_.bytes_in += n * bb;
   }
   return Reply(s, id, Status::OK(), result);
 }
 
-Status StoreNode::HandleGet(Stream& s, const InFrame& f) {
+Status StoreNode::HandleGet(Stream& s, const InFrame& f,
+                            std::shared_ptr<std::vector<uint8_t>>& buf) {
+  const size_t bb = store_->block_bytes();
   MetaReader r(f.meta);
   auto keys = DecodeKeys(r);
-  if (!keys.ok() || f.header.num_blocks) {
-    if (f.header.num_blocks) TPUSYNC_RETURN_IF_ERROR(s.SkipBlocks(f, DeadlineInMs(kIoTimeoutMs)));
-    return Reply(s, f.header.request_id,
-                 keys.ok() ? Status::InvalidArgument("a get carries no payload") : keys.status(),
-                 {});
+  Status bad = keys.ok() ? Status::OK() : keys.status();
+  if (bad.ok() && f.header.num_blocks) bad = Status::InvalidArgument("a get carries no payload");
+  if (bad.ok() && keys->size() * bb > kMaxNodeRequestBytes) {
+    bad = Status::InvalidArgument(StrCat("get of ", keys->size() * bb, " bytes in one request (",
+                                         kMaxNodeRequestBytes, " allowed)"));
   }
-  std::vector<uint8_t> found(keys->size(), 0);
-  std::vector<BlockId> leased;
+  if (!bad.ok()) {
+    if (f.header.num_blocks) TPUSYNC_RETURN_IF_ERROR(s.SkipBlocks(f, DeadlineInMs(kIoTimeoutMs)));
+    return Reply(s, f.header.request_id, bad, {});
+  }
+  const size_t n = keys->size();
+  if (buf->size() < n * bb) buf->resize(n * bb);
+  auto found = std::make_shared<std::vector<uint8_t>>();
+  Status st = WaitStore(store_->Get(*keys, {buf->data(), bb, n, {}}, found), buf);
+  if (!st.ok()) return Reply(s, f.header.request_id, st, {});
+  std::vector<const uint8_t*> src;
+  std::vector<uint8_t> flags(n, 0);
   {
-    // READ LEASE: look up and borrow under the lock; send without it.
-    std::lock_guard lock(mu_);
-    for (size_t i = 0; i < keys->size(); ++i) {
-      auto p = index_.Lookup((*keys)[i]);
-      if (!p || !p->in(block::Tier::kHost)) continue;
-      const BlockId b = p->location[static_cast<size_t>(block::Tier::kHost)];
-      if (pool_->AcquireBorrow({&b, 1}).ok()) {
-        found[i] = 1;
-        leased.push_back(b);
-      }
+    std::lock_guard lock(lease_mu_);
+    for (size_t i = 0; i < n; ++i) {
+      if (!(*found)[i]) continue;
+      flags[i] = 1;
+      src.push_back(buf->data() + i * bb);
+      EndLease((*keys)[i]);  // READ LEASE: a read ends one lease
     }
   }
-  std::vector<const uint8_t*> src;
-  for (BlockId b : leased) src.push_back(pool_->SlotAddress(BlockAllocator::SlotOf(b)));
-  const Status sent = Reply(s, f.header.request_id, Status::OK(), found, src, pool_->block_bytes());
-  pool_->ReleaseBorrow(leased);
+  const Status sent = Reply(s, f.header.request_id, Status::OK(), flags, src, bb);
   std::lock_guard lock(stats_mu_);
   stats_.gets++;
-  stats_.get_hits += leased.size();
-  stats_.get_misses += keys->size() - leased.size();
-  stats_.bytes_out += leased.size() * pool_->block_bytes();
+  stats_.get_hits += src.size();
+  stats_.get_misses += n - src.size();
+  stats_.bytes_out += src.size() * bb;
   return sent;
+}
+
+void StoreNode::EndLease(const std::string& key) {
+  auto it = leases_.find(key);
+  if (it == leases_.end()) return;
+  const std::string_view k = key;
+  (void)store_->Unpin({&k, 1});
+  if (--it->second.count == 0) leases_.erase(it);
+}
+
+void StoreNode::EndAllLeases(const std::string& key) {
+  auto it = leases_.find(key);
+  if (it == leases_.end()) return;
+  const std::string_view k = key;
+  for (uint32_t i = 0; i < it->second.count; ++i) (void)store_->Unpin({&k, 1});
+  leases_.erase(it);
+}
+
+void StoreNode::SweepLeases(bool force) {
+  const auto now = transport::Clock::now();
+  std::lock_guard lock(lease_mu_);
+  if (!force && now < next_sweep_) return;
+  next_sweep_ = now + std::chrono::milliseconds(kLeaseSweepMs);
+  uint64_t expired = 0;
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->second.expires > now) {
+      ++it;
+      continue;
+    }
+    const std::string_view k = it->first;
+    for (uint32_t i = 0; i < it->second.count; ++i) (void)store_->Unpin({&k, 1});
+    expired += it->second.count;
+    it = leases_.erase(it);
+  }
+  if (expired) {
+    std::lock_guard l2(stats_mu_);
+    stats_.leases_expired += expired;
+  }
 }
 
 Status StoreNode::HandleLookup(Stream& s, const InFrame& f) {
   MetaReader r(f.meta);
   auto keys = DecodeKeys(r);
-  if (!keys.ok() || f.header.num_blocks) {
+  Status bad = keys.ok() ? Status::OK() : keys.status();
+  uint32_t lease_ms = 0;
+  if (bad.ok() && (f.header.flags & kLeaseFlag)) {
+    auto ms = r.U32();
+    if (!ms.ok()) {
+      bad = ms.status();
+    } else if (*ms == 0 || *ms > kMaxLeaseMs) {
+      bad = Status::InvalidArgument(StrCat("lease of ", *ms, " ms (1..", kMaxLeaseMs, " allowed)"));
+    } else {
+      lease_ms = *ms;
+    }
+  }
+  if (bad.ok()) bad = r.ExpectEnd();
+  if (bad.ok() && f.header.num_blocks) bad = Status::InvalidArgument("a lookup carries no payload");
+  if (!bad.ok()) {
     if (f.header.num_blocks) TPUSYNC_RETURN_IF_ERROR(s.SkipBlocks(f, DeadlineInMs(kIoTimeoutMs)));
-    return Reply(s, f.header.request_id,
-                 keys.ok() ? Status::InvalidArgument("a lookup carries no payload") : keys.status(),
-                 {});
+    return Reply(s, f.header.request_id, bad, {});
   }
   std::vector<uint8_t> found(keys->size(), 0);
+  std::vector<block::Placement> placed;
+  uint64_t leased = 0;
   {
-    std::lock_guard lock(mu_);
-    for (size_t i = 0; i < keys->size(); ++i) found[i] = index_.Lookup((*keys)[i]).has_value();
+    std::lock_guard lock(lease_mu_);
+    const auto expires = transport::Clock::now() + std::chrono::milliseconds(lease_ms);
+    for (size_t i = 0; i < keys->size(); ++i) {
+      const std::string_view k = (*keys)[i];
+      if (lease_ms == 0) {
+        found[i] = store_->Lookup({&k, 1}, &placed) == 1;
+        continue;
+      }
+      // Pin succeeds only for a stored key: lookup and lease in one step.
+      if (!store_->Pin({&k, 1}).ok()) continue;
+      found[i] = 1;
+      Lease& l = leases_[(*keys)[i]];
+      ++l.count;
+      l.expires = std::max(l.expires, expires);
+      ++leased;
+    }
   }
   {
     std::lock_guard lock(stats_mu_);
     stats_.lookups++;
+    stats_.leases += leased;
   }
   return Reply(s, f.header.request_id, Status::OK(), found);
 }
@@ -266,13 +360,12 @@ Status StoreNode::HandleRemove(Stream& s, const InFrame& f) {
   }
   std::vector<uint8_t> removed(keys->size(), 0);
   {
-    std::lock_guard lock(mu_);
+    std::lock_guard lock(lease_mu_);
     for (size_t i = 0; i < keys->size(); ++i) {
-      auto loc = index_.Remove((*keys)[i], block::Tier::kHost);
-      if (loc.ok()) {
-        (void)pool_->Free({&*loc, 1});  // a leased get keeps the memory until it is sent
-        removed[i] = 1;
-      }
+      EndAllLeases((*keys)[i]);
+      const std::string_view k = (*keys)[i];
+      auto n = store_->Remove({&k, 1});
+      removed[i] = n.ok() && *n == 1;
     }
   }
   {

@@ -2,6 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "tpusync/base/checksum.h"
+
 #include "tpusync/node/store_client.h"
 #include "tpusync/transport/fault_stream.h"
 
@@ -161,6 +169,171 @@ TEST(StoreNode, MalformedRequestsGetClearErrors) {
       s.SendMeta(transport::Op::kStoreLookup, 2, EncodeKeys({"x"}), transport::DeadlineInMs(2000))
           .ok());
   EXPECT_TRUE(s.RecvHead(transport::DeadlineInMs(2000)).ok());
+}
+
+TEST(StoreNode, LeasedKeysSurviveEvictionUntilReadOrExpiry) {
+  auto node = StartNode(8);
+  auto pool = MakePool(16);
+  auto client = StoreClient::Create(pool, TestSecret(), {.nodes = {node->address().ToString()}});
+  auto src = *pool->Alloc(8);
+  Fill(*pool, src, 7);
+  ASSERT_TRUE((*client)->Put(Keys(8, "a"), src).ok());
+  // a0 and a1 are the least recent; lease them (a0 for long, a1 briefly).
+  EXPECT_EQ(*(*client)->LookupPrefix({"a0"}, std::chrono::milliseconds(60000)), 1u);
+  EXPECT_EQ(*(*client)->LookupPrefix({"a1"}, std::chrono::milliseconds(200)), 1u);
+  EXPECT_EQ(node->stats().leases_active, 2u);
+  ASSERT_TRUE(
+      (*client)->Put(Keys(6, "b"), std::vector<BlockId>(src.begin(), src.begin() + 6)).ok());
+  EXPECT_EQ(*(*client)->LookupPrefix({"a0", "a1"}), 2u);  // leased: not evicted
+  EXPECT_EQ(*(*client)->LookupPrefix({"a2"}), 0u);        // unleased LRU keys went first
+  // A read ends a0's lease; a1's lease expires on its own.
+  auto dst = *pool->Alloc(1);
+  EXPECT_EQ(*(*client)->Get({"a0"}, dst), std::vector<bool>{true});
+  EXPECT_EQ((*pool->Address(dst[0]))[3], 7);
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  ASSERT_TRUE((*client)->Put(Keys(8, "c"), src).ok());  // sweeps a1's expired lease, then evicts
+  const auto st = node->stats();
+  EXPECT_EQ(st.leases_active, 0u);
+  EXPECT_EQ(st.leases, 2u);
+  EXPECT_EQ(st.leases_expired, 1u);
+  EXPECT_EQ(*(*client)->LookupPrefix({"a0"}), 0u);
+  EXPECT_EQ(*(*client)->LookupPrefix({"a1"}), 0u);
+  EXPECT_EQ(*(*client)->LookupPrefix(Keys(8, "c")), 8u);
+}
+
+TEST(StoreNode, DiskTierBelowDramHoldsWhatDramCannot) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("tpusync-node-disk-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  {
+    auto node = StoreNode::Start({.capacity_bytes = 4 * kBlock,
+                                  .block_bytes = kBlock,
+                                  .disk_dir = dir.string(),
+                                  .disk_capacity_bytes = 64 * kBlock},
+                                 TestSecret());
+    ASSERT_TRUE(node.ok()) << node.status().ToString();
+    auto pool = MakePool(48);
+    auto client =
+        StoreClient::Create(pool, TestSecret(), {.nodes = {(*node)->address().ToString()}});
+    auto src = *pool->Alloc(24);
+    Fill(*pool, src, 20);
+    for (size_t i = 0; i < 24; i += 2) {
+      std::vector<std::string> ks = {"d" + std::to_string(i), "d" + std::to_string(i + 1)};
+      auto put = (*client)->Put(ks, {src[i], src[i + 1]});
+      ASSERT_TRUE(put.ok());
+      EXPECT_EQ(*put, std::vector<uint32_t>(2, 1));
+    }
+    auto dst = *pool->Alloc(24);
+    auto got = (*client)->Get(Keys(24, "d"), dst);
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ(*got, std::vector<bool>(24, true));
+    for (size_t i = 0; i < 24; ++i)
+      EXPECT_EQ((*pool->Address(dst[i]))[kBlock / 2], static_cast<uint8_t>(20 + i)) << i;
+    const auto st = (*node)->stats();
+    EXPECT_EQ(st.blocks_total, 4u);
+    EXPECT_EQ(st.disk_blocks_total, 64u);
+    EXPECT_GE(st.disk_blocks_used, 20u);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// LOAD: `clients` threads, each with its own StoreClient (replication 2 over three nodes), run a
+// mixed stream of put / get / lookup / remove. Every key's bytes derive from the key; the nodes are
+// sized so nothing is evicted. 0 lost (a get of a live key must find it) and 0 wrong blocks (every
+// byte of every hit is checked). TPUSYNC_LOAD_OPS sets operations per client (CI default below; the
+// full 10^5 runs in `nox -s load`).
+TEST(StoreNodeLoad, ConcurrentClientsMixedOpsLoseNothing) {
+  constexpr size_t kLoadBlock = 4096;
+  const char* env = std::getenv("TPUSYNC_LOAD_OPS");
+  const size_t ops = env ? std::strtoull(env, nullptr, 10) : 1000;
+  const char* envc = std::getenv("TPUSYNC_LOAD_CLIENTS");
+  const size_t clients = envc ? std::strtoull(envc, nullptr, 10) : 64;
+  constexpr size_t kLive = 32;  // live keys per client at most
+  std::vector<std::unique_ptr<StoreNode>> nodes;
+  std::vector<std::string> addrs;
+  for (int i = 0; i < 3; ++i) {
+    auto n = StoreNode::Start({.capacity_bytes = clients * kLive * kLoadBlock,
+                               .block_bytes = kLoadBlock,
+                               .engine_threads = 1},
+                              TestSecret());
+    ASSERT_TRUE(n.ok());
+    addrs.push_back((*n)->address().ToString());
+    nodes.push_back(std::move(*n));
+  }
+  auto fill = [](const std::string& key, uint8_t* row) {
+    uint64_t x = Checksum64(key.data(), key.size());
+    for (size_t i = 0; i < kLoadBlock; i += 8) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      std::memcpy(row + i, &x, 8);
+    }
+  };
+  std::atomic<uint64_t> lost{0}, wrong{0}, errors{0}, done_ops{0};
+  std::vector<std::thread> threads;
+  for (size_t c = 0; c < clients; ++c) {
+    threads.emplace_back([&, c] {
+      auto client =
+          StoreClient::CreateRaw(kLoadBlock, TestSecret(), {.nodes = addrs, .replication = 2});
+      if (!client.ok()) {
+        errors++;
+        return;
+      }
+      std::mt19937_64 rng(c + 1);
+      std::vector<std::string> live;
+      std::vector<uint8_t> a(kLoadBlock), b(kLoadBlock);
+      size_t next = 0;
+      for (size_t op = 0; op < ops; ++op) {
+        const unsigned roll = rng() % 10;
+        if (live.empty() || (roll < 4 && live.size() < kLive)) {  // put
+          std::string key = "c" + std::to_string(c) + "-" + std::to_string(next++);
+          fill(key, a.data());
+          const uint8_t* src[] = {a.data()};
+          auto r = (*client)->PutRaw({key}, src);
+          if (!r.ok() || (*r)[0] != 2) {
+            errors++;
+          } else {
+            live.push_back(std::move(key));
+          }
+        } else if (roll < 8) {  // get a live key: must be found, bytes must match
+          const std::string& key = live[rng() % live.size()];
+          uint8_t* dst[] = {b.data()};
+          auto r = (*client)->GetRaw({key}, dst);
+          if (!r.ok()) {
+            errors++;
+          } else if (!(*r)[0]) {
+            lost++;
+          } else {
+            fill(key, a.data());
+            if (std::memcmp(a.data(), b.data(), kLoadBlock) != 0) wrong++;
+          }
+        } else if (roll < 9) {  // lookup
+          auto r = (*client)->LookupPrefix({live.front(), live.back()});
+          if (!r.ok()) {
+            errors++;
+          } else if (*r != 2) {
+            lost++;
+          }
+        } else {  // remove the oldest live key; it must be gone afterwards
+          std::string key = live.front();
+          live.erase(live.begin());
+          auto r = (*client)->Remove({key});
+          if (!r.ok() || !(*r)[0]) {
+            errors++;
+          } else if (*(*client)->LookupPrefix({key}) != 0) {
+            wrong++;
+          }
+        }
+        done_ops++;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(done_ops.load(), clients * ops);
+  EXPECT_EQ(lost.load(), 0u);
+  EXPECT_EQ(wrong.load(), 0u);
+  EXPECT_EQ(errors.load(), 0u);
+  uint64_t evictions = 0;
+  for (auto& n : nodes) evictions += n->stats().evictions;
+  EXPECT_EQ(evictions, 0u);
 }
 
 }  // namespace

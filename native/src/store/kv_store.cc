@@ -30,8 +30,7 @@ uint8_t* RowOf(const engine::RowBuffer& b, size_t i) {
 
 }  // namespace
 
-Result<std::unique_ptr<KVStore>> KVStore::Open(const KVStoreOptions& o,
-                                               std::shared_ptr<engine::ThreadPool> engine) {
+Result<std::vector<std::unique_ptr<tier::BlockTier>>> KVStore::OpenTiers(const KVStoreOptions& o) {
   if (o.block_bytes == 0) return Status::InvalidArgument("KVStore needs block_bytes > 0");
   if (o.host_blocks == 0 && o.disk_dir.empty()) {
     return Status::InvalidArgument("KVStore needs host_blocks > 0 or a disk tier");
@@ -62,13 +61,23 @@ Result<std::unique_ptr<KVStore>> KVStore::Open(const KVStoreOptions& o,
     TPUSYNC_ASSIGN_OR_RETURN(auto disk, tier::DiskTier::Open(d));
     tiers.push_back(std::move(disk));
   }
+  return tiers;
+}
+
+StoreConfig KVStore::ConfigFrom(const KVStoreOptions& o) {
   StoreConfig c;
   c.policy = o.policy;
   c.policy_history = o.policy_history;
   c.writeback_batch = o.writeback_batch;
   c.writeback_headroom = o.writeback_headroom;
   c.put_wait_s = o.put_wait_s;
-  return Open(std::move(tiers), c, std::move(engine));
+  return c;
+}
+
+Result<std::unique_ptr<KVStore>> KVStore::Open(const KVStoreOptions& o,
+                                               std::shared_ptr<engine::ThreadPool> engine) {
+  TPUSYNC_ASSIGN_OR_RETURN(auto tiers, OpenTiers(o));
+  return Open(std::move(tiers), ConfigFrom(o), std::move(engine));
 }
 
 Result<std::unique_ptr<KVStore>> KVStore::Open(std::vector<std::unique_ptr<tier::BlockTier>> tiers,
@@ -432,8 +441,11 @@ engine::Future KVStore::Get(std::vector<std::string> keys, engine::RowBuffer dst
             continue;
           }
           ++misses_;
-          if (op.status.code() == StatusCode::kCorrupted) {
-            ++corrupted_;
+          // kNotFound: a shared tier (remote) no longer holds the key - forget it like a
+          // corrupted block, without counting it as corruption.
+          if (op.status.code() == StatusCode::kCorrupted ||
+              op.status.code() == StatusCode::kNotFound) {
+            corrupted_ += op.status.code() == StatusCode::kCorrupted;
             const Tier kind = tiers_[t]->kind();
             auto p = index_.Lookup(op.key, false);
             if (p && p->in(kind) && p->location[static_cast<size_t>(kind)] == op.location) {
@@ -479,6 +491,22 @@ engine::Future KVStore::Get(std::vector<std::string> keys, engine::RowBuffer dst
 }
 
 size_t KVStore::Lookup(std::span<const std::string_view> keys, std::vector<block::Placement>* out) {
+  const size_t local = index_.LookupPrefix(keys, out);
+  if (local == keys.size() || tiers_.empty()) return local;
+  // SHARED TIER HOOK (tier.h): the rest may be in the last tier although this store never wrote
+  // it (another client's blocks on the store nodes).
+  tier::BlockTier& last = *tiers_.back();
+  std::vector<uint64_t> locs;
+  const size_t found = last.AdoptPrefix(keys.subspan(local), &locs);
+  if (found == 0) return local;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t j = 0; j < found; ++j) {
+      if (!index_.Insert(keys[local + j], last.kind(), locs[j]).ok()) {
+        last.Release(locs[j], /*forget=*/false);  // indexed meanwhile (or already elsewhere)
+      }
+    }
+  }
   return index_.LookupPrefix(keys, out);
 }
 

@@ -1,5 +1,6 @@
 // One conformance suite, run against every BlockTier: the in-memory mock, the host DRAM tier
-// (anonymous and /dev/shm), and the disk tier with each io backend.
+// (anonymous and /dev/shm), the disk tier with each io backend, and the remote tier against a real
+// in-process store node.
 #include <unistd.h>
 
 #include <filesystem>
@@ -12,6 +13,8 @@
 #include <gtest/gtest.h>
 
 #include "mock_tier.h"
+#include "tpusync/node/remote_tier.h"
+#include "tpusync/node/store_node.h"
 #include "tpusync/tier/disk_tier.h"
 #include "tpusync/tier/host_tier.h"
 
@@ -68,6 +71,50 @@ struct DiskFactory {
     return std::move(t).value();
   }
 };
+// The remote tier, owning the in-process store node it talks to (forwards every call).
+class NodeBackedRemoteTier final : public BlockTier {
+ public:
+  NodeBackedRemoteTier(size_t bytes, size_t n) {
+    const auto secret = *node::Secret::FromBytes("conformance-remote-secret-0123456789");
+    auto started = node::StoreNode::Start(
+        {.capacity_bytes = bytes * (n + 4), .block_bytes = bytes, .engine_threads = 1}, secret);
+    EXPECT_TRUE(started.ok()) << started.status().ToString();
+    node_ = std::move(started).value();
+    node::RemoteTierOptions o;
+    o.block_bytes = bytes;
+    o.capacity_blocks = n;
+    o.client.nodes = {node_->address().ToString()};
+    auto t = node::RemoteTier::Open(o, secret);
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    tier_ = std::move(t).value();
+  }
+  ~NodeBackedRemoteTier() override {
+    tier_.reset();
+    node_.reset();
+  }
+  block::Tier kind() const override { return tier_->kind(); }
+  size_t block_bytes() const override { return tier_->block_bytes(); }
+  size_t capacity() const override { return tier_->capacity(); }
+  size_t used() const override { return tier_->used(); }
+  Result<uint64_t> Reserve() override { return tier_->Reserve(); }
+  void Release(uint64_t l, bool f) override { tier_->Release(l, f); }
+  Status Hold(uint64_t l) override { return tier_->Hold(l); }
+  void Unhold(uint64_t l) override { tier_->Unhold(l); }
+  void WriteBatch(std::span<BlockWrite> ops) override { tier_->WriteBatch(ops); }
+  void ReadBatch(std::span<BlockRead> ops) override { tier_->ReadBatch(ops); }
+  std::vector<RecoveredBlock> TakeRecovered() override { return tier_->TakeRecovered(); }
+  TierStats stats() const override { return tier_->stats(); }
+
+ private:
+  std::unique_ptr<node::StoreNode> node_;
+  std::unique_ptr<node::RemoteTier> tier_;
+};
+struct RemoteFactory {
+  static std::unique_ptr<BlockTier> Make(size_t bytes, size_t n, const std::string&) {
+    return std::make_unique<NodeBackedRemoteTier>(bytes, n);
+  }
+};
+
 constexpr char kPread[] = "pread";
 constexpr char kUring[] = "auto";
 
@@ -96,7 +143,7 @@ class TierConformance : public ::testing::Test {
 };
 
 using Factories = ::testing::Types<MockFactory, HostFactory, ShmHostFactory, DiskFactory<kPread>,
-                                   DiskFactory<kUring>>;
+                                   DiskFactory<kUring>, RemoteFactory>;
 TYPED_TEST_SUITE(TierConformance, Factories);
 
 TYPED_TEST(TierConformance, WriteThenReadRoundTrips) {

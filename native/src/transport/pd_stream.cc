@@ -6,11 +6,20 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <set>
+#include <thread>
 
 namespace tpusync::transport {
+namespace {
+// Target payload bytes per kPdData frame (at least one block per frame). Measured on the 2-core
+// reference machine, 2 MiB blocks: 1 MiB (one block per frame) beat 4 MiB by ~1.2x and 16 MiB by
+// ~2x - the sender's checksum pass and the kernel's copy then share the block in L2.
+constexpr size_t kPdFrameBytes = size_t{1} << 20;
+}  // namespace
+
 namespace {
 
 constexpr uint8_t kPullShmOk = 1;
@@ -233,19 +242,61 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
     sent = s0.SendMeta(Op::kPdShmOffer, id, w.bytes(), e->deadline);
     if (sent.ok()) sent = SendFd(s0.fd(), shm_fd_.get(), e->deadline);
   } else {
+    // PIPELINE CONTRACT: each stream sends its share of every group, groups in order, with no
+    // barrier between groups (the consumer counts arrivals per group, so streams may run ahead
+    // of each other); one sender thread per extra stream per request, not per group. Frames are
+    // capped near kPdFrameBytes so the checksum pass and the socket copy of a frame both hit a
+    // warm cache. Rejected alternative: SendStriped per group - it joined every stream after each
+    // group, so the slowest stream of each group stalled all the others.
     auto raw = link.raw();
-    for (uint32_t g = 0; g < groups && sent.ok(); ++g) {
-      const size_t first = size_t{g} * e->bpg;
-      const size_t count = std::min<size_t>(e->bpg, addrs.size() - first);
-      sent = SendStriped(
-          raw, Op::kPdData, id, bb, std::span<const uint8_t* const>(addrs).subspan(first, count),
-          [&](size_t f, size_t c) {
-            MetaWriter w;
-            w.U32(g).U32(groups).U32(e->bpg);
-            w.U32(static_cast<uint32_t>(first + f)).U32(static_cast<uint32_t>(c));
-            return w.Take();
-          },
-          e->deadline);
+    const size_t k = std::max<size_t>(1, raw.size());
+    const size_t per_frame =
+        std::clamp<size_t>(kPdFrameBytes / std::max<uint64_t>(bb, 1), 1, kMaxBlocksPerFrame);
+    std::atomic<bool> failed{false};
+    auto send_stream = [&](size_t si) -> Status {
+      for (uint32_t g = 0; g < groups; ++g) {
+        const size_t first = size_t{g} * e->bpg;
+        const size_t count = std::min<size_t>(e->bpg, addrs.size() - first);
+        const size_t lo = first + count * si / k, hi = first + count * (si + 1) / k;
+        for (size_t b = lo; b < hi; b += per_frame) {
+          if (failed.load(std::memory_order_relaxed)) {
+            return Status::Cancelled("another stream of the link failed");
+          }
+          const size_t c = std::min(per_frame, hi - b);
+          MetaWriter w;
+          w.U32(g).U32(groups).U32(e->bpg);
+          w.U32(static_cast<uint32_t>(b)).U32(static_cast<uint32_t>(c));
+          const auto meta = w.Take();
+          OutFrame f;
+          f.op = Op::kPdData;
+          f.request_id = id;
+          f.meta = meta;
+          f.block_bytes = bb;
+          f.blocks = std::span<const uint8_t* const>(addrs).subspan(b, c);
+          if (Status st = raw[si]->Send(f, e->deadline); !st.ok()) {
+            failed.store(true);
+            return st;
+          }
+        }
+      }
+      return Status::OK();
+    };
+    std::vector<Status> results(k);
+    std::vector<std::thread> senders;
+    for (size_t si = 1; si < k; ++si)
+      senders.emplace_back([&, si] { results[si] = send_stream(si); });
+    results[0] = send_stream(0);
+    for (auto& t : senders) t.join();
+    for (auto& r : results) {
+      if (!r.ok() && r.code() != StatusCode::kCancelled) {
+        sent = r;
+        break;
+      }
+    }
+    if (sent.ok()) {
+      for (auto& r : results) {
+        if (!r.ok()) sent = r;
+      }
     }
   }
   for (size_t i = 0; i < link.streams.size() && sent.ok(); ++i) {
@@ -318,8 +369,29 @@ PdConsumer::~PdConsumer() {
       for (Link* l : r->links) l->Close();
     }
   }
-  for (auto& w : threads_) w.thread.join();
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;  // workers finish the queued sources, then exit
+  }
+  work_cv_.notify_all();
+  for (auto& w : workers_) w.join();
   links_.Clear();
+}
+
+void PdConsumer::WorkerLoop() {
+  std::unique_lock lock(mu_);
+  --spawning_;
+  for (;;) {
+    ++idle_workers_;
+    work_cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+    --idle_workers_;
+    if (jobs_.empty()) return;  // stopping, nothing left
+    Job job = std::move(jobs_.front());
+    jobs_.pop_front();
+    lock.unlock();
+    RunSource(std::move(job.req), job.index);
+    lock.lock();
+  }
 }
 
 Status PdConsumer::StartRecv(uint64_t request_id, std::vector<PdSource> sources,
@@ -355,23 +427,12 @@ Status PdConsumer::StartRecv(uint64_t request_id, std::vector<PdSource> sources,
   TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(req->all_blocks));
   req->running = req->sources.size();
   requests_[request_id] = req;
-  // Reap the threads of earlier sources that ended (each flags itself as its last act).
-  for (auto it = threads_.begin(); it != threads_.end();) {
-    if (it->done->load()) {
-      it->thread.join();
-      it = threads_.erase(it);
-    } else {
-      ++it;
-    }
+  for (size_t i = 0; i < req->sources.size(); ++i) jobs_.push_back({req, i});
+  while (jobs_.size() > idle_workers_ + spawning_) {
+    workers_.emplace_back([this] { WorkerLoop(); });
+    ++spawning_;
   }
-  for (size_t i = 0; i < req->sources.size(); ++i) {
-    auto done = std::make_shared<std::atomic<bool>>(false);
-    threads_.push_back({std::thread([this, req, i, done] {
-                          RunSource(req, i);
-                          done->store(true);
-                        }),
-                        done});
-  }
+  work_cv_.notify_all();
   return Status::OK();
 }
 

@@ -13,8 +13,10 @@
 #include <vector>
 
 #include "bindings.h"
+#include "tpusync/node/remote_tier.h"
 #include "tpusync/node/store_client.h"
 #include "tpusync/node/store_node.h"
+#include "tpusync/store/kv_store.h"
 #include "tpusync/transport/pd_stream.h"
 
 namespace tpusync::bindings {
@@ -165,19 +167,22 @@ void init_transport(nb::module_& m) {
   nb::class_<node::StoreNode>(m, "StoreNode", "A distributed prefix cache node (put/get/lookup).")
       .def_static(
           "start",
-          [](nb::bytes secret, const std::string& listen, size_t capacity_bytes,
-             size_t block_bytes) {
+          [](nb::bytes secret, const std::string& listen, size_t capacity_bytes, size_t block_bytes,
+             const std::string& disk_dir, size_t disk_capacity_bytes) {
             node::StoreNodeOptions o;
             o.listen = listen;
             o.capacity_bytes = capacity_bytes;
             o.block_bytes = block_bytes;
+            o.disk_dir = disk_dir;
+            o.disk_capacity_bytes = disk_capacity_bytes;
             auto s = MakeSecret(secret);
             nb::gil_scoped_release release;
             return std::shared_ptr<node::StoreNode>(
                 Unwrap(node::StoreNode::Start(o, std::move(s))));
           },
           nb::arg("secret"), nb::arg("listen") = "127.0.0.1:0",
-          nb::arg("capacity_bytes") = size_t{1} << 30, nb::arg("block_bytes") = 256 << 10)
+          nb::arg("capacity_bytes") = size_t{1} << 30, nb::arg("block_bytes") = 256 << 10,
+          nb::arg("disk_dir") = "", nb::arg("disk_capacity_bytes") = 0)
       .def_prop_ro("address", [](const node::StoreNode& n) { return n.address().ToString(); })
       .def_prop_ro("block_bytes", &node::StoreNode::block_bytes)
       .def("stats",
@@ -197,6 +202,11 @@ void init_transport(nb::module_& m) {
              d["lookups"] = s.lookups;
              d["removes"] = s.removes;
              d["evictions"] = s.evictions;
+             d["leases"] = s.leases;
+             d["leases_expired"] = s.leases_expired;
+             d["leases_active"] = s.leases_active;
+             d["disk_blocks_total"] = s.disk_blocks_total;
+             d["disk_blocks_used"] = s.disk_blocks_used;
              d["bytes_in"] = s.bytes_in;
              d["bytes_out"] = s.bytes_out;
              d["rejected_peers"] = s.rejected_peers;
@@ -237,16 +247,73 @@ void init_transport(nb::module_& m) {
           nb::arg("keys"), nb::arg("dst"), nb::call_guard<nb::gil_scoped_release>())
       .def(
           "lookup_prefix",
-          [](node::StoreClient& c, const std::vector<std::string>& keys) {
+          [](node::StoreClient& c, const std::vector<std::string>& keys, double lease) {
+            if (lease > 0) return Unwrap(c.LookupPrefix(keys, Ms(lease)));
             return Unwrap(c.LookupPrefix(keys));
           },
-          nb::arg("keys"), nb::call_guard<nb::gil_scoped_release>())
+          nb::arg("keys"), nb::arg("lease") = 0.0, nb::call_guard<nb::gil_scoped_release>())
       .def(
           "remove",
           [](node::StoreClient& c, const std::vector<std::string>& keys) {
             return Unwrap(c.Remove(keys));
           },
           nb::arg("keys"), nb::call_guard<nb::gil_scoped_release>());
+
+  // A KVStore whose last tier is the remote tier over store nodes (node/remote_tier.h).
+  m.def(
+      "open_remote_kv_store",
+      [](std::shared_ptr<engine::ThreadPool> engine, size_t block_bytes, size_t host_blocks,
+         std::vector<std::string> nodes, nb::bytes secret, const std::string& disk_dir,
+         size_t disk_blocks, size_t disk_segment_blocks, bool disk_direct_io,
+         const std::string& io_backend, size_t io_threads, const std::string& policy,
+         size_t writeback_batch, size_t writeback_headroom, double put_wait_s, bool prefault,
+         bool huge_pages, const std::string& name_space, const std::string& fingerprint,
+         size_t replicas, size_t remote_blocks, double lease, double timeout) {
+        store::KVStoreOptions o;
+        o.block_bytes = block_bytes;
+        o.host_blocks = host_blocks;
+        o.disk_dir = disk_dir;
+        o.disk_blocks = disk_blocks;
+        o.disk_segment_blocks = disk_segment_blocks;
+        o.disk_direct_io = disk_direct_io;
+        o.io_backend = io_backend;
+        o.io_threads = io_threads;
+        o.policy = policy;
+        o.writeback_batch = writeback_batch;
+        o.writeback_headroom = writeback_headroom;
+        o.put_wait_s = put_wait_s;
+        o.prefault = prefault;
+        o.huge_pages = huge_pages;
+        o.name_space = name_space;
+        o.fingerprint = fingerprint;
+        node::RemoteTierOptions r;
+        r.block_bytes = block_bytes;
+        r.capacity_blocks = remote_blocks;
+        r.lease = Ms(lease);
+        r.client.nodes = std::move(nodes);
+        r.client.replication = replicas;
+        r.client.timeout = Ms(timeout);
+        r.client.connect.timeout = Ms(timeout);
+        auto sec = MakeSecret(secret);
+        nb::gil_scoped_release release;
+        if (block_bytes == 0)
+          ThrowIfError(Status::InvalidArgument("KVStore needs block_bytes > 0"));
+        auto tiers = Unwrap(store::KVStore::OpenTiers(o));
+        tiers.push_back(Unwrap(node::RemoteTier::Open(std::move(r), std::move(sec))));
+        return Unwrap(store::KVStore::Open(std::move(tiers), store::KVStore::ConfigFrom(o),
+                                           std::move(engine)))
+            .release();
+      },
+      nb::arg("engine"), nb::arg("block_bytes"), nb::arg("host_blocks"), nb::arg("nodes"),
+      nb::arg("secret"), nb::arg("disk_dir") = "", nb::arg("disk_blocks") = 0,
+      nb::arg("disk_segment_blocks") = 0, nb::arg("disk_direct_io") = true,
+      nb::arg("io_backend") = "auto", nb::arg("io_threads") = 4, nb::arg("policy") = "lru",
+      nb::arg("writeback_batch") = 32, nb::arg("writeback_headroom") = 0,
+      nb::arg("put_wait_s") = 5.0, nb::arg("prefault") = true, nb::arg("huge_pages") = false,
+      nb::arg("name_space") = "", nb::arg("fingerprint") = "", nb::arg("replicas") = 1,
+      nb::arg("remote_blocks") = 1 << 16, nb::arg("lease") = 10.0, nb::arg("timeout") = 10.0,
+      nb::rv_policy::take_ownership,
+      "A KVStore over host [-> disk] -> store nodes (host demotes to disk first, then remote).");
 }
 
 }  // namespace tpusync::bindings

@@ -139,3 +139,81 @@ def test_store_nodes_and_pd_across_hosts(hosts, tmp_path):
             proc.communicate(timeout=30)
     for proc, _ in nodes:
         assert proc.returncode == 0  # clean SIGTERM shutdown
+
+
+def _node(ns: str, addr: str, port: int) -> tuple[subprocess.Popen, dict]:
+    env = dict(os.environ, TPUSYNC_AUTH_SECRET=SECRET)
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-m", "tpusync.core.cli", "store-node",
+         "--listen", f"{addr}:{port}", "--capacity", "64MiB", "--block-bytes", "65536"],
+        stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    return proc, json.loads(proc.stdout.readline())
+
+
+def test_kvstore_remote_tier_across_hosts_survives_kill9_and_rejoin(hosts):
+    """Three hosts each run a store node; a KVStore on host 3 demotes to them (replicas 2); the
+    node on host 1 is SIGKILLed; a KVStore on host 2 still finds and reads every block byte-exact
+    within its deadline; the node restarted on host 1 re-joins and takes new blocks again."""
+    (h1, a1), (h2, a2), (h3, a3) = hosts
+    port = 7610
+    nodes = [_node(ns, addr, port) for ns, addr in hosts]
+    remote = [f"{a}:{port}" for _, a in hosts]
+    writer = f"""
+        import json
+        import numpy as np
+        import tpusync.core as tc
+        keys = [f"mhkv{{i}}".encode() for i in range(64)]
+        rows = np.stack([np.full(65536, i % 251, dtype=np.uint8) for i in range(64)])
+        s = tc.KVStore(65536, 8, remote={remote!r}, replicas=2, remote_timeout=3.0)
+        ok = all(all(s.put(keys[i:i + 8], rows[i:i + 8]).result(timeout=60))
+                 for i in range(0, 64, 8))
+        s.flush(timeout=60)
+        print(json.dumps({{"ok": ok, "demoted": s.stats()["tiers"]["remote"]["demotions_in"]}}),
+              flush=True)
+        """
+    reader = f"""
+        import json, time
+        import numpy as np
+        import tpusync.core as tc
+        from tpusync.core.pool import HostBlockPool
+        from tpusync.core.store_node import StoreClient
+        keys = [f"mhkv{{i}}".encode() for i in range(64)]
+        s = tc.KVStore(65536, 128, remote={remote!r}, replicas=2, remote_timeout=3.0)
+        t0 = time.monotonic()
+        n, _ = s.lookup(keys)
+        out = np.zeros((64, 65536), dtype=np.uint8)
+        found = s.get(keys, out).result(timeout=60)
+        dt = time.monotonic() - t0
+        exact = all((out[i] == i % 251).all() for i in range(64))
+        print(json.dumps({{"prefix": n, "found": sum(found), "exact": exact, "seconds": dt}}),
+              flush=True)
+        input()  # wait for the restart of the killed node
+        pool = HostBlockPool(65536, 16)
+        c = StoreClient(pool, {remote!r}, replication=2, timeout=3.0)
+        fresh = [f"fresh{{i}}" for i in range(16)]
+        print(json.dumps({{"put": c.put(fresh, pool.alloc(16))}}), flush=True)
+        """
+    procs = []
+    try:
+        w = in_ns(h3, writer)
+        procs.append(w)
+        res = json.loads(w.communicate(timeout=120)[0])
+        assert res["ok"] and res["demoted"] >= 56
+        nodes[0][0].kill()  # SIGKILL: no goodbye
+        nodes[0][0].communicate(timeout=30)
+        r = in_ns(h2, reader, stdin=subprocess.PIPE)
+        procs.append(r)
+        first = json.loads(r.stdout.readline())
+        assert first["prefix"] == 64 and first["found"] == 64 and first["exact"]
+        assert first["seconds"] < 2 * 3.0 + 5.0  # within the failover deadline
+        nodes[0] = _node(h1, a1, port)
+        r.stdin.write("\n")
+        r.stdin.flush()
+        second = json.loads(r.stdout.readline())
+        assert second["put"] == [2] * 16  # the restarted node took its share again
+    finally:
+        for proc in procs + [p for p, _ in nodes]:
+            if proc.poll() is None:
+                proc.terminate()
+            proc.communicate(timeout=30)

@@ -112,3 +112,162 @@ def test_replicated_nodes_survive_a_killed_node(secret_file):
     finally:
         for proc, _ in procs:
             stop(proc)
+
+
+def start_node_at(secret_file, listen, capacity="16MiB"):
+    cmd = [sys.executable, "-m", "tpusync.core.cli", "store-node", "--listen", listen,
+           "--capacity", capacity, "--block-bytes", str(BLOCK),
+           "--auth-secret-file", str(secret_file)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line, "store node did not start"
+    return proc, json.loads(line)
+
+
+def _pattern(key: str) -> np.uint8:
+    return np.uint8(sum(key.encode()) % 251)
+
+
+def test_kill9_mid_transfer_fails_over_within_deadline_and_restart_rejoins(secret_file):
+    """SIGKILL one of three nodes while a client streams 2 MiB puts / gets at them (replication 2):
+    every call returns within its deadline, reads fall back to the surviving replica and never
+    return wrong bytes; the node restarted on the same address takes its share again."""
+    import threading
+    import time
+
+    ports = [free_port() for _ in range(3)]
+    # Sized so nothing is evicted during the test (DRAM is touched only as blocks arrive).
+    procs = [start_node_at(secret_file, f"127.0.0.1:{p}", capacity="256MiB") for p in ports]
+    addrs = [info["address"] for _, info in procs]
+    timeout = 2.0
+    pool = tc.HostBlockPool(BLOCK, 256)
+    client = StoreClient(pool, addrs, replication=2, secret=SECRET, timeout=timeout)
+    batch = 64  # 2 MiB per request per node
+    stored: list[str] = []
+    problems: list[str] = []
+    slowest = [0.0]
+    stop_flag = threading.Event()
+    round_no = [0]
+
+    def worker() -> None:
+        src, dst = pool.alloc(batch), pool.alloc(batch)
+        while not stop_flag.is_set():
+            r = round_no[0]
+            round_no[0] += 1
+            keys = [f"kill-{r}-{i}" for i in range(batch)]
+            for k, b in zip(keys, src, strict=True):
+                pool.view(b)[:] = _pattern(k)
+            t0 = time.monotonic()
+            try:
+                put = client.put(keys, src)
+            except tc.TpusyncError as e:  # a clean error is allowed; a hang or wrong bytes is not
+                problems.append(f"put raised {e!r}")
+                continue
+            finally:
+                slowest[0] = max(slowest[0], time.monotonic() - t0)
+            if min(put) < 1:
+                problems.append(f"round {r}: a key reached no replica: {put}")
+                continue
+            stored.extend(keys)
+            probe = stored[-batch:]
+            t0 = time.monotonic()
+            found = client.get(probe, dst)
+            slowest[0] = max(slowest[0], time.monotonic() - t0)
+            for k, b, f in zip(probe, dst, found, strict=True):
+                if not f:
+                    problems.append(f"lost {k}")
+                elif not (pool.view(b) == _pattern(k)).all():
+                    problems.append(f"wrong bytes for {k}")
+            time.sleep(0.02)
+
+    t = threading.Thread(target=worker)
+    try:
+        t.start()
+        while round_no[0] < 3:
+            time.sleep(0.01)
+        stop(procs[0][0], signal.SIGKILL)  # mid-transfer: the worker is streaming right now
+        killed_at = round_no[0]
+        while round_no[0] < killed_at + 5:
+            time.sleep(0.01)
+        # Restart on the same address: it re-joins (empty) and takes its share of new puts.
+        procs[0] = start_node_at(secret_file, f"127.0.0.1:{ports[0]}", capacity="256MiB")
+        restarted_at = round_no[0]
+        while round_no[0] < restarted_at + 3:
+            time.sleep(0.01)
+        stop_flag.set()
+        t.join(timeout=60)
+        assert not t.is_alive()
+        assert problems == []
+        # Every call ended within one request deadline per replica tried (plus scheduling slack).
+        assert slowest[0] < 2 * timeout + 3.0
+        # Every block stored before, during and after the kill still reads back correctly.
+        dst = pool.alloc(batch)
+        for lo in range(0, len(stored), batch):
+            keys = stored[lo : lo + batch]
+            found = client.get(keys, dst[: len(keys)])
+            assert all(found), keys
+            for k, b in zip(keys, dst, strict=False):
+                assert (pool.view(b) == _pattern(k)).all(), k
+        fresh = [f"after-{i}" for i in range(32)]
+        src = pool.alloc(32)
+        assert client.put(fresh, src) == [2] * 32  # both replicas again: the node re-joined
+        assert procs[0][1]["address"] == addrs[0]
+    finally:
+        stop_flag.set()
+        t.join(timeout=60)
+        for proc, _ in procs:
+            stop(proc)
+
+
+def test_kvstore_with_remote_nodes_demotes_and_shares(secret_file):
+    """KVStore(remote=...): the host tier demotes to the nodes when full; a second store finds
+    the first one's blocks by prefix lookup and reads them back byte-exact."""
+    procs = [start_node(secret_file, capacity="16MiB") for _ in range(2)]
+    try:
+        addrs = [info["address"] for _, info in procs]
+        keys = [f"shared-{i}".encode() for i in range(48)]
+        rows = np.stack([np.full(BLOCK, sum(k) % 251, dtype=np.uint8) for k in keys])
+        a = tc.KVStore(BLOCK, 8, remote=addrs, auth_secret_file=secret_file, replicas=2)
+        for lo in range(0, len(keys), 8):
+            assert all(a.put(keys[lo : lo + 8], rows[lo : lo + 8]).result(timeout=30))
+        a.flush(timeout=30)
+        assert a.stats()["tiers"]["remote"]["demotions_in"] >= 40
+        b = tc.KVStore(BLOCK, 64, remote=addrs, auth_secret=SECRET, replicas=2)
+        n, where = b.lookup(keys + [b"missing"])
+        assert n == 48 and set(where) == {"remote"}
+        out = np.zeros_like(rows)
+        assert all(b.get(keys, out).result(timeout=30))
+        assert (out == rows).all()
+        assert b.lookup(keys)[1] == ["host"] * 48  # promoted into B's DRAM on read
+        a.close()
+        b.close()
+    finally:
+        for proc, _ in procs:
+            stop(proc)
+
+
+def test_store_node_cli_disk_tier_holds_what_dram_cannot(secret_file, tmp_path):
+    cmd = [sys.executable, "-m", "tpusync.core.cli", "store-node", "--listen", "127.0.0.1:0",
+           "--capacity", str(4 * BLOCK), "--block-bytes", str(BLOCK),
+           "--disk-dir", str(tmp_path / "disk"), "--disk-capacity", str(64 * BLOCK),
+           "--auth-secret-file", str(secret_file)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        pool = tc.HostBlockPool(BLOCK, 64)
+        client = StoreClient(pool, [info["address"]], secret=SECRET, timeout=10.0)
+        keys = [f"disk-{i}" for i in range(24)]
+        src = pool.alloc(24)
+        for i, b in enumerate(src):
+            pool.view(b)[:] = np.uint8(i + 1)
+        for i in range(0, 24, 2):  # small puts: DRAM write-back to disk keeps up
+            assert client.put(keys[i : i + 2], src[i : i + 2]) == [1, 1]
+        dst = pool.alloc(24)
+        assert client.get(keys, dst) == [True] * 24
+        for i, b in enumerate(dst):
+            assert (pool.view(b) == np.uint8(i + 1)).all()
+    finally:
+        out = stop(proc)
+    stats = json.loads(out.strip().splitlines()[-1])["stats"]
+    assert stats["blocks_total"] == 4 and stats["disk_blocks_total"] == 64
+    assert stats["disk_blocks_used"] >= 20

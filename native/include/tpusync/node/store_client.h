@@ -8,11 +8,17 @@
 // whose top-ranked nodes changed (about 1/N of them). Rejected alternative: a consistent-hash ring
 // needs virtual nodes to balance and a shared ring layout; rendezvous needs neither.
 //
-// Blocks move straight between the caller's pool blocks and the socket (writev / readv).
+// Blocks move straight between the caller's memory (pool blocks, or raw rows for the remote tier)
+// and the socket (writev / readv). A batch for one node is sent as requests of at most
+// kMaxRequestBytes of payload, so a node's per-connection receive buffer stays bounded.
+//
+// DEADLINE CONTRACT: every request to one node waits at most `timeout`; a call that fails over
+// through the replicas waits at most replication x timeout in total.
 #pragma once
 
 #include <chrono>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -31,10 +37,16 @@ struct StoreClientOptions {
   std::chrono::milliseconds timeout{10000};  // per request
 };
 
+// Payload bytes per request (a larger batch for one node is split).
+inline constexpr size_t kMaxRequestBytes = size_t{64} << 20;
+
 class StoreClient {
  public:
   static Result<std::unique_ptr<StoreClient>> Create(std::shared_ptr<BlockAllocator> pool,
                                                      Secret secret, StoreClientOptions options);
+  // A client without a pool, for the raw-memory calls only (PutRaw / GetRaw / lookups / remove).
+  static Result<std::unique_ptr<StoreClient>> CreateRaw(size_t block_bytes, Secret secret,
+                                                        StoreClientOptions options);
   // Node indices for `key`, best first (all nodes, ranked).
   std::vector<size_t> Rank(std::string_view key) const;
   // Stores block i under keys[i] on its replicas. Returns, per key, how many replicas hold it
@@ -48,17 +60,40 @@ class StoreClient {
   // Length of the leading run of keys present on some replica (one batched request per node per
   // replica round).
   Result<size_t> LookupPrefix(const std::vector<std::string>& keys);
+  // Same, and every key of the prefix found on a node is leased there for `lease` (not evicted
+  // until a get reads it or the lease expires; store_node.h READ LEASE CONTRACT).
+  Result<size_t> LookupPrefix(const std::vector<std::string>& keys,
+                              std::chrono::milliseconds lease);
+  // Raw-memory forms (the remote tier's rows): src[i] / dst[i] point at block_bytes bytes.
+  Result<std::vector<uint32_t>> PutRaw(const std::vector<std::string>& keys,
+                                       std::span<const uint8_t* const> src);
+  Result<std::vector<bool>> GetRaw(const std::vector<std::string>& keys,
+                                   std::span<uint8_t* const> dst);
+  size_t block_bytes() const { return block_bytes_; }
+  size_t num_nodes() const { return addrs_.size(); }
   // Removes keys from every replica; returns whether each was present anywhere.
   Result<std::vector<bool>> Remove(const std::vector<std::string>& keys);
 
  private:
   StoreClient(std::shared_ptr<BlockAllocator> pool, Secret secret, StoreClientOptions options);
-  // Sends one request to node `n` and returns the reply frame's metadata (payload left to `recv`).
+  static Result<std::unique_ptr<StoreClient>> Make(std::shared_ptr<BlockAllocator> pool,
+                                                   size_t block_bytes, Secret secret,
+                                                   StoreClientOptions options);
+  // Sends one request to node `n` and returns its per-key result bytes; a Get reply's blocks
+  // land in dst[i] for each found key i.
   Result<std::vector<uint8_t>> Call(size_t n, transport::Op op,
                                     const std::vector<std::string>& keys,
-                                    const std::vector<BlockId>* payload,
-                                    const std::vector<BlockId>* dst_found);
+                                    std::span<const uint8_t* const> payload,
+                                    std::span<uint8_t* const> dst, uint8_t flags = 0,
+                                    std::span<const uint8_t> extra_meta = {});
+  // Call, split into requests of at most kMaxRequestBytes of payload / received blocks.
+  Result<std::vector<uint8_t>> CallChunked(size_t n, transport::Op op,
+                                           const std::vector<std::string>& keys,
+                                           std::span<const uint8_t* const> payload,
+                                           std::span<uint8_t* const> dst);
+  Result<size_t> Lookup(const std::vector<std::string>& keys, uint32_t lease_ms);
   std::shared_ptr<BlockAllocator> pool_;
+  size_t block_bytes_ = 0;
   StoreClientOptions options_;
   std::vector<transport::Address> addrs_;
   std::vector<uint64_t> seeds_;

@@ -1,21 +1,30 @@
 // StoreNode: one node of the distributed prefix cache. Serves put / get / lookup / remove of
-// fixed-size blocks by key over the authenticated transport, from a HostBlockPool-style pool
-// indexed by a BlockIndex (the lead switches it to the tiered KVStore at merge).
+// fixed-size blocks by key over the authenticated transport, from its own tiered KVStore
+// (store/kv_store.h: host DRAM, optionally a disk tier below it; LRU, checksums and counters
+// come from there).
 //
-// TWO-PHASE PUT CONTRACT: a put first reserves pool blocks (invisible to readers), receives the
-// payload straight into them (readv), verifies every checksum, and only then commits the keys to
-// the index. A reader therefore never sees a partial or corrupt block; a put whose payload fails
-// its checksum frees its reservation and commits nothing. The first committed writer of a key
-// wins; a later put of the same key is reported as "exists" and its bytes are dropped.
+// TWO-PHASE PUT CONTRACT: a put first receives the payload into a per-connection receive buffer
+// (reserved, invisible to readers), verifies every wire checksum, and only then hands the blocks
+// to the KVStore, whose VISIBILITY CONTRACT makes a key visible only once its bytes are completely
+// written to a tier. A reader therefore never sees a partial or corrupt block; a put whose payload
+// fails its checksum commits nothing. Same key, same bytes: a put of a key already stored is
+// reported "exists" and its bytes are dropped. Rejected alternative: receiving straight into a
+// reserved host-tier slot (no staging copy) - it needs a reserve/commit API inside KVStore, which
+// another change is reworking; the one memcpy per block costs far less than the wire.
 //
-// READ LEASE CONTRACT: a get looks keys up and borrows their blocks under the node's lock, then
-// writes them to the socket without it; a concurrent remove or eviction drops the key at once, but
-// the borrowed memory is recycled only after the get finished sending it.
+// READ LEASE CONTRACT: a lookup with kLeaseFlag pins every key it finds in the KVStore for the
+// requested lease (at most kMaxLeaseMs): the key is not evicted until a get reads it (which ends
+// one lease) or the lease expires (expired leases are dropped at most kLeaseSweepMs after expiry,
+// on the next request or stats call). A remove ends every lease of the key and removes it. A get
+// copies its blocks out of the KVStore (under the tier's hold) before sending them, so a
+// concurrent remove or eviction never changes bytes on the wire.
 //
-// EVICTION: when the pool is full, a put evicts least-recently-used unpinned keys.
+// EVICTION: when the KVStore is full, a put evicts least-recently-used unpinned keys (demoting to
+// the disk tier first when the node has one).
 //
 // Protocol: every request is one frame on stream 0 of a link, answered by one kStoreReply frame
 // (metadata: status, then one byte per key; Get replies carry the found blocks as payload).
+// docs/wire-protocol.md lists the store ops.
 #pragma once
 
 #include <atomic>
@@ -25,9 +34,13 @@
 #include <string>
 #include <vector>
 
+#include <unordered_map>
 #include "tpusync/base/status.h"
+
 #include "tpusync/block/block_index.h"
+#include "tpusync/engine/thread_pool.h"
 #include "tpusync/memory/block_allocator.h"
+#include "tpusync/store/kv_store.h"
 #include "tpusync/transport/link.h"
 
 namespace tpusync::node {
@@ -37,14 +50,23 @@ using memory::BlockId;
 using transport::Secret;
 
 inline constexpr uint32_t kMaxKeysPerRequest = 1u << 16;
+// kStoreLookup flag: lease the found keys; the metadata then ends with a u32 lease in ms.
+inline constexpr uint8_t kLeaseFlag = 1;
+inline constexpr int64_t kMaxLeaseMs = 600000;
+inline constexpr int64_t kLeaseSweepMs = 100;
+// A request's payload (put) or reply payload (get) must fit in this many bytes.
+inline constexpr size_t kMaxNodeRequestBytes = size_t{256} << 20;
 
 // Per-key results in a put reply.
 enum class PutResult : uint8_t { kStored = 0, kExists = 1, kNoSpace = 2 };
 
 struct StoreNodeOptions {
   std::string listen = "127.0.0.1:0";
-  size_t capacity_bytes = 1ull << 30;
+  size_t capacity_bytes = 1ull << 30;  // host DRAM tier
   size_t block_bytes = 256 << 10;
+  std::string disk_dir;  // non-empty: a disk tier below DRAM
+  size_t disk_capacity_bytes = 0;
+  size_t engine_threads = 2;  // the KVStore's copy threads
   transport::ServerOptions server;
 };
 
@@ -53,6 +75,8 @@ struct StoreNodeStats {
   uint64_t puts = 0, put_blocks = 0, put_exists = 0, put_corrupt = 0, put_no_space = 0;
   uint64_t gets = 0, get_hits = 0, get_misses = 0;
   uint64_t lookups = 0, removes = 0, evictions = 0;
+  uint64_t leases = 0, leases_expired = 0, leases_active = 0;
+  uint64_t disk_blocks_total = 0, disk_blocks_used = 0;
   uint64_t bytes_in = 0, bytes_out = 0;
   uint64_t rejected_peers = 0, links = 0;
 };
@@ -62,24 +86,38 @@ class StoreNode {
   static Result<std::unique_ptr<StoreNode>> Start(StoreNodeOptions options, Secret secret);
   ~StoreNode();
   const transport::Address& address() const { return server_->address(); }
-  size_t block_bytes() const { return pool_->block_bytes(); }
+  size_t block_bytes() const { return store_->block_bytes(); }
   StoreNodeStats stats() const;
+  // The node's store (tests and the CLI's metrics read its counters).
+  store::KVStore& store() { return *store_; }
   // Stops accepting, ends every connection and joins all threads (SIGTERM path).
   void Stop();
 
  private:
   StoreNode() = default;
   void Serve(const std::shared_ptr<transport::Link>& link);
-  Status HandlePut(transport::Stream& s, const transport::InFrame& f);
-  Status HandleGet(transport::Stream& s, const transport::InFrame& f);
+  Status HandlePut(transport::Stream& s, const transport::InFrame& f,
+                   std::shared_ptr<std::vector<uint8_t>>& buf);
+  Status HandleGet(transport::Stream& s, const transport::InFrame& f,
+                   std::shared_ptr<std::vector<uint8_t>>& buf);
   Status HandleLookup(transport::Stream& s, const transport::InFrame& f);
   Status HandleRemove(transport::Stream& s, const transport::InFrame& f);
-  Result<std::vector<BlockId>> Reserve(size_t n);  // mu_ held; evicts LRU keys when full
+  // Lease bookkeeping; EndLease / EndAllLeases need lease_mu_ held.
+  void SweepLeases(bool force);
+  void EndLease(const std::string& key);
+  void EndAllLeases(const std::string& key);
 
-  std::unique_ptr<BlockAllocator> pool_;
-  block::BlockIndex index_;
+  StoreNodeOptions options_;
+  std::shared_ptr<engine::ThreadPool> engine_;
+  std::unique_ptr<store::KVStore> store_;
   std::unique_ptr<transport::Server> server_;
-  mutable std::mutex mu_;  // orders reserve / commit / lookup+borrow / remove / evict
+  struct Lease {
+    uint32_t count = 0;  // pins held on the key for leases
+    transport::Deadline expires;
+  };
+  mutable std::mutex lease_mu_;
+  std::unordered_map<std::string, Lease> leases_;
+  transport::Deadline next_sweep_{};
   mutable std::mutex stats_mu_;
   StoreNodeStats stats_;
 };

@@ -7,6 +7,10 @@
 // written to a tier; Put of a key already stored (or being stored) writes nothing (content
 // addressing: same key, same bytes) and reports it stored.
 //
+// REMOTE: a store opened with a RemoteTier (node/remote_tier.h) last demotes host -> disk -> remote
+// (disk first: it is local and its reads cost no network); a remote read that finds the key gone
+// (the nodes evict on their own) is a miss and the key is forgotten, like a corrupted one.
+//
 // CASCADE CONTRACT: Put writes to the fastest tier. When a tier is full the least-recently-used
 // unpinned block that already has a copy below (clean) - or that the policy refuses below - is
 // dropped at once; dirty blocks are written down by the write-back worker, which keeps the coldest
@@ -129,6 +133,11 @@ class KVStore {
  public:
   static Result<std::unique_ptr<KVStore>> Open(const KVStoreOptions& options,
                                                std::shared_ptr<engine::ThreadPool> engine);
+  // The host / disk tiers that Open(options) would build, and its StoreConfig (so a caller can add
+  // a tier below them, e.g. node/remote_tier.h, and use the Open below).
+  static Result<std::vector<std::unique_ptr<tier::BlockTier>>> OpenTiers(
+      const KVStoreOptions& options);
+  static StoreConfig ConfigFrom(const KVStoreOptions& options);
   // Tiers fastest first; every tier must have the same block size.
   static Result<std::unique_ptr<KVStore>> Open(std::vector<std::unique_ptr<tier::BlockTier>> tiers,
                                                const StoreConfig& config,
@@ -148,7 +157,9 @@ class KVStore {
   // row's bytes unspecified).
   engine::Future Get(std::vector<std::string> keys, engine::RowBuffer dst,
                      std::shared_ptr<std::vector<uint8_t>> found);
-  // Length of the leading run of stored keys (touching them) and where each lives.
+  // Length of the leading run of stored keys (touching them) and where each lives. Local tiers
+  // first; when the run ends before the last key and the last tier is shared (AdoptPrefix), the
+  // rest is looked up there and the keys it holds are indexed in it.
   size_t Lookup(std::span<const std::string_view> keys, std::vector<block::Placement>* out);
   // All-or-nothing: every key must be stored (Pin) / pinned (Unpin).
   Status Pin(std::span<const std::string_view> keys);

@@ -95,6 +95,17 @@ class BlockTier {
   // Memory address of a location when the tier is byte-addressable host memory, else nullptr.
   virtual const uint8_t* Address(uint64_t location) const { return nullptr; }
 
+  // SHARED TIER HOOK: a tier that other processes also write (the remote tier over store nodes)
+  // may hold blocks this store never wrote. AdoptPrefix finds the leading run of `keys` it holds,
+  // reserves a location for each (the caller indexes them, or Releases those it does not want)
+  // and returns how many; locations->size() equals the result. Private tiers hold nothing they
+  // were not given: the default finds nothing.
+  virtual size_t AdoptPrefix(std::span<const std::string_view> keys,
+                             std::vector<uint64_t>* locations) {
+    locations->clear();
+    return 0;
+  }
+
   // Valid blocks found when existing storage was attached (empty after a cold start). Their
   // locations are already reserved.
   virtual std::vector<RecoveredBlock> TakeRecovered() = 0;

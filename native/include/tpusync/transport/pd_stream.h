@@ -33,6 +33,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <list>
 #include <map>
 #include <memory>
@@ -143,11 +144,21 @@ class PdConsumer {
   std::condition_variable cv_;
   std::map<uint64_t, std::shared_ptr<Request>> requests_;
   std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<Mapping>> mappings_;
-  struct Worker {
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> done;
+  // WORKER CONTRACT: each source of a request runs on its own worker for the whole transfer (it
+  // blocks on sockets); workers are kept and reused, so a small pull costs no thread creation. A
+  // new worker starts only when every existing one is busy. Rejected alternative: a thread per
+  // source per request (the old way) - its creation dominated the 16 KiB round trip.
+  void WorkerLoop();
+  struct Job {
+    std::shared_ptr<Request> req;
+    size_t index = 0;
   };
-  std::list<Worker> threads_;
+  std::deque<Job> jobs_;     // mu_
+  size_t idle_workers_ = 0;  // mu_
+  size_t spawning_ = 0;      // mu_: started workers not yet waiting
+  bool stopping_ = false;    // mu_
+  std::condition_variable work_cv_;
+  std::vector<std::thread> workers_;
 };
 
 }  // namespace tpusync::transport

@@ -156,6 +156,8 @@ def _cmd_store_node(args: argparse.Namespace) -> int:
         block_bytes=parse_size(args.block_bytes),
         secret_file=args.auth_secret_file,
         metrics_port=args.metrics_port,
+        disk_dir=args.disk_dir,
+        disk_capacity=parse_size(args.disk_capacity) if args.disk_dir else 0,
     )
 
 
@@ -199,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(never from the command line).",
     )
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: pick one)")
-    p.add_argument("--capacity", default="1GiB", help="pool size, e.g. 8GiB")
+    p.add_argument("--capacity", default="1GiB", help="host DRAM tier size, e.g. 8GiB")
+    p.add_argument("--disk-dir", default=None, help="directory of a disk tier below DRAM")
+    p.add_argument("--disk-capacity", default="16GiB", help="disk tier size (with --disk-dir)")
     p.add_argument("--block-bytes", default="256KiB", help="block size, e.g. 256KiB")
     p.add_argument("--auth-secret-file", default=None, help="file holding the shared secret")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port")

@@ -102,6 +102,16 @@ class KVStore:
         io_backend: ``"auto"`` (io_uring where the kernel allows it), ``"io_uring"`` or ``"pread"``.
         put_wait_s: the longest a put waits for write-back to free DRAM before it reports a block
             not stored.
+        remote: store nodes (``HOST:PORT`` each, ``tpusync store-node``) forming a last, shared
+            tier: the host tier demotes to disk first (when there is one), then to the nodes;
+            lookups try local tiers first, then the nodes (blocks other processes stored there
+            count as hits and are leased on the nodes until read or ``lease_s`` passes).
+        auth_secret / auth_secret_file: the nodes' shared secret (bytes, or a file holding it);
+            neither: ``$TPUSYNC_AUTH_SECRET``.
+        replicas: copies of each block on distinct nodes (reads fall back to the next replica).
+        remote_blocks: remote blocks this store indexes at once.
+        remote_timeout: seconds one request to one node may take (a read that fails over waits at
+            most ``replicas`` times this).
     """
 
     def __init__(
@@ -124,9 +134,47 @@ class KVStore:
         prefault: bool = True,
         huge_pages: bool = False,
         engine: _native.Engine | None = None,
+        remote: Sequence[str] | None = None,
+        auth_secret: bytes | None = None,
+        auth_secret_file: str | os.PathLike[str] | None = None,
+        replicas: int = 1,
+        remote_blocks: int = 1 << 16,
+        remote_timeout: float = 10.0,
+        lease_s: float = 10.0,
     ) -> None:
         self._engine = engine or default_engine()
-        self._native: _native.KVStoreNative | None = _native.KVStoreNative.open(
+        self._block_bytes = block_bytes
+        if remote:
+            from tpusync.core.pd import load_secret
+
+            secret = auth_secret if auth_secret is not None else load_secret(auth_secret_file)
+            self._native = _native.open_remote_kv_store(
+                self._engine,
+                block_bytes,
+                host_blocks,
+                list(remote),
+                secret,
+                disk_dir=os.fspath(disk_dir) if disk_dir is not None else "",
+                disk_blocks=disk_blocks,
+                disk_segment_blocks=segment_blocks,
+                disk_direct_io=direct_io,
+                io_backend=io_backend,
+                io_threads=io_threads,
+                policy=policy,
+                writeback_batch=writeback_batch,
+                writeback_headroom=writeback_headroom,
+                put_wait_s=put_wait_s,
+                prefault=prefault,
+                huge_pages=huge_pages,
+                name_space=namespace or "",
+                fingerprint=fingerprint,
+                replicas=replicas,
+                remote_blocks=remote_blocks,
+                lease=lease_s,
+                timeout=remote_timeout,
+            )
+            return
+        self._native = _native.KVStoreNative.open(
             self._engine,
             block_bytes,
             host_blocks,
@@ -178,7 +226,8 @@ class KVStore:
         return StoreFuture(fut, mask)
 
     def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        """Length of the leading run of stored keys, and the fastest tier ("host", "disk") of each."""
+        """Length of the leading run of stored keys, and the fastest tier of each ("host", "disk",
+        "remote"). With store nodes, keys past the local run are looked up on the nodes."""
         n, tiers = self.native.lookup(_keys(keys))
         return n, [t.name.lower() for t in tiers]
 

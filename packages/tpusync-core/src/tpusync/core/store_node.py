@@ -41,7 +41,11 @@ def parse_size(text: str) -> int:
 
 
 class StoreNode:
-    """An in-process store node (the CLI runs one of these)."""
+    """An in-process store node (the CLI runs one of these).
+
+    Blocks live in the node's own tiered KVStore: ``capacity`` bytes of host DRAM and, with
+    ``disk_dir``, ``disk_capacity`` bytes of disk below it (LRU, checksums, counters).
+    """
 
     def __init__(
         self,
@@ -51,12 +55,16 @@ class StoreNode:
         block_bytes: int = 256 << 10,
         secret: bytes | None = None,
         secret_file: str | None = None,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_capacity: int = 0,
     ) -> None:
         self._native = _native.StoreNode.start(
             secret if secret is not None else load_secret(secret_file),
             listen=listen,
             capacity_bytes=capacity,
             block_bytes=block_bytes,
+            disk_dir=os.fspath(disk_dir) if disk_dir is not None else "",
+            disk_capacity_bytes=disk_capacity,
         )
 
     @property
@@ -105,9 +113,10 @@ class StoreClient:
         """Copy keys[i] into block dst[i] when any replica has it; returns found flags."""
         return self._native.get(list(keys), list(dst))
 
-    def lookup_prefix(self, keys: Sequence[str]) -> int:
-        """Length of the leading run of ``keys`` stored somewhere (batched per node)."""
-        return self._native.lookup_prefix(list(keys))
+    def lookup_prefix(self, keys: Sequence[str], lease: float = 0.0) -> int:
+        """Length of the leading run of ``keys`` stored somewhere (batched per node). With
+        ``lease`` > 0 (seconds) each found key stays on its node until read or the lease ends."""
+        return self._native.lookup_prefix(list(keys), lease=lease)
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
         return self._native.remove(list(keys))
@@ -119,7 +128,8 @@ def _metrics(node: StoreNode, host: str, port: int) -> object:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.registry import REGISTRY
 
-    gauges = {"blocks_total", "blocks_used"}
+    gauges = {"blocks_total", "blocks_used", "leases_active", "disk_blocks_total",
+              "disk_blocks_used"}  # fmt: skip
 
     class Collector:
         def collect(self):
@@ -141,6 +151,8 @@ def run_store_node(
     block_bytes: int,
     secret_file: str | None,
     metrics_port: int | None,
+    disk_dir: str | None = None,
+    disk_capacity: int = 0,
 ) -> int:
     """Run a store node until SIGTERM / SIGINT, then shut it down cleanly (exit 0).
 
@@ -150,7 +162,8 @@ def run_store_node(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     node = StoreNode(listen=listen, capacity=capacity, block_bytes=block_bytes,
-                     secret_file=secret_file)  # fmt: skip
+                     secret_file=secret_file, disk_dir=disk_dir,
+                     disk_capacity=disk_capacity)  # fmt: skip
     metrics = collector = None
     if metrics_port is not None:
         host = node.address.rsplit(":", 1)[0].strip("[]")
