@@ -701,10 +701,18 @@ class SamplerSync:
         forwarded = 0
         finished: dict[int, Any] = {}  # terminal statuses polled before their turn
 
-        def start() -> None:
-            s, b = queue.popleft()
+        def start(block: bool = False) -> bool:
+            s, b = queue[0]
             first, end = streams[s].buckets[b]
-            ids = ep.alloc(end - first, deadline)
+            # POOL CONTRACT: with buckets in flight, never block on the pool (only finishing them
+            # frees blocks); with none, wait for the children's pulls to release forwarded ones.
+            try:
+                ids = ep.alloc(end - first, deadline) if block else ep.pool.alloc(end - first)
+            except PoolExhaustedError:
+                if block:
+                    raise
+                return False
+            queue.popleft()
             rid = request_id(version, s, me, slot, b)
             try:
                 ep.consumer.start_recv(
@@ -714,11 +722,14 @@ class SamplerSync:
                 ep.pool.free(ids)
                 raise
             flight.append((s, b, rid, ids))
+            return True
 
         try:
-            while queue and len(flight) < self._window:
-                start()
-            while flight:
+            while queue or flight:
+                if not flight:
+                    start(block=True)
+                while queue and len(flight) < self._window and start():
+                    pass
                 s, b, rid, ids = flight.popleft()
                 st = self._wait(rid, finished, deadline)
                 if not st.done:
@@ -726,8 +737,8 @@ class SamplerSync:
                     raise UpdateRejectedError(
                         f"bucket {b} from {peers[s]}: {st.reason or st.state}"
                     )
-                while queue and len(flight) < self._window:
-                    start()
+                while queue and len(flight) < self._window and start():
+                    pass
                 # Forward first (the children's pulls overlap our staging), then stage.
                 for j, _child in enumerate(children):
                     ep.producer.register_send(
