@@ -99,7 +99,7 @@ def _trainer_rank(spec: dict, q) -> None:
 
 def _local(shapes, src, rank):
     out = {}
-    for name, shape in shapes.items():
+    for name in shapes:
         box = src[name].box_of(rank)
         out[name] = (torch.rand(box.shape), src[name])
     return out
@@ -120,6 +120,7 @@ def _run_sync(
         0, trainers, dst, secret=secret, block_bytes=BLOCK, pool_bytes=pool, same_host=same_host
     )
     procs = []
+    tensors = _local(shapes, src, 0)
     try:
         for replica, rank in samplers:
             spec = {
@@ -130,7 +131,7 @@ def _run_sync(
                 "secret": secret,
                 "same_host": same_host,
                 "pool_bytes": pool,
-                "idle": 20.0,
+                "idle": 300.0,  # killed once every version was reported committed
             }
             procs.append(ctx.Process(target=_sampler, args=(spec, q), daemon=True))
         for r in range(1, trainers):
@@ -153,7 +154,6 @@ def _run_sync(
             if msg != "joined":
                 raise RuntimeError(msg)
         t0.wait_for_samplers(len(samplers), timeout=120)
-        tensors = _local(shapes, src, 0)
         times = []
         for v in range(1, repeats + 2):  # version 1 warms pools, links and staging memory
             rep = t0.publish(v, tensors)
@@ -177,9 +177,7 @@ def _gloo_rank(rank: int, port: int, shapes, repeats: int, q) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
     tensors = [torch.rand(s) if rank == 0 else torch.zeros(s) for s in shapes.values()]
     times = []
     for _ in range(repeats + 1):
