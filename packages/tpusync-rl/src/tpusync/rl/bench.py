@@ -3,7 +3,8 @@
 Paths (every process is a real process, every byte crosses a real socket):
 
 - ``chain``: one trainer process publishes a ``total_bytes`` fp32 state dict to two sampler
-  processes chained over loopback TCP (trainer -> sampler 0 -> sampler 1), shadow commit; the
+  processes chained over loopback TCP (trainer -> sampler 0 -> sampler 1), shadow commit into
+  recycled (double) buffers; the
   time runs from ``publish`` to both samplers' commit reports. References, same run:
   ``torch.distributed`` gloo ``broadcast`` of the same tensors from rank 0 to two ranks, and
   ``iperf3`` moving the same bytes over loopback with the same parallel streams.
@@ -56,7 +57,7 @@ def _sampler(spec: dict, q) -> None:
 
     rank, layouts = spec["rank"], spec["layouts"]
     weights = {n: torch.zeros(lay.box_of(rank).shape) for n, lay in layouts.items()}
-    sub = WeightSubscriber(rank, weights, layouts)
+    sub = WeightSubscriber(rank, weights, layouts, recycle=True)  # double-buffered shadow commit
     s = SamplerSync(
         sub,
         replica=spec["replica"],

@@ -178,6 +178,7 @@ class WeightSubscriber:
         name_map: Callable[[str], str | None] = lambda name: name,
         mode: str = "shadow",
         version: int = 0,
+        recycle: bool = False,
     ) -> None:
         if mode not in ("shadow", "inplace"):
             raise ValueError(f"mode must be 'shadow' or 'inplace', not {mode!r}")
@@ -196,6 +197,12 @@ class WeightSubscriber:
         self._lock = threading.Lock()
         self._paused = False
         self._pending: _Pending | None = None
+        # RECYCLE CONTRACT (shadow mode, opt-in): the tensors a commit replaced become the next
+        # update's shadow buffers, so a steady stream of updates allocates (and page-faults)
+        # nothing; the caller promises to drop references to an old version's tensors before
+        # the next update begins. Without it every update stages into fresh tensors.
+        self._recycle = recycle
+        self._spare: dict[str, torch.Tensor] = {}
         self.dirty = False
         self.metrics = {
             "updates_committed": 0,
@@ -264,7 +271,16 @@ class WeightSubscriber:
                 for t in plan.to(self.rank):
                     expected[(meta.name, t.box)] = t
                 live = self._weights[engine]
-                staging[engine] = live if self.mode == "inplace" else torch.empty_like(live)
+                if self.mode == "inplace":
+                    staging[engine] = live
+                else:
+                    spare = self._spare.pop(engine, None)
+                    ok = (
+                        spare is not None
+                        and spare.shape == live.shape
+                        and spare.dtype == live.dtype
+                    )
+                    staging[engine] = spare if ok else torch.empty_like(live)
             if self.mode == "inplace":
                 self.dirty = True
             by_name: dict[str, list[Transfer]] = {}
@@ -358,7 +374,7 @@ class WeightSubscriber:
             missing = self._missing(p)
             if p.error or missing:
                 reason = p.error or f"{len(missing)} chunks missing, e.g. {missing[0][0]}"
-                self._pending = None
+                self._drop(p)
                 self.metrics["updates_rejected"] += 1
                 log.error("rank %d: update %d rejected: %s", self.rank, p.manifest.version, reason)
                 raise UpdateRejectedError(
@@ -369,6 +385,8 @@ class WeightSubscriber:
             if self.mode == "shadow":
                 merged = dict(self._weights)
                 merged.update(p.staging)
+                if self._recycle:
+                    self._spare = {n: self._weights[n] for n in p.staging}
                 self._weights = merged  # one reference swap: readers see old or new, never a mix
             self.dirty = False
             self._version = p.manifest.version
@@ -377,6 +395,12 @@ class WeightSubscriber:
             self.metrics["bytes_received"] += p.bytes
             self.metrics["last_update_s"] = time.monotonic() - p.started
             return self._version
+
+    def _drop(self, p: _Pending) -> None:
+        """Forget a staged update (lock held); its shadow buffers stay spares when recycling."""
+        if self._recycle and self.mode == "shadow":
+            self._spare.update(p.staging)
+        self._pending = None
 
     def abort(self, reason: str) -> None:
         with self._lock:
@@ -387,5 +411,5 @@ class WeightSubscriber:
                     self._pending.manifest.version,
                     reason,
                 )
-                self._pending = None
+                self._drop(self._pending)
                 self.metrics["updates_rejected"] += 1

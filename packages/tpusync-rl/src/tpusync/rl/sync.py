@@ -439,10 +439,20 @@ class TrainerSync:
             for n, (t, _) in tensors.items()
         }
         boxes = {n: lay.box_of(self.rank) for n, (_, lay) in tensors.items()}
-        for r, b in order:
+        for n, (r, b) in enumerate(order):
             plan = mine[r]
             first, end = plan.buckets[b]
-            ids = self._ep.alloc(end - first, deadline)
+            try:
+                ids = self._ep.alloc(end - first, deadline)
+            except PoolExhaustedError:
+                # Children that never acknowledged hold the pool until the deadline: whoever has
+                # not got every bucket by now fails this version (reported), nobody waits longer.
+                for r2, _b2 in order[n:]:
+                    for replica in _children(topo[r2], None, ann["fanout"]):
+                        report.failed.setdefault(
+                            _key(replica, r2), "trainer pool stayed full until the deadline"
+                        )
+                break
             try:
                 for k, blk in enumerate(range(first, end)):
                     self._fill(ids[k], plan, blk, manifest.version, local, boxes)
@@ -586,7 +596,9 @@ class SamplerSync:
                     {**msg, "have": max(self.version, self._seen)},
                     timeout=min(2.0, max(end - time.monotonic(), 0.05)),
                 )
-            except TimeoutError:
+            except (TimeoutError, RuntimeError) as e:  # rank 0 gone, slow, or refusing
+                log.debug("sampler %d:%d: poll failed: %s", self.replica, self.sub.rank, e)
+                time.sleep(self._poll)
                 continue
             if reply.get("op") == "announce":
                 self._seen = max(self._seen, int(reply["version"]))
@@ -732,6 +744,14 @@ class SamplerSync:
                     pass
                 s, b, rid, ids = flight.popleft()
                 st = self._wait(rid, finished, deadline)
+                if st.code == "NotFound" and time.monotonic() < deadline:
+                    # A pull waits ~10 s for its registration; a sender still busy (a loaded host,
+                    # a slow device -> host copy) is asked again until the version's deadline.
+                    ep.consumer.start_recv(
+                        rid, peers[s], ids, deadline=max(deadline - time.monotonic(), 0)
+                    )
+                    flight.appendleft((s, b, rid, ids))
+                    continue
                 if not st.done:
                     ep.pool.free(ids)
                     raise UpdateRejectedError(
