@@ -208,7 +208,7 @@ def test_sampler_dying_mid_update_is_reported_and_others_commit(caplog):
         bucket_blocks=1,
         fanout=3,
         pool_bytes=2 << 20,
-        deadline=6.0,
+        deadline=10.0,
     )
     eng = {U.engine_name(n): lay for n, lay in dst.items()}
     procs = start_samplers(
@@ -245,7 +245,7 @@ def test_trainer_dying_leaves_samplers_on_the_old_version():
         "block_bytes": BB,
         "bucket_blocks": 1,
         "pool_bytes": 4 << 20,
-        "deadline": 4.0,
+        "deadline": 10.0,
         "samplers": 2,
         "versions": [(1, 41), (2, 42)],
         "die_at_version": 2,
