@@ -95,13 +95,14 @@ def sampler_main(spec: dict, q) -> None:
 
         sampler._stage = dying_stage
     q.put(("joined", spec["replica"], rank, None))
-    for _ in range(spec["updates"]):
+    timeouts = spec.get("timeouts", [spec.get("timeout", 30)] * spec["updates"])
+    for i in range(spec["updates"]):
         t0 = time.monotonic()
         if spec.get("paused"):
             with sub.paused():
-                res = sampler.update(timeout=spec.get("timeout", 30))
+                res = sampler.update(timeout=timeouts[i])
         else:
-            res = sampler.update(timeout=spec.get("timeout", 30))
+            res = sampler.update(timeout=timeouts[i])
         info = None
         if res is not None:
             info = {

@@ -33,10 +33,18 @@ def tp_layouts(world: int, dims: dict[str, int], names=None) -> dict[str, ShardL
 
 
 def get(q, kind, timeout=60.0):
+    """The next item of ``kind`` from ``q``; items of other kinds wait for their own get."""
+    if not hasattr(q, "tpusync_stash"):
+        q.tpusync_stash = []
+    stash = q.tpusync_stash
+    for i, item in enumerate(stash):
+        if item[0] == kind:
+            return stash.pop(i)
     while True:
         item = q.get(timeout=timeout)
         if item[0] == kind:
             return item
+        stash.append(item)
 
 
 def start_samplers(q, control, layouts_by_engine, replicas, world, updates, per=None, common=None):
@@ -62,10 +70,17 @@ def start_samplers(q, control, layouts_by_engine, replicas, world, updates, per=
 
 
 def collect(q, n, timeout=60.0):
-    out = {}
-    for _ in range(n):
-        _, replica, rank, info = get(q, "update", timeout)
-        out[(replica, rank)] = info
+    """The next update of ``n`` different samplers (a sampler's later updates wait their turn)."""
+    out: dict = {}
+    later = []
+    while len(out) < n:
+        item = get(q, "update", timeout)
+        key = (item[1], item[2])
+        if key in out:
+            later.append(item)
+        else:
+            out[key] = item[3]
+    q.tpusync_stash[:0] = later
     return out
 
 
@@ -254,7 +269,7 @@ def test_trainer_dying_leaves_samplers_on_the_old_version():
     tp.start()
     control = get(q, "control")[1]
     eng = {U.engine_name(n): lay for n, lay in dst.items()}
-    procs = start_samplers(q, control, eng, 2, 1, 3, common={"timeout": 5, "window": 1})
+    procs = start_samplers(q, control, eng, 2, 1, 3, common={"timeouts": [60, 60, 3], "window": 1})
     try:
         first = collect(q, 2)
         want1 = U.expected_digest(U.full_weights(41), eng, 0, torch.bfloat16)
