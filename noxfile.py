@@ -23,6 +23,8 @@ Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
 - ``integration-sglang`` tpusync-sglang against real SGLang 0.5.23 on CPU (own venv, see below)
 - ``examples`` every runnable example under examples/ at small size (``-- NAME ...`` picks some;
               multihost_disagg needs root, like ``multihost``)
+- ``integration-rl`` tpusync-rl's network path (trainer and sampler processes over real sockets,
+              torch CPU) and the examples/rl_weight_sync loop over TCP and the same-host path
 """
 
 from __future__ import annotations
@@ -387,6 +389,21 @@ def integration_sglang(session: nox.Session) -> None:
         *session.posargs,
         env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TPUSYNC_REPO_ROOT": str(ROOT)},
     )
+
+
+@nox.session(name="integration-rl")
+def integration_rl(session: nox.Session) -> None:
+    """tpusync-rl: its pytest suite (spawned trainer / sampler processes, real sockets, torch CPU)
+    and the examples/rl_weight_sync RL loop, over TCP and over the same-host path."""
+    install_core(session)
+    session.install(TORCH, *TEST_DEPS)
+    for pkg in ("tpusync-torch", "tpusync-rl"):
+        session.install("--no-deps", "--force-reinstall", str(ROOT / "packages" / pkg))
+    env = {"TPUSYNC_REPO_ROOT": str(ROOT), "OMP_NUM_THREADS": "1"}
+    session.run("pytest", str(ROOT / "packages/tpusync-rl/tests"), *session.posargs, env=env)
+    example = str(ROOT / "examples/rl_weight_sync/rl_loop.py")
+    session.run("python", example, "--steps", "3", env=env)
+    session.run("python", example, "--steps", "2", "--same-host", env=env)
 
 
 @nox.session

@@ -194,3 +194,25 @@ def test_manifest_round_trip_and_malformed():
     with pytest.raises(ValueError, match="malformed"):
         Manifest.from_bytes(b"\xc1\xc1")
     assert np.dtype("float32")  # keep numpy import meaningful for type checkers
+
+
+def test_recycle_reuses_the_replaced_tensors_as_shadow_buffers():
+    layouts = {"w": ShardLayout.replicated((4, 3), [0])}
+    sub = WeightSubscriber(0, {"w": torch.zeros(4, 3)}, layouts, recycle=True)
+    pub = WeightPublisher(0)
+    served = [sub.weights["w"]]
+    for v in (1, 2, 3):
+        t = {"w": (torch.full((4, 3), float(v)), layouts["w"])}
+        m = pub.prepare(v, t)
+        sub.begin(m)
+        for c in pub.chunks(m, t, layouts):
+            sub.receive(c)
+        sub.commit()
+        assert torch.equal(sub.weights["w"], torch.full((4, 3), float(v)))
+        served.append(sub.weights["w"])
+    # Version 2 staged into the tensor version 0 served; version 3 into version 1's.
+    assert served[2] is served[0] and served[3] is served[1] and served[1] is not served[0]
+    m = pub.prepare(4, {"w": (torch.ones(4, 3), layouts["w"])})
+    sub.begin(m)
+    sub.abort("test")
+    assert sub.version == 3 and torch.equal(sub.weights["w"], torch.full((4, 3), 3.0))

@@ -36,9 +36,12 @@ def _plugin_suites() -> dict:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    defaults = {"memory": (256, 5), "tiers": (256, 5), "transport": (1024, 3)}.get(
-        args.suite, (256, 5)
-    )
+    defaults = {
+        "memory": (256, 5),
+        "tiers": (256, 5),
+        "transport": (1024, 3),
+        "weights": (1024, 3),  # tpusync-rl: a 1 GiB state dict to two samplers
+    }.get(args.suite, (256, 5))
     args.total_mib = args.total_mib or defaults[0]
     args.repeats = args.repeats or defaults[1]
     if args.suite == "memory":

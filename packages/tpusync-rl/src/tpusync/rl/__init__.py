@@ -10,9 +10,13 @@ Available now (transport-agnostic cores, tested in-process):
   manifests, per-chunk XXH3 digests, dtype casting, name mapping, delta updates, shadow (atomic)
   or in-place (paused) commit.
 
-NOT IMPLEMENTED YET: the network path (bucketed, pipelined, multi-stream, tree/chain fan-out over
-tpusync's transport), JAX pytree publishing across processes, and the vLLM sampler integration.
-They are tracked in the project's issues.
+- :mod:`tpusync.rl.sync`: :class:`TrainerSync` / :class:`SamplerSync` - the network path:
+  bucketed, pipelined, multi-stream transfers over tpusync's P/D transport, chain / tree fan-out,
+  resharding, commit reports and fault handling (:mod:`tpusync.rl.pack` lays pieces into blocks,
+  :mod:`tpusync.rl.control` is the signed control channel).
+
+NOT IMPLEMENTED YET: JAX pytree publishing across processes (multi-controller JAX) and the vLLM
+sampler integration. They are tracked in the project's issues.
 """
 
 from tpusync.core import require_api
@@ -30,16 +34,26 @@ from tpusync.rl.chunks import (  # noqa: E402 - after the API gate on purpose
 from tpusync.rl.layout import Box, ShardLayout  # noqa: E402
 from tpusync.rl.manifest import Manifest, TensorMeta  # noqa: E402
 from tpusync.rl.plan import ReshardPlan, Transfer  # noqa: E402
+from tpusync.rl.sync import (  # noqa: E402
+    PublishReport,
+    SamplerSync,
+    TrainerSync,
+    UpdateResult,
+)
 
 __all__ = [
     "MIN_CORE_API",
     "Box",
     "Chunk",
     "Manifest",
+    "PublishReport",
     "ReshardPlan",
+    "SamplerSync",
     "ShardLayout",
     "TensorMeta",
     "Transfer",
+    "TrainerSync",
+    "UpdateResult",
     "UpdateRejectedError",
     "VersionSkewError",
     "WeightPublisher",

@@ -158,7 +158,10 @@ class _Pending:
     manifest: Manifest
     expected: dict[tuple[str, Box], Transfer]
     staging: dict[str, torch.Tensor]
-    received: set[tuple[str, Box]] = field(default_factory=set)
+    by_name: dict[str, list[Transfer]] = field(default_factory=dict)
+    # Elements landed per expected transfer, and the pieces (sub-boxes) that landed.
+    covered: dict[tuple[str, Box], int] = field(default_factory=dict)
+    pieces: dict[tuple[str, Box], list[Box]] = field(default_factory=dict)
     error: str | None = None
     bytes: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -175,6 +178,7 @@ class WeightSubscriber:
         name_map: Callable[[str], str | None] = lambda name: name,
         mode: str = "shadow",
         version: int = 0,
+        recycle: bool = False,
     ) -> None:
         if mode not in ("shadow", "inplace"):
             raise ValueError(f"mode must be 'shadow' or 'inplace', not {mode!r}")
@@ -193,6 +197,12 @@ class WeightSubscriber:
         self._lock = threading.Lock()
         self._paused = False
         self._pending: _Pending | None = None
+        # RECYCLE CONTRACT (shadow mode, opt-in): the tensors a commit replaced become the next
+        # update's shadow buffers, so a steady stream of updates allocates (and page-faults)
+        # nothing; the caller promises to drop references to an old version's tensors before
+        # the next update begins. Without it every update stages into fresh tensors.
+        self._recycle = recycle
+        self._spare: dict[str, torch.Tensor] = {}
         self.dirty = False
         self.metrics = {
             "updates_committed": 0,
@@ -261,13 +271,30 @@ class WeightSubscriber:
                 for t in plan.to(self.rank):
                     expected[(meta.name, t.box)] = t
                 live = self._weights[engine]
-                staging[engine] = live if self.mode == "inplace" else torch.empty_like(live)
+                if self.mode == "inplace":
+                    staging[engine] = live
+                else:
+                    spare = self._spare.pop(engine, None)
+                    ok = (
+                        spare is not None
+                        and spare.shape == live.shape
+                        and spare.dtype == live.dtype
+                    )
+                    staging[engine] = spare if ok else torch.empty_like(live)
             if self.mode == "inplace":
                 self.dirty = True
-            self._pending = _Pending(manifest, expected, staging)
+            by_name: dict[str, list[Transfer]] = {}
+            for (name, _box), t in expected.items():
+                by_name.setdefault(name, []).append(t)
+            self._pending = _Pending(manifest, expected, staging, by_name)
 
     def receive(self, chunk: Chunk) -> None:
-        """Verify and stage one chunk; a bad chunk rejects the whole update."""
+        """Verify and stage one chunk; a bad chunk rejects the whole update.
+
+        PIECE CONTRACT: a chunk carries either a whole planned transfer box or a piece of one (a
+        sub-box, as the network path cuts transfers to fit host blocks); pieces of one transfer
+        must not overlap and must cover it exactly once before :meth:`commit` accepts the update.
+        """
         with self._lock:
             p = self._pending
             if p is None or chunk.version != p.manifest.version:
@@ -277,12 +304,21 @@ class WeightSubscriber:
                 )
             if p.error:
                 return
-            key = (chunk.name, chunk.box)
-            transfer = p.expected.get(key)
-            if transfer is None or key in p.received or chunk.dst_rank != self.rank:
+            transfer = self._transfer_of(p, chunk)
+            key = None if transfer is None else (chunk.name, transfer.box)
+            if (
+                transfer is None
+                or chunk.dst_rank != self.rank
+                or any(b.intersect(chunk.box) is not None for b in p.pieces.get(key, ()))
+            ):
                 p.error = (
                     f"unexpected or duplicate chunk {chunk.name} {chunk.box} from {chunk.src_rank}"
                 )
+                log.error("rank %d rejects update %d: %s", self.rank, chunk.version, p.error)
+                return
+            itemsize = _torch_dtype(chunk.dtype).itemsize
+            if chunk.data.nbytes != chunk.box.size * itemsize:
+                p.error = f"chunk {chunk.name} {chunk.box} carries {chunk.data.nbytes} bytes"
                 log.error("rank %d rejects update %d: %s", self.rank, chunk.version, p.error)
                 return
             if checksum64(chunk.data) != chunk.digest:
@@ -296,14 +332,38 @@ class WeightSubscriber:
                 .reshape(chunk.box.shape)
             )
             target = p.staging[engine]
-            target[transfer.dst_index].copy_(src.to(target.dtype))  # dtype cast happens here
-            p.received.add(key)
+            if chunk.box == transfer.box:
+                index = transfer.dst_index
+            else:
+                index = self._layouts[engine].box_of(self.rank).local_slices(chunk.box)
+            target[index].copy_(src)  # dtype cast happens here
+            p.pieces.setdefault(key, []).append(chunk.box)
+            p.covered[key] = p.covered.get(key, 0) + chunk.box.size
             p.bytes += chunk.data.nbytes
+
+    @staticmethod
+    def _transfer_of(p: _Pending, chunk: Chunk) -> Transfer | None:
+        exact = p.expected.get((chunk.name, chunk.box))
+        if exact is not None:
+            return exact
+        for t in p.by_name.get(chunk.name, ()):
+            if t.box.contains(chunk.box):
+                return t
+        return None
+
+    def expects(self, name: str) -> bool:
+        """Whether the update being staged wants pieces of trainer tensor ``name``."""
+        with self._lock:
+            return self._pending is not None and name in self._pending.by_name
 
     def missing(self) -> list[tuple[str, Box]]:
         with self._lock:
             p = self._pending
-            return [] if p is None else [k for k in p.expected if k not in p.received]
+            return [] if p is None else self._missing(p)
+
+    @staticmethod
+    def _missing(p: _Pending) -> list[tuple[str, Box]]:
+        return [k for k, t in p.expected.items() if p.covered.get(k, 0) != t.box.size]
 
     def commit(self) -> int:
         """Make the staged version current; raises UpdateRejectedError (old version kept)."""
@@ -311,10 +371,10 @@ class WeightSubscriber:
             p = self._pending
             if p is None:
                 raise UpdateRejectedError("nothing staged")
-            missing = [k for k in p.expected if k not in p.received]
+            missing = self._missing(p)
             if p.error or missing:
                 reason = p.error or f"{len(missing)} chunks missing, e.g. {missing[0][0]}"
-                self._pending = None
+                self._drop(p)
                 self.metrics["updates_rejected"] += 1
                 log.error("rank %d: update %d rejected: %s", self.rank, p.manifest.version, reason)
                 raise UpdateRejectedError(
@@ -325,6 +385,8 @@ class WeightSubscriber:
             if self.mode == "shadow":
                 merged = dict(self._weights)
                 merged.update(p.staging)
+                if self._recycle:
+                    self._spare = {n: self._weights[n] for n in p.staging}
                 self._weights = merged  # one reference swap: readers see old or new, never a mix
             self.dirty = False
             self._version = p.manifest.version
@@ -333,6 +395,12 @@ class WeightSubscriber:
             self.metrics["bytes_received"] += p.bytes
             self.metrics["last_update_s"] = time.monotonic() - p.started
             return self._version
+
+    def _drop(self, p: _Pending) -> None:
+        """Forget a staged update (lock held); its shadow buffers stay spares when recycling."""
+        if self._recycle and self.mode == "shadow":
+            self._spare.update(p.staging)
+        self._pending = None
 
     def abort(self, reason: str) -> None:
         with self._lock:
@@ -343,5 +411,5 @@ class WeightSubscriber:
                     self._pending.manifest.version,
                     reason,
                 )
-                self._pending = None
+                self._drop(self._pending)
                 self.metrics["updates_rejected"] += 1

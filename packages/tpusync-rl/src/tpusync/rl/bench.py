@@ -1,0 +1,265 @@
+"""``tpusync bench weights``: trainer -> samplers weight sync against same-run references.
+
+Paths (every process is a real process, every byte crosses a real socket):
+
+- ``chain``: one trainer process publishes a ``total_bytes`` fp32 state dict to two sampler
+  processes chained over loopback TCP (trainer -> sampler 0 -> sampler 1), shadow commit into
+  recycled (double) buffers; the
+  time runs from ``publish`` to both samplers' commit reports. References, same run:
+  ``torch.distributed`` gloo ``broadcast`` of the same tensors from rank 0 to two ranks, and
+  ``iperf3`` moving the same bytes over loopback with the same parallel streams.
+- ``chain_same_host``: the same with the same-host path (Unix socket + /dev/shm pool copy).
+- ``resharded`` vs ``plain``: two trainer processes (TP=2, dim 0) to one sampler group of two
+  ranks, split on dim 1 (resharded: every piece is a strided box) or on dim 0 (plain: shards map
+  one to one); the figure is the time ratio (lower is better).
+
+GOALS: chain >= 2x gloo, chain >= 0.8x iperf3, resharded <= 1.3x plain.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+from tpusync.core.bench.common import result_entry
+
+GOAL = {"vs_gloo": 2.0, "vs_iperf3": 0.8, "resharded_over_plain": 1.3}
+STREAMS = 4
+BLOCK = 4 << 20
+COLS = 1024
+
+
+def _shapes(total_bytes: int, n: int = 16) -> dict[str, tuple[int, int]]:
+    rows = max(total_bytes // (n * COLS * 4), 2)
+    return {f"layer{i}.w": (rows, COLS) for i in range(n)}
+
+
+def _log(msg: str) -> None:
+    print(f"bench weights: {msg}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sampler(spec: dict, q) -> None:
+    torch.set_num_threads(1)
+    from tpusync.rl import SamplerSync, WeightSubscriber
+
+    rank, layouts = spec["rank"], spec["layouts"]
+    weights = {n: torch.zeros(lay.box_of(rank).shape) for n, lay in layouts.items()}
+    sub = WeightSubscriber(rank, weights, layouts, recycle=True)  # double-buffered shadow commit
+    s = SamplerSync(
+        sub,
+        replica=spec["replica"],
+        control=spec["control"],
+        secret=spec["secret"],
+        same_host=spec["same_host"],
+        block_bytes=BLOCK,
+        pool_bytes=spec["pool_bytes"],
+        streams=STREAMS,
+    )
+    q.put("joined")
+    while True:
+        res = s.update(timeout=spec["idle"])
+        if res is None:
+            break
+        if not res.ok:
+            q.put(f"failed: {res.reason}")
+    s.close()
+
+
+def _trainer_rank(spec: dict, q) -> None:
+    torch.set_num_threads(1)
+    from tpusync.rl import TrainerSync
+
+    t = TrainerSync(
+        spec["rank"],
+        spec["world"],
+        spec["dst"],
+        control=spec["control"],
+        secret=spec["secret"],
+        block_bytes=BLOCK,
+        pool_bytes=spec["pool_bytes"],
+    )
+    tensors = _local(spec["shapes"], spec["src"], spec["rank"])
+    for v in range(1, spec["versions"] + 1):
+        t.publish(v, tensors)
+    q.put("done")
+    t.close()
+
+
+def _local(shapes, src, rank):
+    out = {}
+    for name in shapes:
+        box = src[name].box_of(rank)
+        out[name] = (torch.rand(box.shape), src[name])
+    return out
+
+
+def _run_sync(
+    shapes, src, dst, trainers: int, samplers: list[tuple[int, int]], repeats, same_host
+) -> list[float]:
+    """Seconds per version (median-ready list) of one topology; trainer rank 0 is this process."""
+    from tpusync.rl import TrainerSync
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    total = sum(4 * r * c for r, c in shapes.values())
+    pool = min(max(total // 4, 256 << 20), 512 << 20)
+    secret = os.urandom(32)  # children get it through their spec (never a command line)
+    t0 = TrainerSync(
+        0, trainers, dst, secret=secret, block_bytes=BLOCK, pool_bytes=pool, same_host=same_host
+    )
+    procs = []
+    tensors = _local(shapes, src, 0)
+    try:
+        for replica, rank in samplers:
+            spec = {
+                "replica": replica,
+                "rank": rank,
+                "layouts": dst,
+                "control": t0.control_address,
+                "secret": secret,
+                "same_host": same_host,
+                "pool_bytes": pool,
+                "idle": 300.0,  # killed once every version was reported committed
+            }
+            procs.append(ctx.Process(target=_sampler, args=(spec, q), daemon=True))
+        for r in range(1, trainers):
+            spec = {
+                "rank": r,
+                "world": trainers,
+                "dst": dst,
+                "src": src,
+                "shapes": shapes,
+                "control": t0.control_address,
+                "secret": secret,
+                "pool_bytes": pool,
+                "versions": repeats + 1,
+            }
+            procs.append(ctx.Process(target=_trainer_rank, args=(spec, q), daemon=True))
+        for p in procs:
+            p.start()
+        for _ in samplers:
+            msg = q.get(timeout=120)
+            if msg != "joined":
+                raise RuntimeError(msg)
+        t0.wait_for_samplers(len(samplers), timeout=120)
+        times = []
+        for v in range(1, repeats + 2):  # version 1 warms pools, links and staging memory
+            rep = t0.publish(v, tensors)
+            if not rep.ok:
+                raise RuntimeError(f"version {v} failed: {rep.failed}")
+            if v > 1:
+                times.append(rep.seconds)
+        return times
+    finally:
+        t0.close()
+        started = [p for p in procs if p.pid is not None]
+        for p in started[: len(samplers)]:  # idle samplers: every version was reported committed
+            p.kill()
+        for p in started:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def _gloo_rank(rank: int, port: int, shapes, repeats: int, q) -> None:
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    tensors = [torch.rand(s) if rank == 0 else torch.zeros(s) for s in shapes.values()]
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for t in tensors:
+            dist.broadcast(t, src=0)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        q.put(times[1:])
+    dist.destroy_process_group()
+
+
+def _gloo(shapes, repeats: int) -> list[float]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_gloo_rank, args=(r, port, shapes, repeats, q), daemon=True)
+        for r in range(3)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return q.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def run(total_bytes: int, repeats: int, show_progress: bool = True) -> dict:
+    from tpusync.rl import ShardLayout
+
+    torch.set_num_threads(1)  # every process of every path copies on one thread
+    shapes = _shapes(total_bytes)
+    nbytes = sum(4 * r * c for r, c in shapes.values())
+    whole = {n: ShardLayout.replicated(s, [0]) for n, s in shapes.items()}
+    chain = [(0, 0), (1, 0)]
+    result: dict = {"suite": "weights", "bytes": nbytes, "tensors": len(shapes), "goal": GOAL}
+
+    _log(f"chain over TCP, {nbytes >> 20} MiB, trainer -> 2 samplers")
+    tcp = statistics.median(_run_sync(shapes, whole, whole, 1, chain, repeats, False))
+    _log(f"chain same-host path ({tcp:.2f} s over TCP)")
+    shm = statistics.median(_run_sync(shapes, whole, whole, 1, chain, repeats, True))
+    _log("gloo broadcast to 2 ranks")
+    gloo = statistics.median(_gloo(shapes, repeats))
+    iperf = shutil.which("iperf3")
+    paths = {
+        "chain_tcp_vs_gloo": result_entry(
+            nbytes, tcp, gloo, "torch.distributed gloo broadcast to 2 ranks, same tensors, same run"
+        ),
+        "chain_same_host_vs_gloo": result_entry(
+            nbytes, shm, gloo, "torch.distributed gloo broadcast to 2 ranks, same tensors, same run"
+        ),
+    }
+    if iperf:
+        from tpusync.core.bench.transport import _iperf3
+
+        _log("iperf3")
+        ref = statistics.median(_iperf3(iperf, STREAMS, nbytes) for _ in range(repeats))
+        paths["chain_tcp_vs_iperf3"] = result_entry(
+            nbytes, tcp, ref, f"iperf3 over loopback TCP, {STREAMS} streams, same bytes, same run"
+        )
+    _log("resharded vs plain: 2 trainer ranks (dim 0) -> 2 sampler ranks (dim 1 / dim 0)")
+    src = {n: ShardLayout.split(s, 0, 2) for n, s in shapes.items()}
+    plain_dst = {n: ShardLayout.split(s, 0, 2) for n, s in shapes.items()}
+    resh_dst = {n: ShardLayout.split(s, 1, 2) for n, s in shapes.items()}
+    group = [(0, 0), (0, 1)]
+    plain = statistics.median(_run_sync(shapes, src, plain_dst, 2, group, repeats, False))
+    resh = statistics.median(_run_sync(shapes, src, resh_dst, 2, group, repeats, False))
+    paths["resharded_vs_plain"] = {
+        "seconds": round(resh, 4),
+        "limit_seconds": round(plain, 4),
+        "limit": "the same bytes, 2 -> 2 ranks with identical shards (plain), same run",
+        "ratio": round(resh / plain, 3),
+        "better": "lower",
+    }
+    result["paths"] = paths
+    result["seconds"] = {"chain_tcp": tcp, "chain_same_host": shm, "gloo": gloo}
+    result["iperf3"] = iperf is not None
+    return result

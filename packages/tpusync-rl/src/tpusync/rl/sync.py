@@ -1,0 +1,825 @@
+"""The network path of RL weight sync: trainer ranks publish versions, sampler ranks pull them.
+
+Pieces (see :mod:`tpusync.rl.pack`) are packed into host pool blocks and moved by tpusync's P/D
+streaming primitive (authenticated TCP with several streams per link, or a same-host /dev/shm
+copy); a small signed control channel (:mod:`tpusync.rl.control`) on trainer rank 0 carries
+membership, version announcements and commit reports.
+
+PIPELINE CONTRACT: a trainer rank fills bucket ``i + 1`` (device -> host copy and digests) while
+the wire carries bucket ``i``: each bucket is registered with the transport the moment it is
+filled, and samplers have already asked for the next ``window`` buckets (a pull waits for its
+registration). A sampler stages bucket ``i`` (digest check, dtype cast, name mapping, shadow
+copy) while buckets ``i + 1 ..`` are on the wire.
+
+FAN-OUT CONTRACT: for each sampler rank ``r`` the live replicas form a tree of degree ``fanout``
+(``fanout=1``: a chain). Only the tree's first level pulls from the trainer; every other replica
+pulls the same blocks from its parent, which registers each bucket for its children as soon as
+it landed (forwarding while receiving), so the trainer sends each byte ``fanout`` times, not N.
+
+RESHARD CONTRACT: trainer rank ``t`` sends sampler rank ``r`` only the intersections of its
+shards with ``r``'s shards (:class:`tpusync.rl.plan.ReshardPlan`); no process ever holds more of
+a tensor than its own shard plus the buckets in flight.
+
+FAULT CONTRACT: every wait has a deadline. A sampler that dies or fails an update is reported by
+trainer rank 0 (:class:`PublishReport`) and dropped from the next version's tree until it polls
+again; the others commit. When the trainer dies, samplers' pulls fail by their deadline and they
+keep serving the version they have. A digest mismatch or a stale block rejects the update (logged,
+nothing committed); an announcement that does not follow the sampler's version is refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpusync.core import NotFoundError, PoolExhaustedError, checksum64
+from tpusync.core.pd import PdConsumer, PdProducer, load_secret
+from tpusync.core.pool import HostBlockPool
+from tpusync.rl.chunks import (
+    Chunk,
+    UpdateRejectedError,
+    VersionSkewError,
+    WeightPublisher,
+    WeightSubscriber,
+    _torch_dtype,
+)
+from tpusync.rl.control import ControlClient, ControlServer
+from tpusync.rl.layout import Box, ShardLayout
+from tpusync.rl.manifest import Manifest
+from tpusync.rl.pack import DIGEST, TRAILER, StreamPlan, pack_streams
+
+log = logging.getLogger("tpusync.rl")
+
+__all__ = ["PublishReport", "SamplerSync", "TrainerSync", "UpdateResult", "request_id"]
+
+_VERSION_BITS, _RANK_BITS, _CHILD_BITS, _BUCKET_BITS = 20, 10, 6, 18
+
+
+def request_id(version: int, src: int, dst: int, child: int, bucket: int) -> int:
+    """The transport request id of one bucket of stream (src -> dst) for one child of a sender.
+
+    Unique per sender for 2**20 consecutive versions; ranks < 1024, fanout < 64, buckets < 2**18.
+    """
+    if not (0 <= src < 1 << _RANK_BITS and 0 <= dst < 1 << _RANK_BITS):
+        raise ValueError(f"ranks must be below {1 << _RANK_BITS}: {src}, {dst}")
+    if not 0 <= child < 1 << _CHILD_BITS:
+        raise ValueError(f"fanout must be below {1 << _CHILD_BITS}")
+    if not 0 <= bucket < 1 << _BUCKET_BITS:
+        raise ValueError(f"a stream has more than {1 << _BUCKET_BITS} buckets: raise bucket size")
+    v = version & ((1 << _VERSION_BITS) - 1)
+    return (
+        v << 44
+        | src << (_CHILD_BITS + _BUCKET_BITS + _RANK_BITS)
+        | dst << (_CHILD_BITS + _BUCKET_BITS)
+        | child << _BUCKET_BITS
+        | bucket
+    )
+
+
+def _decode_dst(rid: int) -> int:
+    return (rid >> (_CHILD_BITS + _BUCKET_BITS)) & ((1 << _RANK_BITS) - 1)
+
+
+def _decode_child(rid: int) -> int:
+    return (rid >> _BUCKET_BITS) & ((1 << _CHILD_BITS) - 1)
+
+
+def _layout_to_wire(layout: ShardLayout) -> list:
+    return [list(layout.shape), [[r, list(b.lo), list(b.hi)] for r, b in layout.shards]]
+
+
+def _layout_from_wire(raw: list) -> ShardLayout:
+    shape, shards = raw
+    return ShardLayout(tuple(shape), tuple((r, Box(tuple(lo), tuple(hi))) for r, lo, hi in shards))
+
+
+def _key(replica: int, rank: int) -> str:
+    return f"{replica}:{rank}"
+
+
+def _children(topo: list[int], replica: int | None, fanout: int) -> list[int]:
+    """Replicas pulling from ``replica`` (None: the trainer) in a tree of degree ``fanout``."""
+    first = 0 if replica is None else fanout * (topo.index(replica) + 1)
+    return topo[first : first + fanout]
+
+
+def _parent(topo: list[int], replica: int, fanout: int) -> tuple[int | None, int]:
+    """(parent replica or None for the trainer, this replica's child index at the parent)."""
+    i = topo.index(replica)
+    if i < fanout:
+        return None, i
+    return topo[i // fanout - 1], i % fanout
+
+
+class _Endpoint:
+    """A host pool plus a P/D producer serving it (TCP, and a Unix socket for same-host peers)."""
+
+    def __init__(
+        self,
+        secret: bytes,
+        block_bytes: int,
+        pool_bytes: int,
+        listen: str,
+        same_host: bool,
+        streams: int,
+    ) -> None:
+        num = max(pool_bytes // block_bytes, 4)
+        self._dir = tempfile.mkdtemp(prefix="tpusync-rl-") if same_host else None
+        shm = f"tpusync-rl-{os.getpid()}-{uuid.uuid4().hex[:8]}" if same_host else None
+        self.pool = HostBlockPool(block_bytes, num, shm_name=shm)
+        unix = os.path.join(self._dir, "pd.sock") if self._dir else None
+        self.producer = PdProducer(self.pool, listen=listen, unix_path=unix, secret=secret)
+        self.consumer = PdConsumer(self.pool, streams=streams, secret=secret)
+        self.address = {
+            "tcp": self.producer.address,
+            "unix": self.producer.unix_address,
+            "host": socket.gethostname(),
+        }
+
+    def peer(self, addr: Mapping[str, Any]) -> str:
+        if addr.get("unix") and addr.get("host") == self.address["host"] and self._dir:
+            return addr["unix"]
+        return addr["tcp"]
+
+    def alloc(self, n: int, deadline: float) -> list[int]:
+        """``n`` blocks, waiting for in-flight ones to be released until ``deadline``."""
+        while True:
+            try:
+                return self.pool.alloc(n)
+            except PoolExhaustedError:
+                if time.monotonic() >= deadline:
+                    raise
+                self.producer.poll()
+                time.sleep(0.002)
+
+    def close(self) -> None:
+        self.producer.close()
+        if self._dir:
+            for name in os.listdir(self._dir):
+                os.unlink(os.path.join(self._dir, name))
+            os.rmdir(self._dir)
+            self._dir = None
+
+
+@dataclass
+class PublishReport:
+    """What happened to one version: ``failed`` maps ``"replica:rank"`` to a reason."""
+
+    version: int
+    committed: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    bytes_sent: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+@dataclass
+class UpdateResult:
+    version: int
+    ok: bool
+    reason: str | None = None
+    seconds: float = 0.0
+    bytes: int = 0
+    forwarded_to: int = 0
+
+
+def _normalize(tensors: Mapping[str, Any], world: int) -> dict[str, tuple[Any, ShardLayout]]:
+    out = {}
+    for name, v in tensors.items():
+        if isinstance(v, tuple):
+            out[name] = v
+        else:  # a plain tensor: every trainer rank holds all of it
+            out[name] = (v, ShardLayout.replicated(tuple(v.shape), range(world)))
+    return out
+
+
+class TrainerSync:
+    """One trainer rank's publisher. Rank 0 also runs the control channel.
+
+    ``dst_layouts`` is the sampler group's layout of every tensor, keyed by trainer name (a tensor
+    missing from it is not sent). ``control`` is the address to listen on (rank 0, default an
+    ephemeral loopback port) or rank 0's :attr:`control_address` (other ranks).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        dst_layouts: Mapping[str, ShardLayout],
+        *,
+        control: str | None = None,
+        secret: bytes | None = None,
+        fanout: int = 1,
+        listen: str = "127.0.0.1:0",
+        same_host: bool = False,
+        block_bytes: int = 4 << 20,
+        bucket_blocks: int = 8,
+        pool_bytes: int = 512 << 20,
+        deadline: float = 60.0,
+    ) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside world {world}")
+        if fanout < 1:
+            raise ValueError("fanout must be >= 1")
+        self.rank, self.world, self.fanout = rank, world, fanout
+        self.deadline = deadline
+        self.block_bytes, self.bucket_blocks = block_bytes, bucket_blocks
+        self._dst = dict(dst_layouts)
+        self._secret = secret if secret is not None else load_secret()
+        self._ep = _Endpoint(self._secret, block_bytes, pool_bytes, listen, same_host, 1)
+        self._pub = WeightPublisher(rank)
+        self._lock = threading.Lock()
+        self._members: dict[str, dict] = {}  # rank 0: "replica:rank" -> address
+        self._have: dict[str, int] = {}  # rank 0: the version each sampler last said it has
+        self._trainers: dict[int, dict] = {rank: self._ep.address}
+        self._announced: dict[int, dict] = {}
+        self._reports: dict[int, dict[str, dict]] = collections.defaultdict(dict)
+        self._force_full = False
+        self.metrics = {"versions_published": 0, "bytes_sent": 0, "last_publish_s": 0.0}
+        self._server: ControlServer | None = None
+        self._client: ControlClient | None = None
+        if rank == 0:
+            self._server = ControlServer(
+                self._secret, self._handle, listen=control or "tcp://127.0.0.1:0"
+            )
+        else:
+            if not control:
+                raise ValueError("trainer ranks > 0 need rank 0's control address")
+            self._client = ControlClient(self._secret, control)
+            self._client.request(
+                {"op": "join", "kind": "trainer", "rank": rank, "addr": self._ep.address},
+                timeout=deadline,
+            )
+
+    @property
+    def control_address(self) -> str:
+        if self._server is None:
+            raise ValueError("only trainer rank 0 serves the control channel")
+        return self._server.address
+
+    @property
+    def samplers(self) -> list[str]:
+        with self._lock:
+            return sorted(self._members)
+
+    # ------------------------------------------------------------------ control (rank 0 only)
+
+    def _handle(self, msg: dict, _answer: Any) -> dict | None:
+        op = msg.get("op")
+        with self._lock:
+            if op == "join" and msg.get("kind") == "trainer":
+                self._trainers[int(msg["rank"])] = msg["addr"]
+                return {"op": "ok"}
+            if op == "next":  # a sampler's poll; it (re)joins the group as a side effect
+                key = _key(int(msg["replica"]), int(msg["rank"]))
+                have = int(msg["have"])
+                self._members[key] = msg["addr"]
+                self._have[key] = have
+                newer = [v for v in self._announced if v > have]
+                if newer:
+                    ann = self._announced[max(newer)]
+                    if key in ann["members"]:
+                        return ann
+                return {"op": "none"}
+            if op == "get":
+                ann = self._announced.get(int(msg["version"]))
+                return ann if ann is not None else {"op": "none"}
+            if op == "report":
+                key = _key(int(msg["replica"]), int(msg["rank"]))
+                self._reports[int(msg["version"])][key] = msg
+                return {"op": "ok"}
+        return {"op": "error", "reason": f"unknown op {op!r}"}
+
+    def wait_for_samplers(self, count: int, timeout: float) -> list[str]:
+        """Block until ``count`` sampler ranks joined (TimeoutError after ``timeout`` s)."""
+        end = time.monotonic() + timeout
+        while len(self.samplers) < count:
+            if time.monotonic() >= end:
+                raise TimeoutError(
+                    f"{len(self.samplers)} of {count} samplers joined: {self.samplers}"
+                )
+            time.sleep(0.01)
+        return self.samplers
+
+    def _announce(self, manifest: Manifest) -> dict:
+        end = time.monotonic() + self.deadline
+        while True:
+            with self._lock:
+                if len(self._trainers) == self.world:
+                    break
+            if time.monotonic() >= end:
+                raise TimeoutError(f"only trainer ranks {sorted(self._trainers)} joined")
+            time.sleep(0.01)
+        with self._lock:
+            # VERSION CONTRACT: a sampler that already has this version or a newer one is refused
+            # (reported, left out of the tree) instead of being sent an older model.
+            skewed = {
+                k: self._have.get(k, 0)
+                for k in self._members
+                if self._have.get(k, 0) >= manifest.version
+            }
+            members = {k: a for k, a in self._members.items() if k not in skewed}
+            topo: dict[int, list[int]] = collections.defaultdict(list)
+            for key in members:
+                replica, rank = (int(x) for x in key.split(":"))
+                topo[rank].append(replica)
+            ann = {
+                "op": "announce",
+                "version": manifest.version,
+                "manifest": manifest.to_bytes(),
+                "dst": {n: _layout_to_wire(lay) for n, lay in self._dst.items()},
+                "block_bytes": self.block_bytes,
+                "bucket_blocks": self.bucket_blocks,
+                "deadline": self.deadline,
+                "fanout": self.fanout,
+                "trainers": {t: a for t, a in self._trainers.items()},
+                "members": members,
+                "skewed": skewed,
+                "topo": {r: sorted(v) for r, v in topo.items()},
+            }
+            self._announced[manifest.version] = ann
+            for old in [v for v in self._announced if v < manifest.version - 4]:
+                del self._announced[old]
+            return ann
+
+    # ---------------------------------------------------------------------------- publishing
+
+    def publish(
+        self, version: int, tensors: Mapping[str, Any], delta: bool = False
+    ) -> PublishReport:
+        """Send ``version`` to every live sampler; returns when all are done or the deadline passed.
+
+        ``tensors`` maps trainer names to ``(local shard, ShardLayout)`` or to plain tensors (held
+        whole by every trainer rank). Every trainer rank calls this with the same version. With
+        ``delta`` (single-rank trainers) only tensors changed since the last version are sent.
+        """
+        t0 = time.monotonic()
+        tensors = _normalize(tensors, self.world)
+        if delta and self.world != 1:
+            raise ValueError("delta updates need the ranks' changed sets combined: world must be 1")
+        manifest = self._pub.prepare(version, tensors, delta=delta and not self._force_full)
+        if self.rank == 0:
+            ann = self._announce(manifest)
+        else:
+            ann = self._fetch_announcement(version)
+            theirs = Manifest.from_bytes(ann["manifest"])
+            if [(m.name, m.dtype, m.layout) for m in theirs.tensors] != [
+                (m.name, m.dtype, m.layout) for m in manifest.tensors
+            ]:
+                raise ValueError(
+                    f"trainer rank {self.rank} disagrees with rank 0 on version {version}"
+                )
+        report = PublishReport(version)
+        outstanding = self._send(ann, manifest, tensors, report, t0 + self.deadline)
+        self._wait_sent(outstanding, ann, report, t0 + self.deadline)
+        if self.rank == 0:
+            self._collect(ann, report, t0 + self.deadline)
+        self._pub.published(manifest, tensors)
+        self._force_full = bool(report.failed)
+        report.seconds = time.monotonic() - t0
+        self.metrics["versions_published"] += 1
+        self.metrics["bytes_sent"] += report.bytes_sent
+        self.metrics["last_publish_s"] = report.seconds
+        for key, why in report.failed.items():
+            log.error(
+                "trainer rank %d: sampler %s failed version %d: %s", self.rank, key, version, why
+            )
+        return report
+
+    def _fetch_announcement(self, version: int) -> dict:
+        assert self._client is not None
+        end = time.monotonic() + self.deadline
+        while time.monotonic() < end:
+            try:
+                reply = self._client.request({"op": "get", "version": version}, timeout=2.0)
+            except TimeoutError:
+                continue
+            if reply.get("op") == "announce":
+                return reply
+            time.sleep(0.005)
+        raise TimeoutError(f"trainer rank 0 never announced version {version}")
+
+    def _send(
+        self,
+        ann: dict,
+        manifest: Manifest,
+        tensors: Mapping[str, tuple[Any, ShardLayout]],
+        report: PublishReport,
+        deadline: float,
+    ) -> dict[int, str]:
+        dst = {n: _layout_from_wire(raw) for n, raw in ann["dst"].items()}
+        plans = pack_streams(manifest, dst, ann["block_bytes"], ann["bucket_blocks"])
+        mine = {r: p for (s, r), p in plans.items() if s == self.rank}
+        topo = {int(r): v for r, v in ann["topo"].items()}
+        outstanding: dict[int, str] = {}
+        # Round-robin over destination ranks so every sampler rank progresses at once.
+        order = [
+            (r, b)
+            for b in range(max((len(p.buckets) for p in mine.values()), default=0))
+            for r in sorted(mine)
+            if b < len(mine[r].buckets) and topo.get(r)
+        ]
+        local = {
+            n: torch.as_tensor(t) if not isinstance(t, torch.Tensor) else t
+            for n, (t, _) in tensors.items()
+        }
+        boxes = {n: lay.box_of(self.rank) for n, (_, lay) in tensors.items()}
+        for n, (r, b) in enumerate(order):
+            plan = mine[r]
+            first, end = plan.buckets[b]
+            try:
+                ids = self._ep.alloc(end - first, deadline)
+            except PoolExhaustedError:
+                # Children that never acknowledged hold the pool until the deadline: whoever has
+                # not got every bucket by now fails this version (reported), nobody waits longer.
+                for r2, _b2 in order[n:]:
+                    for replica in _children(topo[r2], None, ann["fanout"]):
+                        report.failed.setdefault(
+                            _key(replica, r2), "trainer pool stayed full until the deadline"
+                        )
+                break
+            try:
+                for k, blk in enumerate(range(first, end)):
+                    self._fill(ids[k], plan, blk, manifest.version, local, boxes)
+                for j, replica in enumerate(_children(topo[r], None, ann["fanout"])):
+                    rid = request_id(manifest.version, self.rank, r, j, b)
+                    self._ep.producer.register_send(rid, ids, max(deadline - time.monotonic(), 0))
+                    outstanding[rid] = _key(replica, r)
+                    report.bytes_sent += (end - first) * self.block_bytes
+            finally:
+                self._ep.pool.free(ids)  # the producer holds its own reference until acked
+        return outstanding
+
+    def _fill(
+        self,
+        block: int,
+        plan: StreamPlan,
+        index: int,
+        version: int,
+        local: Mapping[str, torch.Tensor],
+        boxes: Mapping[str, Box],
+    ) -> None:
+        bb = self.block_bytes
+        arr = self._ep.pool.view(block)
+        u8 = torch.from_numpy(arr)
+        pieces = plan.blocks[index]
+        digests = np.empty(len(pieces), dtype=np.uint64)
+        for p in pieces:
+            src = local[p.name][boxes[p.name].local_slices(p.box)]
+            out = u8[p.offset : p.offset + p.nbytes].view(_torch_dtype(p.dtype)).view(p.box.shape)
+            out.copy_(src)  # device -> host for accelerator tensors
+            digests[p.slot] = checksum64(arr[p.offset : p.offset + p.nbytes])
+        tail = arr[bb - TRAILER - DIGEST * len(pieces) :].view(np.uint64)
+        tail[: len(pieces)] = digests[::-1]  # piece i sits at bb - 16 - 8 * (i + 1)
+        tail[len(pieces) :] = (version, len(pieces))
+
+    def _wait_sent(
+        self, outstanding: dict[int, str], ann: dict, report: PublishReport, deadline: float
+    ) -> None:
+        left = dict(outstanding)
+        while left and time.monotonic() < deadline + 1.0:
+            for st in self._ep.producer.poll():
+                key = left.get(st.request_id)
+                if key is None or st.state == "pending":
+                    continue
+                del left[st.request_id]
+                if st.failed and key not in report.failed:
+                    report.failed[key] = f"transfer failed: {st.reason}"
+            time.sleep(0.002)
+        for key in left.values():
+            report.failed.setdefault(key, "transfer not acknowledged by the deadline")
+
+    def _collect(self, ann: dict, report: PublishReport, deadline: float) -> None:
+        expected = set(ann["members"])
+        version = ann["version"]
+        while time.monotonic() < deadline:
+            with self._lock:
+                got = set(self._reports[version])
+            if expected <= got:
+                break
+            time.sleep(0.005)
+        for key, have in ann.get("skewed", {}).items():
+            report.failed[key] = (
+                f"refused: version skew: sampler {key} already has version {have} >= {version}"
+            )
+        with self._lock:
+            reports = self._reports.pop(version, {})
+            for key in sorted(expected):
+                rep = reports.get(key)
+                if rep is not None and rep.get("ok"):
+                    report.committed.append(key)
+                    report.failed.pop(key, None)
+                    continue
+                why = (
+                    rep.get("reason")
+                    if rep is not None
+                    else report.failed.get(key, "no report by the deadline (sampler presumed dead)")
+                )
+                report.failed[key] = why
+                self._members.pop(key, None)  # out of the next tree until it polls again
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._client is not None:
+            self._client.close()
+        self._ep.close()
+
+
+class SamplerSync:
+    """One sampler rank's receiver: polls trainer rank 0, pulls, forwards, verifies, commits.
+
+    ``replica`` numbers this rank's sampler group (all ranks of one engine share it); the rank
+    is ``subscriber.rank``. ``block_bytes`` must equal the trainer's.
+    """
+
+    def __init__(
+        self,
+        subscriber: WeightSubscriber,
+        *,
+        replica: int,
+        control: str,
+        secret: bytes | None = None,
+        listen: str = "127.0.0.1:0",
+        same_host: bool = False,
+        block_bytes: int = 4 << 20,
+        pool_bytes: int = 256 << 20,
+        streams: int = 4,
+        window: int = 4,
+        poll_interval: float = 0.01,
+    ) -> None:
+        self.sub = subscriber
+        self.replica = replica
+        self._secret = secret if secret is not None else load_secret()
+        self._ep = _Endpoint(self._secret, block_bytes, pool_bytes, listen, same_host, streams)
+        self._client = ControlClient(self._secret, control)
+        self._window = max(window, 1)
+        self._poll = poll_interval
+        self.history: list[UpdateResult] = []
+        self._seen = subscriber.version  # newest version attempted (never retried)
+
+    @property
+    def version(self) -> int:
+        return self.sub.version
+
+    def update(self, timeout: float) -> UpdateResult | None:
+        """Wait up to ``timeout`` s for a version newer than ours and apply it.
+
+        Returns None when none was announced in time (or trainer rank 0 is unreachable): the
+        current version keeps being served. Never raises for a failed update; the result says why.
+        """
+        end = time.monotonic() + timeout
+        msg = {
+            "op": "next",
+            "replica": self.replica,
+            "rank": self.sub.rank,
+            "addr": self._ep.address,
+        }
+        while time.monotonic() < end:
+            try:
+                reply = self._client.request(
+                    {**msg, "have": max(self.version, self._seen)},
+                    timeout=min(2.0, max(end - time.monotonic(), 0.05)),
+                )
+            except (TimeoutError, RuntimeError) as e:  # rank 0 gone, slow, or refusing
+                log.debug("sampler %d:%d: poll failed: %s", self.replica, self.sub.rank, e)
+                time.sleep(self._poll)
+                continue
+            if reply.get("op") == "announce":
+                self._seen = max(self._seen, int(reply["version"]))
+                result = self._apply(reply)
+                self.history.append(result)
+                return result
+            time.sleep(self._poll)
+        return None
+
+    def _report(self, result: UpdateResult) -> None:
+        try:
+            self._client.request(
+                {
+                    "op": "report",
+                    "version": result.version,
+                    "replica": self.replica,
+                    "rank": self.sub.rank,
+                    "ok": result.ok,
+                    "reason": result.reason,
+                    "seconds": result.seconds,
+                },
+                timeout=5.0,
+            )
+        except TimeoutError as e:
+            log.warning(
+                "sampler %d:%d: report of version %d lost: %s",
+                self.replica,
+                self.sub.rank,
+                result.version,
+                e,
+            )
+
+    def _apply(self, ann: dict) -> UpdateResult:
+        t0 = time.monotonic()
+        version = int(ann["version"])
+        deadline = t0 + float(ann["deadline"])
+        me = self.sub.rank
+        try:
+            manifest = Manifest.from_bytes(ann["manifest"])
+            if ann["block_bytes"] != self._ep.pool.block_bytes:
+                raise ValueError(
+                    f"trainer block size {ann['block_bytes']} != this sampler's {self._ep.pool.block_bytes}"
+                )
+            self.sub.begin(manifest)
+        except (VersionSkewError, ValueError, RuntimeError) as e:
+            log.error("sampler %d:%d refuses version %d: %s", self.replica, me, version, e)
+            result = UpdateResult(version, False, f"refused: {e}", time.monotonic() - t0)
+            self._report(result)
+            return result
+        forwarded = 0
+        try:
+            dst = {n: _layout_from_wire(raw) for n, raw in ann["dst"].items()}
+            mine = self.sub.layouts_by_trainer_name(manifest)
+            for name, lay in mine.items():
+                if name in dst and dst[name] != lay:
+                    raise UpdateRejectedError(
+                        f"{name}: the trainer plans for sampler layout {dst[name]}, this group has {lay}"
+                    )
+            plans = pack_streams(manifest, dst, ann["block_bytes"], ann["bucket_blocks"])
+            streams = {s: p for (s, r), p in plans.items() if r == me}
+            topo = [int(x) for x in ann["topo"].get(me, [])]
+            parent, slot = _parent(topo, self.replica, ann["fanout"])
+            children = _children(topo, self.replica, ann["fanout"])
+            if parent is None:
+                peers = {s: self._ep.peer(ann["trainers"][s]) for s in streams}
+            else:
+                addr = self._ep.peer(ann["members"][_key(parent, me)])
+                peers = {s: addr for s in streams}
+            forwarded = self._pull(version, me, streams, peers, slot, children, deadline)
+            committed = self.sub.commit()
+            result = UpdateResult(
+                committed,
+                True,
+                None,
+                time.monotonic() - t0,
+                sum(p.nbytes for p in streams.values()),
+                forwarded,
+            )
+            log.info(
+                "sampler %d:%d committed version %d in %.3f s",
+                self.replica,
+                me,
+                version,
+                result.seconds,
+            )
+        except Exception as e:  # noqa: BLE001 - any failure rejects this update, never the sampler
+            self.sub.abort(str(e))
+            log.error("sampler %d:%d rejects version %d: %s", self.replica, me, version, e)
+            result = UpdateResult(version, False, str(e), time.monotonic() - t0, 0, forwarded)
+        self._report(result)
+        return result
+
+    def _pull(
+        self,
+        version: int,
+        me: int,
+        streams: dict[int, StreamPlan],
+        peers: dict[int, str],
+        slot: int,
+        children: list[int],
+        deadline: float,
+    ) -> int:
+        items = [
+            (s, b)
+            for b in range(max((len(p.buckets) for p in streams.values()), default=0))
+            for s in sorted(streams)
+            if b < len(streams[s].buckets)
+        ]
+        queue = collections.deque(items)
+        flight: collections.deque = collections.deque()
+        ep = self._ep
+        forwarded = 0
+        finished: dict[int, Any] = {}  # terminal statuses polled before their turn
+
+        def start(block: bool = False) -> bool:
+            s, b = queue[0]
+            first, end = streams[s].buckets[b]
+            # POOL CONTRACT: with buckets in flight, never block on the pool (only finishing them
+            # frees blocks); with none, wait for the children's pulls to release forwarded ones.
+            try:
+                ids = ep.alloc(end - first, deadline) if block else ep.pool.alloc(end - first)
+            except PoolExhaustedError:
+                if block:
+                    raise
+                return False
+            queue.popleft()
+            rid = request_id(version, s, me, slot, b)
+            try:
+                ep.consumer.start_recv(
+                    rid, peers[s], ids, deadline=max(deadline - time.monotonic(), 0)
+                )
+            except Exception:
+                ep.pool.free(ids)
+                raise
+            flight.append((s, b, rid, ids))
+            return True
+
+        try:
+            while queue or flight:
+                if not flight:
+                    start(block=True)
+                while queue and len(flight) < self._window and start():
+                    pass
+                s, b, rid, ids = flight.popleft()
+                st = self._wait(rid, finished, deadline)
+                if st.code == "NotFound" and time.monotonic() < deadline:
+                    # A pull waits ~10 s for its registration; a sender still busy (a loaded host,
+                    # a slow device -> host copy) is asked again until the version's deadline.
+                    ep.consumer.start_recv(
+                        rid, peers[s], ids, deadline=max(deadline - time.monotonic(), 0)
+                    )
+                    flight.appendleft((s, b, rid, ids))
+                    continue
+                if not st.done:
+                    ep.pool.free(ids)
+                    raise UpdateRejectedError(
+                        f"bucket {b} from {peers[s]}: {st.reason or st.state}"
+                    )
+                while queue and len(flight) < self._window and start():
+                    pass
+                # Forward first (the children's pulls overlap our staging), then stage.
+                for j, _child in enumerate(children):
+                    ep.producer.register_send(
+                        request_id(version, s, me, j, b), ids, max(deadline - time.monotonic(), 0)
+                    )
+                    forwarded += 1
+                try:
+                    first, _ = streams[s].buckets[b]
+                    for k, block in enumerate(ids):
+                        self._stage(version, me, s, streams[s], first + k, block)
+                finally:
+                    ep.pool.free(ids)
+        finally:
+            for _s, _b, _rid, ids in flight:
+                ep.pool.free(ids)  # the transport borrows them until the receive ends
+        return forwarded
+
+    def _wait(self, rid: int, finished: dict[int, Any], deadline: float) -> Any:
+        """The terminal status of request ``rid`` (a consumer forgets a request once polled)."""
+        if rid not in finished:
+            try:
+                st = self._ep.consumer.wait(rid, timeout=max(deadline - time.monotonic(), 0.0))
+            except NotFoundError:
+                if rid not in finished:
+                    raise
+            else:
+                finished[rid] = st
+            for other in self._ep.consumer.poll():  # forget terminal requests, keep their status
+                if other.state != "pending":
+                    finished[other.request_id] = other
+        return finished.pop(rid)
+
+    def _stage(
+        self, version: int, me: int, src: int, plan: StreamPlan, index: int, block: int
+    ) -> None:
+        arr = self._ep.pool.view(block)
+        bb = arr.nbytes
+        pieces = plan.blocks[index]
+        got_version, count = (int(x) for x in arr[bb - TRAILER :].view(np.uint64))
+        if got_version != version or count != len(pieces):
+            raise UpdateRejectedError(
+                f"block {index} from trainer rank {src} carries version {got_version} with {count} "
+                f"pieces, expected version {version} with {len(pieces)} (stale or foreign data)"
+            )
+        digests = arr[bb - TRAILER - DIGEST * len(pieces) : bb - TRAILER].view(np.uint64)[::-1]
+        for p in pieces:
+            if not self.sub.expects(p.name):
+                continue
+            self.sub.receive(
+                Chunk(
+                    version,
+                    p.name,
+                    src,
+                    me,
+                    p.box,
+                    p.dtype,
+                    arr[p.offset : p.offset + p.nbytes],
+                    int(digests[p.slot]),
+                )
+            )
+
+    def close(self) -> None:
+        self._client.close()
+        self._ep.close()

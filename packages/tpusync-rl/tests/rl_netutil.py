@@ -1,0 +1,161 @@
+"""Processes for the network tests: trainer ranks and sampler ranks as real spawned processes.
+
+Kept in a module of its own so that ``multiprocessing``'s spawn start method can import the
+process entry points by name (fork would copy the native engine's threads in a broken state).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import torch
+
+SECRET = b"tpusync-rl-test-secret-0123456789"
+SHAPES = {
+    "embed": (256, 160),
+    "layers.0.w": (192, 256),
+    "layers.0.b": (192,),
+    "layers.1.w": (256, 192),
+    "scale": (),
+}
+
+
+def full_weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def engine_name(name: str) -> str:
+    return "model." + name
+
+
+def ctx():
+    return mp.get_context("spawn")
+
+
+def shard(t: torch.Tensor, box) -> torch.Tensor:
+    return t[tuple(slice(a, b) for a, b in zip(box.lo, box.hi, strict=True))]
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> dict[str, int]:
+    from tpusync.core import checksum64
+
+    return {
+        n: checksum64(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        for n, t in weights.items()
+    }
+
+
+def expected_digest(full, layouts, rank, dtype) -> dict[str, int]:
+    """What sampler ``rank`` must hold: its box of every tensor, cast to ``dtype``."""
+    out = {}
+    for name, t in full.items():
+        lay = layouts[engine_name(name)]
+        out[engine_name(name)] = shard(t, lay.box_of(rank)).to(dtype)
+    return weights_digest(out)
+
+
+def sampler_main(spec: dict, q) -> None:
+    """One sampler rank: apply ``spec['updates']`` updates, reporting each on ``q``."""
+    torch.set_num_threads(1)
+    from tpusync.rl import SamplerSync, WeightSubscriber
+
+    dtype = getattr(torch, spec.get("dtype", "bfloat16"))
+    layouts = spec["layouts"]  # by engine name
+    rank = spec["rank"]
+    weights = {n: torch.zeros(lay.box_of(rank).shape, dtype=dtype) for n, lay in layouts.items()}
+    sub = WeightSubscriber(
+        rank,
+        weights,
+        layouts,
+        name_map=engine_name,
+        mode=spec.get("mode", "shadow"),
+        version=spec.get("start_version", 0),
+    )
+    sampler = SamplerSync(
+        sub,
+        replica=spec["replica"],
+        control=spec["control"],
+        secret=SECRET,
+        block_bytes=spec["block_bytes"],
+        pool_bytes=spec.get("pool_bytes", 4 << 20),
+        same_host=spec.get("same_host", False),
+        window=spec.get("window", 3),
+    )
+    die = spec.get("die_at_version")
+    if die is not None:  # fault injection: exit hard after staging the first block of `die`
+        stage = sampler._stage
+
+        def dying_stage(version, *a, **kw):
+            stage(version, *a, **kw)
+            if version == die:
+                os._exit(3)
+
+        sampler._stage = dying_stage
+    q.put(("joined", spec["replica"], rank, None))
+    timeouts = spec.get("timeouts", [spec.get("timeout", 30)] * spec["updates"])
+    for i in range(spec["updates"]):
+        t0 = time.monotonic()
+        if spec.get("paused"):
+            with sub.paused():
+                res = sampler.update(timeout=timeouts[i])
+        else:
+            res = sampler.update(timeout=timeouts[i])
+        info = None
+        if res is not None:
+            info = {
+                "version": res.version,
+                "ok": res.ok,
+                "reason": res.reason,
+                "forwarded": res.forwarded_to,
+                "bytes": res.bytes,
+                "serving": sub.version,
+                "digest": weights_digest(sub.weights),
+                "waited": time.monotonic() - t0,
+            }
+        q.put(("update", spec["replica"], rank, info))
+    sampler.close()
+
+
+def trainer_rank_main(spec: dict, q) -> None:
+    """A trainer rank > 0 (or a trainer rank 0 that may die): publishes ``spec['versions']``."""
+    torch.set_num_threads(1)
+    from tpusync.rl import TrainerSync
+
+    t = TrainerSync(
+        spec["rank"],
+        spec["world"],
+        spec["dst_layouts"],
+        control=spec.get("control"),
+        secret=SECRET,
+        fanout=spec.get("fanout", 1),
+        block_bytes=spec["block_bytes"],
+        bucket_blocks=spec.get("bucket_blocks", 2),
+        pool_bytes=spec.get("pool_bytes", 8 << 20),
+        deadline=spec.get("deadline", 20.0),
+    )
+    die = spec.get("die_at_version")
+    if die is not None:
+        fill = t._fill
+
+        def dying_fill(block, plan, index, version, *a):
+            fill(block, plan, index, version, *a)
+            if version == die and index == 1:
+                time.sleep(1.0)  # the samplers see the announcement and pull bucket 0 first
+                os._exit(4)
+
+        t._fill = dying_fill
+    if spec["rank"] == 0:
+        q.put(("control", t.control_address))
+        t.wait_for_samplers(spec["samplers"], timeout=60)
+    for v, seed in spec["versions"]:
+        full = full_weights(seed)
+        tensors = {}
+        for name, tensor in full.items():
+            lay = spec["src_layouts"][name]
+            tensors[name] = (shard(tensor, lay.box_of(spec["rank"])).clone(), lay)
+        rep = t.publish(v, tensors)
+        q.put(("published", v, {"failed": rep.failed, "committed": rep.committed}))
+    t.close()

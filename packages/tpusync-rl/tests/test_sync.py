@@ -1,0 +1,398 @@
+"""The network path: real processes, real sockets (tpusync's P/D transport + the control channel).
+
+Trainer rank 0 runs in the test process (or in a child where it must die); trainer rank 1 and
+every sampler rank run in spawned processes. Small blocks (64 KiB) force tensors to be cut into
+pieces across blocks and buckets, so the packing, pipelining and window paths all run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import rl_netutil as U
+import torch
+
+from tpusync.rl import ShardLayout, TrainerSync
+from tpusync.rl.manifest import Manifest, TensorMeta
+from tpusync.rl.pack import pack_streams
+
+BB = 64 << 10
+
+
+def tp_layouts(world: int, dims: dict[str, int], names=None) -> dict[str, ShardLayout]:
+    """TP=world layouts (scalars and 1-D biases replicated); keyed by ``names(trainer_name)``."""
+    names = names or (lambda n: n)
+    out = {}
+    for name, shape in U.SHAPES.items():
+        if len(shape) < 2 or world == 1:
+            out[names(name)] = ShardLayout.replicated(shape, range(world))
+        else:
+            out[names(name)] = ShardLayout.split(shape, dims.get(name, 0), world)
+    return out
+
+
+def get(q, kind, timeout=60.0):
+    """The next item of ``kind`` from ``q``; items of other kinds wait for their own get."""
+    if not hasattr(q, "tpusync_stash"):
+        q.tpusync_stash = []
+    stash = q.tpusync_stash
+    for i, item in enumerate(stash):
+        if item[0] == kind:
+            return stash.pop(i)
+    while True:
+        item = q.get(timeout=timeout)
+        if item[0] == kind:
+            return item
+        stash.append(item)
+
+
+def start_samplers(q, control, layouts_by_engine, replicas, world, updates, per=None, common=None):
+    procs = []
+    for replica in range(replicas):
+        for rank in range(world):
+            spec = {
+                "replica": replica,
+                "rank": rank,
+                "layouts": layouts_by_engine,
+                "control": control,
+                "block_bytes": BB,
+                "updates": updates,
+                **(common or {}),
+                **(per or {}).get((replica, rank), {}),
+            }
+            p = U.ctx().Process(target=U.sampler_main, args=(spec, q), daemon=True)
+            p.start()
+            procs.append(p)
+    for _ in procs:
+        get(q, "joined")
+    return procs
+
+
+def collect(q, n, timeout=60.0):
+    """The next update of ``n`` different samplers (a sampler's later updates wait their turn)."""
+    out: dict = {}
+    later = []
+    while len(out) < n:
+        item = get(q, "update", timeout)
+        key = (item[1], item[2])
+        if key in out:
+            later.append(item)
+        else:
+            out[key] = item[3]
+    q.tpusync_stash[:0] = later
+    return out
+
+
+def join_all(procs, timeout=30):
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+
+
+def test_chain_of_two_samplers_picks_up_each_version_bf16_named():
+    """Trainer -> sampler 0 -> sampler 1 (chain): each version lands on both, cast to bf16 under
+    engine names; the trainer sends each byte once (sampler 0 forwards to sampler 1)."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(1, {})
+    trainer = TrainerSync(
+        0,
+        1,
+        dst,
+        secret=U.SECRET,
+        block_bytes=BB,
+        bucket_blocks=2,
+        pool_bytes=1 << 20,
+        deadline=30.0,
+    )
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    procs = start_samplers(q, trainer.control_address, eng, 2, 1, 2)
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        for v, seed in ((1, 11), (2, 12)):
+            full = U.full_weights(seed)
+            rep = trainer.publish(v, full)
+            assert rep.ok, rep.failed
+            assert sorted(rep.committed) == ["0:0", "1:0"]
+            got = collect(q, 2)
+            want = U.expected_digest(full, eng, 0, torch.bfloat16)
+            for key, info in got.items():
+                assert info["ok"] and info["version"] == v and info["serving"] == v, (key, info)
+                assert info["digest"] == want, key
+            assert got[(0, 0)]["forwarded"] > 0 and got[(1, 0)]["forwarded"] == 0
+            payload = sum(t.numel() * 4 for t in full.values())
+            # One copy of the model (plus block padding) left the trainer, not two.
+            assert payload <= rep.bytes_sent < 1.5 * payload
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_reshard_tp2_trainer_to_tp4_samplers_without_gathering():
+    """Two trainer processes (TP=2 on dim 0) -> one sampler group of four ranks (TP=4, some
+    tensors split on dim 1): every rank ends with exactly its shard and received only it."""
+    q = U.ctx().Queue()
+    src = tp_layouts(2, {})
+    dst = tp_layouts(4, {"embed": 1, "layers.1.w": 1})
+    trainer = TrainerSync(
+        0,
+        2,
+        dst,
+        secret=U.SECRET,
+        block_bytes=BB,
+        bucket_blocks=2,
+        pool_bytes=2 << 20,
+        deadline=30.0,
+    )
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    procs = start_samplers(q, trainer.control_address, eng, 1, 4, 1, common={"dtype": "float32"})
+    rank1 = U.ctx().Process(
+        target=U.trainer_rank_main,
+        args=(
+            {
+                "rank": 1,
+                "world": 2,
+                "dst_layouts": dst,
+                "src_layouts": src,
+                "control": trainer.control_address,
+                "block_bytes": BB,
+                "pool_bytes": 2 << 20,
+                "versions": [(1, 21)],
+            },
+            q,
+        ),
+        daemon=True,
+    )
+    rank1.start()
+    try:
+        trainer.wait_for_samplers(4, timeout=30)
+        full = U.full_weights(21)
+        mine = {n: (U.shard(t, src[n].box_of(0)).clone(), src[n]) for n, t in full.items()}
+        rep = trainer.publish(1, mine)
+        assert rep.ok, rep.failed
+        got = collect(q, 4)
+        for (_replica, rank), info in got.items():
+            assert info["ok"], info
+            assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32), rank
+            own = sum(eng[U.engine_name(n)].box_of(rank).size * 4 for n in full)
+            assert info["bytes"] == own  # only its own shard came over the wire
+        assert get(q, "published")[1] == 1
+    finally:
+        join_all(procs + [rank1])
+        trainer.close()
+
+
+def test_inplace_update_while_paused():
+    q = U.ctx().Queue()
+    dst = tp_layouts(1, {})
+    trainer = TrainerSync(0, 1, dst, secret=U.SECRET, block_bytes=BB, pool_bytes=1 << 20)
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    procs = start_samplers(
+        q,
+        trainer.control_address,
+        eng,
+        1,
+        1,
+        1,
+        common={"mode": "inplace", "paused": True, "dtype": "float32"},
+    )
+    try:
+        trainer.wait_for_samplers(1, timeout=30)
+        full = U.full_weights(31)
+        assert trainer.publish(1, full).ok
+        info = collect(q, 1)[(0, 0)]
+        assert info["ok"] and info["digest"] == U.expected_digest(full, eng, 0, torch.float32)
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_sampler_dying_mid_update_is_reported_and_others_commit(caplog):
+    """Three replicas, fanout 3 (all pull from the trainer): replica 2 dies after its first
+    block of version 2; the trainer names it, replicas 0 and 1 commit, and version 3 goes out
+    to the survivors only."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(1, {})
+    trainer = TrainerSync(
+        0,
+        1,
+        dst,
+        secret=U.SECRET,
+        block_bytes=BB,
+        bucket_blocks=1,
+        fanout=3,
+        pool_bytes=2 << 20,
+        deadline=10.0,
+    )
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    procs = start_samplers(
+        q, trainer.control_address, eng, 3, 1, 3, per={(2, 0): {"die_at_version": 2}}
+    )
+    try:
+        trainer.wait_for_samplers(3, timeout=30)
+        assert trainer.publish(1, U.full_weights(1)).ok
+        collect(q, 3)
+        with caplog.at_level(logging.ERROR, logger="tpusync.rl"):
+            rep = trainer.publish(2, U.full_weights(2))
+        assert sorted(rep.committed) == ["0:0", "1:0"]
+        assert list(rep.failed) == ["2:0"]
+        assert "sampler 2:0 failed version 2" in caplog.text
+        got = collect(q, 2)
+        assert all(i["ok"] and i["version"] == 2 for i in got.values())
+        assert procs[2].exitcode == 3 or not procs[2].is_alive()
+        rep3 = trainer.publish(3, U.full_weights(3))
+        assert rep3.ok and sorted(rep3.committed) == ["0:0", "1:0"]
+        collect(q, 2)
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_trainer_dying_leaves_samplers_on_the_old_version():
+    q = U.ctx().Queue()
+    dst = tp_layouts(1, {})
+    spec = {
+        "rank": 0,
+        "world": 1,
+        "dst_layouts": dst,
+        "src_layouts": tp_layouts(1, {}),
+        "block_bytes": BB,
+        "bucket_blocks": 1,
+        "pool_bytes": 4 << 20,
+        "deadline": 10.0,
+        "samplers": 2,
+        "versions": [(1, 41), (2, 42)],
+        "die_at_version": 2,
+    }
+    tp = U.ctx().Process(target=U.trainer_rank_main, args=(spec, q), daemon=True)
+    tp.start()
+    control = get(q, "control")[1]
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    procs = start_samplers(q, control, eng, 2, 1, 3, common={"timeouts": [60, 60, 3], "window": 1})
+    try:
+        first = collect(q, 2)
+        want1 = U.expected_digest(U.full_weights(41), eng, 0, torch.bfloat16)
+        assert all(i["ok"] and i["digest"] == want1 for i in first.values())
+        second = collect(q, 2)  # the trainer died mid-version-2
+        for info in second.values():
+            assert not info["ok"] and info["version"] == 2
+            assert info["serving"] == 1 and info["digest"] == want1
+        third = collect(q, 2)  # nobody announces anything any more: each wait times out
+        assert all(info is None for info in third.values())
+        tp.join(10)
+        assert tp.exitcode == 4
+    finally:
+        join_all(procs + [tp])
+
+
+class TamperingTrainer(TrainerSync):
+    """Flips one byte of the first block of stream (0 -> rank 1) after its digests were taken."""
+
+    def _fill(self, block, plan, index, version, *a):
+        super()._fill(block, plan, index, version, *a)
+        if version == 2 and plan.dst == 1 and index == 0:
+            self._ep.pool.view(block)[0] ^= 0xFF
+
+
+def test_digest_mismatch_rejects_update_others_commit(caplog):
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {})
+    trainer = TamperingTrainer(
+        0, 1, dst, secret=U.SECRET, block_bytes=BB, pool_bytes=2 << 20, deadline=15.0
+    )
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    procs = start_samplers(q, trainer.control_address, eng, 1, 2, 2)
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        full1 = U.full_weights(51)
+        assert trainer.publish(1, full1).ok
+        collect(q, 2)
+        rep = trainer.publish(2, U.full_weights(52))
+        assert rep.committed == ["0:0"]
+        assert "digest mismatch in embed" in rep.failed["0:1"]
+        got = collect(q, 2)
+        assert got[(0, 0)]["ok"] and got[(0, 0)]["serving"] == 2
+        bad = got[(0, 1)]
+        assert not bad["ok"] and "digest mismatch" in bad["reason"] and bad["serving"] == 1
+        assert bad["digest"] == U.expected_digest(full1, eng, 1, torch.bfloat16)
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_version_skew_is_refused():
+    """A sampler already at version 5 refuses version 3 and keeps serving 5."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(1, {})
+    trainer = TrainerSync(
+        0, 1, dst, secret=U.SECRET, block_bytes=BB, pool_bytes=1 << 20, deadline=5.0
+    )
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    procs = start_samplers(
+        q, trainer.control_address, eng, 1, 1, 1, common={"start_version": 5, "timeout": 4}
+    )
+    try:
+        trainer.wait_for_samplers(1, timeout=30)
+        rep = trainer.publish(3, U.full_weights(3))
+        assert "refused" in rep.failed["0:0"] and "already has version 5" in rep.failed["0:0"]
+        assert collect(q, 1)[(0, 0)] is None  # never offered version 3: still serving 5
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_control_channel_drops_messages_with_a_wrong_secret():
+    from tpusync.rl.control import ControlClient
+
+    trainer = TrainerSync(
+        0, 1, tp_layouts(1, {}), secret=U.SECRET, block_bytes=BB, pool_bytes=1 << 20
+    )
+    try:
+        bad = ControlClient(b"x" * 32, trainer.control_address)
+        with pytest.raises(TimeoutError):
+            bad.request({"op": "next", "replica": 0, "rank": 0, "have": 0, "addr": {}}, 0.5)
+        assert trainer.samplers == []
+        good = ControlClient(U.SECRET, trainer.control_address)
+        assert good.request({"op": "get", "version": 1}, 5.0) == {"op": "none"}
+        bad.close()
+        good.close()
+    finally:
+        trainer.close()
+
+
+def test_pack_streams_tile_every_transfer_inside_blocks():
+    src = tp_layouts(2, {})
+    dst = tp_layouts(4, {"embed": 1, "layers.1.w": 1})
+    metas = tuple(TensorMeta(n, "float32", src[n]) for n in U.SHAPES)
+    plans = pack_streams(Manifest(1, metas), dst, 8192, 2)
+    from tpusync.rl.plan import ReshardPlan
+
+    for (s, r), plan in plans.items():
+        want = {
+            (n, t.box)
+            for n in U.SHAPES
+            for t in ReshardPlan.build(src[n], dst[n]).transfers
+            if t.src_rank == s and t.dst_rank == r
+        }
+        covered: dict = {}
+        for i, block in enumerate(plan.blocks):
+            end = 0
+            for slot, p in enumerate(block):
+                assert p.block == i and p.slot == slot and p.offset % 64 == 0
+                assert p.offset >= end
+                end = p.offset + p.nbytes
+                assert p.transfer.contains(p.box) and p.nbytes == p.box.size * 4
+                covered.setdefault((p.name, p.transfer), []).append(p.box)
+            assert end <= 8192 - 16 - 8 * len(block)
+        assert set(covered) == want
+        for (_n, tbox), boxes in covered.items():
+            assert sum(b.size for b in boxes) == tbox.size
+            assert all(a.intersect(b) is None for a in boxes for b in boxes if a is not b)
+
+
+def test_trainer_refuses_a_bad_configuration():
+    with pytest.raises(ValueError, match="rank 2 outside world 2"):
+        TrainerSync(2, 2, {}, secret=U.SECRET)
+    with pytest.raises(ValueError, match="control address"):
+        TrainerSync(1, 2, {}, secret=U.SECRET)
