@@ -1,11 +1,20 @@
-"""TTFT with a tpusync host hit vs recompute, in one vLLM instance (JSON per tpusync's convention).
+"""``tpusync bench vllm --json``: TTFT of a long prompt with a tpusync hit vs recomputing it.
 
-``python -m tpusync.vllm.bench --model DIR [--prompt-tokens N] [--repeats R] --json``
+Paths, each in its own fresh vLLM process (in-process engine, tiny random Llama generated
+locally, greedy 1-token generations; TTFT = wall time of that generation):
 
-For each repeat: vLLM's own prefix cache is reset, a fresh prompt is generated once to fill the
-host tier (recompute, timed as the reference), vLLM's prefix cache is reset again and the same
-prompt runs again (its prefix loads from tpusync, timed). TTFT = wall time of a 1-token greedy
-generation. ``ratio`` = hit / recompute (lower is better). Medians over the repeats.
+- ``host_hit``: the prompt's prefix loads from tpusync's host tier.
+- ``disk_hit``: a fresh process with a cold host tier loads it from the disk tier that the
+  ``host_hit`` process wrote (flushed before it exits).
+- ``example_connector``: vLLM's built-in ExampleConnector (safetensors files per layer) on the
+  same prompts, for comparison.
+
+Every process measures its own reference: the TTFT of recomputing a prompt of the same length
+(vLLM's prefix cache reset, a prompt never seen before), and ``ratio`` = hit TTFT / that
+recompute TTFT (lower is better; the goal is <= 0.1). Medians over ``repeats`` prompts.
+Not measured yet: P/D (kv_producer / kv_consumer not in this build) and a remote store node.
+
+Run directly: ``python -m tpusync.vllm.bench --json [--prompt-tokens N] [--repeats R]``.
 """
 
 from __future__ import annotations
@@ -15,81 +24,177 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
+
+BLOCK = 32
+VOCAB = 150  # prompt ids below the tiny tokenizer's vocabulary
+
+
+def _prompts(n: int, tokens: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(tokens)] for _ in range(n)]
+
+
+def _llm(model: str, tokens: int, ktc: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        tokenizer=model,
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=tokens + 64,
+        max_num_batched_tokens=tokens + 64,
+        max_num_seqs=1,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo="sha256_cbor",
+        kv_transfer_config=ktc,
+        seed=0,
+    )
+
+
+def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
+    """One measurement process (``mode``: host, disk or example)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+
+    if mode == "example":
+        ktc = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": os.path.join(work, "example")},
+        )
+    else:
+        extra: dict[str, Any] = {
+            "host_bytes": (repeats + 2) * (tokens // BLOCK + 2) * (64 << 10),
+            "disk_dir": os.path.join(work, "disk"),
+            "disk_bytes": (repeats + 2) * (tokens // BLOCK + 2) * (64 << 10),
+        }
+        ktc = KVTransferConfig(
+            kv_connector="TpusyncConnector", kv_role="kv_both", kv_connector_extra_config=extra
+        )
+    llm = _llm(model, tokens, ktc)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def ttft(ids: list[int]) -> tuple[float, int]:
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        (out,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        return time.perf_counter() - t0, int(out.num_cached_tokens or 0)
+
+    for ids in _prompts(2, tokens, 1000 + hash(mode) % 7):
+        ttft(ids)  # warm-up: first-call costs, and two prompts' worth of stored blocks
+    shared = _prompts(repeats, tokens, 7)  # the prompts the hit paths load
+    fresh = _prompts(repeats, tokens, {"host": 100, "disk": 200, "example": 300}[mode])
+    recompute = [ttft(ids)[0] for ids in fresh]
+    hits, cached = [], []
+    if mode == "disk":
+        for ids in shared:  # stored by the host process; this process's host tier is cold
+            t, c = ttft(ids)
+            hits.append(t)
+            cached.append(c)
+    else:
+        for ids in shared:
+            ttft(ids)  # computes and stores
+        if mode == "host":
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            get_kv_transfer_group().store.flush(60)  # the disk process reads these
+        for ids in shared:
+            t, c = ttft(ids)
+            hits.append(t)
+            cached.append(c)
+    return {
+        "mode": mode,
+        "recompute_s": statistics.median(recompute),
+        "hit_s": statistics.median(hits),
+        "hit_all_s": hits,
+        "recompute_all_s": recompute,
+        "cached_tokens": cached,
+    }
+
+
+def _spawn(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
+    out = Path(work) / f"{mode}.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "tpusync.vllm.bench", "--child", mode, "--model", model]
+    cmd += ["--prompt-tokens", str(tokens), "--repeats", str(repeats), "--work", work]
+    cmd += ["--out", str(out)]
+    with open(Path(work) / f"{mode}.log", "w") as log:
+        rc = subprocess.run(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1200
+        ).returncode
+    if rc != 0 or not out.exists():
+        tail = (Path(work) / f"{mode}.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"bench process {mode} failed (rc {rc}):\n{tail}")
+    return json.loads(out.read_text())
+
+
+def _entry(name: str, r: dict, tokens: int) -> dict:
+    return {
+        "name": name,
+        "seconds": round(r["hit_s"], 4),
+        "limit_seconds": round(r["recompute_s"], 4),
+        "limit": f"TTFT recomputing a {tokens}-token prompt in the same process",
+        "ratio": round(r["hit_s"] / r["recompute_s"], 3),
+        "better": "lower",
+        "goal": 0.1,
+        "cached_tokens": r["cached_tokens"],
+    }
+
+
+def measure_all(model: str | None, tokens: int, repeats: int) -> dict:
+    if model is None:
+        from tpusync.vllm.tinymodel import tiny_model_dir
+
+        model = str(tiny_model_dir())
+    with tempfile.TemporaryDirectory(prefix="tpusync-vllm-bench-") as work:
+        host = _spawn("host", model, tokens, repeats, work)
+        disk = _spawn("disk", model, tokens, repeats, work)
+        example = _spawn("example", model, tokens, repeats, work)
+    return {
+        "suite": "vllm",
+        "prompt_tokens": tokens,
+        "repeats": repeats,
+        "not_measured": ["pd (kv_producer/kv_consumer not in this build)", "remote store node"],
+        "results": [
+            _entry("ttft_host_hit", host, tokens),
+            _entry("ttft_disk_hit", disk, tokens),
+            _entry("ttft_example_connector_hit", example, tokens),
+        ],
+    }
+
+
+def run(total_bytes: int = 0, repeats: int = 3, show_progress: bool = False) -> dict:
+    """``tpusync bench vllm`` entry point (tpusync.bench plugin contract; ``total_bytes`` is
+    not used: the workload is an 8K-token prompt)."""
+    return measure_all(None, 8192, max(1, min(repeats, 5)))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--prompt-tokens", type=int, default=992)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--vocab", type=int, default=150, help="sample prompt ids below this")
+    ap.add_argument("--model", default=None, help="model dir (default: the tiny test model)")
+    ap.add_argument("--prompt-tokens", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", choices=["host", "disk", "example"], help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-
-    llm = LLM(
-        model=args.model,
-        tokenizer=args.model,
-        dtype="float32",
-        block_size=args.block_size,
-        max_model_len=args.prompt_tokens + 32,
-        max_num_batched_tokens=args.prompt_tokens + 32,
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="TpusyncConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"host_bytes": 256 << 20},
-        ),
-    )
-    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    rng = random.Random(0)
-
-    def ttft(ids: list[int]) -> tuple[float, int]:
-        t0 = time.perf_counter()
-        (out,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
-        return time.perf_counter() - t0, out.num_cached_tokens
-
-    ttft([rng.randrange(3, args.vocab) for _ in range(args.prompt_tokens)])  # warm-up
-    cold, warm = [], []
-    for i in range(args.repeats):
-        ids = [rng.randrange(3, args.vocab) for _ in range(args.prompt_tokens)]
-        llm.reset_prefix_cache()
-        t, cached = ttft(ids)
-        cold.append(t)
-        llm.reset_prefix_cache()
-        t, cached = ttft(ids)
-        if cached == 0:
-            print(f"repeat {i}: no tpusync hit", file=sys.stderr)
-            return 1
-        warm.append(t)
-        print(
-            f"repeat {i}: recompute {cold[-1] * 1e3:.1f} ms, hit {t * 1e3:.1f} ms", file=sys.stderr
-        )
-    hit, ref = statistics.median(warm), statistics.median(cold)
-    result = {
-        "suite": "vllm-ttft",
-        "prompt_tokens": args.prompt_tokens,
-        "loaded_tokens": cached,
-        "results": [
-            {
-                "name": "ttft_host_hit",
-                "seconds": hit,
-                "limit_seconds": ref,
-                "limit": "TTFT recomputing the same prompt in the same run",
-                "ratio": hit / ref,
-                "better": "lower",
-            }
-        ],
-    }
-    print(json.dumps(result, indent=2 if not args.json else None))
-    os._exit(0)  # vLLM's interpreter teardown is slow; the result is printed
+    if args.child:
+        result = _child(args.child, args.model, args.prompt_tokens, args.repeats, args.work)
+        Path(args.out).write_text(json.dumps(result))
+        os._exit(0)  # vLLM's interpreter teardown is slow; the result is written
+    result = measure_all(args.model, args.prompt_tokens, args.repeats)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
 
 
 if __name__ == "__main__":
