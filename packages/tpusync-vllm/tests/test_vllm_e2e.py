@@ -204,3 +204,32 @@ def test_take_events_flow_through_vllms_own_publisher(restart):
     # objects with the tier as medium.
     media = {e["medium"] for e in restart["b"]["vllm_events"] if e["type"] == "BlockStored"}
     assert "CPU" in media
+
+
+@pytest.fixture(scope="module")
+def pd(model_dir, tmp_path_factory) -> dict:
+    return _run("pd", model_dir, tmp_path_factory)
+
+
+def test_pd_consumer_decodes_producer_prefill_with_identical_output(pd):
+    # Scenario 3: kv_producer prefills in its own process, kv_consumer pulls the prompt's KV over
+    # tpusync's P/D stream (kv_transfer_params) and decodes: same tokens as one instance alone.
+    kvp = pd["kv_transfer_params"]
+    assert kvp["do_remote_prefill"] and kvp["tpusync_num_blocks"] == FULL_BLOCKS
+    assert pd["producer"]["stats"]["pd_sent_blocks"] == FULL_BLOCKS
+    assert pd["producer"]["worker_totals"]["save_failures"] == 0
+    assert pd["stats"]["pd_recv_blocks"] == FULL_BLOCKS
+    assert pd["worker_totals"]["loaded_blocks"] == FULL_BLOCKS  # landed, checksummed, copied
+    assert pd["worker_totals"]["load_failures"] == 0
+    assert pd["pd"]["tokens"] == pd["single"]["tokens"]
+    assert pd["producer"]["prefill"]["tokens"] == pd["single"]["tokens"][:1]
+    # Nothing left behind: no receive in flight, every pool block free on both sides.
+    assert pd["pd_pending"] == 0 and pd["pool_free"] == pd["pool_blocks"]
+    assert pd["producer"]["pool_free"] == pd["producer"]["pool_blocks"]
+
+
+def test_pd_pull_of_a_released_transfer_fails_cleanly_and_recomputes(pd):
+    # The producer dropped the transfer after the first pull was acknowledged: a second pull
+    # fails, is reported as load errors, vLLM recomputes (policy "recompute"), same tokens.
+    assert pd["stats_again"]["load_errors_seen"] == FULL_BLOCKS
+    assert pd["again"]["tokens"] == pd["single"]["tokens"]

@@ -32,6 +32,7 @@ def make_llm(
     extra: dict | None = None,
     vllm_events: str | None = None,
     connector: str = "TpusyncConnector",
+    role: str = "kv_both",
 ):
     from vllm import LLM
     from vllm.config import KVEventsConfig, KVTransferConfig
@@ -44,7 +45,7 @@ def make_llm(
 
     ktc = KVTransferConfig(
         kv_connector=connector,  # by name: proves the vllm.general_plugins entry point
-        kv_role="kv_both",
+        kv_role=role,
         kv_load_failure_policy=policy,
         kv_connector_extra_config=(
             {"host_bytes": 32 << 20, **(extra or {})} if connector == "TpusyncConnector" else extra
@@ -68,20 +69,22 @@ def make_llm(
     )
 
 
-def params():
+def params(max_tokens: int = MAX_TOKENS, kv_transfer_params: dict | None = None):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
 
 
-def generate(llm, ids: list[int]) -> dict:
+def generate(llm, ids: list[int], sp=None) -> dict:
     t0 = time.perf_counter()
-    (out,) = llm.generate([{"prompt_token_ids": ids}], params(), use_tqdm=False)
+    (out,) = llm.generate([{"prompt_token_ids": ids}], sp or params(), use_tqdm=False)
     return {
         "tokens": list(out.outputs[0].token_ids),
         "cached": out.num_cached_tokens,
         "finish": out.outputs[0].finish_reason,
         "seconds": time.perf_counter() - t0,
+        "kv_transfer_params": out.kv_transfer_params,
     }
 
 
@@ -434,7 +437,89 @@ def scenario_api_server(model: str, ns: str, disk: str) -> dict:
     return r
 
 
+PD_SECRET = "tpusync-vllm-test-secret-0123456789"
+
+
+def scenario_pd_producer(model: str, work: str) -> dict:
+    """Prefill instance (kv_producer): prefill one prompt, hand its KV params over, keep serving
+    the P/D transfer until the consumer says it is done."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    llm = make_llm(model, role="kv_producer")
+    sched, worker = connectors(llm)
+    r = {"prefill": generate(llm, prompt(21), params(1, {"do_remote_decode": True}))}
+    tmp = os.path.join(work, "params.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(r["prefill"]["kv_transfer_params"], f)
+    os.rename(tmp, os.path.join(work, "params.json"))
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.path.join(work, "done")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        worker.get_finished(set())  # drains the producer's completions (the engine is idle)
+    r["stats"] = dict(sched.stats)
+    r["worker_totals"] = dict(worker.totals.data)
+    r["pool_free"] = worker.pd.pool.num_free
+    r["pool_blocks"] = worker.pd.pool.num_blocks
+    return r
+
+
+def scenario_pd(model: str) -> dict:
+    """Scenario 3: a producer process prefills, this consumer (kv_consumer) pulls the KV over
+    tpusync's P/D stream and decodes; then it computes the same prompt alone for reference."""
+    import subprocess
+    import tempfile
+
+    os.environ["TPUSYNC_AUTH_SECRET"] = PD_SECRET
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    work = tempfile.mkdtemp(prefix="tpusync-pd-")
+    out = os.path.join(work, "producer.json")
+    with open(os.path.join(work, "producer.log"), "w") as log:
+        prod = subprocess.Popen(
+            [sys.executable, __file__, "pd_producer", model, out, work],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    r: dict = {}
+    try:
+        # Starts while the producer starts; a short timeout bounds the failing pull below.
+        llm = make_llm(model, role="kv_consumer", extra={"load_timeout_s": 20.0})
+        sched, worker = connectors(llm)
+        deadline = time.monotonic() + 300
+        path = os.path.join(work, "params.json")
+        while not os.path.exists(path):
+            if prod.poll() is not None or time.monotonic() > deadline:
+                log_path = os.path.join(work, "producer.log")
+                raise RuntimeError(f"producer failed:\n{open(log_path).read()[-4000:]}")
+            time.sleep(0.2)
+        with open(path) as f:
+            kvp = json.load(f)
+        r["kv_transfer_params"] = kvp
+        r["pd"] = generate(llm, prompt(21), params(MAX_TOKENS, kvp))
+        r["stats"] = dict(sched.stats)
+        r["worker_totals"] = dict(worker.totals.data)
+        r["pd_pending"] = worker.pd.pending
+        r["pool_free"] = worker.pd.pool.num_free
+        r["pool_blocks"] = worker.pd.pool.num_blocks
+        # A second pull of the same transfer fails (the producer released it after the ack):
+        # reported as a load error and recomputed - output still identical.
+        llm.reset_prefix_cache()
+        r["again"] = generate(llm, prompt(21), params(MAX_TOKENS, kvp))
+        r["stats_again"] = dict(sched.stats)
+        llm.reset_prefix_cache()
+        r["single"] = generate(llm, prompt(21))  # the same prompt on this instance alone
+    finally:
+        open(os.path.join(work, "done"), "w").close()
+        try:
+            prod.wait(120)
+        except subprocess.TimeoutExpired:
+            prod.kill()
+    with open(out) as f:
+        r["producer"] = json.load(f)
+    return r
+
+
 SCENARIOS = {
+    "pd_producer": scenario_pd_producer,
+    "pd": scenario_pd,
     "inproc": scenario_inproc,
     "restart_a": scenario_restart_a,
     "restart_b": scenario_restart_b,

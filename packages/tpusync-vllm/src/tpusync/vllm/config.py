@@ -23,7 +23,6 @@ class ConfigError(InvalidArgumentError):
 # Keys documented now whose features live on branches not merged into this build.
 PENDING_KEYS: dict[str, str] = {
     "store_nodes": "the network transport and tpusync store nodes",
-    "auth_secret_file": "the network transport (store-node authentication)",
     "metrics_port": "the Prometheus exporter",
 }
 
@@ -38,6 +37,10 @@ class TpusyncVllmConfig:
     disk_bytes: int = 0
     lease_s: float = 60.0  # longest a lookup's pins outlive an unreleased request (backstop)
     lookup_timeout_s: float = 5.0  # scheduler -> worker lookup round trip; no answer = a miss
+    # P/D (kv_producer / kv_consumer): where the producer listens, and the shared secret's file
+    # (default: $TPUSYNC_AUTH_SECRET).
+    pd_listen: str = "127.0.0.1:0"
+    auth_secret_file: str | None = None
     metrics: bool = True
     load_timeout_s: float = 60.0
     save_timeout_s: float = 60.0
@@ -65,7 +68,7 @@ class TpusyncVllmConfig:
         kwargs: dict[str, Any] = {}
         for key, value in extra.items():
             default = getattr(cls, key)
-            if key in ("namespace", "kv_events_endpoint", "disk_dir"):
+            if key in ("namespace", "kv_events_endpoint", "disk_dir", "auth_secret_file"):
                 ok = value is None or isinstance(value, str)
             elif isinstance(default, bool):
                 ok = isinstance(value, bool)

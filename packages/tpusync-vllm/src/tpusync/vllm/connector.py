@@ -38,6 +38,7 @@ import torch
 import tpusync.core as tc
 from tpusync.core import events as tev
 from tpusync.vllm.config import ConfigError, TpusyncVllmConfig
+from tpusync.vllm.pd import PdWorker, transfer_id_for
 from tpusync.vllm.store import (
     LookupClient,
     LookupServer,
@@ -89,6 +90,28 @@ class TpusyncMetadata(KVConnectorMetadata):
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    pd_sends: list[PdSend] = field(default_factory=list)  # kv_producer
+    pd_recvs: list[PdRecv] = field(default_factory=list)  # kv_consumer
+
+
+@dataclass
+class PdSend:
+    """Producer: offer vLLM blocks ``block_ids`` (a finished prefill) under ``transfer_id``."""
+
+    req_id: str
+    transfer_id: int
+    block_ids: list[int]
+
+
+@dataclass
+class PdRecv:
+    """Consumer: pull ``len(block_ids)`` blocks of ``transfer_id`` from ``peer`` into
+    ``block_ids`` (-1 entries: computed locally already, dropped on arrival)."""
+
+    req_id: str
+    transfer_id: int
+    peer: str
+    block_ids: list[int]
 
 
 _WORKER_COUNTERS = (
@@ -147,11 +170,10 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
-        if ktc.kv_role != "kv_both":
-            raise ConfigError(
-                f"kv_role {ktc.kv_role!r} is not available in this build of tpusync-vllm: "
-                "prefill/decode disaggregation needs the network transport (use 'kv_both')"
-            )
+        if ktc.kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ConfigError(f"unknown kv_role {ktc.kv_role!r}")
+        # kv_both: offload + prefix reuse through the store; kv_producer / kv_consumer: P/D.
+        self.kv_role = str(ktc.kv_role)
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ConfigError("pipeline parallelism is not available in this build of tpusync-vllm")
         self.config = TpusyncVllmConfig.from_extra(ktc.kv_connector_extra_config)
@@ -181,7 +203,16 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduling, step N+1's metadata is built before step N's output arrives).
         self._load_history: deque[dict[int, tuple[str, int, bytes]]] = deque(maxlen=2)
         self._stored_events: list[BlockStored] = []
+        self._pd_lookups: dict[str, dict[str, Any]] = {}
+        self._pd_pending_recvs: list[PdRecv] = []
+        self._pd_published: dict[str, tuple[int, list[int]]] = {}
+        # Requests that already pulled (or tried to): a second lookup - after a failed pull or a
+        # preemption - computes locally instead of pulling again (no retry loop).
+        self._pd_tried: set[str] = set()
+        self._pd_address: str | None = None
         self.stats: dict[str, int] = {
+            "pd_sent_blocks": 0,
+            "pd_recv_blocks": 0,
             "queries": 0,
             "hit_blocks": 0,
             "disk_hit_blocks": 0,
@@ -192,6 +223,8 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         self._publisher: tev.KVEventPublisher | None = None
         # Worker side.
         self.store: WorkerStore | None = None
+        self.pd: PdWorker | None = None
+        self._pd_failed: dict[str, list[int]] = {}
         self._server: LookupServer | None = None
         self._row_arrays: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
@@ -226,6 +259,8 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         assert self.client is not None
         self.stats["queries"] += 1
+        if self.kv_role != "kv_both":
+            return self._pd_matched(request, num_computed_tokens)
         # Never claim the whole prompt: vLLM must compute at least one token to sample from.
         max_blocks = max(0, (request.num_tokens - 1) // self.block_size)
         keys = list(request.block_hashes[:max_blocks])
@@ -247,6 +282,23 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         req_id = request.request_id
         self._requests[req_id] = request
         self._saved_upto.setdefault(req_id, 0)
+        pd = self._pd_lookups.pop(req_id, None)
+        if pd is not None:
+            if num_external_tokens > 0:
+                self._pd_tried.add(req_id)
+                n = int(pd["tpusync_num_blocks"])
+                local = (request.num_computed_tokens) // self.block_size
+                ids = blocks.get_block_ids()[0][:n]
+                self._pd_pending_recvs.append(
+                    PdRecv(
+                        req_id,
+                        int(pd["tpusync_transfer_id"]),
+                        f"{pd['remote_host']}:{pd['remote_port']}",
+                        [-1 if i < local else b for i, b in enumerate(ids)],
+                    )
+                )
+                self.stats["pd_recv_blocks"] += n - local
+            return
         lookup = self._lookups.pop(req_id, None)
         if num_external_tokens <= 0 or lookup is None:
             self._release(req_id)  # the hit is not used: end its lease now
@@ -262,14 +314,43 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats["disk_hit_blocks"] += sum(1 for t in tiers[first:end] if t == "disk")
         self.stats["hit_tokens"] += num_external_tokens
 
+    def _pd_matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        if self.kv_role != "kv_consumer" or not params.get("do_remote_prefill"):
+            return 0, False
+        try:
+            n = int(params["tpusync_num_blocks"])
+            int(params["tpusync_transfer_id"])
+            str(params["remote_host"]), int(params["remote_port"])
+        except (KeyError, TypeError, ValueError):
+            log.warning(
+                "tpusync: request %s has malformed kv_transfer_params %r; computing it locally",
+                request.request_id,
+                params,
+            )
+            return 0, False
+        if request.request_id in self._pd_tried:
+            return 0, False
+        tokens = min(n * self.block_size, max(0, request.num_tokens - 1))
+        if tokens <= num_computed_tokens:
+            return 0, False
+        self._pd_lookups[request.request_id] = params
+        return tokens - num_computed_tokens, True  # asynchronous: pulled while others run
+
     def _release(self, req_id: str) -> None:
         if req_id in self._leased and self.client is not None:
             self._leased.discard(req_id)
             self.client.release([req_id])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = TpusyncMetadata(loads=self._pending_loads)
+        meta = TpusyncMetadata(loads=self._pending_loads, pd_recvs=self._pd_pending_recvs)
         self._pending_loads = []
+        self._pd_pending_recvs = []
+        if self.kv_role == "kv_producer":
+            self._plan_pd_sends(scheduler_output, meta)
+            return meta
+        if self.kv_role == "kv_consumer":
+            return meta
         self._load_history.append(
             {
                 b: (t.req_id, t.first_block + i, k)
@@ -303,6 +384,26 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats["planned_saves"] += full - start
             self._record_stored(request, list(range(start, full)))
         return meta
+
+    def _plan_pd_sends(self, scheduler_output: SchedulerOutput, meta: TpusyncMetadata) -> None:
+        """Offer a do_remote_decode request's full prompt blocks in the step that ends its
+        prefill (the worker copies them after the forward, so nothing is held afterwards)."""
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None or req_id in self._pd_published:
+                continue
+            if not (request.kv_transfer_params or {}).get("do_remote_decode"):
+                continue
+            if request.num_computed_tokens + n_sched < request.num_prompt_tokens:
+                continue
+            n = max(0, request.num_prompt_tokens - 1) // self.block_size
+            if n == 0:
+                continue
+            ids = list(self._kv_cache_manager.get_block_ids(req_id)[0][:n])
+            tid = transfer_id_for(self._engine_key, req_id)
+            meta.pd_sends.append(PdSend(req_id, tid, ids))
+            self._pd_published[req_id] = (tid, ids)
+            self.stats["pd_sent_blocks"] += n
 
     def _record_stored(self, request: Request, positions: list[int]) -> None:
         bs = self.block_size
@@ -349,20 +450,43 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._forget(request.request_id)
-        return False, None
+        return False, self._finish(request)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._finish(request)
+
+    def _finish(self, request: Request) -> dict[str, Any] | None:
+        """Forget the request; a producer's published prefill returns its kv_transfer_params.
+        Nothing is held: the blocks were copied into the P/D pool when the prefill ran."""
         self._forget(request.request_id)
-        return False, None
+        published = self._pd_published.pop(request.request_id, None)
+        if published is None:
+            return None
+        if self._pd_address is None:
+            assert self.client is not None
+            self._pd_address = str(self.client.info().get("pd_address", ""))
+        host, _, port = self._pd_address.rpartition(":")
+        tid, ids = published
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self._engine_key,
+            "remote_host": host,
+            "remote_port": int(port) if port else 0,
+            "remote_block_ids": ids,
+            "tpusync_transfer_id": tid,
+            "tpusync_num_blocks": len(ids),
+        }
 
     def _forget(self, req_id: str) -> None:
         """Release everything a finished, aborted or failed request holds (idempotent)."""
         self._requests.pop(req_id, None)
         self._saved_upto.pop(req_id, None)
         self._lookups.pop(req_id, None)
+        self._pd_lookups.pop(req_id, None)
+        self._pd_tried.discard(req_id)
         self._release(req_id)
 
     def take_events(self) -> Iterable[Any]:
@@ -431,6 +555,19 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
             rank=rank,
             world=self.world_size,
         )
+        if self.kv_role != "kv_both":
+            self.pd = PdWorker(
+                arrays,
+                producer=self.kv_role == "kv_producer",
+                pool_blocks=self.host_blocks,
+                listen=self.config.pd_listen,
+                secret_file=self.config.auth_secret_file,
+                timeout_s=self.config.load_timeout_s,
+            )
+            self._server = LookupServer(
+                None, lookup_endpoint(self._engine_key, rank), {"pd_address": self.pd.address}
+            )
+            return
         self.store = WorkerStore(
             arrays,
             host_blocks=self.host_blocks,
@@ -445,6 +582,13 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        if isinstance(meta, TpusyncMetadata) and meta.pd_recvs and self.pd is not None:
+            for rv in meta.pd_recvs:  # asynchronous: get_finished reports them
+                try:
+                    self.pd.start(rv.req_id, rv.transfer_id, rv.peer, rv.block_ids)
+                except _TRANSFER_ERRORS as exc:
+                    log.warning("tpusync P/D receive of %s not started: %s", rv.req_id, exc)
+                    self._pd_failed[rv.req_id] = [b for b in rv.block_ids if b >= 0]
         if not isinstance(meta, TpusyncMetadata) or not meta.loads or self.store is None:
             return
         t0 = time.perf_counter()
@@ -479,6 +623,14 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
+        if isinstance(meta, TpusyncMetadata) and meta.pd_sends and self.pd is not None:
+            for sd in meta.pd_sends:  # the prefill's KV is complete now
+                try:
+                    self.pd.publish(sd.transfer_id, sd.block_ids)
+                    self._count("saved_blocks", len(sd.block_ids))
+                except _TRANSFER_ERRORS as exc:  # the consumer's pull fails and it recomputes
+                    log.warning("tpusync P/D offer of %s failed: %s", sd.req_id, exc)
+                    self._count("save_failures", 1)
         if not isinstance(meta, TpusyncMetadata) or not meta.saves or self.store is None:
             return
         t0 = time.perf_counter()
@@ -495,7 +647,18 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         self._count("save_seconds", time.perf_counter() - t0)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        if self.pd is None:
+            return None, None
+        before = self.pd.received
+        done, failed = self.pd.poll()
+        self._count("loaded_blocks", self.pd.received - before)
+        failed.update(self._pd_failed)
+        self._pd_failed = {}
+        for ids in failed.values():
+            self._load_errors.update(ids)
+            self._count("load_failures", 1)
+        recving = done | set(failed)
+        return None, (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -526,6 +689,9 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self.pd is not None:
+            self.pd.close()
+            self.pd = None
         if self.store is not None:
             try:  # dirty host blocks reach the disk tier before the process ends
                 self.store.flush(self.config.save_timeout_s)

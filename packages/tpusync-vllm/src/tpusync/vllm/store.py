@@ -49,8 +49,8 @@ __all__ = ["LookupClient", "LookupResult", "LookupServer", "WorkerStore", "looku
 
 log = logging.getLogger("tpusync.vllm")
 
-# Worker stores of this process by endpoint: vLLM's in-process engine answers lookups directly.
-_LOCAL: dict[str, WorkerStore] = {}
+# Lookup servers of this process by endpoint: vLLM's in-process engine answers lookups directly.
+_LOCAL: dict[str, LookupServer] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
@@ -218,12 +218,16 @@ def model_fingerprint(**parts: Any) -> str:
 class LookupServer:
     """Answers the scheduler's lookups for one WorkerStore on a ZeroMQ REP socket (a thread).
 
-    Wire: request ``msgpack([op, req_id, keys, pin_above])`` with op ``"lookup"`` or
-    ``"release"`` (keys = request ids); reply ``msgpack([hit, tiers])`` or ``[-1, error]``.
+    Wire: request ``msgpack([op, req_id, keys, pin_above])`` with op ``"lookup"``, ``"release"``
+    (keys = request ids) or ``"info"``; reply ``msgpack([hit, tiers])``, ``[0, info]`` or
+    ``[-1, error]``. Without a store (P/D roles) every lookup is a miss.
     """
 
-    def __init__(self, store: WorkerStore, endpoint: str) -> None:
+    def __init__(
+        self, store: WorkerStore | None, endpoint: str, info: dict[str, Any] | None = None
+    ) -> None:
         self.store = store
+        self.info = dict(info or {})
         self.endpoint = endpoint
         path = endpoint.removeprefix("ipc://")
         if os.path.exists(path):
@@ -236,7 +240,22 @@ class LookupServer:
         self._thread = threading.Thread(target=self._serve, name="tpusync-lookup", daemon=True)
         self._thread.start()
         with _LOCAL_LOCK:
-            _LOCAL[endpoint] = store
+            _LOCAL[endpoint] = self
+
+    def handle(self, msg: list[Any]) -> list[Any]:
+        op, req_id, keys, pin_above = msg
+        if op == "info":
+            return [0, self.info]
+        if op == "release":
+            if self.store is not None:
+                self.store.release(keys)
+            return [0, []]
+        if op == "lookup":
+            if self.store is None:
+                return [0, []]
+            r = self.store.lookup(req_id, keys, pin_above)
+            return [r.hit, list(r.tiers)]
+        return [-1, f"unknown op {op!r}"]
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -244,15 +263,7 @@ class LookupServer:
                 continue
             raw = self._sock.recv()
             try:
-                op, req_id, keys, pin_above = msgpack.unpackb(raw)
-                if op == "lookup":
-                    r = self.store.lookup(req_id, keys, pin_above)
-                    reply = [r.hit, list(r.tiers)]
-                elif op == "release":
-                    self.store.release(keys)
-                    reply = [0, []]
-                else:
-                    reply = [-1, f"unknown op {op!r}"]
+                reply = self.handle(msgpack.unpackb(raw))
             except Exception as exc:  # noqa: BLE001 - a bad request must not stop the server
                 reply = [-1, f"{type(exc).__name__}: {exc}"]
             self._sock.send(msgpack.packb(reply))
@@ -281,12 +292,7 @@ class LookupClient:
         with _LOCAL_LOCK:
             local = _LOCAL.get(endpoint)
         if local is not None:
-            op, req_id, keys, pin_above = msg
-            if op == "release":
-                local.release(keys)
-                return [0, []]
-            r = local.lookup(req_id, keys, pin_above)
-            return [r.hit, list(r.tiers)]
+            return local.handle(msg)
         sock = self._socks.get(endpoint)
         if sock is None:
             sock = zmq.Context.instance().socket(zmq.REQ)
@@ -324,6 +330,11 @@ class LookupClient:
         if req_ids:
             for ep in self.endpoints:
                 self._call(ep, ["release", "", list(req_ids), 0])
+
+    def info(self, rank: int = 0) -> dict[str, Any]:
+        """What the worker of ``rank`` publishes (e.g. its P/D address); {} if it is silent."""
+        reply = self._call(self.endpoints[rank], ["info", "", [], 0])
+        return dict(reply[1]) if reply is not None else {}
 
     def close(self) -> None:
         for s in self._socks.values():
