@@ -29,9 +29,8 @@ def test_save_load_roundtrip_across_layers_and_missing_blocks():
     assert store.save([k1, k2], [5, 1], timeout=10) == 2
     assert store.save([k1], [5], timeout=10) == 1  # already stored: counted, nothing copied
     dst = [torch.zeros_like(a) for a in src]
-    store2 = store  # the same store serves a "fresh" set of vLLM tensors
-    store2.layers = dst
-    failed = store2.load([k1, k3, k2], [6, 0, 3], timeout=10)
+    store.bind(dst)  # the same store serves a "fresh" set of vLLM tensors
+    failed = store.load([k1, k3, k2], [6, 0, 3], timeout=10)
     assert failed == [0]  # k3 was never stored: its block is reported, the others land
     for a, b in zip(src, dst, strict=True):
         assert torch.equal(b[6], a[5]) and torch.equal(b[3], a[1])
@@ -40,7 +39,7 @@ def test_save_load_roundtrip_across_layers_and_missing_blocks():
 
 
 def test_lookup_leases_pin_and_release():
-    store = WorkerStore(layers(), host_blocks=2)
+    store = WorkerStore(layers(), host_blocks=2, put_wait_s=0.1)
     a, b, c = keys("a", "b", "c")
     store.save([a, b], [0, 1], timeout=10)
     r = store.lookup("req-1", [a, b, c], pin_above=0)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import tpusync.core as tc
@@ -64,6 +65,7 @@ class PdWorker:
         timeout_s: float = 60.0,
     ) -> None:
         self.layers = list(layers)
+        self._np = [np.asarray(t) for t in self.layers]  # fast row copies (see store.py)
         self.row_bytes = int(self.layers[0].shape[1])
         self.key_bytes = self.row_bytes * len(self.layers)
         self.pool = tc.HostBlockPool(self.key_bytes, pool_blocks, prefault=False)
@@ -71,7 +73,7 @@ class PdWorker:
         self.timeout_s = timeout_s
         self.producer = PdProducer(self.pool, listen=listen, secret=secret) if producer else None
         self.consumer = None if producer else PdConsumer(self.pool, secret=secret, streams=2)
-        self._staging = torch.empty((0, self.key_bytes), dtype=torch.uint8)
+        self._staging = np.empty((0, self.key_bytes), dtype=np.uint8)
         self._recvs: dict[int, _Recv] = {}
         self.sent = 0
         self.received = 0
@@ -80,9 +82,9 @@ class PdWorker:
     def address(self) -> str:
         return self.producer.address if self.producer is not None else ""
 
-    def _stage(self, n: int) -> torch.Tensor:
+    def _stage(self, n: int) -> np.ndarray:
         if self._staging.shape[0] < n:
-            self._staging = torch.empty((n, self.key_bytes), dtype=torch.uint8)
+            self._staging = np.empty((n, self.key_bytes), dtype=np.uint8)
         return self._staging[:n]
 
     # ---------------------------------------------------------------- producer
@@ -92,10 +94,10 @@ class PdWorker:
         assert self.producer is not None
         n = len(block_ids)
         stage = self._stage(n)
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        idx = np.asarray(block_ids, dtype=np.int64)
         rb = self.row_bytes
-        for j, arr in enumerate(self.layers):
-            torch.index_select(arr, 0, idx, out=stage[:, j * rb : (j + 1) * rb])
+        for j, arr in enumerate(self._np):
+            stage[:, j * rb : (j + 1) * rb] = arr[idx]
         ids = self.pool.alloc(n)
         try:
             self.pool.put(ids, stage).result(self.timeout_s)
@@ -155,11 +157,11 @@ class PdWorker:
             return
         stage = self._stage(len(rec.pool_ids))
         self.pool.get(rec.pool_ids, stage).result(self.timeout_s)
-        src = stage.index_select(0, torch.as_tensor(keep, dtype=torch.long))
-        dst = torch.as_tensor([rec.block_ids[i] for i in keep], dtype=torch.long)
+        src = stage[np.asarray(keep, dtype=np.int64)]
+        dst = np.asarray([rec.block_ids[i] for i in keep], dtype=np.int64)
         rb = self.row_bytes
-        for j, arr in enumerate(self.layers):
-            arr.index_copy_(0, dst, src[:, j * rb : (j + 1) * rb])
+        for j, arr in enumerate(self._np):
+            arr[dst] = src[:, j * rb : (j + 1) * rb]
 
     @property
     def pending(self) -> int:
