@@ -203,7 +203,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduling, step N+1's metadata is built before step N's output arrives).
         self._load_history: deque[dict[int, tuple[str, int, bytes]]] = deque(maxlen=2)
         self._stored_events: list[BlockStored] = []
-        self._pd_lookups: dict[str, dict[str, Any]] = {}
+        self._pd_lookups: dict[str, tuple[dict[str, Any], int]] = {}
         self._pd_pending_recvs: list[PdRecv] = []
         self._pd_published: dict[str, tuple[int, list[int]]] = {}
         # Requests that already pulled (or tried to): a second lookup - after a failed pull or a
@@ -282,12 +282,13 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         req_id = request.request_id
         self._requests[req_id] = request
         self._saved_upto.setdefault(req_id, 0)
-        pd = self._pd_lookups.pop(req_id, None)
-        if pd is not None:
+        pd_lookup = self._pd_lookups.pop(req_id, None)
+        if pd_lookup is not None:
+            pd, local_tokens = pd_lookup
             if num_external_tokens > 0:
                 self._pd_tried.add(req_id)
                 n = int(pd["tpusync_num_blocks"])
-                local = (request.num_computed_tokens) // self.block_size
+                local = local_tokens // self.block_size  # blocks vLLM's own cache holds
                 ids = blocks.get_block_ids()[0][:n]
                 self._pd_pending_recvs.append(
                     PdRecv(
@@ -334,7 +335,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         tokens = min(n * self.block_size, max(0, request.num_tokens - 1))
         if tokens <= num_computed_tokens:
             return 0, False
-        self._pd_lookups[request.request_id] = params
+        self._pd_lookups[request.request_id] = (params, num_computed_tokens)
         return tokens - num_computed_tokens, True  # asynchronous: pulled while others run
 
     def _release(self, req_id: str) -> None:
