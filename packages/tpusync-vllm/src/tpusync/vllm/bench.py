@@ -6,6 +6,8 @@ locally, greedy 1-token generations; TTFT = wall time of that generation):
 - ``host_hit``: the prompt's prefix loads from tpusync's host tier.
 - ``disk_hit``: a host tier of 32 blocks in front of the disk tier (O_DIRECT): the prompt's
   blocks cascade to disk when stored, and the hit reads them back from there.
+- ``pd_consumer``: a kv_consumer instance pulls the prompt's KV from a kv_producer process over
+  tpusync's P/D stream (TTFT on the consumer: the pull plus the last partial block).
 - ``example_connector``: vLLM's built-in ExampleConnector (safetensors files per layer) on the
   same prompts, for comparison.
 - ``vllm_local_prefix_hit``: vLLM's own prefix cache hit (no connector involved): the floor any
@@ -14,7 +16,7 @@ locally, greedy 1-token generations; TTFT = wall time of that generation):
 Every process measures its own reference: the TTFT of recomputing a prompt of the same length
 (vLLM's prefix cache reset, a prompt never seen before), and ``ratio`` = hit TTFT / that
 recompute TTFT (lower is better; the goal is <= 0.1). Medians over ``repeats`` prompts.
-Not measured yet: P/D (kv_producer / kv_consumer not in this build) and a remote store node.
+Not measured yet: a remote store node (not in this build).
 
 Run directly: ``python -m tpusync.vllm.bench --json [--prompt-tokens N] [--repeats R]``.
 """
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 BLOCK = 32
+_SECRET = os.urandom(16).hex()
 VOCAB = 150  # prompt ids below the tiny tokenizer's vocabulary
 
 
@@ -61,13 +64,59 @@ def _llm(model: str, tokens: int, ktc: Any) -> Any:
     )
 
 
+def _pd_producer(model: str, tokens: int, repeats: int, work: str) -> dict:
+    """P/D prefill process: prefill the shared prompts, publish their kv_transfer_params, serve
+    the transfers until the consumer is done."""
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(
+        kv_connector="TpusyncConnector",
+        kv_role="kv_producer",
+        kv_connector_extra_config={
+            "host_bytes": (repeats + 1) * (tokens // BLOCK + 2) * (64 << 10)
+        },
+    )
+    llm = _llm(model, tokens, ktc)
+    sp = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": {"do_remote_decode": True}},
+    )
+    params = []
+    for ids in _prompts(repeats, tokens, 7):
+        (out,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        params.append(out.kv_transfer_params)
+    tmp = Path(work) / "pd_params.json.tmp"
+    tmp.write_text(json.dumps(params))
+    tmp.rename(Path(work) / "pd_params.json")
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()
+    deadline = time.monotonic() + 900
+    while not (Path(work) / "pd_done").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+        worker.get_finished(set())  # drain completions while the engine is idle
+    return {"mode": "pd_producer"}
+
+
 def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
-    """One measurement process (``mode``: host, disk or example)."""
+    """One measurement process (``mode``: host, disk, example, pd or pd_producer)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
     from vllm.config import KVTransferConfig
 
-    if mode == "example":
+    if mode == "pd_producer":
+        return _pd_producer(model, tokens, repeats, work)
+    if mode == "pd":
+        ktc = KVTransferConfig(
+            kv_connector="TpusyncConnector",
+            kv_role="kv_consumer",
+            kv_load_failure_policy="fail",  # a failed pull must not pass for a hit
+            kv_connector_extra_config={"load_timeout_s": 60.0},
+        )
+    elif mode == "example":
         ktc = KVTransferConfig(
             kv_connector="ExampleConnector",
             kv_role="kv_both",
@@ -97,9 +146,43 @@ def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
     for ids in _prompts(2, tokens, 1000):
         ttft(ids)  # warm-up: first-call costs, and two prompts' worth of stored blocks
     shared = _prompts(repeats, tokens, 7)  # the prompts the hit paths load
-    fresh = _prompts(repeats, tokens, {"host": 100, "disk": 200, "example": 300}[mode])
+    fresh = _prompts(repeats, tokens, {"host": 100, "disk": 200, "example": 300, "pd": 400}[mode])
     recompute = [ttft(ids)[0] for ids in fresh]
     hits, cached, local = [], [], []
+    if mode == "pd":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        path = Path(work) / "pd_params.json"
+        deadline = time.monotonic() + 900
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the P/D producer published nothing")
+            time.sleep(0.1)
+        c = get_kv_transfer_group()
+        for ids, kvp in zip(shared, json.loads(path.read_text()), strict=True):
+            before = c.totals.data["loaded_blocks"]
+            psp = SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                ignore_eos=True,
+                extra_args={"kv_transfer_params": kvp},
+            )
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            (out,) = llm.generate([{"prompt_token_ids": ids}], psp, use_tqdm=False)
+            hits.append(time.perf_counter() - t0)
+            if out.outputs[0].finish_reason != "length":
+                raise RuntimeError(f"P/D pull failed: {out.outputs[0].finish_reason}")
+            cached.append((c.totals.data["loaded_blocks"] - before) * BLOCK)
+        (Path(work) / "pd_done").touch()
+        return {
+            "mode": mode,
+            "recompute_s": statistics.median(recompute),
+            "hit_s": statistics.median(hits),
+            "hit_all_s": hits,
+            "recompute_all_s": recompute,
+            "cached_tokens": cached,
+        }
     for ids in shared:
         ttft(ids)  # computes and stores
     if mode == "disk":
@@ -135,16 +218,26 @@ def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
     }
 
 
-def _spawn(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
+def _start(mode: str, model: str, tokens: int, repeats: int, work: str) -> subprocess.Popen:
     out = Path(work) / f"{mode}.json"
+    # A fresh shared secret per run for the P/D stream (never on a command line).
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.setdefault("TPUSYNC_AUTH_SECRET", _SECRET)
     cmd = [sys.executable, "-m", "tpusync.vllm.bench", "--child", mode, "--model", model]
     cmd += ["--prompt-tokens", str(tokens), "--repeats", str(repeats), "--work", work]
     cmd += ["--out", str(out)]
     with open(Path(work) / f"{mode}.log", "w") as log:
-        rc = subprocess.run(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1200
-        ).returncode
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _spawn(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
+    proc = _start(mode, model, tokens, repeats, work)
+    try:
+        rc = proc.wait(timeout=1200)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    out = Path(work) / f"{mode}.json"
     if rc != 0 or not out.exists():
         tail = (Path(work) / f"{mode}.log").read_text(errors="replace")[-3000:]
         raise RuntimeError(f"bench process {mode} failed (rc {rc}):\n{tail}")
@@ -174,6 +267,15 @@ def measure_all(model: str | None, tokens: int, repeats: int) -> dict:
         host = _spawn("host", model, tokens, repeats, work)
         disk = _spawn("disk", model, tokens, repeats, work)
         example = _spawn("example", model, tokens, repeats, work)
+        producer = _start("pd_producer", model, tokens, repeats, work)
+        try:
+            pd = _spawn("pd", model, tokens, repeats, work)
+        finally:
+            (Path(work) / "pd_done").touch()
+            try:
+                producer.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                producer.kill()
     return {
         "suite": "vllm",
         "prompt_tokens": tokens,
@@ -185,6 +287,7 @@ def measure_all(model: str | None, tokens: int, repeats: int) -> dict:
         "results": [
             _entry("ttft_host_hit", host, tokens),
             _entry("ttft_disk_hit", disk, tokens),
+            _entry("ttft_pd_consumer", pd, tokens),
             _entry("ttft_example_connector_hit", example, tokens),
             _entry("ttft_vllm_local_prefix_hit", host, tokens, key="local_s"),
         ],
@@ -203,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--child", choices=["host", "disk", "example"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--child", choices=["host", "disk", "example", "pd", "pd_producer"], help=argparse.SUPPRESS
+    )
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
