@@ -557,14 +557,17 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
             world=self.world_size,
         )
         if self.kv_role != "kv_both":
-            self.pd = PdWorker(
-                arrays,
-                producer=self.kv_role == "kv_producer",
-                pool_blocks=self.host_blocks,
-                listen=self.config.pd_listen,
-                secret_file=self.config.auth_secret_file,
-                timeout_s=self.config.load_timeout_s,
-            )
+            try:
+                self.pd = PdWorker(
+                    arrays,
+                    producer=self.kv_role == "kv_producer",
+                    pool_blocks=self.host_blocks,
+                    listen=self.config.pd_listen,
+                    secret_file=self.config.auth_secret_file,
+                    timeout_s=self.config.load_timeout_s,
+                )
+            except ValueError as exc:  # no or short secret
+                raise ConfigError(f"{self.kv_role}: {exc} (auth_secret_file)") from exc
             self._server = LookupServer(
                 None, lookup_endpoint(self._engine_key, rank), {"pd_address": self.pd.address}
             )
