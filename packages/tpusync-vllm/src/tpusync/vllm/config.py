@@ -6,6 +6,7 @@ build raises :class:`ConfigError` when vLLM constructs the connector, never sile
 
 from __future__ import annotations
 
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +22,7 @@ class ConfigError(InvalidArgumentError):
 
 # Keys documented now whose features live on branches not merged into this build.
 PENDING_KEYS: dict[str, str] = {
-    "disk_dir": "the disk tier of the tiered KVStore",
-    "disk_bytes": "the disk tier of the tiered KVStore",
-    "shm_name": "the /dev/shm warm-restart pool of the tiered KVStore",
     "store_nodes": "the network transport and tpusync store nodes",
-    "auth_secret_file": "the network transport (store-node authentication)",
     "metrics_port": "the Prometheus exporter",
 }
 
@@ -33,7 +30,17 @@ PENDING_KEYS: dict[str, str] = {
 @dataclass(frozen=True)
 class TpusyncVllmConfig:
     host_bytes: int = 1 << 30
+    # /dev/shm warm restart: the host tier lives in /dev/shm/tpusync-<namespace>-r<rank>-host and a
+    # restarted vLLM with the same model fingerprint re-attaches it (and the disk tier).
     namespace: str | None = None
+    disk_dir: str | None = None  # disk tier directory (one sub-directory per rank); None: none
+    disk_bytes: int = 0
+    lease_s: float = 60.0  # longest a lookup's pins outlive an unreleased request (backstop)
+    lookup_timeout_s: float = 5.0  # scheduler -> worker lookup round trip; no answer = a miss
+    # P/D (kv_producer / kv_consumer): where the producer listens, and the shared secret's file
+    # (default: $TPUSYNC_AUTH_SECRET).
+    pd_listen: str = "127.0.0.1:0"
+    auth_secret_file: str | None = None
     metrics: bool = True
     load_timeout_s: float = 60.0
     save_timeout_s: float = 60.0
@@ -61,7 +68,7 @@ class TpusyncVllmConfig:
         kwargs: dict[str, Any] = {}
         for key, value in extra.items():
             default = getattr(cls, key)
-            if key in ("namespace", "kv_events_endpoint"):
+            if key in ("namespace", "kv_events_endpoint", "disk_dir", "auth_secret_file"):
                 ok = value is None or isinstance(value, str)
             elif isinstance(default, bool):
                 ok = isinstance(value, bool)
@@ -80,8 +87,14 @@ class TpusyncVllmConfig:
         cfg = cls(**kwargs)
         if cfg.host_bytes <= 0:
             raise ConfigError(f"host_bytes must be positive, got {cfg.host_bytes}")
-        if cfg.load_timeout_s <= 0 or cfg.save_timeout_s <= 0:
-            raise ConfigError("load_timeout_s and save_timeout_s must be positive")
+        if min(cfg.load_timeout_s, cfg.save_timeout_s, cfg.lease_s, cfg.lookup_timeout_s) <= 0:
+            raise ConfigError(
+                "load_timeout_s, save_timeout_s, lease_s and lookup_timeout_s must be positive"
+            )
+        if cfg.disk_bytes < 0 or (cfg.disk_dir is None) != (cfg.disk_bytes == 0):
+            raise ConfigError("disk_dir and disk_bytes (> 0) go together")
+        if cfg.namespace is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", cfg.namespace):
+            raise ConfigError(f"namespace must be 1-64 of [A-Za-z0-9_.-], got {cfg.namespace!r}")
         if cfg.kv_events_encoding not in ("tagged", "positional"):
             raise ConfigError("kv_events_encoding must be 'tagged' or 'positional'")
         return cfg

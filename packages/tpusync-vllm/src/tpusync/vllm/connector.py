@@ -1,31 +1,32 @@
-"""TpusyncConnector: vLLM KV connector (v1 API) for host offload and prefix reuse.
+"""TpusyncConnector: vLLM KV connector (v1 API) for host/disk offload and prefix reuse.
 
-Role ``kv_both``: every full KV block a request computes is copied to tpusync's host tier, and a
-later request whose prefix blocks (vLLM's own ``request.block_hashes``) are stored there loads them
-instead of recomputing - also after vLLM's own prefix cache dropped them.
+Role ``kv_both``: every full KV block a request computes is stored in tpusync's tiered KVStore
+(host DRAM, optionally in /dev/shm for warm restart, and an optional disk tier), keyed by vLLM's
+own ``request.block_hashes``; a later request - in this process or in a restarted one - whose
+prefix blocks are stored loads them instead of recomputing.
 
-DATA FLOW. The SCHEDULER instance decides and the WORKER instances move bytes; they may live in
-different processes (vLLM's default CPU engine), so they share nothing but the per-step
-:class:`TpusyncMetadata`:
+DATA FLOW (store.py has the SPLIT and LEASE contracts). The WORKER owns the store; the SCHEDULER
+asks it (direct call in vLLM's in-process engine, else a Unix-socket round trip):
 
-1. ``get_num_new_matched_tokens`` asks the scheduler-side directory (no side effects).
-2. ``update_state_after_alloc`` pins the hit keys (PIN CONTRACT in store.py) and queues a load of
-   (slots -> vLLM block ids); ``build_connector_meta`` adds saves of newly full blocks, with slots
-   the directory reserved (evicting LRU unpinned keys).
-3. The worker runs the step's loads in ``start_load_kv`` (engine threads scatter host rows into the
-   paged KV tensors; it waits before the forward starts) and its saves in ``wait_for_save`` (after
-   every layer wrote its KV; it waits before the step ends, so vLLM may reuse the blocks).
-4. A load that fails is reported through ``get_block_ids_with_load_errors``; vLLM then recomputes
-   or fails the request per ``kv_load_failure_policy``, and the scheduler drops those keys.
-5. ``request_finished`` (also on abort) releases every pin the request took.
+1. ``get_num_new_matched_tokens`` looks the request's block hashes up in the worker's store; a hit
+   that beats vLLM's own prefix cache is pinned under the request id (a lease).
+2. ``update_state_after_alloc`` queues a load of (keys -> vLLM block ids); ``build_connector_meta``
+   adds saves of newly full blocks.
+3. The worker runs the step's loads in ``start_load_kv`` (before the forward; then it ends the
+   lease) and its saves in ``wait_for_save`` (after every layer wrote its KV; it waits before the
+   step ends, so vLLM may reuse the blocks). A put of a stored key copies nothing.
+4. A block that is missing or fails its checksum (disk) is reported through
+   ``get_block_ids_with_load_errors``; vLLM recomputes or fails the request per
+   ``kv_load_failure_policy``, and the scheduler plans the recomputed blocks' saves again.
+5. ``request_finished`` (also on abort and failure) ends the request's lease.
 
-Loads and saves are synchronous per step (no ``finished_recving``/``finished_sending`` tracking);
-layer-pipelined loads and async saves are future work.
+Loads and saves are synchronous per step (no ``finished_recving``/``finished_sending``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -37,8 +38,15 @@ import torch
 import tpusync.core as tc
 from tpusync.core import events as tev
 from tpusync.vllm.config import ConfigError, TpusyncVllmConfig
-from tpusync.vllm.store import HostDirectory, HostSlots, KVDirectory, KVSlotData
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tpusync.vllm.pd import PdWorker, transfer_id_for
+from tpusync.vllm.store import (
+    LookupClient,
+    LookupServer,
+    WorkerStore,
+    lookup_endpoint,
+    model_fingerprint,
+)
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -68,11 +76,10 @@ _TRANSFER_ERRORS = (tc.TpusyncError, TypeError, ValueError)
 
 @dataclass
 class Transfer:
-    """One request's blocks to move: ``keys[i]`` <-> host ``slots[i]`` <-> vLLM ``block_ids[i]``."""
+    """One request's blocks to move: store key ``keys[i]`` <-> vLLM block ``block_ids[i]``."""
 
     req_id: str
     keys: list[bytes]
-    slots: list[int]
     block_ids: list[int]
     first_block: int = 0  # index of keys[0] in the request's block_hashes
 
@@ -83,6 +90,28 @@ class TpusyncMetadata(KVConnectorMetadata):
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    pd_sends: list[PdSend] = field(default_factory=list)  # kv_producer
+    pd_recvs: list[PdRecv] = field(default_factory=list)  # kv_consumer
+
+
+@dataclass
+class PdSend:
+    """Producer: offer vLLM blocks ``block_ids`` (a finished prefill) under ``transfer_id``."""
+
+    req_id: str
+    transfer_id: int
+    block_ids: list[int]
+
+
+@dataclass
+class PdRecv:
+    """Consumer: pull ``len(block_ids)`` blocks of ``transfer_id`` from ``peer`` into
+    ``block_ids`` (-1 entries: computed locally already, dropped on arrival)."""
+
+    req_id: str
+    transfer_id: int
+    peer: str
+    block_ids: list[int]
 
 
 _WORKER_COUNTERS = (
@@ -141,51 +170,71 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
-        if ktc.kv_role != "kv_both":
-            raise ConfigError(
-                f"kv_role {ktc.kv_role!r} is not available in this build of tpusync-vllm: "
-                "prefill/decode disaggregation needs the network transport (use 'kv_both')"
-            )
+        if ktc.kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ConfigError(f"unknown kv_role {ktc.kv_role!r}")
+        # kv_both: offload + prefix reuse through the store; kv_producer / kv_consumer: P/D.
+        self.kv_role = str(ktc.kv_role)
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ConfigError("pipeline parallelism is not available in this build of tpusync-vllm")
         self.config = TpusyncVllmConfig.from_extra(ktc.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.key_bytes, self.num_layers = _key_geometry(kv_cache_config)
-        self.num_slots = self.config.host_bytes // self.key_bytes
-        if self.num_slots < 1:
+        self.host_blocks = self.config.host_bytes // self.key_bytes
+        if self.host_blocks < 1:
             raise ConfigError(
                 f"host_bytes={self.config.host_bytes} cannot hold one block of "
                 f"{self.key_bytes} bytes (all layers)"
             )
-        model = self.config.namespace or vllm_config.model_config.served_model_name or "model"
+        self.disk_blocks = self.config.disk_bytes // self.key_bytes
+        model = vllm_config.model_config.served_model_name or vllm_config.model_config.model
         self.model_name = str(model).replace("@", "_")
+        pc = vllm_config.parallel_config
+        self.world_size = pc.world_size
+        # One lookup socket per (engine, data-parallel rank, worker rank).
+        self._engine_key = f"{ktc.engine_id}-dp{pc.data_parallel_rank}"
         # Scheduler side.
-        self.directory: KVDirectory | None = None
+        self.client: LookupClient | None = None
         self._requests: dict[str, Request] = {}
         self._saved_upto: dict[str, int] = {}
-        self._lookups: dict[str, tuple[int, int]] = {}
-        self._pins: dict[str, list[bytes]] = {}
+        self._lookups: dict[str, tuple[int, int, tuple[str, ...]]] = {}
+        self._leased: set[str] = set()
         self._pending_loads: list[Transfer] = []
         # block id -> (req, block index, key) of the loads of the last two steps (two: with async
         # scheduling, step N+1's metadata is built before step N's output arrives).
         self._load_history: deque[dict[int, tuple[str, int, bytes]]] = deque(maxlen=2)
         self._stored_events: list[BlockStored] = []
+        self._pd_lookups: dict[str, tuple[dict[str, Any], int]] = {}
+        self._pd_pending_recvs: list[PdRecv] = []
+        self._pd_published: dict[str, tuple[int, list[int]]] = {}
+        # Requests that already pulled (or tried to): a second lookup - after a failed pull or a
+        # preemption - computes locally instead of pulling again (no retry loop).
+        self._pd_tried: set[str] = set()
+        self._pd_address: str | None = None
         self.stats: dict[str, int] = {
+            "pd_sent_blocks": 0,
+            "pd_recv_blocks": 0,
             "queries": 0,
             "hit_blocks": 0,
+            "disk_hit_blocks": 0,
             "hit_tokens": 0,
             "planned_saves": 0,
             "load_errors_seen": 0,
         }
         self._publisher: tev.KVEventPublisher | None = None
         # Worker side.
-        self.slots: KVSlotData | None = None
+        self.store: WorkerStore | None = None
+        self.pd: PdWorker | None = None
+        self._pd_failed: dict[str, list[int]] = {}
+        self._server: LookupServer | None = None
         self._row_arrays: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
         self._worker_stats = TpusyncStats()
         self.totals = TpusyncStats()  # never reset: for diagnostics and tests
         if role == KVConnectorRole.SCHEDULER:
-            self.directory = HostDirectory(self.num_slots)
+            self.client = LookupClient(
+                [lookup_endpoint(self._engine_key, r) for r in range(self.world_size)],
+                timeout_s=self.config.lookup_timeout_s,
+            )
             if self.config.kv_events_endpoint:
                 self._publisher = tev.KVEventPublisher(
                     self.config.kv_events_endpoint,
@@ -194,9 +243,11 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                     encoding=self.config.kv_events_encoding,  # type: ignore[arg-type]
                 )
         log.info(
-            "TpusyncConnector(%s): host tier %d slots x %d bytes (%d layers)",
+            "TpusyncConnector(%s): host tier %d blocks, disk tier %d blocks, x %d bytes "
+            "(%d layers)",
             role.name,
-            self.num_slots,
+            self.host_blocks,
+            self.disk_blocks,
             self.key_bytes,
             self.num_layers,
         )
@@ -206,54 +257,101 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self.directory is not None
+        assert self.client is not None
         self.stats["queries"] += 1
+        if self.kv_role != "kv_both":
+            return self._pd_matched(request, num_computed_tokens)
         # Never claim the whole prompt: vLLM must compute at least one token to sample from.
         max_blocks = max(0, (request.num_tokens - 1) // self.block_size)
         keys = list(request.block_hashes[:max_blocks])
-        hit_blocks = self.directory.lookup(keys) if keys else 0
-        hit_tokens = hit_blocks * self.block_size
+        local_blocks = num_computed_tokens // self.block_size
+        # The only side effect: a hit longer than vLLM's own is leased (pinned) for the load.
+        r = self.client.lookup(request.request_id, keys, pin_above=local_blocks)
+        hit_tokens = r.hit * self.block_size
         if hit_tokens <= num_computed_tokens:
             self._lookups.pop(request.request_id, None)
             return 0, False
-        self._lookups[request.request_id] = (num_computed_tokens, hit_blocks)
+        self._leased.add(request.request_id)
+        self._lookups[request.request_id] = (num_computed_tokens, r.hit, r.tiers)
         return hit_tokens - num_computed_tokens, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        assert self.directory is not None
+        assert self.client is not None
         req_id = request.request_id
         self._requests[req_id] = request
         self._saved_upto.setdefault(req_id, 0)
+        pd_lookup = self._pd_lookups.pop(req_id, None)
+        if pd_lookup is not None:
+            pd, local_tokens = pd_lookup
+            if num_external_tokens > 0:
+                self._pd_tried.add(req_id)
+                n = int(pd["tpusync_num_blocks"])
+                local = local_tokens // self.block_size  # blocks vLLM's own cache holds
+                ids = blocks.get_block_ids()[0][:n]
+                self._pd_pending_recvs.append(
+                    PdRecv(
+                        req_id,
+                        int(pd["tpusync_transfer_id"]),
+                        f"{pd['remote_host']}:{pd['remote_port']}",
+                        [-1 if i < local else b for i, b in enumerate(ids)],
+                    )
+                )
+                self.stats["pd_recv_blocks"] += n - local
+            return
         lookup = self._lookups.pop(req_id, None)
         if num_external_tokens <= 0 or lookup is None:
+            self._release(req_id)  # the hit is not used: end its lease now
             return
-        _, hit_blocks = lookup
+        _, hit_blocks, tiers = lookup
         end = hit_blocks
         first = max(0, (hit_blocks * self.block_size - num_external_tokens) // self.block_size)
         keys = list(request.block_hashes[first:end])
         block_ids = blocks.get_block_ids()[0][first:end]
-        # Same thread as the lookup and no eviction in between, so the keys are still there; if
-        # not (a bug), the load is sent with slot -1, which the worker rejects as a load error:
-        # vLLM recomputes instead of the scheduler crashing.
-        try:
-            self.directory.pin(keys)
-        except tc.NotFoundError:
-            log.warning("tpusync: prefix of %s vanished before it was pinned", req_id)
-            slots = [-1] * len(keys)
-        else:
-            self._pins.setdefault(req_id, []).extend(keys)
-            slots = self.directory.slots(keys)
-        self._pending_loads.append(Transfer(req_id, keys, slots, list(block_ids), first))
+        self._pending_loads.append(Transfer(req_id, keys, list(block_ids), first))
         self._saved_upto[req_id] = max(self._saved_upto[req_id], end)
         self.stats["hit_blocks"] += len(keys)
+        self.stats["disk_hit_blocks"] += sum(1 for t in tiers[first:end] if t == "disk")
         self.stats["hit_tokens"] += num_external_tokens
 
+    def _pd_matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        if self.kv_role != "kv_consumer" or not params.get("do_remote_prefill"):
+            return 0, False
+        try:
+            n = int(params["tpusync_num_blocks"])
+            int(params["tpusync_transfer_id"])
+            str(params["remote_host"]), int(params["remote_port"])
+        except (KeyError, TypeError, ValueError):
+            log.warning(
+                "tpusync: request %s has malformed kv_transfer_params %r; computing it locally",
+                request.request_id,
+                params,
+            )
+            return 0, False
+        if request.request_id in self._pd_tried:
+            return 0, False
+        tokens = min(n * self.block_size, max(0, request.num_tokens - 1))
+        if tokens <= num_computed_tokens:
+            return 0, False
+        self._pd_lookups[request.request_id] = (params, num_computed_tokens)
+        return tokens - num_computed_tokens, True  # asynchronous: pulled while others run
+
+    def _release(self, req_id: str) -> None:
+        if req_id in self._leased and self.client is not None:
+            self._leased.discard(req_id)
+            self.client.release([req_id])
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self.directory is not None
-        meta = TpusyncMetadata(loads=self._pending_loads)
+        meta = TpusyncMetadata(loads=self._pending_loads, pd_recvs=self._pd_pending_recvs)
         self._pending_loads = []
+        self._pd_pending_recvs = []
+        if self.kv_role == "kv_producer":
+            self._plan_pd_sends(scheduler_output, meta)
+            return meta
+        if self.kv_role == "kv_consumer":
+            return meta
         self._load_history.append(
             {
                 b: (t.req_id, t.first_block + i, k)
@@ -273,24 +371,40 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
             if full <= start:
                 continue
             self._saved_upto[req_id] = full
-            hashes = list(request.block_hashes[start:full])
-            placed = self.directory.reserve(hashes)
-            if not placed:
-                continue
+            # Keys the store already holds are offered again: its put copies nothing for them
+            # (content addressing), which is cheaper than asking the worker first.
             all_block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-            position = {k: start + i for i, k in enumerate(hashes)}
-            keys = [k for k, _ in placed]
             meta.saves.append(
                 Transfer(
                     req_id,
-                    keys,
-                    [s for _, s in placed],
-                    [all_block_ids[position[k]] for k in keys],
+                    list(request.block_hashes[start:full]),
+                    list(all_block_ids[start:full]),
+                    start,
                 )
             )
-            self.stats["planned_saves"] += len(keys)
-            self._record_stored(request, [position[k] for k in keys])
+            self.stats["planned_saves"] += full - start
+            self._record_stored(request, list(range(start, full)))
         return meta
+
+    def _plan_pd_sends(self, scheduler_output: SchedulerOutput, meta: TpusyncMetadata) -> None:
+        """Offer a do_remote_decode request's full prompt blocks in the step that ends its
+        prefill (the worker copies them after the forward, so nothing is held afterwards)."""
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None or req_id in self._pd_published:
+                continue
+            if not (request.kv_transfer_params or {}).get("do_remote_decode"):
+                continue
+            if request.num_computed_tokens + n_sched < request.num_prompt_tokens:
+                continue
+            n = max(0, request.num_prompt_tokens - 1) // self.block_size
+            if n == 0:
+                continue
+            ids = list(self._kv_cache_manager.get_block_ids(req_id)[0][:n])
+            tid = transfer_id_for(self._engine_key, req_id)
+            meta.pd_sends.append(PdSend(req_id, tid, ids))
+            self._pd_published[req_id] = (tid, ids)
+            self.stats["pd_sent_blocks"] += n
 
     def _record_stored(self, request: Request, positions: list[int]) -> None:
         bs = self.block_size
@@ -312,7 +426,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                         token_ids=list(tokens[first * bs : (run[-1] + 1) * bs]),
                         block_size=bs,
                         lora_id=None,
-                        medium=self.directory.medium if self.directory else "CPU",
+                        medium="CPU",
                         lora_name=None,
                     )
                 )
@@ -321,71 +435,73 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         bad = getattr(connector_output, "invalid_block_ids", None) or set()
-        if bad and self.directory is not None:
-            failed = []
-            for b in bad:
-                for step in reversed(self._load_history):
-                    if b in step:
-                        failed.append(step[b])
-                        break
-            self.stats["load_errors_seen"] += len(bad)
-            # Do not offer these keys again; vLLM recomputes (or fails) the blocks, and the
-            # request saves them again from the first failed block on.
-            self.directory.remove([k for _, _, k in failed])
-            for req_id, index, _ in failed:
-                if req_id in self._saved_upto:
-                    self._saved_upto[req_id] = min(self._saved_upto[req_id], index)
+        if not bad:
+            return
+        self.stats["load_errors_seen"] += len(bad)
+        # vLLM recomputes (or fails) from the first failed block; the store already dropped what
+        # it found corrupted, so the recomputed blocks are saved again from there on.
+        for b in bad:
+            for step in reversed(self._load_history):
+                if b in step:
+                    req_id, index, _ = step[b]
+                    if req_id in self._saved_upto:
+                        self._saved_upto[req_id] = min(self._saved_upto[req_id], index)
+                    break
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._forget(request.request_id)
-        return False, None
+        return False, self._finish(request)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._finish(request)
+
+    def _finish(self, request: Request) -> dict[str, Any] | None:
+        """Forget the request; a producer's published prefill returns its kv_transfer_params.
+        Nothing is held: the blocks were copied into the P/D pool when the prefill ran."""
         self._forget(request.request_id)
-        return False, None
+        published = self._pd_published.pop(request.request_id, None)
+        if published is None:
+            return None
+        if self._pd_address is None:
+            assert self.client is not None
+            self._pd_address = str(self.client.info().get("pd_address", ""))
+        host, _, port = self._pd_address.rpartition(":")
+        tid, ids = published
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self._engine_key,
+            "remote_host": host,
+            "remote_port": int(port) if port else 0,
+            "remote_block_ids": ids,
+            "tpusync_transfer_id": tid,
+            "tpusync_num_blocks": len(ids),
+        }
 
     def _forget(self, req_id: str) -> None:
         """Release everything a finished, aborted or failed request holds (idempotent)."""
         self._requests.pop(req_id, None)
         self._saved_upto.pop(req_id, None)
         self._lookups.pop(req_id, None)
-        pins = self._pins.pop(req_id, [])
-        if pins and self.directory is not None:
-            self.directory.unpin(pins)
+        self._pd_lookups.pop(req_id, None)
+        self._pd_tried.discard(req_id)
+        self._release(req_id)
 
     def take_events(self) -> Iterable[Any]:
-        out: list[Any] = []
-        if self.directory is not None:
-            for ev in self.directory.take_events():
-                if ev.kind == "removed":
-                    out.append(
-                        BlockRemoved(
-                            block_hashes=[maybe_convert_block_hash(k) for k in ev.keys],
-                            medium=ev.medium,
-                        )
-                    )
-                elif ev.kind == "cleared":
-                    out.append(AllBlocksCleared())
-        out.extend(self._stored_events)
+        # BlockStored only: evictions happen inside the worker's store (not reported yet).
+        out: list[Any] = list(self._stored_events)
         self._stored_events = []
         if out and self._publisher is not None:
             self._publisher.publish([_to_tpusync_event(e) for e in out])
         return out
 
-    def reset_cache(self) -> bool | None:
-        if self.directory is not None:
-            self.directory.clear()
-            for req_id in list(self._pins):
-                self._pins[req_id] = []
-        return True
-
     @property
-    def num_pins(self) -> int:
-        return 0 if self.directory is None else self.directory.num_pins
+    def num_leases(self) -> int:
+        """Requests whose lookup pinned blocks and that have not been released yet."""
+        return len(self._leased)
 
     # ------------------------------------------------------------------ worker side
 
@@ -421,35 +537,85 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                 f"spec says {self.key_bytes}"
             )
         self._row_arrays = arrays
-        self.slots = HostSlots(self.num_slots, rb, len(arrays), prefault=self.config.prefault)
+        rank = _worker_rank()
+        disk_dir = None
+        if self.config.disk_dir is not None:
+            disk_dir = os.path.join(self.config.disk_dir, f"rank{rank}")
+            os.makedirs(disk_dir, exist_ok=True)
+        mc = self._vllm_config.model_config
+        fingerprint = model_fingerprint(
+            model=mc.model,
+            revision=getattr(mc, "revision", None),
+            dtype=str(mc.dtype),
+            kv_cache_dtype=self._vllm_config.cache_config.cache_dtype,
+            block_size=self.block_size,
+            hash_algo=getattr(self._vllm_config.cache_config, "prefix_caching_hash_algo", None),
+            row_bytes=rb,
+            rows=len(arrays),
+            shapes=[tuple(t.shape) for t in kv_caches.values()],
+            rank=rank,
+            world=self.world_size,
+        )
+        if self.kv_role != "kv_both":
+            try:
+                self.pd = PdWorker(
+                    arrays,
+                    producer=self.kv_role == "kv_producer",
+                    pool_blocks=self.host_blocks,
+                    listen=self.config.pd_listen,
+                    secret_file=self.config.auth_secret_file,
+                    timeout_s=self.config.load_timeout_s,
+                )
+            except ValueError as exc:  # no or short secret
+                raise ConfigError(f"{self.kv_role}: {exc} (auth_secret_file)") from exc
+            self._server = LookupServer(
+                None, lookup_endpoint(self._engine_key, rank), {"pd_address": self.pd.address}
+            )
+            return
+        self.store = WorkerStore(
+            arrays,
+            host_blocks=self.host_blocks,
+            disk_dir=disk_dir,
+            disk_blocks=self.disk_blocks,
+            namespace=f"{self.config.namespace}-r{rank}" if self.config.namespace else None,
+            fingerprint=fingerprint,
+            lease_s=self.config.lease_s,
+            prefault=self.config.prefault,
+        )
+        self._server = LookupServer(self.store, lookup_endpoint(self._engine_key, rank))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, TpusyncMetadata) or not meta.loads or self.slots is None:
+        if isinstance(meta, TpusyncMetadata) and meta.pd_recvs and self.pd is not None:
+            for rv in meta.pd_recvs:  # asynchronous: get_finished reports them
+                try:
+                    self.pd.start(rv.req_id, rv.transfer_id, rv.peer, rv.block_ids)
+                except _TRANSFER_ERRORS as exc:
+                    log.warning("tpusync P/D receive of %s not started: %s", rv.req_id, exc)
+                    self._pd_failed[rv.req_id] = [b for b in rv.block_ids if b >= 0]
+        if not isinstance(meta, TpusyncMetadata) or not meta.loads or self.store is None:
             return
         t0 = time.perf_counter()
-        pending = []
+        # The forward reads these blocks next: each load completes here.
         for tr in meta.loads:
             try:
-                pending.append(
-                    (tr, self.slots.load(tr.slots, tr.keys, self._row_arrays, tr.block_ids))
-                )
+                failed = self.store.load(tr.keys, tr.block_ids, self.config.load_timeout_s)
             except _TRANSFER_ERRORS as exc:  # a malformed transfer must not kill the engine
-                log.warning("tpusync load of %s rejected: %s", tr.req_id, exc)
-                self._fail_load(tr)
-        # The forward reads these blocks next: wait here (the copies run on engine threads).
-        for tr, fut in pending:
-            try:
-                fut.result(self.config.load_timeout_s)
-                self._count("loaded_blocks", len(tr.keys))
-            except _TRANSFER_ERRORS as exc:
                 log.warning("tpusync load of %s failed: %s", tr.req_id, exc)
-                self._fail_load(tr)
+                failed = list(tr.block_ids)
+            finally:
+                self.store.release([tr.req_id])  # the bytes are in vLLM's blocks: lease over
+            if failed:
+                log.warning(
+                    "tpusync: %d of %d blocks of %s not loaded (missing or corrupted)",
+                    len(failed),
+                    len(tr.keys),
+                    tr.req_id,
+                )
+                self._load_errors.update(failed)
+                self._count("load_failures", 1)
+            self._count("loaded_blocks", len(tr.keys) - len(failed))
         self._count("load_seconds", time.perf_counter() - t0)
-
-    def _fail_load(self, tr: Transfer) -> None:
-        self._load_errors.update(tr.block_ids)
-        self._count("load_failures", 1)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads completed in start_load_kv
@@ -461,30 +627,42 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, TpusyncMetadata) or not meta.saves or self.slots is None:
+        if isinstance(meta, TpusyncMetadata) and meta.pd_sends and self.pd is not None:
+            for sd in meta.pd_sends:  # the prefill's KV is complete now
+                try:
+                    self.pd.publish(sd.transfer_id, sd.block_ids)
+                    self._count("saved_blocks", len(sd.block_ids))
+                except _TRANSFER_ERRORS as exc:  # the consumer's pull fails and it recomputes
+                    log.warning("tpusync P/D offer of %s failed: %s", sd.req_id, exc)
+                    self._count("save_failures", 1)
+        if not isinstance(meta, TpusyncMetadata) or not meta.saves or self.store is None:
             return
         t0 = time.perf_counter()
-        pending = []
-        for tr in meta.saves:
-            try:
-                pending.append(
-                    (tr, self.slots.save(tr.slots, tr.keys, self._row_arrays, tr.block_ids))
-                )
-            except _TRANSFER_ERRORS as exc:
-                log.warning("tpusync save of %s rejected: %s", tr.req_id, exc)
-                self._count("save_failures", 1)
-        # vLLM may reuse these blocks after the step: the copies must be finished.
-        for tr, fut in pending:
-            try:
-                fut.result(self.config.save_timeout_s)
-                self._count("saved_blocks", len(tr.keys))
-            except _TRANSFER_ERRORS as exc:  # the slot stays unreadable; a later load fails cleanly
-                log.warning("tpusync save of %s failed: %s", tr.req_id, exc)
-                self._count("save_failures", 1)
+        keys = [k for tr in meta.saves for k in tr.keys]
+        block_ids = [b for tr in meta.saves for b in tr.block_ids]
+        # vLLM may reuse these blocks after the step: save() waits for the copies.
+        try:
+            stored = self.store.save(keys, block_ids, self.config.save_timeout_s)
+        except _TRANSFER_ERRORS as exc:  # not stored: later lookups miss, nothing is wrong
+            log.warning("tpusync save of %d blocks failed: %s", len(keys), exc)
+            stored = 0
+        self._count("saved_blocks", stored)
+        self._count("save_failures", len(keys) - stored)
         self._count("save_seconds", time.perf_counter() - t0)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        if self.pd is None:
+            return None, None
+        before = self.pd.received
+        done, failed = self.pd.poll()
+        self._count("loaded_blocks", self.pd.received - before)
+        failed.update(self._pd_failed)
+        self._pd_failed = {}
+        for ids in failed.values():
+            self._load_errors.update(ids)
+            self._count("load_failures", 1)
+        recving = done | set(failed)
+        return None, (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -510,6 +688,31 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+        if self.client is not None:
+            self.client.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self.pd is not None:
+            self.pd.close()
+            self.pd = None
+        if self.store is not None:
+            try:  # dirty host blocks reach the disk tier before the process ends
+                self.store.flush(self.config.save_timeout_s)
+            except tc.TpusyncError as exc:
+                log.warning("tpusync: flush at shutdown: %s", exc)
+            self.store.close()
+            self.store = None
+
+
+def _worker_rank() -> int:
+    """This worker's rank in vLLM's world group (0 outside a distributed setup)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank_in_group)
+    except (ImportError, AssertionError, AttributeError):
+        return 0
 
 
 def _to_tpusync_event(e: Any) -> tev.KVEvent:

@@ -1,357 +1,350 @@
-"""The storage seam of the vLLM connector: one small Protocol and its INTERIM implementation.
+"""The connector's storage: one tpusync.core.KVStore per worker, and how the scheduler asks it.
 
-SPLIT CONTRACT. vLLM runs the connector twice: a SCHEDULER instance that only decides, and one
-WORKER instance per worker process that moves bytes; on CPU (and for tensor parallelism on GPUs)
-these are different processes. So the store has two halves that never share memory:
+SPLIT CONTRACT. vLLM runs the connector twice: a SCHEDULER instance that decides hits and a
+WORKER instance per worker process that moves bytes. On vLLM's default engine they live in
+different processes. The store therefore has exactly one owner, the WORKER:
 
-- the *directory* (scheduler process): which keys are stored, where (a slot number), pins, LRU
-  eviction, events. ``lookup``/``pin``/``unpin``/``reserve``/``remove``/``clear``.
-- the *data* (each worker process): slot-addressed host memory that the worker fills and reads.
-  ``save``/``load`` return futures; the engine threads gather/scatter vLLM's block rows directly.
+- :class:`WorkerStore` owns a :class:`tpusync.core.KVStore` (host tier, optionally in /dev/shm
+  under a namespace for warm restart, optional disk tier) whose block is one vLLM block across
+  every layer of this worker. Saves gather the block's rows of every layer into a staging buffer
+  and ``put`` it; loads ``get`` into the staging buffer and scatter the rows back.
+- The SCHEDULER asks the worker through :class:`LookupClient`: a direct call when both halves
+  share a process (vLLM's in-process engine), else one ZeroMQ REQ/REP round trip over a Unix
+  socket the worker serves (:class:`LookupServer`), named from vLLM's engine id and the rank.
 
-The scheduler puts slot numbers into the step's KVConnectorMetadata; each worker applies them.
-Workers execute steps in order, so a slot the directory evicts at step N+1 is only overwritten by
-step N+1's saves, after step N's loads have read it: PIN CONTRACT: a key is pinned from the moment
-a request is promised a load (update_state_after_alloc) until the request finishes (or is
-aborted); pinned keys are never evicted. The worker also remembers which key each slot holds, so
-a load of a slot that holds anything else (a failed save, a restarted worker) fails loudly and
-vLLM recomputes or fails the request (kv_load_failure_policy) instead of reading wrong KV.
+Rejected alternatives: (1) opening the same /dev/shm namespace from both processes - the host
+tier locks its segment (one owner, warm-restart contract in tier/host_tier.h), and a second
+index in the scheduler would drift from the store's own eviction; (2) a scheduler-side mirror
+seeded through vLLM's handshake metadata - it goes stale as the store evicts or finds corrupted
+blocks, so hits would turn into load errors instead of being answered correctly.
 
-Rejected alternative: one shared in-process object queried from both sides. It cannot work on
-vLLM's default CPU engine, where scheduler and worker are different processes.
-
-INTERIM: :class:`HostDirectory` + :class:`HostSlots` implement this on tpusync.core's BlockIndex
-and HostBlockPool in process-local memory. The tiered KVStore (disk tier, /dev/shm warm restart,
-store nodes) replaces them at merge time behind the same two Protocols.
+LEASE CONTRACT (pins). A lookup that the scheduler may turn into a load pins the hit keys in the
+store under the request id (a lease), so that neither eviction nor write-back pressure can drop
+them before the load. A lease is released when: the worker finished that request's load, the
+scheduler sends the request id as released (finished, aborted, preempted, or the hit was not
+used), a new lookup for the same request replaces it, or ``lease_s`` passed (a backstop for a
+scheduler that died). Every pin the store holds belongs to exactly one live lease, so
+``num_pins == 0`` once no request is in flight.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+import zmq
 
 import tpusync.core as tc
 
-__all__ = [
-    "DirectoryEvent",
-    "HostDirectory",
-    "HostSlots",
-    "KVDirectory",
-    "KVSlotData",
-    "StoreFuture",
-]
+__all__ = ["LookupClient", "LookupResult", "LookupServer", "WorkerStore", "lookup_endpoint"]
+
+log = logging.getLogger("tpusync.vllm")
+
+# Lookup servers of this process by endpoint: vLLM's in-process engine answers lookups directly.
+_LOCAL: dict[str, LookupServer] = {}
+_LOCAL_LOCK = threading.Lock()
 
 
-class StoreFuture(Protocol):
-    """What save/load return: tpusync.core.Future or anything with the same two methods."""
-
-    def result(self, timeout: float | None = None) -> None: ...
-
-    def done(self) -> bool: ...
+def lookup_endpoint(engine_id: str, rank: int) -> str:
+    """The Unix socket on which the worker of ``rank`` answers lookups for engine ``engine_id``."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:40]
+    return f"ipc://{tempfile.gettempdir()}/tpusync-vllm-{safe}-{rank}.sock"
 
 
 @dataclass(frozen=True)
-class DirectoryEvent:
-    """A change of the directory: ``kind`` is 'stored', 'removed' or 'cleared'."""
+class LookupResult:
+    """``hit`` leading keys are stored; ``tiers[i]`` is where key ``i`` lives ("host", "disk")."""
 
-    kind: str
-    keys: tuple[bytes, ...]
-    medium: str
-
-
-class KVDirectory(Protocol):
-    """Scheduler-side half: decisions only, never bytes."""
-
-    medium: str
-
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Length of the leading run of ``keys`` that is stored (no side effects)."""
-
-    def slots(self, keys: Sequence[bytes]) -> list[int]:
-        """Slots of stored keys (NotFoundError for a key that is not stored)."""
-
-    def pin(self, keys: Sequence[bytes]) -> None:
-        """Protect stored keys from eviction (counted; NotFoundError if one is missing)."""
-
-    def unpin(self, keys: Sequence[bytes]) -> None:
-        """Undo one pin per key; keys removed meanwhile are ignored."""
-
-    def reserve(self, keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
-        """Assign slots to the keys not yet stored (evicting LRU unpinned keys) and mark them
-        stored; returns (key, slot) for each newly placed key, possibly fewer when full."""
-
-    def remove(self, keys: Sequence[bytes]) -> int:
-        """Forget keys (pinned or not); returns how many were stored."""
-
-    def clear(self) -> None: ...
-
-    def take_events(self) -> list[DirectoryEvent]: ...
-
-    @property
-    def num_pins(self) -> int: ...
+    hit: int
+    tiers: tuple[str, ...]
 
 
-class KVSlotData(Protocol):
-    """Worker-side half: slot-addressed storage for whole blocks across all layers."""
+class WorkerStore:
+    """A KVStore of whole vLLM blocks (all layers of one worker), with request leases.
 
-    def save(
-        self,
-        slots: Sequence[int],
-        keys: Sequence[bytes],
-        layers: Sequence[Any],
-        rows: Sequence[int],
-    ) -> StoreFuture:
-        """Copy row ``rows[i]`` of every array in ``layers`` into slot ``slots[i]`` for key
-        ``keys[i]``; the slot answers loads for that key only once the future succeeded."""
-
-    def load(
-        self,
-        slots: Sequence[int],
-        keys: Sequence[bytes],
-        layers: Sequence[Any],
-        rows: Sequence[int],
-    ) -> StoreFuture:
-        """Copy slot ``slots[i]`` into row ``rows[i]`` of every array in ``layers``; fails with
-        NotFoundError (before any byte moves) when a slot does not hold ``keys[i]``."""
-
-
-class HostDirectory:
-    """INTERIM directory on tpusync.core.BlockIndex (Tier.HOST, location = slot number).
-
-    Thread-safe (one lock); capacity is fixed at ``num_slots``.
-    """
-
-    medium = "CPU"
-
-    def __init__(self, num_slots: int) -> None:
-        if num_slots <= 0:
-            raise tc.InvalidArgumentError(f"num_slots must be positive, got {num_slots}")
-        self._index = tc.BlockIndex()
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._lock = threading.Lock()
-        self._events: list[DirectoryEvent] = []
-        self._pins: dict[bytes, int] = {}
-        self.num_slots = num_slots
-        self.evictions = 0
-
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        with self._lock:
-            n, _ = self._index.lookup_prefix(list(keys))
-            return n
-
-    def slots(self, keys: Sequence[bytes]) -> list[int]:
-        with self._lock:
-            out = []
-            for k in keys:
-                p = self._index.lookup(k, touch=False)
-                if p is None or not p.has(tc.Tier.HOST):
-                    raise tc.NotFoundError(f"key {k.hex()[:16]} is not stored")
-                out.append(int(p.location(tc.Tier.HOST)))
-            return out
-
-    def pin(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            done: list[bytes] = []
-            try:
-                for k in keys:
-                    self._index.pin(k)
-                    self._pins[k] = self._pins.get(k, 0) + 1
-                    done.append(k)
-            except Exception:
-                for k in done:  # all or nothing
-                    self._unpin_locked(k)
-                raise
-
-    def unpin(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            for k in keys:
-                self._unpin_locked(k)
-
-    def _unpin_locked(self, k: bytes) -> None:
-        n = self._pins.get(k, 0)
-        if n == 0:
-            return  # removed (or never pinned): nothing to undo
-        if n == 1:
-            del self._pins[k]
-        else:
-            self._pins[k] = n - 1
-        self._index.unpin(k)
-
-    def reserve(self, keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
-        placed: list[tuple[bytes, int]] = []
-        with self._lock:
-            seen: set[bytes] = set()
-            for k in keys:
-                if k in seen or self._index.lookup(k, touch=True) is not None:
-                    continue
-                seen.add(k)
-                if not self._free and not self._evict_one_locked():
-                    break  # everything pinned: the rest is simply not offloaded
-                slot = self._free.pop()
-                self._index.insert(k, tc.Tier.HOST, slot)
-                placed.append((k, slot))
-            if placed:
-                self._events.append(
-                    DirectoryEvent("stored", tuple(k for k, _ in placed), self.medium)
-                )
-        return placed
-
-    def _evict_one_locked(self) -> bool:
-        victims = self._index.eviction_candidates(tc.Tier.HOST, 1)
-        if not victims:
-            return False
-        key, slot = victims[0]
-        self._index.erase(key)
-        self._free.append(int(slot))
-        self.evictions += 1
-        self._events.append(DirectoryEvent("removed", (key,), self.medium))
-        return True
-
-    def remove(self, keys: Sequence[bytes]) -> int:
-        removed = []
-        with self._lock:
-            for k in keys:
-                p = self._index.lookup(k, touch=False)
-                if p is None:
-                    continue
-                self._index.erase(k)
-                self._pins.pop(k, None)
-                self._free.append(int(p.location(tc.Tier.HOST)))
-                removed.append(k)
-            if removed:
-                self._events.append(DirectoryEvent("removed", tuple(removed), self.medium))
-        return len(removed)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._index.clear()
-            self._pins.clear()
-            self._free = list(range(self.num_slots - 1, -1, -1))
-            self._events.append(DirectoryEvent("cleared", (), self.medium))
-
-    def take_events(self) -> list[DirectoryEvent]:
-        with self._lock:
-            out, self._events = self._events, []
-            return out
-
-    @property
-    def num_pins(self) -> int:
-        with self._lock:
-            return sum(self._pins.values())
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._index)
-
-
-class _AllOf:
-    """One future over several tpusync futures (result raises the first failure)."""
-
-    def __init__(self, futures: Sequence[Any], on_success: Any = None) -> None:
-        self._futures = list(futures)
-        self._on_success = on_success
-        self._settled = False
-
-    def done(self) -> bool:
-        return all(f.done() for f in self._futures)
-
-    def result(self, timeout: float | None = None) -> None:
-        error: tc.TpusyncError | None = None
-        for f in self._futures:
-            try:
-                f.result(timeout)
-            except tc.TpusyncError as exc:  # keep waiting for the others: no copy left running
-                if error is None:
-                    error = exc
-        if error is not None:
-            raise error
-        if not self._settled:
-            self._settled = True
-            if self._on_success is not None:
-                self._on_success()
-
-
-class _Failed:
-    def __init__(self, error: BaseException) -> None:
-        self._error = error
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> None:
-        raise self._error
-
-
-class HostSlots:
-    """INTERIM worker-side data on one tpusync.core.HostBlockPool.
-
-    A slot is ``rows_per_key`` pool blocks of ``row_bytes`` each (one per layer row array). The
-    pool is allocated whole at construction, so saves never fail for space (the directory already
-    decided). SLOT CONTRACT: ``_holder[slot]`` is the key whose bytes the slot holds, set only
-    after a save's copies all succeeded and cleared before a slot is rewritten.
+    ``layers`` are this worker's per-layer row arrays (uint8 views, one row per vLLM block);
+    row ``b`` of every array together is block ``b``'s bytes (``key_bytes`` in all).
     """
 
     def __init__(
-        self, num_slots: int, row_bytes: int, rows_per_key: int, *, prefault: bool = True
+        self,
+        layers: Sequence[torch.Tensor],
+        *,
+        host_blocks: int,
+        disk_dir: str | None = None,
+        disk_blocks: int = 0,
+        namespace: str | None = None,
+        fingerprint: str = "",
+        lease_s: float = 60.0,
+        prefault: bool = True,
+        put_wait_s: float = 5.0,
     ) -> None:
-        self.pool = tc.HostBlockPool(row_bytes, num_slots * rows_per_key, prefault=prefault)
-        self._ids = self.pool.alloc(num_slots * rows_per_key)
-        self.num_slots = num_slots
-        self.rows_per_key = rows_per_key
-        self._holder: list[bytes | None] = [None] * num_slots
-        self._lock = threading.Lock()
-
-    def _pool_ids(self, slots: Sequence[int], row: int) -> list[int]:
-        r = self.rows_per_key
-        return [self._ids[s * r + row] for s in slots]
-
-    def _check(self, slots: Sequence[int], keys: Sequence[bytes], layers: Sequence[Any], rows):
-        if not (len(slots) == len(keys) == len(rows)):
-            raise tc.InvalidArgumentError("slots, keys and rows must have the same length")
-        if len(layers) != self.rows_per_key:
-            raise tc.InvalidArgumentError(
-                f"expected {self.rows_per_key} layer row arrays, got {len(layers)}"
-            )
-        for s in slots:
-            if not 0 <= s < self.num_slots:
-                raise tc.InvalidArgumentError(f"slot {s} out of range [0, {self.num_slots})")
-
-    def save(self, slots, keys, layers, rows) -> StoreFuture:
-        self._check(slots, keys, layers, rows)
-        with self._lock:
-            for s in slots:
-                self._holder[s] = None
-        futures = [
-            self.pool.put(self._pool_ids(slots, j), arr, rows=list(rows))
-            for j, arr in enumerate(layers)
-        ]
-
-        def commit() -> None:
-            with self._lock:
-                for s, k in zip(slots, keys, strict=True):
-                    self._holder[s] = k
-
-        return _AllOf(futures, commit)
-
-    def load(self, slots, keys, layers, rows) -> StoreFuture:
-        self._check(slots, keys, layers, rows)
-        with self._lock:
-            for s, k in zip(slots, keys, strict=True):
-                if self._holder[s] != k:
-                    return _Failed(
-                        tc.NotFoundError(f"slot {s} does not hold key {bytes(k).hex()[:16]}")
-                    )
-        return _AllOf(
-            [
-                self.pool.get(self._pool_ids(slots, j), arr, rows=list(rows))
-                for j, arr in enumerate(layers)
-            ]
+        if not layers:
+            raise tc.InvalidArgumentError("no KV layers to store")
+        self.bind(layers)
+        self.row_bytes = int(self.layers[0].shape[1])
+        self.key_bytes = self.row_bytes * len(self.layers)
+        self.store = tc.KVStore(
+            self.key_bytes,
+            host_blocks,
+            disk_dir=disk_dir,
+            disk_blocks=disk_blocks,
+            namespace=namespace,
+            fingerprint=fingerprint,
+            prefault=prefault,
+            put_wait_s=put_wait_s,
         )
+        self.lease_s = lease_s
+        self._staging = np.empty((0, self.key_bytes), dtype=np.uint8)
+        self._lock = threading.Lock()  # leases (lookup thread vs. the worker's step thread)
+        self._leases: dict[str, tuple[list[bytes], float]] = {}
 
-    def invalidate(self, slots: Sequence[int] | None = None) -> None:
-        """Forget what slots hold (all by default): later loads of them fail (tests, reset)."""
+    def bind(self, layers: Sequence[torch.Tensor]) -> None:
+        """Use ``layers`` as vLLM's row arrays from now on (same geometry)."""
+        self.layers = list(layers)
+        # numpy views of the same memory: numpy's row gather/scatter is a memcpy per row, where
+        # torch's index_select / index_copy_ on uint8 measured ~60x slower (2 vCPUs, 8 MiB).
+        self._np = [np.asarray(t) for t in self.layers]
+
+    # ---------------------------------------------------------------- lookups and leases
+
+    def lookup(self, req_id: str, keys: Sequence[bytes], pin_above: int = 0) -> LookupResult:
+        """Leading stored run of ``keys``; when it is longer than ``pin_above`` blocks, pin it
+        under ``req_id`` (replacing that request's earlier lease)."""
         with self._lock:
-            for s in range(self.num_slots) if slots is None else slots:
-                self._holder[s] = None
+            self._expire_locked()
+            self._release_locked(req_id)
+            if not keys:
+                return LookupResult(0, ())
+            n, tiers = self.store.lookup(keys)
+            if n > pin_above:
+                try:
+                    self.store.pin(keys[:n])
+                except tc.NotFoundError:  # evicted between lookup and pin: report a miss
+                    return LookupResult(0, ())
+                self._leases[req_id] = (list(keys[:n]), time.monotonic() + self.lease_s)
+            return LookupResult(n, tuple(tiers[:n]))
+
+    def release(self, req_ids: Sequence[str]) -> None:
+        """End the leases of ``req_ids`` (unknown ids are ignored)."""
+        with self._lock:
+            for r in req_ids:
+                self._release_locked(r)
+
+    def _release_locked(self, req_id: str) -> None:
+        lease = self._leases.pop(req_id, None)
+        if lease is not None:
+            try:
+                self.store.unpin(lease[0])
+            except tc.TpusyncError as exc:  # cleared meanwhile: nothing left pinned
+                log.debug("tpusync: unpin of %s: %s", req_id, exc)
+
+    def _expire_locked(self) -> None:
+        now = time.monotonic()
+        for r in [r for r, (_, t) in self._leases.items() if t < now]:
+            log.warning("tpusync: lease of request %s expired (scheduler never released it)", r)
+            self._release_locked(r)
+
+    @property
+    def num_pins(self) -> int:
+        """Keys pinned by live leases (0 when no request is in flight)."""
+        with self._lock:
+            return sum(len(k) for k, _ in self._leases.values())
+
+    @property
+    def leases(self) -> list[str]:
+        with self._lock:
+            return sorted(self._leases)
+
+    # ---------------------------------------------------------------- bytes
+
+    def _stage(self, n: int) -> np.ndarray:
+        if self._staging.shape[0] < n:
+            self._staging = np.empty(
+                (max(n, 2 * self._staging.shape[0]), self.key_bytes), dtype=np.uint8
+            )
+        return self._staging[:n]
+
+    def save(self, keys: Sequence[bytes], block_ids: Sequence[int], timeout: float) -> int:
+        """Store vLLM blocks ``block_ids[i]`` under ``keys[i]``; returns how many are stored
+        afterwards (keys already stored count, without a copy). Waits: vLLM reuses the blocks."""
+        if not keys:
+            return 0
+        stage = self._stage(len(keys))
+        idx = np.asarray(block_ids, dtype=np.int64)
+        rb = self.row_bytes
+        for j, arr in enumerate(self._np):
+            stage[:, j * rb : (j + 1) * rb] = arr[idx]
+        return int(np.count_nonzero(self.store.put(keys, stage).mask(timeout)))
+
+    def load(self, keys: Sequence[bytes], block_ids: Sequence[int], timeout: float) -> list[int]:
+        """Read ``keys[i]`` into vLLM block ``block_ids[i]``; returns the block ids whose key was
+        not found or failed verification (their bytes in vLLM are left as they were)."""
+        if not keys:
+            return []
+        stage = self._stage(len(keys))
+        found = self.store.get(keys, stage).mask(timeout).astype(bool)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        src = stage if found.all() else stage[found]
+        dst = ids if found.all() else ids[found]
+        rb = self.row_bytes
+        for j, arr in enumerate(self._np):
+            arr[dst] = src[:, j * rb : (j + 1) * rb]
+        return [int(b) for b in ids[~found]]
+
+    def flush(self, timeout: float = 60.0) -> None:
+        self.store.flush(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.stats()
+
+    def close(self) -> None:
+        with self._lock:
+            for r in list(self._leases):
+                self._release_locked(r)
+        self.store.close()
+
+
+def model_fingerprint(**parts: Any) -> str:
+    """A short digest of everything that decides a block's bytes (model, dtype, layout, rank)."""
+    h = hashlib.sha256()
+    for k in sorted(parts):
+        h.update(f"{k}={parts[k]!r};".encode())
+    return h.hexdigest()[:32]
+
+
+class LookupServer:
+    """Answers the scheduler's lookups for one WorkerStore on a ZeroMQ REP socket (a thread).
+
+    Wire: request ``msgpack([op, req_id, keys, pin_above])`` with op ``"lookup"``, ``"release"``
+    (keys = request ids) or ``"info"``; reply ``msgpack([hit, tiers])``, ``[0, info]`` or
+    ``[-1, error]``. Without a store (P/D roles) every lookup is a miss.
+    """
+
+    def __init__(
+        self, store: WorkerStore | None, endpoint: str, info: dict[str, Any] | None = None
+    ) -> None:
+        self.store = store
+        self.info = dict(info or {})
+        self.endpoint = endpoint
+        path = endpoint.removeprefix("ipc://")
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket of a dead process with the same engine id
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="tpusync-lookup", daemon=True)
+        self._thread.start()
+        with _LOCAL_LOCK:
+            _LOCAL[endpoint] = self
+
+    def handle(self, msg: list[Any]) -> list[Any]:
+        op, req_id, keys, pin_above = msg
+        if op == "info":
+            return [0, self.info]
+        if op == "release":
+            if self.store is not None:
+                self.store.release(keys)
+            return [0, []]
+        if op == "lookup":
+            if self.store is None:
+                return [0, []]
+            r = self.store.lookup(req_id, keys, pin_above)
+            return [r.hit, list(r.tiers)]
+        return [-1, f"unknown op {op!r}"]
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(200):
+                continue
+            raw = self._sock.recv()
+            try:
+                reply = self.handle(msgpack.unpackb(raw))
+            except Exception as exc:  # noqa: BLE001 - a bad request must not stop the server
+                reply = [-1, f"{type(exc).__name__}: {exc}"]
+            self._sock.send(msgpack.packb(reply))
+
+    def close(self) -> None:
+        with _LOCAL_LOCK:
+            _LOCAL.pop(self.endpoint, None)
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+
+
+class LookupClient:
+    """The scheduler's handle on the worker stores of ``endpoints`` (one per rank).
+
+    A hit is the shortest leading run over all ranks (every rank must hold its shard). A worker
+    that does not answer within ``timeout_s`` counts as a miss (logged), never as an error.
+    """
+
+    def __init__(self, endpoints: Sequence[str], timeout_s: float = 5.0) -> None:
+        self.endpoints = list(endpoints)
+        self.timeout_ms = int(timeout_s * 1000)
+        self._socks: dict[str, zmq.Socket] = {}
+
+    def _call(self, endpoint: str, msg: list[Any]) -> list[Any] | None:
+        with _LOCAL_LOCK:
+            local = _LOCAL.get(endpoint)
+        if local is not None:
+            return local.handle(msg)
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self._socks[endpoint] = sock
+        sock.send(msgpack.packb(msg))
+        if not sock.poll(self.timeout_ms):
+            log.warning("tpusync: worker %s did not answer in %d ms", endpoint, self.timeout_ms)
+            sock.close(0)  # a REQ socket without its reply is stuck: start over next time
+            del self._socks[endpoint]
+            return None
+        reply = msgpack.unpackb(sock.recv())
+        if reply[0] < 0:
+            log.warning("tpusync: worker %s refused %s: %s", endpoint, msg[0], reply[1])
+            return None
+        return reply
+
+    def lookup(self, req_id: str, keys: Sequence[bytes], pin_above: int = 0) -> LookupResult:
+        hit, tiers = len(keys), [""] * len(keys)
+        for ep in self.endpoints:
+            reply = self._call(ep, ["lookup", req_id, list(keys), pin_above])
+            if reply is None:
+                hit = 0
+                break
+            hit = min(hit, reply[0])
+            for i, t in enumerate(reply[1][:hit]):
+                if t == "disk" or not tiers[i]:
+                    tiers[i] = t  # the slowest rank decides
+        if hit <= pin_above:
+            self.release([req_id])
+        return LookupResult(hit, tuple(tiers[:hit]))
+
+    def release(self, req_ids: Sequence[str]) -> None:
+        if req_ids:
+            for ep in self.endpoints:
+                self._call(ep, ["release", "", list(req_ids), 0])
+
+    def info(self, rank: int = 0) -> dict[str, Any]:
+        """What the worker of ``rank`` publishes (e.g. its P/D address); {} if it is silent."""
+        reply = self._call(self.endpoints[rank], ["info", "", [], 0])
+        return dict(reply[1]) if reply is not None else {}
+
+    def close(self) -> None:
+        for s in self._socks.values():
+            s.close(0)
+        self._socks.clear()

@@ -1,0 +1,172 @@
+"""P/D disaggregation for the vLLM connector over tpusync's P/D streaming primitive.
+
+PRODUCER (``kv_producer``, prefill instance): in the step that completes a request's prefill, the
+worker gathers the prompt's full blocks (all layers) into a host pool and offers them with
+:class:`tpusync.core.pd.PdProducer` under a transfer id the scheduler chose. The producer keeps
+its own reference on the pool blocks until the consumer acknowledged a verified receipt or the
+deadline passed, so vLLM frees its blocks at once (``request_finished`` holds nothing): no later
+engine step is needed for the transfer to complete.
+
+CONSUMER (``kv_consumer``, decode instance): a request carrying ``do_remote_prefill`` in its
+``kv_transfer_params`` loads asynchronously: the worker pulls the blocks with
+:class:`tpusync.core.pd.PdConsumer` into its pool (checksummed per block), and in
+``get_finished`` scatters every completed transfer into vLLM's blocks before reporting it done;
+a failed or expired transfer is reported as load errors (``kv_load_failure_policy``).
+
+kv_transfer_params the producer returns (and the consumer expects): ``do_remote_prefill``,
+``remote_engine_id``, ``remote_host``, ``remote_port``, ``remote_block_ids`` (the producer's vLLM
+block ids, informational), ``tpusync_transfer_id`` and ``tpusync_num_blocks``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import tpusync.core as tc
+from tpusync.core.pd import PdConsumer, PdProducer, load_secret
+
+__all__ = ["PdWorker", "transfer_id_for"]
+
+log = logging.getLogger("tpusync.vllm")
+
+
+def transfer_id_for(engine_id: str, req_id: str) -> int:
+    """A 63-bit transfer id from the producer's engine id and the request id."""
+    d = hashlib.blake2b(f"{engine_id}/{req_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(d, "little") >> 1
+
+
+@dataclass
+class _Recv:
+    req_id: str
+    pool_ids: list[int]
+    block_ids: list[int]  # vLLM blocks to fill (-1: locally computed already, skip)
+    deadline: float
+
+
+class PdWorker:
+    """The worker half of P/D: a host pool of whole vLLM blocks plus a producer or a consumer."""
+
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        *,
+        producer: bool,
+        pool_blocks: int,
+        listen: str = "127.0.0.1:0",
+        secret_file: str | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.layers = list(layers)
+        self._np = [np.asarray(t) for t in self.layers]  # fast row copies (see store.py)
+        self.row_bytes = int(self.layers[0].shape[1])
+        self.key_bytes = self.row_bytes * len(self.layers)
+        self.pool = tc.HostBlockPool(self.key_bytes, pool_blocks, prefault=False)
+        secret = load_secret(secret_file)
+        self.timeout_s = timeout_s
+        self.producer = PdProducer(self.pool, listen=listen, secret=secret) if producer else None
+        self.consumer = None if producer else PdConsumer(self.pool, secret=secret, streams=2)
+        self._staging = np.empty((0, self.key_bytes), dtype=np.uint8)
+        self._recvs: dict[int, _Recv] = {}
+        self.sent = 0
+        self.received = 0
+
+    @property
+    def address(self) -> str:
+        return self.producer.address if self.producer is not None else ""
+
+    def _stage(self, n: int) -> np.ndarray:
+        if self._staging.shape[0] < n:
+            self._staging = np.empty((n, self.key_bytes), dtype=np.uint8)
+        return self._staging[:n]
+
+    # ---------------------------------------------------------------- producer
+
+    def publish(self, transfer_id: int, block_ids: Sequence[int]) -> None:
+        """Copy vLLM blocks into the pool and offer them under ``transfer_id`` (raises on error)."""
+        assert self.producer is not None
+        n = len(block_ids)
+        stage = self._stage(n)
+        idx = np.asarray(block_ids, dtype=np.int64)
+        rb = self.row_bytes
+        for j, arr in enumerate(self._np):
+            stage[:, j * rb : (j + 1) * rb] = arr[idx]
+        ids = self.pool.alloc(n)
+        try:
+            self.pool.put(ids, stage).result(self.timeout_s)
+            self.producer.register_send(transfer_id, ids, self.timeout_s)
+        finally:
+            self.pool.free(ids)  # the producer holds its own reference until acknowledged
+        self.sent += n
+
+    # ---------------------------------------------------------------- consumer
+
+    def start(self, req_id: str, transfer_id: int, peer: str, block_ids: Sequence[int]) -> None:
+        """Start pulling ``len(block_ids)`` blocks of ``transfer_id`` from ``peer``."""
+        assert self.consumer is not None
+        ids = self.pool.alloc(len(block_ids))
+        try:
+            self.consumer.start_recv(transfer_id, peer, ids, self.timeout_s)
+        except tc.TpusyncError:
+            self.pool.free(ids)
+            raise
+        self._recvs[transfer_id] = _Recv(
+            req_id, ids, list(block_ids), time.monotonic() + self.timeout_s
+        )
+
+    def poll(self) -> tuple[set[str], dict[str, list[int]]]:
+        """(requests whose blocks landed in vLLM's blocks, failed requests -> their block ids)."""
+        done: set[str] = set()
+        failed: dict[str, list[int]] = {}
+        if self.producer is not None:
+            for r in self.producer.poll():
+                if r.failed:
+                    log.warning("tpusync P/D send %d failed: %s", r.request_id, r.reason)
+        if self.consumer is None:
+            return done, failed
+        for r in self.consumer.poll():
+            if not (r.done or r.failed):
+                continue  # still on the wire
+            rec = self._recvs.pop(r.request_id, None)
+            if rec is None:
+                continue
+            if r.done:
+                try:
+                    self._scatter(rec)
+                    done.add(rec.req_id)
+                    self.received += len(rec.pool_ids)
+                except tc.TpusyncError as exc:
+                    log.warning("tpusync P/D copy of %s failed: %s", rec.req_id, exc)
+                    failed[rec.req_id] = [b for b in rec.block_ids if b >= 0]
+            else:
+                log.warning("tpusync P/D receive of %s failed: %s", rec.req_id, r.reason)
+                failed[rec.req_id] = [b for b in rec.block_ids if b >= 0]
+            self.pool.free(rec.pool_ids)
+        return done, failed
+
+    def _scatter(self, rec: _Recv) -> None:
+        keep = [i for i, b in enumerate(rec.block_ids) if b >= 0]
+        if not keep:
+            return
+        stage = self._stage(len(rec.pool_ids))
+        self.pool.get(rec.pool_ids, stage).result(self.timeout_s)
+        src = stage[np.asarray(keep, dtype=np.int64)]
+        dst = np.asarray([rec.block_ids[i] for i in keep], dtype=np.int64)
+        rb = self.row_bytes
+        for j, arr in enumerate(self._np):
+            arr[dst] = src[:, j * rb : (j + 1) * rb]
+
+    @property
+    def pending(self) -> int:
+        return len(self._recvs)
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
