@@ -98,6 +98,11 @@ Result<std::unique_ptr<KVStore>> KVStore::Open(std::vector<std::unique_ptr<tier:
 
 Status KVStore::Start() {
   counters_.resize(tiers_.size());
+  // Size the index for every block the tiers can hold (capped: a remote tier may be vast), so a
+  // put never pays for a rehash. Best effort: the index still grows on demand if this fails.
+  size_t capacity = 0;
+  for (const auto& t : tiers_) capacity += std::min<size_t>(t->capacity(), size_t{1} << 26);
+  (void)index_.Reserve(std::min<size_t>(capacity, size_t{1} << 26));
   // Rebuild the index from what the tiers recovered, oldest write first so LRU order survives.
   struct Found {
     size_t tier;
