@@ -185,8 +185,7 @@ void HostTier::WriteBatch(std::span<BlockWrite> ops) {
     h->flags = 0;
     h->magic = 0;
     std::atomic_thread_fence(std::memory_order_release);
-    std::memcpy(*addr, op.data, bytes);
-    const uint64_t sum = Checksum64(*addr, bytes);
+    const uint64_t sum = CopyWithChecksum64(*addr, op.data, bytes);
     SlotHeader fresh;
     FillSlotHeader(&fresh, op.key, bytes, sum, op.sequence, fingerprint_);
     std::atomic_thread_fence(std::memory_order_release);
