@@ -326,7 +326,8 @@ Result<uint64_t> BlockIndex::Remove(std::string_view key, Tier tier) {
   const uint64_t h = HashKey(key);
   std::lock_guard<std::mutex> lock(mu_);
   const size_t pos = Find(key, h);
-  const uint32_t id = pos == static_cast<size_t>(-1) ? kNil : BucketId(buckets_->as<uint64_t>()[pos]);
+  const uint32_t id =
+      pos == static_cast<size_t>(-1) ? kNil : BucketId(buckets_->as<uint64_t>()[pos]);
   if (id == kNil || !(At(id).tier_mask & (1u << t))) {
     return Status::NotFound(StrCat("block not indexed in the ", TierName(tier), " tier"));
   }
@@ -356,7 +357,8 @@ Status BlockIndex::Pin(std::string_view key) {
   const uint64_t h = HashKey(key);
   std::lock_guard<std::mutex> lock(mu_);
   const size_t pos = Find(key, h);
-  if (pos == static_cast<size_t>(-1)) return Status::NotFound("cannot pin a block that is not indexed");
+  if (pos == static_cast<size_t>(-1))
+    return Status::NotFound("cannot pin a block that is not indexed");
   ++At(BucketId(buckets_->as<uint64_t>()[pos])).pins;
   return Status::OK();
 }

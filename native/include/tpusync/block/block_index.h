@@ -67,7 +67,8 @@ class BlockIndex {
   BlockIndex& operator=(const BlockIndex&) = delete;
 
   // Records that `key` is in `tier` at `location`. kAlreadyExists if it already is (the caller
-  // decides whether to overwrite via Remove first). kPoolExhausted if memory for the index runs out.
+  // decides whether to overwrite via Remove first). kPoolExhausted if memory for the index runs
+  // out.
   Status Insert(std::string_view key, Tier tier, uint64_t location);
   // Placement of a key; with `touch` the key becomes most recent in every tier it is in.
   std::optional<Placement> Lookup(std::string_view key, bool touch = true);
