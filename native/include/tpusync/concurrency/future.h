@@ -24,7 +24,7 @@
 
 #include "tpusync/base/status.h"
 
-namespace tpusync::engine {
+namespace tpusync::concurrency {
 
 enum class FutureState : uint8_t { kPending, kRunning, kDone };
 
@@ -86,4 +86,4 @@ class CompletionCounter {
   Status first_error_;
 };
 
-}  // namespace tpusync::engine
+}  // namespace tpusync::concurrency

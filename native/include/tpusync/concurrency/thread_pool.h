@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "tpusync/base/status.h"
-#include "tpusync/engine/future.h"
+#include "tpusync/concurrency/future.h"
 
-namespace tpusync::engine {
+namespace tpusync::concurrency {
 
 class ThreadPool {
  public:
@@ -56,4 +56,4 @@ class ThreadPool {
   std::vector<std::thread> workers_;
 };
 
-}  // namespace tpusync::engine
+}  // namespace tpusync::concurrency

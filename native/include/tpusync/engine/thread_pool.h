@@ -1,5 +1,5 @@
-// Moved to tpusync/concurrency/thread_pool.h (generic concurrency sits below the tiers and the store);
-// this header keeps the engine:: spellings working.
+// Moved to tpusync/concurrency/thread_pool.h (generic concurrency sits below the tiers and the
+// store); this header keeps the engine:: spellings working.
 #pragma once
 
 #include "tpusync/concurrency/thread_pool.h"
