@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "tpusync/base/checksum.h"
+#include "tpusync/base/stream_copy.h"
 
 namespace tpusync::tier {
 namespace {
@@ -206,7 +207,7 @@ void HostTier::ReadBatch(std::span<BlockRead> ops) {
       op.status = Status::InvalidArgument("host tier location out of range");
       continue;
     }
-    std::memcpy(op.dst, Address(op.location), bytes);
+    StreamCopy(op.dst, Address(op.location), bytes);  // non-temporal for large blocks
     op.status = Status::OK();
     ++ok;
   }
