@@ -246,7 +246,7 @@ def _lookup(sizes: list[int], calls: int = 300) -> list[dict]:
         k[:, :8] = ids.astype(np.uint64).view(np.uint8).reshape(-1, 8)
         return k
 
-    def median_ns(batch: int, n_calls: int) -> float:
+    def median_ns(idx: _native.BlockIndex, batch: int, n_calls: int) -> float:
         probes = keys_for(rng.integers(0, have, batch * n_calls)).reshape(n_calls, batch, 32)
         t = np.empty(n_calls)
         for c in range(n_calls):
@@ -276,10 +276,10 @@ def _lookup(sizes: list[int], calls: int = 300) -> list[dict]:
             {
                 "keys": size,
                 "batch": LOOKUP_BATCH,
-                "ns_per_key": median_ns(LOOKUP_BATCH, calls) / LOOKUP_BATCH,
-                "us_per_request": median_ns(LOOKUP_REQUEST, calls * 4) / 1e3,
+                "ns_per_key": median_ns(idx, LOOKUP_BATCH, calls) / LOOKUP_BATCH,
+                "us_per_request": median_ns(idx, LOOKUP_REQUEST, calls * 4) / 1e3,
                 "request_keys": LOOKUP_REQUEST,
-                "us_single_key": median_ns(1, calls * 4) / 1e3,
+                "us_single_key": median_ns(idx, 1, calls * 4) / 1e3,
                 # 128-byte entries + 8-byte buckets at load <= 0.7 (+ the side array of long keys)
                 "random_read_ns": round(random_read_ns(size * 140), 1),
             }
