@@ -63,7 +63,7 @@ struct KVStoreOptions {
   size_t writeback_headroom = 0;  // 0: max(writeback_batch, host_blocks / 8)
   double put_wait_s = 5.0;
   bool prefault = true;
-  bool huge_pages = false;
+  bool huge_pages = true;  // hugetlbfs pages if reserved, else transparent huge pages (madvise)
 };
 
 // Knobs of a store built from explicit tiers (tests, or a remote tier added by a caller).
