@@ -186,7 +186,16 @@ void HostTier::WriteBatch(std::span<BlockWrite> ops) {
     h->flags = 0;
     h->magic = 0;
     std::atomic_thread_fence(std::memory_order_release);
-    const uint64_t sum = CopyWithChecksum64(*addr, op.data, bytes);
+    // CHECKSUM CONTRACT (base/checksum.h): only a slot that outlives the process (/dev/shm) needs
+    // its payload hash, for the re-attach check. An anonymous slot is never read back from outside
+    // this process, and a demotion to disk hashes the block itself, so it is copied unhashed
+    // (its header carries checksum 0). Rejected: hashing every DRAM block (a third of put time).
+    uint64_t sum = 0;
+    if (shm_name_.empty()) {
+      StreamCopy(*addr, op.data, bytes);
+    } else {
+      sum = CopyWithChecksum64(*addr, op.data, bytes);
+    }
     SlotHeader fresh;
     FillSlotHeader(&fresh, op.key, bytes, sum, op.sequence, fingerprint_);
     std::atomic_thread_fence(std::memory_order_release);

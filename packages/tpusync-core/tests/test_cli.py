@@ -70,7 +70,7 @@ def test_bench_tiers_json_schema(tmp_path):
     )
     assert data["suite"] == "tiers"
     for r in data["host"]:
-        for path in ("put", "get"):
+        for path in ("put", "get", "put_shm_checksummed"):
             assert r[path]["gbps"] > 0 and r[path]["limit"].startswith("one memcpy")
     for r in data["disk"]:
         assert r["io_backend"] in ("io_uring", "pread")
