@@ -1,6 +1,55 @@
 #include "tpusync/block/block_index.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+
 namespace tpusync::block {
+namespace {
+
+constexpr size_t kChunkShift = 16;  // 65536 entries of 128 bytes: 8 MiB, four 2 MiB huge pages
+constexpr size_t kChunkEntries = size_t{1} << kChunkShift;
+constexpr size_t kMinBuckets = 64;
+constexpr size_t kGroup = 16;  // LookupPrefix prefetches this many keys ahead
+
+uint64_t HashKey(std::string_view key) { return BlockKeyHash()(key); }
+uint32_t Tag(uint64_t h) { return static_cast<uint32_t>(h >> 32); }
+uint64_t MakeBucket(uint64_t h, uint32_t id) {
+  return (static_cast<uint64_t>(Tag(h)) << 32) | (static_cast<uint64_t>(id) + 1);
+}
+uint32_t BucketId(uint64_t b) { return static_cast<uint32_t>(b) - 1; }
+// The home position depends on the tag only, so rehash and deletion never read an entry.
+size_t Home(uint64_t bucket_or_hash_tag, size_t mask) {
+  return static_cast<size_t>((static_cast<uint32_t>(bucket_or_hash_tag >> 32) * 0x9E3779B1u)) &
+         mask;
+}
+
+}  // namespace
+
+// Zeroed anonymous memory, asked for transparent huge pages: an index of 10^7 keys spans 1.6 GB,
+// and 4 KiB pages would add a TLB miss to every random lookup.
+class BlockIndex::Array {
+ public:
+  static std::unique_ptr<Array> Make(size_t bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+#ifdef MADV_HUGEPAGE
+    if (bytes >= (size_t{2} << 20)) (void)madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    return std::unique_ptr<Array>(new Array(p, bytes));
+  }
+  ~Array() { munmap(data_, bytes_); }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  Array(void* data, size_t bytes) : data_(data), bytes_(bytes) {}
+  void* data_;
+  size_t bytes_;
+};
 
 std::string_view TierName(Tier tier) {
   switch (tier) {
@@ -19,37 +68,151 @@ std::optional<Tier> Placement::best() const {
   return std::nullopt;
 }
 
-void BlockIndex::Link(Entry* e, size_t tier) {
+BlockIndex::BlockIndex() = default;
+BlockIndex::~BlockIndex() = default;
+
+BlockIndex::Entry& BlockIndex::At(uint32_t id) const {
+  return chunks_[id >> kChunkShift]->as<Entry>()[id & (kChunkEntries - 1)];
+}
+
+char* BlockIndex::Tail(uint32_t id) const {
+  return tails_[id >> kChunkShift]->as<char>() + (id & (kChunkEntries - 1)) * 8;
+}
+
+bool BlockIndex::KeyIs(uint32_t id, std::string_view key) const {
+  const Entry& e = At(id);
+  if (e.key_len != key.size()) return false;
+  const size_t inline_len = std::min(key.size(), kInlineKey);
+  if (std::memcmp(e.key, key.data(), inline_len) != 0) return false;
+  return key.size() <= kInlineKey ||
+         std::memcmp(Tail(id), key.data() + kInlineKey, key.size() - kInlineKey) == 0;
+}
+
+BlockKey BlockIndex::KeyOf(uint32_t id) const {
+  const Entry& e = At(id);
+  BlockKey k(e.key, std::min<size_t>(e.key_len, kInlineKey));
+  if (e.key_len > kInlineKey) k.append(Tail(id), e.key_len - kInlineKey);
+  return k;
+}
+
+Placement BlockIndex::PlacementOf(const Entry& e) {
+  Placement p;
+  p.tier_mask = e.tier_mask;
+  p.location = e.location;
+  p.pins = e.pins;
+  return p;
+}
+
+size_t BlockIndex::Find(std::string_view key, uint64_t h) const {
+  if (!buckets_) return static_cast<size_t>(-1);
+  const uint64_t* b = buckets_->as<uint64_t>();
+  const uint32_t tag = Tag(h);
+  for (size_t pos = Home(h, mask_);; pos = (pos + 1) & mask_) {
+    const uint64_t v = b[pos];
+    if (v == 0) return static_cast<size_t>(-1);
+    if (static_cast<uint32_t>(v >> 32) == tag && KeyIs(BucketId(v), key)) return pos;
+  }
+}
+
+Status BlockIndex::Grow(size_t min_buckets) {
+  size_t n = kMinBuckets;
+  while (n < min_buckets) n <<= 1;
+  if (buckets_ && n <= mask_ + 1) return Status::OK();
+  auto fresh = Array::Make(n * sizeof(uint64_t));
+  if (!fresh) {
+    return Status::PoolExhausted(StrCat("block index: no memory for ", n, " hash buckets"));
+  }
+  uint64_t* nb = fresh->as<uint64_t>();
+  const size_t nmask = n - 1;
+  if (buckets_) {
+    const uint64_t* ob = buckets_->as<uint64_t>();
+    for (size_t i = 0; i <= mask_; ++i) {
+      if (ob[i] == 0) continue;
+      size_t pos = Home(ob[i], nmask);
+      while (nb[pos] != 0) pos = (pos + 1) & nmask;
+      nb[pos] = ob[i];
+    }
+  }
+  buckets_ = std::move(fresh);
+  mask_ = nmask;
+  return Status::OK();
+}
+
+Status BlockIndex::Reserve(size_t keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Grow(keys + keys * 3 / 7 + 1);  // load <= 0.7
+}
+
+Result<uint32_t> BlockIndex::NewEntry() {
+  if (!free_ids_.empty()) {
+    const uint32_t id = free_ids_.back();
+    free_ids_.pop_back();
+    return id;
+  }
+  if (next_id_ == kNil) return Status::PoolExhausted("block index holds 2^32 - 1 keys");
+  if ((next_id_ >> kChunkShift) >= chunks_.size()) {
+    auto chunk = Array::Make(kChunkEntries * sizeof(Entry));
+    auto tail = Array::Make(kChunkEntries * (kMaxKeyBytes - kInlineKey));
+    if (!chunk || !tail) return Status::PoolExhausted("block index: no memory for more entries");
+    chunks_.push_back(std::move(chunk));
+    tails_.push_back(std::move(tail));
+  }
+  return next_id_++;
+}
+
+void BlockIndex::FreeEntry(size_t pos) {
+  uint64_t* b = buckets_->as<uint64_t>();
+  const uint32_t id = BucketId(b[pos]);
+  // Backward-shift deletion: no tombstones, so probe lengths never degrade with churn.
+  size_t hole = pos;
+  for (size_t j = (pos + 1) & mask_; b[j] != 0; j = (j + 1) & mask_) {
+    const size_t home = Home(b[j], mask_);
+    if (((j - home) & mask_) >= ((j - hole) & mask_)) {
+      b[hole] = b[j];
+      hole = j;
+    }
+  }
+  b[hole] = 0;
+  At(id).tier_mask = 0;
+  free_ids_.push_back(id);
+  --size_;
+}
+
+void BlockIndex::Link(uint32_t id, size_t tier) {
   List& l = lists_[tier];
-  Hook& h = e->lru[tier];
-  h.prev = l.tail;
-  h.next = nullptr;
-  if (l.tail) l.tail->lru[tier].next = e;
-  l.tail = e;
-  if (!l.head) l.head = e;
+  Entry& e = At(id);
+  e.prev[tier] = l.tail;
+  e.next[tier] = kNil;
+  if (l.tail != kNil) At(l.tail).next[tier] = id;
+  l.tail = id;
+  if (l.head == kNil) l.head = id;
   ++l.count;
 }
 
-void BlockIndex::Unlink(Entry* e, size_t tier) {
+void BlockIndex::Unlink(uint32_t id, size_t tier) {
   List& l = lists_[tier];
-  Hook& h = e->lru[tier];
-  if (h.prev)
-    h.prev->lru[tier].next = h.next;
-  else
-    l.head = h.next;
-  if (h.next)
-    h.next->lru[tier].prev = h.prev;
-  else
-    l.tail = h.prev;
-  h.prev = h.next = nullptr;
+  Entry& e = At(id);
+  const uint32_t prev = e.prev[tier], next = e.next[tier];
+  if (prev != kNil) {
+    At(prev).next[tier] = next;
+  } else {
+    l.head = next;
+  }
+  if (next != kNil) {
+    At(next).prev[tier] = prev;
+  } else {
+    l.tail = prev;
+  }
+  e.prev[tier] = e.next[tier] = kNil;
   --l.count;
 }
 
-void BlockIndex::Touch(Entry* e) {
+void BlockIndex::Touch(uint32_t id) {
+  const uint8_t mask = At(id).tier_mask;
   for (size_t t = 0; t < kNumTiers; ++t) {
-    if (e->placement.tier_mask & (1u << t) && lists_[t].tail != e) {
-      Unlink(e, t);
-      Link(e, t);
+    if (mask & (1u << t) && lists_[t].tail != id) {
+      Unlink(id, t);
+      Link(id, t);
     }
   }
 }
@@ -57,86 +220,161 @@ void BlockIndex::Touch(Entry* e) {
 Status BlockIndex::Insert(std::string_view key, Tier tier, uint64_t location) {
   TPUSYNC_RETURN_IF_ERROR(ValidateKey(key));
   const size_t t = static_cast<size_t>(tier);
+  const uint64_t h = HashKey(key);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = map_.find(key);
-  if (it == map_.end()) it = map_.emplace(BlockKey(key), Entry{}).first;
-  Entry& e = it->second;
-  if (e.key.empty()) e.key = it->first;
-  if (e.placement.in(tier)) {
+  size_t pos = Find(key, h);
+  uint32_t id;
+  if (pos == static_cast<size_t>(-1)) {
+    if (!buckets_ || (size_ + 1) * 10 > (mask_ + 1) * 7) {
+      TPUSYNC_RETURN_IF_ERROR(Grow(buckets_ ? (mask_ + 1) * 2 : kMinBuckets));
+    }
+    TPUSYNC_ASSIGN_OR_RETURN(id, NewEntry());
+    Entry& e = At(id);
+    e.tier_mask = 0;
+    e.pins = 0;
+    e.prev.fill(kNil);
+    e.next.fill(kNil);
+    e.location.fill(0);
+    e.key_len = static_cast<uint8_t>(key.size());
+    std::memcpy(e.key, key.data(), std::min(key.size(), kInlineKey));
+    if (key.size() > kInlineKey) {
+      std::memcpy(Tail(id), key.data() + kInlineKey, key.size() - kInlineKey);
+    }
+    uint64_t* b = buckets_->as<uint64_t>();
+    for (pos = Home(h, mask_); b[pos] != 0; pos = (pos + 1) & mask_) {
+    }
+    b[pos] = MakeBucket(h, id);
+    ++size_;
+  } else {
+    id = BucketId(buckets_->as<uint64_t>()[pos]);
+  }
+  Entry& e = At(id);
+  if (e.tier_mask & (1u << t)) {
     return Status::AlreadyExists(StrCat("block already indexed in the ", TierName(tier), " tier"));
   }
-  e.placement.tier_mask |= static_cast<uint8_t>(1u << t);
-  e.placement.location[t] = location;
-  Link(&e, t);
-  Touch(&e);
+  e.tier_mask |= static_cast<uint8_t>(1u << t);
+  e.location[t] = location;
+  Link(id, t);
+  Touch(id);
   return Status::OK();
 }
 
 std::optional<Placement> BlockIndex::Lookup(std::string_view key, bool touch) {
+  const uint64_t h = HashKey(key);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = map_.find(key);
-  if (it == map_.end()) return std::nullopt;
-  if (touch) Touch(&it->second);
-  return it->second.placement;
+  const size_t pos = Find(key, h);
+  if (pos == static_cast<size_t>(-1)) return std::nullopt;
+  const uint32_t id = BucketId(buckets_->as<uint64_t>()[pos]);
+  if (touch) Touch(id);
+  return PlacementOf(At(id));
 }
 
 size_t BlockIndex::LookupPrefix(std::span<const std::string_view> keys,
                                 std::vector<Placement>* out) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!buckets_) return 0;
+  const uint64_t* b = buckets_->as<uint64_t>();
   size_t n = 0;
-  for (std::string_view key : keys) {
-    auto it = map_.find(key);
-    if (it == map_.end()) break;
-    Touch(&it->second);
-    if (out) out->push_back(it->second.placement);
-    ++n;
+  uint64_t hashes[kGroup];
+  for (size_t first = 0; first < keys.size(); first += kGroup) {
+    const size_t m = std::min(kGroup, keys.size() - first);
+    // Stage 1: hash the group and prefetch its home buckets.
+    for (size_t i = 0; i < m; ++i) {
+      hashes[i] = HashKey(keys[first + i]);
+      __builtin_prefetch(&b[Home(hashes[i], mask_)]);
+    }
+    // Stage 2: prefetch the entry each first tag match names (the usual hit: one probe).
+    uint32_t ids[kGroup];
+    for (size_t i = 0; i < m; ++i) {
+      const uint32_t tag = Tag(hashes[i]);
+      ids[i] = kNil;
+      for (size_t pos = Home(hashes[i], mask_); b[pos] != 0; pos = (pos + 1) & mask_) {
+        if (static_cast<uint32_t>(b[pos] >> 32) == tag) {
+          ids[i] = BucketId(b[pos]);
+          const char* e = reinterpret_cast<const char*>(&At(ids[i]));
+          __builtin_prefetch(e);
+          __builtin_prefetch(e + 64);
+          break;
+        }
+      }
+    }
+    // Stage 3: prefetch (for writing) the LRU neighbours the touches will relink.
+    for (size_t i = 0; i < m; ++i) {
+      if (ids[i] == kNil) break;
+      const Entry& e = At(ids[i]);
+      for (size_t t = 0; t < kNumTiers; ++t) {
+        if (!(e.tier_mask & (1u << t))) continue;
+        if (e.prev[t] != kNil) __builtin_prefetch(&At(e.prev[t]), 1);
+        if (e.next[t] != kNil) __builtin_prefetch(&At(e.next[t]), 1);
+      }
+    }
+    // Stage 4: compare keys, touch, report; stop at the first miss.
+    for (size_t i = 0; i < m; ++i) {
+      const size_t pos = Find(keys[first + i], hashes[i]);
+      if (pos == static_cast<size_t>(-1)) return n;
+      const uint32_t id = BucketId(b[pos]);
+      Touch(id);
+      if (out) out->push_back(PlacementOf(At(id)));
+      ++n;
+    }
   }
   return n;
 }
 
 Result<uint64_t> BlockIndex::Remove(std::string_view key, Tier tier) {
   const size_t t = static_cast<size_t>(tier);
+  const uint64_t h = HashKey(key);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = map_.find(key);
-  if (it == map_.end() || !it->second.placement.in(tier)) {
+  const size_t pos = Find(key, h);
+  const uint32_t id =
+      pos == static_cast<size_t>(-1) ? kNil : BucketId(buckets_->as<uint64_t>()[pos]);
+  if (id == kNil || !(At(id).tier_mask & (1u << t))) {
     return Status::NotFound(StrCat("block not indexed in the ", TierName(tier), " tier"));
   }
-  Entry& e = it->second;
-  const uint64_t loc = e.placement.location[t];
-  Unlink(&e, t);
-  e.placement.tier_mask &= static_cast<uint8_t>(~(1u << t));
-  if (e.placement.tier_mask == 0) map_.erase(it);
+  Entry& e = At(id);
+  const uint64_t loc = e.location[t];
+  Unlink(id, t);
+  e.tier_mask &= static_cast<uint8_t>(~(1u << t));
+  if (e.tier_mask == 0) FreeEntry(pos);
   return loc;
 }
 
 Result<Placement> BlockIndex::Erase(std::string_view key) {
+  const uint64_t h = HashKey(key);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = map_.find(key);
-  if (it == map_.end()) return Status::NotFound("block not indexed");
-  Placement p = it->second.placement;
+  const size_t pos = Find(key, h);
+  if (pos == static_cast<size_t>(-1)) return Status::NotFound("block not indexed");
+  const uint32_t id = BucketId(buckets_->as<uint64_t>()[pos]);
+  const Placement p = PlacementOf(At(id));
   for (size_t t = 0; t < kNumTiers; ++t) {
-    if (p.tier_mask & (1u << t)) Unlink(&it->second, t);
+    if (p.tier_mask & (1u << t)) Unlink(id, t);
   }
-  map_.erase(it);
+  FreeEntry(pos);
   return p;
 }
 
 Status BlockIndex::Pin(std::string_view key) {
+  const uint64_t h = HashKey(key);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = map_.find(key);
-  if (it == map_.end()) return Status::NotFound("cannot pin a block that is not indexed");
-  ++it->second.placement.pins;
+  const size_t pos = Find(key, h);
+  if (pos == static_cast<size_t>(-1))
+    return Status::NotFound("cannot pin a block that is not indexed");
+  ++At(BucketId(buckets_->as<uint64_t>()[pos])).pins;
   return Status::OK();
 }
 
 Status BlockIndex::Unpin(std::string_view key) {
+  const uint64_t h = HashKey(key);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = map_.find(key);
-  if (it == map_.end()) return Status::NotFound("cannot unpin a block that is not indexed");
-  if (it->second.placement.pins == 0) {
+  const size_t pos = Find(key, h);
+  if (pos == static_cast<size_t>(-1)) {
+    return Status::NotFound("cannot unpin a block that is not indexed");
+  }
+  Entry& e = At(BucketId(buckets_->as<uint64_t>()[pos]));
+  if (e.pins == 0) {
     return Status::FailedPrecondition("unpin of a block that is not pinned (unbalanced pin/unpin)");
   }
-  --it->second.placement.pins;
+  --e.pins;
   return Status::OK();
 }
 
@@ -144,8 +382,9 @@ std::vector<Victim> BlockIndex::EvictionCandidates(Tier tier, size_t n) const {
   const size_t t = static_cast<size_t>(tier);
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Victim> out;
-  for (const Entry* e = lists_[t].head; e && out.size() < n; e = e->lru[t].next) {
-    if (e->placement.pins == 0) out.push_back({e->key, e->placement.location[t]});
+  for (uint32_t id = lists_[t].head; id != kNil && out.size() < n; id = At(id).next[t]) {
+    const Entry& e = At(id);
+    if (e.pins == 0) out.push_back({KeyOf(id), e.location[t]});
   }
   return out;
 }
@@ -157,20 +396,28 @@ size_t BlockIndex::Count(Tier tier) const {
 
 size_t BlockIndex::size() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return map_.size();
+  return size_;
 }
 
 std::vector<std::pair<BlockKey, Placement>> BlockIndex::Snapshot() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::pair<BlockKey, Placement>> out;
-  out.reserve(map_.size());
-  for (const auto& [key, e] : map_) out.emplace_back(key, e.placement);
+  out.reserve(size_);
+  for (uint32_t id = 0; id < next_id_; ++id) {
+    const Entry& e = At(id);
+    if (e.tier_mask != 0) out.emplace_back(KeyOf(id), PlacementOf(e));
+  }
   return out;
 }
 
 void BlockIndex::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
-  map_.clear();
+  // Capacity is kept (a cleared store refills to the same size); entries are reused from id 0.
+  if (buckets_) std::memset(buckets_->as<uint64_t>(), 0, (mask_ + 1) * sizeof(uint64_t));
+  for (uint32_t id = 0; id < next_id_; ++id) At(id).tier_mask = 0;
+  free_ids_.clear();
+  next_id_ = 0;
+  size_ = 0;
   lists_ = {};
 }
 

@@ -1,5 +1,9 @@
 #include "tpusync/block/block_index.h"
 
+#include <array>
+#include <list>
+#include <map>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -115,6 +119,97 @@ TEST(BlockIndex, ConcurrentInsertRemove) {
   for (auto& t : threads) t.join();
   EXPECT_EQ(idx.size(), 4u * 2500u);
   EXPECT_EQ(idx.Count(Tier::kHost), 4u * 2500u);
+}
+
+// The open-addressing table against a model (std::map + per-tier recency lists): heavy churn
+// exercises growth, backward-shift deletion and entry reuse; LRU order must match exactly.
+TEST(BlockIndex, MatchesAModelUnderChurn) {
+  BlockIndex idx;
+  std::map<std::string, std::map<int, uint64_t>> model;  // key -> tier -> location
+  std::array<std::list<std::string>, kNumTiers> lru;     // least recent first
+  std::mt19937_64 rng(7);
+  auto touch = [&](const std::string& k) {
+    for (auto& [t, loc] : model[k]) {
+      lru[t].remove(k);
+      lru[t].push_back(k);
+    }
+  };
+  const Tier tiers[] = {Tier::kHost, Tier::kDisk};
+  for (int step = 0; step < 20000; ++step) {
+    // Keys of 1..64 bytes; a small key space so inserts, hits and removes all happen often.
+    const int id = static_cast<int>(rng() % 1500);
+    std::string k = "k" + std::to_string(id);
+    k.resize(1 + (id * 7) % kMaxKeyBytes, static_cast<char>('a' + id % 26));
+    const Tier tier = tiers[rng() % 2];
+    const int t = static_cast<int>(tier);
+    switch (rng() % 4) {
+      case 0:
+      case 1: {
+        const Status s = idx.Insert(k, tier, step);
+        if (model.count(k) && model[k].count(t)) {
+          ASSERT_EQ(s.code(), StatusCode::kAlreadyExists);
+        } else {
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          model[k][t] = step;
+          lru[t].push_back(k);
+          touch(k);
+        }
+        break;
+      }
+      case 2: {
+        auto r = idx.Remove(k, tier);
+        if (model.count(k) && model[k].count(t)) {
+          ASSERT_TRUE(r.ok());
+          ASSERT_EQ(*r, model[k][t]);
+          model[k].erase(t);
+          lru[t].remove(k);
+          if (model[k].empty()) model.erase(k);
+        } else {
+          ASSERT_EQ(r.status().code(), StatusCode::kNotFound);
+        }
+        break;
+      }
+      default: {
+        auto p = idx.Lookup(k);
+        ASSERT_EQ(p.has_value(), model.count(k) > 0);
+        if (p) {
+          for (auto& [mt, loc] : model[k]) ASSERT_EQ(p->location[mt], loc);
+          touch(k);
+        }
+      }
+    }
+  }
+  ASSERT_EQ(idx.size(), model.size());
+  for (Tier tier : tiers) {
+    const int t = static_cast<int>(tier);
+    auto v = idx.EvictionCandidates(tier, 1u << 20);
+    ASSERT_EQ(v.size(), lru[t].size());
+    size_t i = 0;
+    for (const std::string& k : lru[t]) ASSERT_EQ(v[i++].key, k);
+  }
+  EXPECT_EQ(idx.Snapshot().size(), model.size());
+  idx.Clear();
+  EXPECT_EQ(idx.size(), 0u);
+  EXPECT_FALSE(idx.Lookup("k1").has_value());
+  ASSERT_TRUE(idx.Insert("k1", Tier::kHost, 3).ok());
+  EXPECT_EQ(idx.Lookup("k1")->location[static_cast<int>(Tier::kHost)], 3u);
+}
+
+TEST(BlockIndex, ReserveAndGrowthKeepEveryKey) {
+  BlockIndex idx;
+  ASSERT_TRUE(idx.Reserve(1000).ok());
+  for (int i = 0; i < 200000; ++i) ASSERT_TRUE(idx.Insert(Key(i), Tier::kHost, i).ok());
+  std::vector<std::string> keys;
+  for (int i = 0; i < 200000; i += 3) keys.push_back(Key(i));
+  keys.push_back("absent");
+  keys.push_back(Key(1));
+  std::vector<std::string_view> views(keys.begin(), keys.end());
+  std::vector<Placement> out;
+  EXPECT_EQ(idx.LookupPrefix(views, &out), keys.size() - 2);
+  for (size_t i = 0; i < out.size(); ++i) {
+    EXPECT_EQ(out[i].location[static_cast<int>(Tier::kHost)], i * 3);
+  }
+  EXPECT_EQ(idx.size(), 200000u);
 }
 
 }  // namespace

@@ -24,7 +24,7 @@ void Record(LatencyStats& s, uint64_t ns) {
   s.max_ns = std::max(s.max_ns, ns);
 }
 
-uint8_t* RowOf(const engine::RowBuffer& b, size_t i) {
+uint8_t* RowOf(const memory::RowBuffer& b, size_t i) {
   return b.base + (b.rows.empty() ? i : b.rows[i]) * b.stride;
 }
 
@@ -75,14 +75,14 @@ StoreConfig KVStore::ConfigFrom(const KVStoreOptions& o) {
 }
 
 Result<std::unique_ptr<KVStore>> KVStore::Open(const KVStoreOptions& o,
-                                               std::shared_ptr<engine::ThreadPool> engine) {
+                                               std::shared_ptr<concurrency::ThreadPool> engine) {
   TPUSYNC_ASSIGN_OR_RETURN(auto tiers, OpenTiers(o));
   return Open(std::move(tiers), ConfigFrom(o), std::move(engine));
 }
 
 Result<std::unique_ptr<KVStore>> KVStore::Open(std::vector<std::unique_ptr<tier::BlockTier>> tiers,
                                                const StoreConfig& config,
-                                               std::shared_ptr<engine::ThreadPool> engine) {
+                                               std::shared_ptr<concurrency::ThreadPool> engine) {
   if (tiers.empty()) return Status::InvalidArgument("KVStore needs at least one tier");
   if (!engine) return Status::InvalidArgument("KVStore needs an engine");
   for (const auto& t : tiers) {
@@ -107,6 +107,11 @@ Result<std::unique_ptr<KVStore>> KVStore::Open(std::vector<std::unique_ptr<tier:
 
 Status KVStore::Start() {
   counters_.resize(tiers_.size());
+  // Size the index for every block the tiers can hold (capped: a remote tier may be vast), so a
+  // put never pays for a rehash. Best effort: the index still grows on demand if this fails.
+  size_t capacity = 0;
+  for (const auto& t : tiers_) capacity += std::min<size_t>(t->capacity(), size_t{1} << 26);
+  (void)index_.Reserve(std::min<size_t>(capacity, size_t{1} << 26));
   // Rebuild the index from what the tiers recovered, oldest write first so LRU order survives.
   struct Found {
     size_t tier;
@@ -162,7 +167,7 @@ size_t KVStore::Parts(size_t blocks) const {
   return std::clamp<size_t>(bytes / (256 * 1024), 1, std::min(blocks, engine_->num_threads()));
 }
 
-Status KVStore::CheckRows(const engine::RowBuffer& b, size_t n) const {
+Status KVStore::CheckRows(const memory::RowBuffer& b, size_t n) const {
   if (n == 0) return Status::OK();
   if (b.stride < block_bytes_) {
     return Status::InvalidArgument(
@@ -251,12 +256,12 @@ Result<uint64_t> KVStore::MakeRoom(size_t t, bool wait, std::unique_lock<std::mu
   }
 }
 
-engine::Future KVStore::Put(std::vector<std::string> keys, engine::RowBuffer src,
-                            std::shared_ptr<std::vector<uint8_t>> stored) {
+concurrency::Future KVStore::Put(std::vector<std::string> keys, memory::RowBuffer src,
+                                 std::shared_ptr<std::vector<uint8_t>> stored) {
   const auto t0 = Clock::now();
   Status bad = CheckRows(src, keys.size());
   for (size_t i = 0; bad.ok() && i < keys.size(); ++i) bad = block::ValidateKey(keys[i]);
-  if (!bad.ok()) return engine::Future::Completed(bad);
+  if (!bad.ok()) return concurrency::Future::Completed(bad);
   stored->assign(keys.size(), 0);
   // A put larger than the free room goes out in chunks: each chunk's blocks become visible (and
   // evictable / demotable) when it completes, which is what lets the next chunk find room.
@@ -265,7 +270,7 @@ engine::Future KVStore::Put(std::vector<std::string> keys, engine::RowBuffer src
     std::atomic<size_t> pending{1};  // chunks in flight + the submitting call
     std::mutex mu;
     Status first_error;
-    engine::Future user;
+    concurrency::Future user;
   };
   struct Chunk {
     std::vector<tier::BlockWrite> ops;
@@ -292,15 +297,15 @@ engine::Future KVStore::Put(std::vector<std::string> keys, engine::RowBuffer src
   auto submit = [&](std::shared_ptr<Chunk> chunk) {
     state->pending.fetch_add(1);
     const size_t parts = Parts(chunk->ops.size());
-    std::vector<engine::ThreadPool::Task> tasks;
+    std::vector<concurrency::ThreadPool::Task> tasks;
     for (size_t p = 0; p < parts; ++p) {
       const size_t lo = chunk->ops.size() * p / parts, hi = chunk->ops.size() * (p + 1) / parts;
-      tasks.push_back([chunk, top, lo, hi](const engine::FutureCore&) {
+      tasks.push_back([chunk, top, lo, hi](const concurrency::FutureCore&) {
         top->WriteBatch(std::span(chunk->ops).subspan(lo, hi - lo));
         return Status::OK();
       });
     }
-    engine::Future inner = engine_->SubmitBatch(std::move(tasks));
+    concurrency::Future inner = engine_->SubmitBatch(std::move(tasks));
     inner->OnComplete([this, state, chunk, stored, part_done](const Status& s) {
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -354,22 +359,22 @@ engine::Future KVStore::Put(std::vector<std::string> keys, engine::RowBuffer src
     }
   }
   if (!chunk->ops.empty()) submit(std::move(chunk));
-  engine::Future user = state->user;
+  concurrency::Future user = state->user;
   part_done(Status::OK());
   return user;
 }
 
-engine::Future KVStore::Get(std::vector<std::string> keys, engine::RowBuffer dst,
-                            std::shared_ptr<std::vector<uint8_t>> found) {
+concurrency::Future KVStore::Get(std::vector<std::string> keys, memory::RowBuffer dst,
+                                 std::shared_ptr<std::vector<uint8_t>> found) {
   const auto t0 = Clock::now();
   Status bad = CheckRows(dst, keys.size());
-  if (!bad.ok()) return engine::Future::Completed(bad);
+  if (!bad.ok()) return concurrency::Future::Completed(bad);
   found->assign(keys.size(), 0);
   struct Job {
     std::vector<std::string> keys;
     std::vector<std::vector<tier::BlockRead>> reads;  // per tier
     std::vector<std::vector<size_t>> index;
-    engine::RowBuffer dst;
+    memory::RowBuffer dst;
   };
   auto job = std::make_shared<Job>();
   job->keys = std::move(keys);
@@ -403,7 +408,7 @@ engine::Future KVStore::Get(std::vector<std::string> keys, engine::RowBuffer dst
     }
   }
   OpBegin();
-  std::vector<engine::ThreadPool::Task> tasks;
+  std::vector<concurrency::ThreadPool::Task> tasks;
   for (size_t t = 0; t < tiers_.size(); ++t) {
     const size_t n = job->reads[t].size();
     if (n == 0) continue;
@@ -411,15 +416,15 @@ engine::Future KVStore::Get(std::vector<std::string> keys, engine::RowBuffer dst
     tier::BlockTier* tier = tiers_[t].get();
     for (size_t p = 0; p < parts; ++p) {
       const size_t lo = n * p / parts, hi = n * (p + 1) / parts;
-      tasks.push_back([job, tier, t, lo, hi](const engine::FutureCore&) {
+      tasks.push_back([job, tier, t, lo, hi](const concurrency::FutureCore&) {
         tier->ReadBatch(std::span(job->reads[t]).subspan(lo, hi - lo));
         return Status::OK();
       });
     }
   }
-  engine::Future user;
+  concurrency::Future user;
   user->TryStart();  // running from the start: Cancel cannot complete it while bytes move
-  engine::Future inner = engine_->SubmitBatch(std::move(tasks));
+  concurrency::Future inner = engine_->SubmitBatch(std::move(tasks));
   inner->OnComplete([this, job, found, user, t0](const Status& s) {
     struct Forget {
       size_t tier;

@@ -23,7 +23,7 @@ constexpr auto kWait = std::chrono::seconds(10);
 std::string Key(int i) { return "blk-" + std::to_string(i); }
 
 struct Fixture {
-  std::shared_ptr<engine::ThreadPool> engine = std::make_shared<engine::ThreadPool>(2);
+  std::shared_ptr<concurrency::ThreadPool> engine = std::make_shared<concurrency::ThreadPool>(2);
   MockTier* host = nullptr;
   MockTier* disk = nullptr;
   std::unique_ptr<KVStore> store;
@@ -50,7 +50,7 @@ struct Fixture {
       keys.push_back(Key(ids[i]));
     }
     auto stored = std::make_shared<std::vector<uint8_t>>();
-    engine::RowBuffer src{buf.data(), kBytes, ids.size(), {}};
+    memory::RowBuffer src{buf.data(), kBytes, ids.size(), {}};
     auto f = store->Put(keys, src, stored);
     EXPECT_TRUE(f->Wait(kWait).ok());
     return *stored;
@@ -239,7 +239,7 @@ TEST(KVStore, RealTiersWarmRestart) {
   o.disk_dir = dir;
   o.disk_blocks = 16;
   o.writeback_batch = 2;
-  auto engine = std::make_shared<engine::ThreadPool>(2);
+  auto engine = std::make_shared<concurrency::ThreadPool>(2);
   std::vector<uint8_t> buf(10 * kBytes);
   std::vector<std::string> keys;
   for (int i = 0; i < 10; ++i) {

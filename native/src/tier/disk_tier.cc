@@ -113,6 +113,7 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
       o.segment_blocks ? o.segment_blocks : std::max<size_t>(1, (size_t{1} << 30) / t->slot_bytes_);
   t->segment_blocks_ = std::min(t->segment_blocks_, t->num_blocks_);
   t->fingerprint_ = Checksum64(o.fingerprint.data(), o.fingerprint.size());
+  t->direct_ = o.direct_io;
 
   std::error_code ec;
   fs::create_directories(o.directory, ec);
@@ -187,15 +188,23 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
 }
 
 Status DiskTier::OpenSegments(bool cold) {
+  // DIRECT I/O CONTRACT: every segment is opened the same way. direct_ starts as requested;
+  // the first open the filesystem refuses with EINVAL (tmpfs before Linux 6.6, ramfs, some FUSE
+  // filesystems) turns it off and reopens the earlier segments buffered, so the I/O path never
+  // mixes O_DIRECT descriptors with unaligned buffers. stats().direct_io reports the outcome.
   const size_t n = (num_blocks_ + segment_blocks_ - 1) / segment_blocks_;
-  direct_ = true;
   for (size_t s = 0; s < n; ++s) {
     char name[32];
     std::snprintf(name, sizeof(name), "seg-%06zu.tps", s);
     const size_t slots = std::min(segment_blocks_, num_blocks_ - s * segment_blocks_);
     TPUSYNC_ASSIGN_OR_RETURN(auto seg, SegmentFile::Open((fs::path(dir_) / name).string(),
                                                          slots * slot_bytes_, direct_));
-    direct_ = direct_ && seg.direct();
+    if (direct_ && !seg.direct()) {
+      direct_ = false;
+      segments_.clear();
+      s = static_cast<size_t>(-1);  // start again, buffered
+      continue;
+    }
     segments_.push_back(std::move(seg));
   }
   (void)cold;
@@ -372,17 +381,20 @@ void DiskTier::WriteBatch(std::span<BlockWrite> ops) {
     BlockWrite& op = ops[i];
     uint8_t* hdr = headers.get() + i * kSlotHeaderBytes;
     std::memset(hdr, 0, kSlotHeaderBytes);
-    FillSlotHeader(reinterpret_cast<SlotHeader*>(hdr), op.key, block_bytes_,
-                   Checksum64(op.data, block_bytes_), op.sequence, fingerprint_);
     const uint8_t* payload = op.data;
     size_t len = block_bytes_;
+    uint64_t sum;
     if (direct_ && (!IsAligned(payload) || block_bytes_ % kAlign != 0)) {
       bounce[i] = Aligned(payload_bytes_);
-      std::memcpy(bounce[i].get(), payload, block_bytes_);
+      sum = CopyWithChecksum64(bounce[i].get(), payload, block_bytes_);  // one pass, not two
       std::memset(bounce[i].get() + block_bytes_, 0, payload_bytes_ - block_bytes_);
       payload = bounce[i].get();
       len = payload_bytes_;
+    } else {
+      sum = Checksum64(op.data, block_bytes_);
     }
+    FillSlotHeader(reinterpret_cast<SlotHeader*>(hdr), op.key, block_bytes_, sum, op.sequence,
+                   fingerprint_);
     io[i].fd = SegmentOf(op.location).fd();
     io[i].offset = SlotOffset(op.location);
     io[i].write = true;

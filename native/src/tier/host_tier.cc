@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "tpusync/base/checksum.h"
+#include "tpusync/base/stream_copy.h"
 
 namespace tpusync::tier {
 namespace {
@@ -185,8 +186,16 @@ void HostTier::WriteBatch(std::span<BlockWrite> ops) {
     h->flags = 0;
     h->magic = 0;
     std::atomic_thread_fence(std::memory_order_release);
-    std::memcpy(*addr, op.data, bytes);
-    const uint64_t sum = Checksum64(*addr, bytes);
+    // CHECKSUM CONTRACT (base/checksum.h): only a slot that outlives the process (/dev/shm) needs
+    // its payload hash, for the re-attach check. An anonymous slot is never read back from outside
+    // this process, and a demotion to disk hashes the block itself, so it is copied unhashed
+    // (its header carries checksum 0). Rejected: hashing every DRAM block (a third of put time).
+    uint64_t sum = 0;
+    if (shm_name_.empty()) {
+      StreamCopy(*addr, op.data, bytes);
+    } else {
+      sum = CopyWithChecksum64(*addr, op.data, bytes);
+    }
     SlotHeader fresh;
     FillSlotHeader(&fresh, op.key, bytes, sum, op.sequence, fingerprint_);
     std::atomic_thread_fence(std::memory_order_release);
@@ -207,7 +216,7 @@ void HostTier::ReadBatch(std::span<BlockRead> ops) {
       op.status = Status::InvalidArgument("host tier location out of range");
       continue;
     }
-    std::memcpy(op.dst, Address(op.location), bytes);
+    StreamCopy(op.dst, Address(op.location), bytes);  // non-temporal for large blocks
     op.status = Status::OK();
     ++ok;
   }

@@ -6,7 +6,7 @@
 #include <cerrno>
 #include <chrono>
 
-#include "tpusync/engine/thread_pool.h"
+#include "tpusync/concurrency/thread_pool.h"
 
 namespace tpusync::tier {
 
@@ -61,20 +61,20 @@ class PreadBackend final : public IoBackend {
       return;
     }
     const size_t parts = std::min(ops.size(), pool_.num_threads());
-    std::vector<engine::ThreadPool::Task> tasks;
+    std::vector<concurrency::ThreadPool::Task> tasks;
     for (size_t p = 0; p < parts; ++p) {
-      tasks.push_back([ops, p, parts](const engine::FutureCore&) {
+      tasks.push_back([ops, p, parts](const concurrency::FutureCore&) {
         for (size_t i = p; i < ops.size(); i += parts) FinishIoSync(ops[i], 0);
         return Status::OK();
       });
     }
-    engine::Future f = pool_.SubmitBatch(std::move(tasks));
+    concurrency::Future f = pool_.SubmitBatch(std::move(tasks));
     // Parts only do bounded I/O calls; the wait ends when they do (no cancel path here).
     (void)f->Wait(std::nullopt);
   }
 
  private:
-  engine::ThreadPool pool_;
+  concurrency::ThreadPool pool_;
 };
 
 }  // namespace

@@ -87,6 +87,28 @@ void init_block(nb::module_& m) {
           },
           nb::arg("keys"), "Length of the leading run of indexed keys, and their placements.")
       .def(
+          "lookup_prefix_array",
+          [](BlockIndex& idx,
+             nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> keys) {
+            const size_t n = keys.shape(0), width = keys.shape(1);
+            const char* base = reinterpret_cast<const char*>(keys.data());
+            nb::gil_scoped_release release;  // the array stays referenced by the caller
+            std::vector<std::string_view> views;
+            views.reserve(n);
+            for (size_t i = 0; i < n; ++i) views.emplace_back(base + i * width, width);
+            return idx.LookupPrefix(views, nullptr);
+          },
+          nb::arg("keys"),
+          "Length of the leading run of indexed keys among the rows of a [n, key_bytes] uint8 "
+          "array (touching them); no per-key Python objects, placements not returned.")
+      .def(
+          "reserve",
+          [](BlockIndex& idx, size_t keys) {
+            nb::gil_scoped_release release;
+            ThrowIfError(idx.Reserve(keys));
+          },
+          nb::arg("keys"), "Size the hash table for this many keys (no rehash up to it).")
+      .def(
           "remove",
           [](BlockIndex& idx, nb::bytes key, Tier tier) {
             return Unwrap(idx.Remove(View(key), tier));

@@ -70,7 +70,7 @@ def test_bench_tiers_json_schema(tmp_path):
     )
     assert data["suite"] == "tiers"
     for r in data["host"]:
-        for path in ("put", "get"):
+        for path in ("put", "get", "put_shm_checksummed"):
             assert r[path]["gbps"] > 0 and r[path]["limit"].startswith("one memcpy")
     for r in data["disk"]:
         assert r["io_backend"] in ("io_uring", "pread")
@@ -79,6 +79,8 @@ def test_bench_tiers_json_schema(tmp_path):
             # fio is the same-run reference when installed (nox's bench session installs it).
             assert r[path]["ratio"] is None or r[path]["limit"].startswith("fio ")
     assert [r["keys"] for r in data["lookup"]] == [1000, 10000]
+    for r in data["lookup"]:
+        assert r["batch"] == 1024 and r["ns_per_key"] > 0 and r["us_single_key"] > 0
     session = data["long_session"]
     assert session["device_footprint_bounded"] is True
     assert session["verified_blocks"] == session["offloaded_blocks"] > 0

@@ -226,6 +226,78 @@ def test_disk_full_keeps_serving_from_dram(small_tmpfs):
     s.close()
 
 
+def _accepts_o_direct(directory: Path) -> bool:
+    """Whether this kernel and filesystem accept open(O_DIRECT) in `directory` (probed directly)."""
+    probe = directory / ".odirect-probe"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    os.close(fd)
+    probe.unlink()
+    return True
+
+
+def _disk_round_trip(directory, direct_io: bool = True) -> dict:
+    """Disk-only store (every put and get goes through the disk tier); returns its disk stats."""
+    block = 8192
+    s = tc.KVStore(block, 0, disk_dir=directory, disk_blocks=16, direct_io=direct_io)
+    try:
+        ids = list(range(12))
+        assert s.put(keys(ids), blocks(ids, block)).result(30) == [True] * 12
+        # An odd row stride: the source and destination rows are not 4 KiB aligned, so an O_DIRECT
+        # tier must bounce them while a buffered one must not need to.
+        src = np.zeros((3, block + 8), np.uint8)[:, 8:]
+        src[:] = blocks([100, 101, 102], block)
+        assert s.put(keys([100, 101, 102]), src).result(30) == [True] * 3
+        dst = np.zeros((15, block + 8), np.uint8)[:, 8:]
+        assert all(s.get(keys(ids + [100, 101, 102]), dst).result(30))
+        assert np.array_equal(dst, blocks(ids + [100, 101, 102], block))
+        st = s.stats()["tiers"]["disk"]
+        assert st["hits"] == 15 and st["read_errors"] == 0 and st["write_errors"] == 0
+        return st
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A ramfs mount: a filesystem that refuses O_DIRECT with EINVAL on every kernel."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a ramfs needs root (CI runs as root)")
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)]).returncode != 0:
+        pytest.skip("mount -t ramfs refused here")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_tier_falls_back_to_buffered_io_where_o_direct_is_refused(ramfs):
+    assert not _accepts_o_direct(ramfs)  # the premise: this filesystem refuses O_DIRECT
+    st = _disk_round_trip(ramfs / "kv")
+    assert st["direct_io"] is False
+
+
+def test_disk_tier_on_dev_shm_works_and_reports_its_mode(tmp_path):
+    # tmpfs refused O_DIRECT before Linux 6.6 and accepts it since: either way the tier works and
+    # reports the mode the kernel actually gave it.
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    d = shm / f"tpusync-test-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    try:
+        expected = _accepts_o_direct(d)
+        assert _disk_round_trip(d / "kv")["direct_io"] is expected
+    finally:
+        subprocess.run(["rm", "-rf", str(d)], check=False)
+
+
+def test_direct_io_false_is_honoured(tmp_path):
+    assert _disk_round_trip(tmp_path / "kv", direct_io=False)["direct_io"] is False
+
+
 def test_prometheus_metrics(store):
     prometheus_client = pytest.importorskip("prometheus_client")
     store.put(keys([1]), blocks([1])).result(10)

@@ -18,18 +18,11 @@
 #include "tpusync/engine/future.h"
 #include "tpusync/engine/thread_pool.h"
 #include "tpusync/memory/block_allocator.h"
+#include "tpusync/memory/row_buffer.h"
 
 namespace tpusync::engine {
 
-// Caller memory holding blocks at a fixed stride: row r starts at base + r * stride. With `rows`
-// empty, block i of a batch is row i; otherwise it is row rows[i] (a gather / scatter over a
-// block-major paged cache). Every row index must be < num_rows, checked before any byte moves.
-struct RowBuffer {
-  uint8_t* base = nullptr;
-  size_t stride = 0;
-  size_t num_rows = 0;
-  std::vector<uint64_t> rows;
-};
+using memory::RowBuffer;  // memory/row_buffer.h (the store uses it too)
 
 // Copies row(i) of `src` into pool block ids[i].
 Future PutBlocks(ThreadPool& pool, std::shared_ptr<memory::BlockAllocator> blocks,

@@ -1,59 +1,9 @@
-// ThreadPool: the engine's worker threads. Python submits copies here and keeps computing; the
-// bindings release the GIL for every submit and wait.
-//
-// SHUTDOWN CONTRACT: destruction completes every task still queued with kCancelled (their
-// callbacks run) and joins the workers after their current task; nothing is left pending forever.
-//
-// A task receives its Future's core so it can poll cancel_requested() between chunks.
+// Moved to tpusync/concurrency/thread_pool.h (generic concurrency sits below the tiers and the
+// store); this header keeps the engine:: spellings working.
 #pragma once
 
-#include <condition_variable>
-#include <cstddef>
-#include <deque>
-#include <functional>
-#include <mutex>
-#include <string>
-#include <thread>
-#include <vector>
-
-#include "tpusync/base/status.h"
-#include "tpusync/engine/future.h"
+#include "tpusync/concurrency/thread_pool.h"
 
 namespace tpusync::engine {
-
-class ThreadPool {
- public:
-  using Task = std::function<Status(const FutureCore& self)>;
-
-  // threads == 0: one per online CPU.
-  explicit ThreadPool(size_t threads = 0);
-  ~ThreadPool();
-  ThreadPool(const ThreadPool&) = delete;
-  ThreadPool& operator=(const ThreadPool&) = delete;
-
-  // Runs `task` on a worker; the returned future completes with its Status.
-  Future Submit(Task task);
-  // Runs every part on the workers in parallel; one future completes when all have, with the
-  // first error. Cancelling it skips parts not yet started and flags running ones.
-  Future SubmitBatch(std::vector<Task> parts);
-
-  size_t num_threads() const { return workers_.size(); }
-  size_t queue_depth() const;
-
- private:
-  struct Item {
-    Future future;
-    Task task;
-    std::function<void(const Status&)> done;  // for batch parts
-  };
-  void Enqueue(std::vector<Item> items);
-  void WorkerLoop();
-
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Item> queue_;
-  bool stopping_ = false;
-  std::vector<std::thread> workers_;
-};
-
+using concurrency::ThreadPool;
 }  // namespace tpusync::engine

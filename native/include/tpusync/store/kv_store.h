@@ -41,9 +41,9 @@
 #include <vector>
 
 #include "tpusync/block/block_index.h"
-#include "tpusync/engine/block_transfer.h"
-#include "tpusync/engine/future.h"
-#include "tpusync/engine/thread_pool.h"
+#include "tpusync/concurrency/future.h"
+#include "tpusync/concurrency/thread_pool.h"
+#include "tpusync/memory/row_buffer.h"
 #include "tpusync/store/policy.h"
 #include "tpusync/tier/tier.h"
 
@@ -68,7 +68,7 @@ struct KVStoreOptions {
   size_t writeback_headroom = 0;  // 0: max(writeback_batch, host_blocks / 8)
   double put_wait_s = 5.0;
   bool prefault = true;
-  bool huge_pages = false;
+  bool huge_pages = true;  // hugetlbfs pages if reserved, else transparent huge pages (madvise)
 };
 
 // Knobs of a store built from explicit tiers (tests, or a remote tier added by a caller).
@@ -132,7 +132,7 @@ struct StoreEvent {
 class KVStore {
  public:
   static Result<std::unique_ptr<KVStore>> Open(const KVStoreOptions& options,
-                                               std::shared_ptr<engine::ThreadPool> engine);
+                                               std::shared_ptr<concurrency::ThreadPool> engine);
   // The host / disk tiers that Open(options) would build, and its StoreConfig (so a caller can add
   // a tier below them, e.g. node/remote_tier.h, and use the Open below).
   static Result<std::vector<std::unique_ptr<tier::BlockTier>>> OpenTiers(
@@ -141,7 +141,7 @@ class KVStore {
   // Tiers fastest first; every tier must have the same block size.
   static Result<std::unique_ptr<KVStore>> Open(std::vector<std::unique_ptr<tier::BlockTier>> tiers,
                                                const StoreConfig& config,
-                                               std::shared_ptr<engine::ThreadPool> engine);
+                                               std::shared_ptr<concurrency::ThreadPool> engine);
   ~KVStore();
   KVStore(const KVStore&) = delete;
   KVStore& operator=(const KVStore&) = delete;
@@ -151,12 +151,12 @@ class KVStore {
   tier::BlockTier& tier_at(size_t i) { return *tiers_[i]; }
 
   // Writes row(i) of `src` under keys[i]. stored->at(i) = 1 when the key is stored afterwards.
-  engine::Future Put(std::vector<std::string> keys, engine::RowBuffer src,
-                     std::shared_ptr<std::vector<uint8_t>> stored);
+  concurrency::Future Put(std::vector<std::string> keys, memory::RowBuffer src,
+                          std::shared_ptr<std::vector<uint8_t>> stored);
   // Reads keys[i] into row(i) of `dst`; found->at(i) = 1 for a verified hit (a miss leaves the
   // row's bytes unspecified).
-  engine::Future Get(std::vector<std::string> keys, engine::RowBuffer dst,
-                     std::shared_ptr<std::vector<uint8_t>> found);
+  concurrency::Future Get(std::vector<std::string> keys, memory::RowBuffer dst,
+                          std::shared_ptr<std::vector<uint8_t>> found);
   // Length of the leading run of stored keys (touching them) and where each lives. Local tiers
   // first; when the run ends before the last key and the last tier is shared (AdoptPrefix), the
   // rest is looked up there and the keys it holds are indexed in it.
@@ -192,12 +192,12 @@ class KVStore {
   size_t TierIndex(block::Tier kind) const;
   void OpBegin();
   void OpEnd();
-  Status CheckRows(const engine::RowBuffer& buf, size_t n) const;
+  Status CheckRows(const memory::RowBuffer& buf, size_t n) const;
   size_t Parts(size_t blocks) const;
 
   size_t block_bytes_ = 0;
   std::vector<std::unique_ptr<tier::BlockTier>> tiers_;
-  std::shared_ptr<engine::ThreadPool> engine_;
+  std::shared_ptr<concurrency::ThreadPool> engine_;
   std::unique_ptr<TierPolicy> policy_;
   StoreConfig config_;
   size_t headroom_ = 1;

@@ -16,7 +16,8 @@
 //
 // Reads from DRAM are not checksummed (the bytes never left this process's memory); Rejected
 // alternative: verifying every host read - halves get throughput for no failure it could catch
-// that a re-attach check does not.
+// that a re-attach check does not. For the same reason only a /dev/shm tier hashes on write (fused
+// with the copy, for the re-attach check); an anonymous tier's headers carry checksum 0.
 #pragma once
 
 #include <atomic>

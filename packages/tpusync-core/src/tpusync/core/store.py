@@ -132,7 +132,7 @@ class KVStore:
         writeback_headroom: int = 0,
         put_wait_s: float = 5.0,
         prefault: bool = True,
-        huge_pages: bool = False,
+        huge_pages: bool = True,
         engine: _native.Engine | None = None,
         remote: Sequence[str] | None = None,
         auth_secret: bytes | None = None,

@@ -1,8 +1,8 @@
-#include "tpusync/engine/thread_pool.h"
+#include "tpusync/concurrency/thread_pool.h"
 
 #include <memory>
 
-namespace tpusync::engine {
+namespace tpusync::concurrency {
 
 ThreadPool::ThreadPool(size_t threads) {
   if (threads == 0) threads = std::max<size_t>(1, std::thread::hardware_concurrency());
@@ -105,4 +105,4 @@ void ThreadPool::WorkerLoop() {
   }
 }
 
-}  // namespace tpusync::engine
+}  // namespace tpusync::concurrency

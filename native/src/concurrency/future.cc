@@ -1,6 +1,6 @@
-#include "tpusync/engine/future.h"
+#include "tpusync/concurrency/future.h"
 
-namespace tpusync::engine {
+namespace tpusync::concurrency {
 
 bool FutureCore::TryStart() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -92,4 +92,4 @@ void CompletionCounter::PartDone(const Status& status) {
   }
 }
 
-}  // namespace tpusync::engine
+}  // namespace tpusync::concurrency
