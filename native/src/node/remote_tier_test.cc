@@ -39,7 +39,7 @@ Cluster StartNodes(size_t n, size_t blocks = 256) {
 
 std::unique_ptr<store::KVStore> OpenStore(
     size_t host_blocks, const Cluster& c, size_t replicas,
-    std::shared_ptr<engine::ThreadPool> engine,
+    std::shared_ptr<concurrency::ThreadPool> engine,
     std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
   store::KVStoreOptions o;
   o.block_bytes = kBlock;
@@ -112,7 +112,7 @@ size_t Lookup(store::KVStore& s, const std::vector<std::string>& keys) {
 
 TEST(RemoteTierStore, HostDemotesToStoreNodesWhenFull) {
   auto cluster = StartNodes(2);
-  auto engine = std::make_shared<engine::ThreadPool>(2);
+  auto engine = std::make_shared<concurrency::ThreadPool>(2);
   auto store = OpenStore(8, cluster, 1, engine);
   const auto keys = Keys(40, "d");
   PutAll(*store, keys);
@@ -130,7 +130,7 @@ TEST(RemoteTierStore, HostDemotesToStoreNodesWhenFull) {
 
 TEST(RemoteTierStore, SecondStoreFindsThePrefixOnTheNodesUnderALease) {
   auto cluster = StartNodes(1);
-  auto engine = std::make_shared<engine::ThreadPool>(2);
+  auto engine = std::make_shared<concurrency::ThreadPool>(2);
   auto a = OpenStore(4, cluster, 1, engine);
   const auto keys = Keys(24, "p");
   PutAll(*a, keys);
@@ -148,7 +148,7 @@ TEST(RemoteTierStore, SecondStoreFindsThePrefixOnTheNodesUnderALease) {
 
 TEST(RemoteTierStore, ReadsFallBackToAnotherReplicaWhenANodeDies) {
   auto cluster = StartNodes(3);
-  auto engine = std::make_shared<engine::ThreadPool>(2);
+  auto engine = std::make_shared<concurrency::ThreadPool>(2);
   auto a = OpenStore(4, cluster, 2, engine);
   const auto keys = Keys(30, "r");
   PutAll(*a, keys);
@@ -161,7 +161,7 @@ TEST(RemoteTierStore, ReadsFallBackToAnotherReplicaWhenANodeDies) {
 
 TEST(RemoteTierStore, OneReplicaAndADeadNodeMeansCleanMissesWithinTheDeadline) {
   auto cluster = StartNodes(3);
-  auto engine = std::make_shared<engine::ThreadPool>(2);
+  auto engine = std::make_shared<concurrency::ThreadPool>(2);
   auto a = OpenStore(4, cluster, 1, engine, std::chrono::milliseconds(1500));
   const auto keys = Keys(30, "m");
   PutAll(*a, keys);
@@ -181,7 +181,7 @@ TEST(RemoteTierStore, OneReplicaAndADeadNodeMeansCleanMissesWithinTheDeadline) {
 
 TEST(RemoteTierStore, ABlockTheNodesDroppedIsAMissAndForgotten) {
   auto cluster = StartNodes(1);
-  auto engine = std::make_shared<engine::ThreadPool>(2);
+  auto engine = std::make_shared<concurrency::ThreadPool>(2);
   auto a = OpenStore(4, cluster, 1, engine);
   const auto keys = Keys(12, "g");
   PutAll(*a, keys);

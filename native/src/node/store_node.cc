@@ -66,7 +66,7 @@ Result<std::unique_ptr<StoreNode>> StoreNode::Start(StoreNodeOptions options, Se
   }
   std::unique_ptr<StoreNode> n(new StoreNode());
   n->options_ = options;
-  n->engine_ = std::make_shared<engine::ThreadPool>(std::max<size_t>(1, options.engine_threads));
+  n->engine_ = std::make_shared<concurrency::ThreadPool>(std::max<size_t>(1, options.engine_threads));
   store::KVStoreOptions ko;
   ko.block_bytes = options.block_bytes;
   ko.host_blocks = options.capacity_bytes / options.block_bytes;
@@ -145,7 +145,7 @@ void StoreNode::Serve(const std::shared_ptr<transport::Link>& link) {
 namespace {
 // Waits for a store operation; on timeout the buffer it writes into is handed to the operation
 // so that it stays valid until the engine is done with it, and the connection gets a new one.
-Status WaitStore(engine::Future f, std::shared_ptr<std::vector<uint8_t>>& buf) {
+Status WaitStore(concurrency::Future f, std::shared_ptr<std::vector<uint8_t>>& buf) {
   Status st = f->Wait(std::chrono::milliseconds(kIoTimeoutMs));
   if (st.code() == StatusCode::kTimeout && !f->done()) {
     f->OnComplete([keep = buf](const Status&) {});

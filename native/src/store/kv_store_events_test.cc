@@ -22,7 +22,7 @@ constexpr auto kWait = std::chrono::seconds(10);
 std::string Key(int i) { return "ev-" + std::to_string(i); }
 
 std::unique_ptr<KVStore> Open(size_t host_blocks, size_t disk_blocks,
-                              std::shared_ptr<engine::ThreadPool> engine) {
+                              std::shared_ptr<concurrency::ThreadPool> engine) {
   std::vector<std::unique_ptr<tier::BlockTier>> tiers;
   tiers.push_back(std::make_unique<MockTier>(Tier::kHost, kBytes, host_blocks));
   tiers.push_back(std::make_unique<MockTier>(Tier::kDisk, kBytes, disk_blocks));
@@ -80,13 +80,13 @@ void ExpectMatchesIndex(KVStore& s, const Replay& r, int max_id) {
 }
 
 TEST(KVStoreEvents, OffByDefault) {
-  auto s = Open(4, 8, std::make_shared<engine::ThreadPool>(2));
+  auto s = Open(4, 8, std::make_shared<concurrency::ThreadPool>(2));
   Put(*s, 1);
   EXPECT_TRUE(s->TakeEvents(100).empty());
 }
 
 TEST(KVStoreEvents, ReplayReproducesPlacementThroughDemotionEvictionPromotionRemoveClear) {
-  auto s = Open(3, 5, std::make_shared<engine::ThreadPool>(2));
+  auto s = Open(3, 5, std::make_shared<concurrency::ThreadPool>(2));
   s->EnableEvents(10000);
   Replay r;
   for (int i = 0; i < 12; ++i) Put(*s, i);  // host full -> demote to disk; disk full -> LRU drop
@@ -122,7 +122,7 @@ TEST(KVStoreEvents, ReplayReproducesPlacementThroughDemotionEvictionPromotionRem
 }
 
 TEST(KVStoreEvents, BoundedQueueDropsOldestAndCounts) {
-  auto s = Open(8, 8, std::make_shared<engine::ThreadPool>(2));
+  auto s = Open(8, 8, std::make_shared<concurrency::ThreadPool>(2));
   s->EnableEvents(3);
   for (int i = 0; i < 5; ++i) Put(*s, i);
   uint64_t dropped = 0;

@@ -38,7 +38,7 @@
 #include "tpusync/base/status.h"
 
 #include "tpusync/block/block_index.h"
-#include "tpusync/engine/thread_pool.h"
+#include "tpusync/concurrency/thread_pool.h"
 #include "tpusync/memory/block_allocator.h"
 #include "tpusync/store/kv_store.h"
 #include "tpusync/transport/link.h"
@@ -108,7 +108,7 @@ class StoreNode {
   void EndAllLeases(const std::string& key);
 
   StoreNodeOptions options_;
-  std::shared_ptr<engine::ThreadPool> engine_;
+  std::shared_ptr<concurrency::ThreadPool> engine_;
   std::unique_ptr<store::KVStore> store_;
   std::unique_ptr<transport::Server> server_;
   struct Lease {
