@@ -17,10 +17,17 @@ bool FutureCore::EnsureRunning() {
 }
 
 bool FutureCore::Complete(Status status) {
+  std::vector<Callback> cleanups;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (completing_) return false;
+    completing_ = true;
+    cleanups.swap(cleanups_);
+  }
+  for (auto& cb : cleanups) cb(status);
   std::vector<Callback> callbacks;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (state_ == FutureState::kDone) return false;
     state_ = FutureState::kDone;
     status_ = std::move(status);
     callbacks.swap(callbacks_);
@@ -59,6 +66,19 @@ Status FutureCore::Wait(std::optional<std::chrono::nanoseconds> timeout) {
                                   std::chrono::duration<double>(*timeout).count(), " s"));
   }
   return status_;
+}
+
+void FutureCore::OnCleanup(Callback cb) {
+  Status now;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!completing_) {
+      cleanups_.push_back(std::move(cb));
+      return;
+    }
+    now = state_ == FutureState::kDone ? status_ : Status::OK();
+  }
+  cb(now);  // completion has begun: the operation no longer uses what cb releases
 }
 
 void FutureCore::OnComplete(Callback cb) {

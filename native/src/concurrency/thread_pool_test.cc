@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <numeric>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -74,6 +75,26 @@ TEST(Future, CallbacksRunOnceEvenWhenAddedLate) {
   f->OnComplete([&](const Status& s) { calls += s.ok(); });
   for (int i = 0; i < 100 && calls < 2; ++i) std::this_thread::sleep_for(1ms);
   EXPECT_EQ(calls.load(), 2);
+}
+
+TEST(Future, CleanupsRunBeforeAnyWaiterSeesCompletion) {
+  ThreadPool pool(2);
+  for (int round = 0; round < 200; ++round) {
+    std::atomic<bool> released{false};
+    std::atomic<bool> go{false};
+    Future f = pool.Submit([&](const FutureCore&) {
+      while (!go.load()) std::this_thread::yield();
+      return Status::OK();
+    });
+    f->OnCleanup([&](const Status&) { released = true; });
+    go = true;
+    ASSERT_TRUE(f->Wait(5s).ok());
+    EXPECT_TRUE(released.load()) << "round " << round;  // not merely eventually
+    // Registered after completion: runs inline, at once.
+    bool late = false;
+    f->OnCleanup([&](const Status&) { late = true; });
+    EXPECT_TRUE(late);
+  }
 }
 
 TEST(ThreadPool, BatchReportsFirstError) {

@@ -37,7 +37,7 @@ Future Transfer(ThreadPool& pool, std::shared_ptr<memory::BlockAllocator> blocks
     spans.push_back(put ? CopySpan{block, mem, bytes} : CopySpan{mem, block, bytes});
   }
   Future f = CopyAsync(pool, std::move(spans));
-  f->OnComplete([blocks, ids = std::move(ids)](const Status&) { blocks->ReleaseBorrow(ids); });
+  f->OnCleanup([blocks, ids = std::move(ids)](const Status&) { blocks->ReleaseBorrow(ids); });
   return f;
 }
 
@@ -88,7 +88,7 @@ Future TransferSegments(ThreadPool& pool, std::shared_ptr<memory::BlockAllocator
     spans.push_back(put ? CopySpan{block, mem, s.bytes} : CopySpan{mem, block, s.bytes});
   }
   Future f = CopyAsync(pool, std::move(spans));
-  f->OnComplete([blocks, ids = std::move(ids)](const Status&) { blocks->ReleaseBorrow(ids); });
+  f->OnCleanup([blocks, ids = std::move(ids)](const Status&) { blocks->ReleaseBorrow(ids); });
   return f;
 }
 

@@ -11,6 +11,12 @@
 // CALLBACK CONTRACT: OnComplete callbacks run exactly once, on the thread that completes the
 // future (or inline when already complete), after waiters can observe the final Status. They must
 // not block for long: they run on an engine worker.
+//
+// CLEANUP CONTRACT: OnCleanup callbacks run exactly once, BEFORE waiters can observe completion
+// (on the completing thread; inline when registered once completion has begun). They release what
+// the operation held (block borrows), so a caller returning from Wait sees it released. They must
+// not wait on this future. Rejected alternative: running every OnComplete callback before the
+// notify, which would deadlock callbacks that read the final Status through Wait.
 #pragma once
 
 #include <atomic>
@@ -47,6 +53,7 @@ class FutureCore {
   // callers only).
   Status Wait(std::optional<std::chrono::nanoseconds> timeout);
   void OnComplete(Callback cb);
+  void OnCleanup(Callback cb);
 
  private:
   mutable std::mutex mu_;
@@ -54,6 +61,8 @@ class FutureCore {
   FutureState state_ = FutureState::kPending;
   Status status_;
   std::vector<Callback> callbacks_;
+  std::vector<Callback> cleanups_;
+  bool completing_ = false;  // Complete has begun (cleanups running or done)
   std::atomic<bool> cancel_requested_{false};
 };
 
