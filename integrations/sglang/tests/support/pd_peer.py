@@ -193,13 +193,15 @@ def decode(port: int, scenario: str) -> None:
             os._exit(3)
         if room == 12:
             receiver.abort()
+        s = wait_for(receiver, {KVPoll.Success}, states)
+        why = reason(receiver) if s == KVPoll.Failed else None
+        if room == 12:
             # Keep the room's pages unreachable for a while: a late scatter would show here.
             time.sleep(1.0)
-        s = wait_for(receiver, {KVPoll.Success}, states)
         report["rooms"][room] = {
             "states": states,
             "final": s,
-            "reason": reason(receiver) if s == KVPoll.Failed else None,
+            "reason": why,
             **digests(bufs, aux, dst, DST_AUX + (room == 12)),
         }
         receiver.clear()

@@ -394,6 +394,10 @@ class KVStorePageStore:
     def stats(self) -> dict:
         return self.store.stats()
 
+    def __len__(self) -> int:
+        """Stored segments divided by segments per page (exact when no page is partial)."""
+        return int(self.store.stats()["keys"]) // self._spp
+
     def _segment_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         out = []
         for key in keys:
