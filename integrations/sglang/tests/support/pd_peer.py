@@ -53,6 +53,7 @@ def setup(role: str, port: int):
         disaggregation_bootstrap_port=port,
         disaggregation_transfer_backend="tpusync",
         host="127.0.0.1",
+        device="cpu",
     ).install()
     get_parallel().override_permanently(
         attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0, tp_rank=0, pp_rank=0,

@@ -32,7 +32,9 @@ that lands afterwards is dropped (its blocks go back to the pool). The prefill d
 chunks of a failed room and offered chunks expire by their deadline (the primitive has no
 cancel).
 
-Scope (first version, checked at start-up with a clear error): equal attention TP on both sides
+Scope (first version, checked at start-up with a clear error): KV in host memory (SGLang's
+``--device cpu``; a GPU KV cache needs a device <-> staging copy that is not implemented), equal
+attention TP on both sides
 (``kv_head_num == total_kv_head_num`` or identical TP layout), one pipeline stage, every KV
 buffer with the same bytes per page, no hybrid state buffers (Mamba / SWA / DSA), device
 destinations only (``supports_host_destination = False``), no ``prefill_complete`` allocation.
@@ -169,6 +171,17 @@ class TpusyncKVManager(CommonKVManager):
         is_mla_backend: bool | None = False,
     ) -> None:
         _check_supported(args)
+        from sglang.srt.runtime_context import get_device
+
+        device = str(get_device().device)
+        if device != "cpu":
+            # DEVICE CONTRACT: the KV regions are read and written by host threads, so they must
+            # be host memory. Rejected alternative: guessing from the pointer (a device pointer
+            # dereferenced on the host crashes the process instead of failing with a reason).
+            raise ValueError(
+                f"tpusync P/D backend: KV on device {device!r} is not supported yet (host KV "
+                "only: --device cpu); the device <-> staging copy path is not implemented"
+            )
         self._stopped = False
         self._threads: list[threading.Thread] = []
         self.copy_timeout = _env_float("TPUSYNC_SGLANG_COPY_TIMEOUT_S", 60.0)
