@@ -75,7 +75,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from tpusync.core import HostBlockPool
+from tpusync.core import HostBlockPool, PoolExhaustedError
 from tpusync.core.pd import PdConsumer, PdProducer, load_secret
 
 __all__ = [
@@ -441,7 +441,7 @@ class TpusyncKVManager(CommonKVManager):
                     f"room {room}: decode {peer.session} has {len(dst)} pages for a chunk of {n}"
                 )
             blocks = n * len(self.kv_tables) + (self.aux_blocks if chunk.is_last else 0)
-            ids = self.pool.alloc(blocks)
+            ids = self._alloc_waiting(blocks)
             try:
                 futures = [
                     self.pool.put(ids[j * n : (j + 1) * n], table, rows=chunk.kv_indices)
@@ -489,6 +489,23 @@ class TpusyncKVManager(CommonKVManager):
                     str(self._prefill_unique_rank()).encode("ascii"),
                 ],
             )
+
+    def _alloc_waiting(self, blocks: int) -> list[int]:
+        """Staging blocks for one chunk; while the pool is full (earlier offers not yet fetched)
+        wait for acknowledgements to free blocks, at most ``copy_timeout`` seconds."""
+        if blocks > self.pool.num_blocks:
+            raise ValueError(
+                f"a chunk of {blocks} blocks exceeds the staging pool ({self.pool.num_blocks}); "
+                "raise TPUSYNC_SGLANG_POOL_MB"
+            )
+        end = time.monotonic() + self.copy_timeout
+        while True:
+            try:
+                return self.pool.alloc(blocks)
+            except PoolExhaustedError:
+                if time.monotonic() > end or self._stopped:
+                    raise
+            time.sleep(_FETCH_POLL_S)
 
     def _prefill_ack_loop(self) -> None:
         assert self.producer is not None
