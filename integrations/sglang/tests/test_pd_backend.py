@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("sglang")
 
 PEER = Path(__file__).parent / "support" / "pd_peer.py"
-PROC_TIMEOUT_S = 240
+PROC_TIMEOUT_S = 420
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = 0, 1, 2, 3, 4
 
 
@@ -44,8 +44,8 @@ def _run_pair(scenario: str) -> tuple[dict, dict, subprocess.CompletedProcess, s
         "TPUSYNC_SGLANG_RECV_DEADLINE_S": "6",
         "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
         "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
-        "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
-        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60",
+        "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "300",
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "300",
         "SGLANG_PLUGINS": "tpusync",
     }
     cmd = [sys.executable, str(PEER)]
