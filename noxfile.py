@@ -6,7 +6,7 @@ Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
 - ``versions`` one version source (VERSION) for all five pyprojects and their core ranges
 - ``cpp``     native core: CMake + GoogleTest through ctest (``-- --sanitize`` for ASan/UBSan)
 - ``tests``   every package's pytest suite, the C++ suite and the version check
-- ``build``   the five wheels into dist/, then proves a fresh venv installing only the
+- ``build``   the five wheels and tpusync-sglang into dist/, then proves a fresh venv installing only the
               tpusync-torch wheel pulls tpusync-core and torch and neither jax nor vllm
 - ``demo``    the main job: offload a synthetic paged KV cache to the host pool and back
 - ``bench``   ``tpusync bench memory --json`` (JSON kept in build/bench/); ``-- tiers`` (installs
@@ -276,7 +276,7 @@ def load(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build all five wheels into dist/ and check the tpusync-torch install footprint."""
+    """Build the five wheels and tpusync-sglang into dist/ and check the tpusync-torch install footprint."""
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     session.install("pip>=24", *BUILD_DEPS, "hatchling>=1.25")
@@ -292,10 +292,12 @@ def build(session: nox.Session) -> None:
             str(dist),
             str(ROOT / "packages" / pkg),
         )
+    # Integrations ship as wheels too (pure Python; hatchling, no SGLang needed to build).
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "-w", str(dist), str(SGLANG_DIR))
     wheels = sorted(p.name for p in dist.glob("*.whl"))
     session.log("wheels: " + ", ".join(wheels))
-    if len(wheels) != len(PACKAGES):
-        session.error(f"expected {len(PACKAGES)} wheels, got {wheels}")
+    if len(wheels) != len(PACKAGES) + 1:
+        session.error(f"expected {len(PACKAGES) + 1} wheels, got {wheels}")
     check_torch_footprint(session, dist)
 
 

@@ -15,7 +15,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheSt
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from tpusync.sglang import InterimHostPageStore
+from tpusync.sglang import InterimHostPageStore, KVStorePageStore
 from tpusync.sglang.hicache import TpusyncHiCacheStorage
 
 MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
@@ -81,7 +81,7 @@ def test_factory_builds_the_backend_from_dynamic_config(sglang_pools):
     backend = _create(host)
     assert type(backend) is TpusyncHiCacheStorage
     assert backend.mem_pool_host is host
-    assert isinstance(backend.store, InterimHostPageStore)
+    assert isinstance(backend.store, KVStorePageStore)  # the default: tpusync's tiered KVStore
     # page_first: one K run and one V run per page, each page_size * layers * heads * dim * 2 B
     assert backend.store.segments_per_page == 2
     assert backend.store.segment_bytes == 4 * 3 * 2 * 16 * 2
@@ -193,9 +193,10 @@ def test_same_hash_on_other_tp_rank_is_a_different_page(sglang_pools):
     assert rank1.batch_exists(keys) == 0
 
 
-def test_capacity_evicts_oldest_pages(sglang_pools):
+@pytest.mark.parametrize("store", ["kvstore", "interim"])
+def test_capacity_evicts_oldest_pages(sglang_pools, store):
     _, host = sglang_pools("page_first")
-    backend = _create(host, {"capacity_pages": 3})
+    backend = _create(host, {"capacity_pages": 3, "store": store})
     keys = _page_hashes(5, host.page_size, seed=6)
     idx = host.alloc(5 * host.page_size)
     for i in range(5):
@@ -265,6 +266,9 @@ def test_unregistered_backend_reports_failures_not_crashes():
         ({"capacity_pages": "lots"}, "not a number"),
         ({"timeout_s": -1}, "positive"),
         ({"capacty_gb": 1}, "unknown tpusync HiCache option"),
+        ({"store": "redis"}, "use 'kvstore' or 'interim'"),
+        ({"disk_dir": "/tmp"}, "go together"),
+        ({"store": "interim", "disk_dir": "/tmp", "disk_gb": 1}, "needs store='kvstore'"),
     ],
 )
 def test_bad_extra_config_fails_at_startup(sglang_pools, extra, match):
@@ -278,3 +282,23 @@ def test_factory_errors_name_the_missing_piece(sglang_pools):
     cfg = _config({"class_name": "NoSuchBackend"})
     with pytest.raises(AttributeError, match="NoSuchBackend"):
         StorageBackendFactory.create_backend("dynamic", cfg, host)
+
+
+def test_disk_tier_serves_pages_the_host_tier_dropped(sglang_pools, tmp_path):
+    _, host = sglang_pools("layer_first")
+    backend = _create(
+        host, {"capacity_pages": 2, "disk_dir": str(tmp_path), "disk_gb": 0.01, "prefault": False}
+    )
+    keys = _page_hashes(6, host.page_size, seed=21)
+    src = host.alloc(6 * host.page_size)
+    _fill_random(host, src, seed=22)
+    expected = _pages(host, src)
+    for i in range(6):
+        sl = slice(i * host.page_size, (i + 1) * host.page_size)
+        assert backend.batch_set_v1([keys[i]], src[sl]) == [True]
+    backend.store.store.flush(30)
+    assert backend.batch_exists(keys) == 6
+    host.free(src)
+    dst = host.alloc(6 * host.page_size)
+    assert backend.batch_get_v1(keys, dst) == [True] * 6
+    assert all(torch.equal(a, b) for a, b in zip(expected, _pages(host, dst), strict=True))

@@ -2,11 +2,12 @@
 
 - :class:`TpusyncHiCacheStorage` (``tpusync.sglang.hicache``): a HiCache storage backend (L3),
   loaded with ``--hicache-storage-backend dynamic`` (see docs/sglang.md).
-- :class:`PageStore` (``tpusync.sglang.page_store``): the storage seam under it, today served by
-  the INTERIM :class:`InterimHostPageStore` (host DRAM of this process).
-
-The P/D transfer backend is NOT IMPLEMENTED: it waits for tpusync's P/D primitive
-(docs/sglang-pd-plan.md).
+- :class:`PageStore` (``tpusync.sglang.page_store``): the storage seam under it, served by
+  :class:`KVStorePageStore` (tpusync's tiered KVStore: host DRAM + optional disk tier) or
+  :class:`InterimHostPageStore` (host DRAM of this process, untouched rows on a miss).
+- ``tpusync.sglang.pd``: the P/D (prefill/decode disaggregation) transfer backend on tpusync's P/D
+  primitive, hooked into SGLang by ``tpusync.sglang.pd_plugin`` (entry point group
+  ``sglang.srt.plugins``); select it with ``--disaggregation-transfer-backend tpusync``.
 
 ``TpusyncHiCacheStorage`` is imported lazily so that the page store can be used (and tested)
 without SGLang installed.
@@ -17,12 +18,18 @@ from __future__ import annotations
 from typing import Any
 
 from tpusync.core import require_api
-from tpusync.sglang.page_store import InterimHostPageStore, PageStore
+from tpusync.sglang.page_store import InterimHostPageStore, KVStorePageStore, PageStore
 
 MIN_CORE_API = 2
 require_api(MIN_CORE_API, "tpusync-sglang")
 
-__all__ = ["MIN_CORE_API", "InterimHostPageStore", "PageStore", "TpusyncHiCacheStorage"]
+__all__ = [
+    "MIN_CORE_API",
+    "InterimHostPageStore",
+    "KVStorePageStore",
+    "PageStore",
+    "TpusyncHiCacheStorage",
+]
 
 
 def __getattr__(name: str) -> Any:

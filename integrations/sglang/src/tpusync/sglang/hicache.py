@@ -42,7 +42,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
-from tpusync.sglang.page_store import DEFAULT_TIMEOUT_S, InterimHostPageStore, PageStore
+from tpusync.sglang.page_store import (
+    DEFAULT_TIMEOUT_S,
+    InterimHostPageStore,
+    KVStorePageStore,
+    PageStore,
+)
 
 __all__ = ["HostPoolRows", "TpusyncHiCacheStorage", "page_key"]
 
@@ -57,6 +62,10 @@ _CONFIG_KEYS = {
     "capacity_pages",
     "timeout_s",
     "prefault",
+    "store",
+    "disk_dir",
+    "disk_gb",
+    "namespace",
 }
 
 
@@ -173,6 +182,18 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         self._capacity_pages = _positive(extra, "capacity_pages", None, int)
         self._timeout = _positive(extra, "timeout_s", DEFAULT_TIMEOUT_S, float)
         self._prefault = bool(extra.get("prefault", True))
+        self._store_kind = str(extra.get("store", "kvstore"))
+        if self._store_kind not in ("kvstore", "interim"):
+            raise ValueError(
+                f"tpusync HiCache option store={self._store_kind!r}: use 'kvstore' or 'interim'"
+            )
+        self._disk_dir = extra.get("disk_dir") or None
+        self._disk_gb = _positive(extra, "disk_gb", None, float)
+        if (self._disk_dir is None) != (self._disk_gb is None):
+            raise ValueError("tpusync HiCache options disk_dir and disk_gb go together")
+        if self._disk_dir is not None and self._store_kind != "kvstore":
+            raise ValueError("a disk tier needs store='kvstore'")
+        self._shm_namespace = extra.get("namespace") or None
         self._store: PageStore | None = store
         self._rows: HostPoolRows | None = None
         self._namespace = b""
@@ -189,9 +210,26 @@ class TpusyncHiCacheStorage(HiCacheStorage):
             pages = self._capacity_pages or max(
                 1, int(self._capacity_gb * 2**30) // rows.page_bytes
             )
-            self._store = InterimHostPageStore(
-                rows.segment_bytes, rows.segments_per_page, pages, prefault=self._prefault
-            )
+            if self._store_kind == "interim":
+                self._store = InterimHostPageStore(
+                    rows.segment_bytes, rows.segments_per_page, pages, prefault=self._prefault
+                )
+            else:
+                disk_pages = (
+                    max(1, int(self._disk_gb * 2**30) // rows.page_bytes)
+                    if self._disk_gb is not None
+                    else 0
+                )
+                self._store = KVStorePageStore(
+                    rows.segment_bytes,
+                    rows.segments_per_page,
+                    pages,
+                    disk_dir=self._disk_dir,
+                    disk_pages=disk_pages,
+                    namespace=self._shm_namespace,
+                    fingerprint=self._shm_namespace or "",
+                    prefault=self._prefault,
+                )
         elif (self._store.segment_bytes, self._store.segments_per_page) != (
             rows.segment_bytes,
             rows.segments_per_page,

@@ -13,14 +13,16 @@ is ``table[rows[i, j]]``. Every row index is range-checked before any byte moves
 KEY CONTRACT: keys are opaque bytes (1..64 bytes, see tpusync's BlockKey); the store never derives
 one. The SGLang backend turns page hashes into keys (``tpusync.sglang.hicache.page_key``).
 
-The backend depends only on :class:`PageStore`. :class:`InterimHostPageStore` implements it on
-``tpusync.core.HostBlockPool`` + ``tpusync.core.BlockIndex``. INTERIM: it holds pages in host DRAM
-of this process only; the tiered KVStore (host + disk tiers, shared store nodes) replaces it at
-merge time behind the same Protocol.
+The backend depends only on :class:`PageStore`. :class:`KVStorePageStore` (the default) implements
+it on tpusync's tiered ``tpusync.core.KVStore`` (host DRAM tier, optional disk tier, optional
+/dev/shm warm restart). :class:`InterimHostPageStore` (``HostBlockPool`` + ``BlockIndex``, host DRAM
+only) is kept because it is the one store whose misses leave destination rows untouched; the
+backend selects it with ``"store": "interim"``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -30,7 +32,7 @@ import numpy as np
 
 import tpusync.core as tc
 
-__all__ = ["InterimHostPageStore", "PageStore", "check_rows"]
+__all__ = ["InterimHostPageStore", "KVStorePageStore", "PageStore", "check_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -319,3 +321,134 @@ class InterimHostPageStore:
         self._index.erase(key)
         _, ids = self._slots.pop(slot)
         self._free_page_locked(ids)
+
+
+_MAX_KEY = 64  # tpusync BlockKey limit
+
+
+class KVStorePageStore:
+    """:class:`PageStore` on tpusync's tiered :class:`tpusync.core.KVStore`.
+
+    SEGMENT KEY CONTRACT: a page of ``segments_per_page`` segments is stored as that many store
+    blocks, keyed ``page key + segment number (2 bytes LE)`` (page keys longer than 62 bytes are
+    first hashed to 32 bytes with BLAKE2b). A page counts as stored, found or removed only when
+    every one of its segments is; ``lookup_prefix`` counts whole pages of the leading run.
+
+    MISS CONTRACT (weaker than the interim store): the destination rows of a page reported
+    missing may have been partly written (another segment of it was found). SGLang never uses
+    the host slots of a page that ``batch_get_v1`` reports failed, so this is safe for the
+    backend; callers that need untouched rows on a miss use :class:`InterimHostPageStore`.
+
+    Eviction, write-back to the disk tier, checksums and warm restart are the KVStore's (see
+    docs/tiers.md): a full host tier drops least-recently-used blocks (after their disk copy
+    when there is a disk tier).
+    """
+
+    def __init__(
+        self,
+        segment_bytes: int,
+        segments_per_page: int,
+        capacity_pages: int,
+        *,
+        disk_dir: str | None = None,
+        disk_pages: int = 0,
+        namespace: str | None = None,
+        fingerprint: str = "",
+        prefault: bool = True,
+        engine: tc.Engine | None = None,
+    ) -> None:
+        if segment_bytes <= 0 or segments_per_page <= 0 or capacity_pages <= 0:
+            raise ValueError(
+                "segment_bytes, segments_per_page and capacity_pages must be positive, got "
+                f"{segment_bytes}, {segments_per_page}, {capacity_pages}"
+            )
+        if disk_dir is not None and disk_pages <= 0:
+            raise ValueError("a disk tier needs disk_pages > 0")
+        self._segment_bytes = int(segment_bytes)
+        self._spp = int(segments_per_page)
+        self._capacity = int(capacity_pages)
+        self.store = tc.KVStore(
+            self._segment_bytes,
+            self._capacity * self._spp,
+            disk_dir=disk_dir,
+            disk_blocks=int(disk_pages) * self._spp if disk_dir is not None else 0,
+            namespace=namespace,
+            fingerprint=fingerprint,
+            prefault=prefault,
+            engine=engine,
+        )
+        self._suffixes = [j.to_bytes(2, "little") for j in range(self._spp)]
+
+    @property
+    def segment_bytes(self) -> int:
+        return self._segment_bytes
+
+    @property
+    def segments_per_page(self) -> int:
+        return self._spp
+
+    @property
+    def capacity_pages(self) -> int:
+        return self._capacity
+
+    def stats(self) -> dict:
+        return self.store.stats()
+
+    def __len__(self) -> int:
+        """Stored segments divided by segments per page (exact when no page is partial)."""
+        return int(self.store.stats()["keys"]) // self._spp
+
+    def _segment_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        out = []
+        for key in keys:
+            if not isinstance(key, bytes | bytearray) or not key:
+                raise ValueError(f"page keys are non-empty bytes, got {key!r}")
+            base = bytes(key)
+            if len(base) > _MAX_KEY - 2:
+                base = hashlib.blake2b(base, digest_size=32).digest()
+            out.extend(base + sfx for sfx in self._suffixes)
+        return out
+
+    def _pages(self, mask: np.ndarray, n: int) -> list[bool]:
+        return [bool(x) for x in np.asarray(mask, dtype=bool).reshape(n, self._spp).all(axis=1)]
+
+    def put_pages(
+        self, keys: Sequence[bytes], table: np.ndarray, rows: np.ndarray, timeout: float
+    ) -> list[bool]:
+        keys = list(keys)
+        flat = check_rows(table, rows, len(keys), self._segment_bytes, self._spp)
+        if not keys:
+            return []
+        mask = self.store.put(self._segment_keys(keys), table, rows=flat).mask(timeout)
+        return self._pages(mask, len(keys))
+
+    def get_pages(
+        self, keys: Sequence[bytes], table: np.ndarray, rows: np.ndarray, timeout: float
+    ) -> list[bool]:
+        keys = list(keys)
+        flat = check_rows(table, rows, len(keys), self._segment_bytes, self._spp)
+        if table.flags.writeable is False:
+            raise ValueError("destination row table is read-only")
+        if not keys:
+            return []
+        mask = self.store.get(self._segment_keys(keys), table, rows=flat).mask(timeout)
+        return self._pages(mask, len(keys))
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        n, _ = self.store.lookup(self._segment_keys(keys))
+        return n // self._spp
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        removed = 0
+        for key in keys:
+            if self.store.remove(self._segment_keys([key])) == self._spp:
+                removed += 1
+        return removed
+
+    def clear(self) -> None:
+        self.store.clear()
+
+    def close(self) -> None:
+        self.store.close()

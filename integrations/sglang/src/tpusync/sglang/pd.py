@@ -1,0 +1,727 @@
+"""SGLang P/D (prefill/decode disaggregation) transfer backend on tpusync's P/D primitive.
+
+The classes subclass SGLang's ``Common*`` disaggregation classes (0.5.23), so SGLang's own
+bootstrap server, HTTP rank registry, ZMQ control messages, room bookkeeping, heartbeats and
+timeouts are reused unchanged; tpusync supplies only the data movement:
+
+- prefill (``send`` -> ``add_transfer_request``, one call per chunk): a worker thread gathers the
+  chunk's KV pages (every layer buffer of ``KVArgs.kv_data_ptrs``) and, on the last chunk, the
+  request's aux rows into blocks of a tpusync ``HostBlockPool`` (row gathers on tpusync's engine
+  threads, GIL released), offers them with :class:`tpusync.core.pd.PdProducer` under a 63-bit
+  request id, and tells the decode rank over SGLang's ZMQ control socket (``TPUSYNC_CHUNK``);
+- decode: a listener pulls each announced chunk with :class:`tpusync.core.pd.PdConsumer` into its
+  own pool blocks (every block XXH3-verified), scatters them into its KV buffers at the page
+  indices it sent in ``send_metadata`` and, for the last chunk, into its aux rows.
+
+STATE CONTRACT (per room, SGLang's KVPoll): prefill Bootstrapping -> WaitingForInput (every decode
+rank's metadata arrived) -> Transferring (first chunk offered) -> Success (the decode acknowledged
+a verified receipt of every chunk) or Failed. Decode Bootstrapping -> WaitingForInput -> Success
+only when (a) every chunk up to the last landed and was scattered locally AND (b) the prefill
+reported Success; Failed on the first failed chunk, a prefill Failed, a dead prefill (SGLang's
+heartbeat) or a timeout. ``poll()`` never blocks: it reads the room table that the worker
+threads update. ``failure_exception()`` raises SGLang's ``KVTransferError`` with the stored reason.
+
+TIMEOUT CONTRACT: every wait is bounded: gathers and scatters by ``TPUSYNC_SGLANG_COPY_TIMEOUT_S``
+(default 60), an offered chunk by ``TPUSYNC_SGLANG_SEND_DEADLINE_S`` (default 120; then the
+prefill marks the room Failed), a fetch by ``TPUSYNC_SGLANG_RECV_DEADLINE_S`` (default 60),
+plus SGLang's own bootstrap / waiting timeouts.
+
+ABORT CONTRACT: an aborted or failed room is never written after the abort was observed: the
+decode scatter checks the room state under the room lock that ``abort`` also takes, and a chunk
+that lands afterwards is dropped (its blocks go back to the pool). The prefill drops queued
+chunks of a failed room and offered chunks expire by their deadline (the primitive has no
+cancel).
+
+Scope (first version, checked at start-up with a clear error): KV in host memory (SGLang's
+``--device cpu``; a GPU KV cache needs a device <-> staging copy that is not implemented), equal
+attention TP on both sides
+(``kv_head_num == total_kv_head_num`` or identical TP layout), one pipeline stage, every KV
+buffer with the same bytes per page, no hybrid state buffers (Mamba / SWA / DSA), device
+destinations only (``supports_host_destination = False``), no ``prefill_complete`` allocation.
+Rejected alternative: writing into the decode's KV memory from the prefill (RDMA-style push).
+tpusync's P/D primitive is pull-based with verified receipt, which also gives the prefill its
+completion signal without an extra message.
+
+Configuration (environment, read once per manager): ``TPUSYNC_AUTH_SECRET`` (or
+``TPUSYNC_SGLANG_SECRET_FILE``) - the shared transport secret, required on both sides;
+``TPUSYNC_SGLANG_POOL_MB`` - staging pool per rank (default 256); ``TPUSYNC_SGLANG_LISTEN_HOST``
+- address the prefill's producer binds (default SGLang's rank IP); ``TPUSYNC_SGLANG_STREAMS``
+(default 2).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferDestination
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_TAG,
+    AbortNotification,
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from tpusync.core import HostBlockPool, PoolExhaustedError
+from tpusync.core.pd import PdConsumer, PdProducer, load_secret
+
+__all__ = [
+    "TpusyncKVBootstrapServer",
+    "TpusyncKVManager",
+    "TpusyncKVReceiver",
+    "TpusyncKVSender",
+]
+
+logger = logging.getLogger(__name__)
+
+CHUNK_TAG = b"TPUSYNC_CHUNK"
+REGISTER_ROOM = b"None"  # SGLang's convention: a registration message carries room "None"
+_RECV_POLL_MS = 200
+_FETCH_POLL_S = 0.002
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    value = float(raw)
+    if value <= 0:
+        raise ValueError(f"${name} must be positive, got {raw!r}")
+    return value
+
+
+def _region(ptr: int, nbytes: int, item_len: int) -> np.ndarray:
+    """A writable ``[nbytes // item_len, item_len]`` uint8 view of SGLang-owned memory (no copy).
+
+    The memory belongs to SGLang's KV / aux pools, which outlive the manager.
+    """
+    if ptr == 0 or nbytes <= 0 or item_len <= 0 or nbytes % item_len:
+        raise ValueError(f"bad KV region: ptr={ptr:#x} bytes={nbytes} item={item_len}")
+    buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
+    return np.ctypeslib.as_array(buf).reshape(-1, item_len)
+
+
+def _request_id(room: int, chunk: int, session: str) -> int:
+    digest = hashlib.blake2b(f"{room}/{chunk}/{session}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+@dataclass
+class _PeerInfo:
+    """One decode rank's per-room metadata (from ``send_metadata``)."""
+
+    session: str
+    endpoint: str
+    dst_port: int
+    dst_kv_indices: np.ndarray
+    dst_aux_index: int | None
+    required_dst_info_num: int
+    is_dummy: bool
+    decode_prefix_len: int = 0
+
+
+@dataclass
+class _Chunk:
+    room: int
+    kv_indices: np.ndarray
+    index_slice: slice
+    is_last: bool
+    aux_index: int | None
+
+
+@dataclass
+class _RecvRoom:
+    """Decode-side progress of one room."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dst_kv_indices: np.ndarray | None = None
+    dst_aux_index: int | None = None
+    in_flight: int = 0
+    last_landed: bool = False
+    prefill_ok: bool = False
+    prefill_rank: int = 0
+    done: bool = False
+
+
+class TpusyncKVManager(CommonKVManager):
+    """One per scheduler rank; owns the staging pool and the tpusync producer / consumer."""
+
+    supports_host_destination = False
+    kv_status_msg_tag = b"TPUSYNC_STATUS"
+    kv_status_msg_carries_reason = True
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ) -> None:
+        _check_supported(args)
+        from sglang.srt.runtime_context import get_device
+
+        device = str(get_device().device)
+        if device != "cpu":
+            # DEVICE CONTRACT: the KV regions are read and written by host threads, so they must
+            # be host memory. Rejected alternative: guessing from the pointer (a device pointer
+            # dereferenced on the host crashes the process instead of failing with a reason).
+            raise ValueError(
+                f"tpusync P/D backend: KV on device {device!r} is not supported yet (host KV "
+                "only: --device cpu); the device <-> staging copy path is not implemented"
+            )
+        self._stopped = False
+        self._threads: list[threading.Thread] = []
+        self.copy_timeout = _env_float("TPUSYNC_SGLANG_COPY_TIMEOUT_S", 60.0)
+        self.send_deadline = _env_float("TPUSYNC_SGLANG_SEND_DEADLINE_S", 120.0)
+        self.recv_deadline = _env_float("TPUSYNC_SGLANG_RECV_DEADLINE_S", 60.0)
+        secret_file = os.environ.get("TPUSYNC_SGLANG_SECRET_FILE") or None
+        secret = load_secret(secret_file)
+        item = int(args.kv_item_lens[0])
+        self.page_bytes = item
+        self.kv_tables = [
+            _region(p, n, i)
+            for p, n, i in zip(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, strict=True)
+        ]
+        self.aux_tables = [
+            _region(p, n, i)
+            for p, n, i in zip(
+                args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, strict=True
+            )
+        ]
+        self.aux_bytes = sum(int(x) for x in args.aux_item_lens)
+        self.aux_blocks = -(-self.aux_bytes // item) if self.aux_bytes else 0
+        pool_bytes = int(_env_float("TPUSYNC_SGLANG_POOL_MB", 256.0) * 2**20)
+        blocks = max(pool_bytes // item, len(self.kv_tables) + self.aux_blocks + 1)
+        self.pool = HostBlockPool(item, blocks)
+        # The Common* constructor registers this rank with the bootstrap server (prefill), so the
+        # tpusync endpoint must exist first; the rank IP comes from SGLang's helper.
+        from sglang.srt.utils.network import get_local_ip_auto
+
+        self.producer: PdProducer | None = None
+        self.consumer: PdConsumer | None = None
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            host = os.environ.get("TPUSYNC_SGLANG_LISTEN_HOST") or get_local_ip_auto()
+            self.producer = PdProducer(self.pool, listen=f"{host}:0", secret=secret)
+        else:
+            self.consumer = PdConsumer(
+                self.pool,
+                streams=int(os.environ.get("TPUSYNC_SGLANG_STREAMS", "2")),
+                secret=secret,
+            )
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if self.defer_decode_allocation:
+            raise ValueError(
+                "tpusync P/D backend: --disaggregation-decode-allocation-policy "
+                "prefill_complete is not supported"
+            )
+        self._lock = threading.Lock()
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self.transfer_infos: dict[int, dict[str, _PeerInfo]] = {}
+            self.decode_kv_args_table: dict[str, dict[str, Any]] = {}
+            self._queue: queue.Queue[_Chunk | None] = queue.Queue()
+            # request id -> (room, is_last); rooms with their outstanding request ids.
+            self._offered: dict[int, tuple[int, bool]] = {}
+            self._room_offers: dict[int, set[int]] = {}
+            self._room_last_offered: set[int] = set()
+            self._start(self._prefill_control_loop, "tpusync-pd-control")
+            self._start(self._prefill_worker_loop, "tpusync-pd-send")
+            self._start(self._prefill_ack_loop, "tpusync-pd-ack")
+        else:
+            self._recv_rooms: dict[int, _RecvRoom] = {}
+            self._fetching: dict[int, tuple[int, list[int], int, int, bool]] = {}
+            self._start(self._decode_control_loop, "tpusync-pd-control")
+            self._start(self._decode_fetch_loop, "tpusync-pd-fetch")
+            self._threads.append(self._start_heartbeat_checker_thread())
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _start(self, target: Any, name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _recv_loop(self) -> Any:
+        poller = zmq.Poller()
+        poller.register(self.server_socket, zmq.POLLIN)
+        while not self._stopped:
+            if poller.poll(_RECV_POLL_MS):
+                yield self.server_socket.recv_multipart()
+
+    def session_id(self) -> str:
+        return f"{self.local_ip}:{self.rank_port}"
+
+    def teardown(self) -> None:
+        """Stop the worker threads and the producer (pending offers end as failed)."""
+        self._stopped = True
+        if getattr(self, "_heartbeat_shutdown", None) is not None:
+            self._heartbeat_shutdown.set()
+        if self.disaggregation_mode == DisaggregationMode.PREFILL:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout=5.0)
+        if self.producer is not None:
+            self.producer.close()
+
+    close = teardown
+
+    # -- decode -> prefill messages (built by the decode, parsed by the prefill) ---------------
+
+    def build_receiver_registration_message(self) -> list[bytes]:
+        return [
+            REGISTER_ROOM,
+            self.local_ip.encode("ascii"),
+            str(self.rank_port).encode("ascii"),
+            self.session_id().encode("ascii"),
+            struct.pack(f"{len(self.kv_args.kv_item_lens)}Q", *self.kv_args.kv_item_lens),
+            struct.pack(f"{len(self.kv_args.aux_item_lens)}Q", *self.kv_args.aux_item_lens),
+        ]
+
+    def build_receiver_metadata_message(
+        self,
+        *,
+        bootstrap_room: int,
+        required_dst_info_num: int,
+        kv_indices: np.ndarray,
+        aux_index: int | None,
+        state_indices: list | None,
+        decode_prefix_len: int | None,
+        is_dummy: bool,
+        device_kv_indices: np.ndarray | None = None,
+    ) -> list[bytes]:
+        if state_indices:
+            raise NotImplementedError("tpusync P/D backend: hybrid state buffers")
+        room = self._recv_rooms.setdefault(bootstrap_room, _RecvRoom())
+        with room.lock:
+            if not is_dummy:
+                room.dst_kv_indices = np.asarray(kv_indices, dtype=np.int64).copy()
+                room.dst_aux_index = aux_index
+        return [
+            str(bootstrap_room).encode("ascii"),
+            self.local_ip.encode("ascii"),
+            str(self.rank_port).encode("ascii"),
+            self.session_id().encode("ascii"),
+            b"" if is_dummy else np.asarray(kv_indices, dtype=np.int32).tobytes(),
+            b"" if is_dummy or aux_index is None else str(aux_index).encode("ascii"),
+            str(required_dst_info_num).encode("ascii"),
+            str(decode_prefix_len or 0).encode("ascii"),
+        ]
+
+    # -- prefill -------------------------------------------------------------------------------
+
+    def _prefill_control_loop(self) -> None:
+        for msg in self._recv_loop():
+            try:
+                self._handle_prefill_message(msg)
+            except Exception:  # noqa: BLE001 - a bad message must not stop the control thread
+                logger.exception("tpusync P/D: dropping malformed control message")
+
+    def _handle_prefill_message(self, msg: list[bytes]) -> None:
+        if msg and msg[0] == ABORT_TAG:
+            note = AbortNotification.from_zmq(msg)
+            if note is not None and note.room in self.request_status:
+                self.record_failure(note.room, "Aborted by the decode side")
+                self.update_status(note.room, KVPoll.Failed)
+            return
+        if msg and msg[0] == b"BOOTSTRAP":
+            return  # deferred-allocation readiness; that policy is refused at start-up
+        session = msg[3].decode("ascii")
+        if msg[0] == REGISTER_ROOM:
+            kv_lens = list(struct.unpack(f"{len(msg[4]) // 8}Q", msg[4]))
+            aux_lens = list(struct.unpack(f"{len(msg[5]) // 8}Q", msg[5]))
+            problem = None
+            if kv_lens != list(self.kv_args.kv_item_lens):
+                problem = (
+                    f"KV page sizes differ: decode {kv_lens}, prefill {self.kv_args.kv_item_lens}"
+                )
+            elif aux_lens != list(self.kv_args.aux_item_lens):
+                problem = (
+                    f"aux row sizes differ: decode {aux_lens}, prefill {self.kv_args.aux_item_lens}"
+                )
+            with self._lock:
+                self.decode_kv_args_table[session] = {"problem": problem}
+            if problem:
+                logger.error("tpusync P/D: decode %s is incompatible: %s", session, problem)
+            return
+        room = int(msg[0].decode("ascii"))
+        is_dummy = msg[4] == b"" and msg[5] == b""
+        info = _PeerInfo(
+            session=session,
+            endpoint=msg[1].decode("ascii"),
+            dst_port=int(msg[2].decode("ascii")),
+            dst_kv_indices=np.frombuffer(msg[4], dtype=np.int32).astype(np.int64),
+            dst_aux_index=None if msg[5] == b"" else int(msg[5].decode("ascii")),
+            required_dst_info_num=int(msg[6].decode("ascii")),
+            is_dummy=is_dummy,
+            decode_prefix_len=int(msg[7].decode("ascii")) if len(msg) > 7 else 0,
+        )
+        with self._lock:
+            peers = self.transfer_infos.setdefault(room, {})
+            peers[session] = info
+            complete = len(peers) == info.required_dst_info_num
+            problem = self.decode_kv_args_table.get(session, {}).get("problem")
+        if problem:
+            self.record_failure(room, f"tpusync P/D: {problem}")
+            self.update_status(room, KVPoll.Failed)
+            return
+        if complete:
+            self.req_to_decode_prefix_len[room] = info.decode_prefix_len
+            self.update_status(room, KVPoll.WaitingForInput)
+
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: np.ndarray,
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: int | None = None,
+        state_indices: list | None = None,
+        num_kv_tokens: int | None = None,
+        **_: Any,
+    ) -> None:
+        """Queue one chunk for the send worker (called from the scheduler thread; never blocks)."""
+        if state_indices:
+            self.record_failure(bootstrap_room, "tpusync P/D backend: hybrid state buffers")
+            self.update_status(bootstrap_room, KVPoll.Failed)
+            return
+        if self.request_status.get(bootstrap_room) in (None, KVPoll.Failed):
+            return
+        self._queue.put(
+            _Chunk(
+                bootstrap_room,
+                np.asarray(kv_indices, dtype=np.int64).copy(),
+                index_slice,
+                is_last_chunk,
+                aux_index,
+            )
+        )
+
+    def _prefill_worker_loop(self) -> None:
+        while True:
+            chunk = self._queue.get()
+            if chunk is None or self._stopped:
+                return
+            try:
+                self._send_chunk(chunk)
+            except Exception as e:  # noqa: BLE001 - reported through the room's state
+                logger.exception("tpusync P/D: sending room %s failed", chunk.room)
+                self.conclude_failure(
+                    bootstrap_room=chunk.room, failure_reason=f"tpusync P/D send failed: {e}"
+                )
+
+    def _send_chunk(self, chunk: _Chunk) -> None:
+        room = chunk.room
+        if self.request_status.get(room) in (None, KVPoll.Failed):
+            return
+        with self._lock:
+            peers = [p for p in self.transfer_infos.get(room, {}).values() if not p.is_dummy]
+        if not peers:  # a dummy rank for this room: nothing to move
+            if chunk.is_last:
+                self.update_status(room, KVPoll.Success)
+            return
+        assert self.producer is not None
+        n = len(chunk.kv_indices)
+        chunk_no = chunk.index_slice.start
+        for peer in peers:
+            dst = peer.dst_kv_indices[chunk.index_slice]
+            if len(dst) != n:
+                raise ValueError(
+                    f"room {room}: decode {peer.session} has {len(dst)} pages for a chunk of {n}"
+                )
+            blocks = n * len(self.kv_tables) + (self.aux_blocks if chunk.is_last else 0)
+            ids = self._alloc_waiting(blocks)
+            try:
+                futures = [
+                    self.pool.put(ids[j * n : (j + 1) * n], table, rows=chunk.kv_indices)
+                    for j, table in enumerate(self.kv_tables)
+                    if n
+                ]
+                for f in futures:
+                    f.result(timeout=self.copy_timeout)
+                if chunk.is_last and self.aux_blocks:
+                    if chunk.aux_index is None:
+                        raise ValueError(f"room {room}: last chunk without an aux index")
+                    head = np.concatenate(
+                        [t[chunk.aux_index] for t in self.aux_tables]
+                    )  # one aux row per buffer, a few hundred bytes
+                    staging = np.zeros(self.aux_blocks * self.page_bytes, dtype=np.uint8)
+                    staging[: head.size] = head
+                    for k, bid in enumerate(ids[n * len(self.kv_tables) :]):
+                        self.pool.view(bid)[:] = staging[
+                            k * self.page_bytes : (k + 1) * self.page_bytes
+                        ]
+                rid = _request_id(room, chunk_no, peer.session)
+                with self._lock:
+                    self._offered[rid] = (room, chunk.is_last)
+                    self._room_offers.setdefault(room, set()).add(rid)
+                    if chunk.is_last:
+                        self._room_last_offered.add(room)
+                if ids:
+                    self.producer.register_send(rid, ids, self.send_deadline, 0)
+                else:  # an empty last chunk and no aux buffers: nothing to move
+                    self._ack(rid, done=True)
+            finally:
+                self.pool.free(ids)  # the producer holds its own references
+            self.update_status(room, KVPoll.Transferring)
+            self._send_multipart_locked(
+                f"tcp://{peer.endpoint}:{peer.dst_port}",
+                [
+                    CHUNK_TAG,
+                    str(room).encode("ascii"),
+                    str(rid).encode("ascii"),
+                    self.producer.address.encode("ascii"),
+                    str(chunk.index_slice.start).encode("ascii"),
+                    str(n).encode("ascii"),
+                    str(blocks).encode("ascii"),
+                    b"1" if chunk.is_last else b"0",
+                    str(self._prefill_unique_rank()).encode("ascii"),
+                ],
+            )
+
+    def _alloc_waiting(self, blocks: int) -> list[int]:
+        """Staging blocks for one chunk; while the pool is full (earlier offers not yet fetched)
+        wait for acknowledgements to free blocks, at most ``copy_timeout`` seconds."""
+        if blocks > self.pool.num_blocks:
+            raise ValueError(
+                f"a chunk of {blocks} blocks exceeds the staging pool ({self.pool.num_blocks}); "
+                "raise TPUSYNC_SGLANG_POOL_MB"
+            )
+        end = time.monotonic() + self.copy_timeout
+        while True:
+            try:
+                return self.pool.alloc(blocks)
+            except PoolExhaustedError:
+                if time.monotonic() > end or self._stopped:
+                    raise
+            time.sleep(_FETCH_POLL_S)
+
+    def _prefill_ack_loop(self) -> None:
+        assert self.producer is not None
+        while not self._stopped:
+            for r in self.producer.poll():
+                if r.done or r.failed:
+                    self._ack(r.request_id, r.done, f"({r.code}): {r.reason}")
+            time.sleep(_FETCH_POLL_S)
+
+    def _ack(self, rid: int, done: bool, why: str = "") -> None:
+        """One offered chunk ended: the room succeeds when its last chunk and every earlier one
+        were acknowledged, and fails on the first chunk that was not."""
+        with self._lock:
+            entry = self._offered.pop(rid, None)
+            if entry is None:
+                return
+            room, _ = entry
+            outstanding = self._room_offers.get(room, set())
+            outstanding.discard(rid)
+            finished = done and not outstanding and room in self._room_last_offered
+            if not done or finished:
+                self._room_offers.pop(room, None)
+                self._room_last_offered.discard(room)
+        if not done:
+            self.conclude_failure(
+                bootstrap_room=room, failure_reason=f"tpusync P/D: chunk not fetched {why}"
+            )
+        elif finished:
+            self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+
+    # -- decode --------------------------------------------------------------------------------
+
+    def _decode_control_loop(self) -> None:
+        for msg in self._recv_loop():
+            try:
+                if msg and msg[0] == CHUNK_TAG:
+                    self._start_fetch(msg)
+                    continue
+                if self.handle_abort_ack_message(msg):
+                    continue
+                parsed = self.parse_kv_status_message(msg)
+                if parsed is not None:
+                    self._on_prefill_status(*parsed)
+            except Exception:  # noqa: BLE001 - a bad message must not stop the control thread
+                logger.exception("tpusync P/D: dropping malformed control message")
+
+    def _start_fetch(self, msg: list[bytes]) -> None:
+        assert self.consumer is not None
+        room = int(msg[1])
+        rid = int(msg[2])
+        peer = msg[3].decode("ascii")
+        start, n, blocks = int(msg[4]), int(msg[5]), int(msg[6])
+        is_last = msg[7] == b"1"
+        state = self._recv_rooms.get(room)
+        if state is None or self.request_status.get(room) in (None, KVPoll.Failed):
+            return  # aborted or cleared: let the producer's offer expire
+        self.update_status(room, KVPoll.Transferring)
+        if blocks == 0:  # an empty last chunk: nothing on the wire
+            with state.lock:
+                state.in_flight += 1
+            self._land(room, [], start, n, is_last)
+            return
+        try:
+            ids = self.pool.alloc(blocks)
+        except Exception as e:  # noqa: BLE001
+            self._fail_room(room, f"tpusync P/D: no staging blocks for {blocks} blocks: {e}")
+            return
+        with state.lock:
+            state.in_flight += 1
+        with self._lock:
+            self._fetching[rid] = (room, ids, start, n, is_last)
+        try:
+            self.consumer.start_recv(rid, peer, ids, deadline=self.recv_deadline)
+        except Exception as e:  # noqa: BLE001
+            with self._lock:
+                self._fetching.pop(rid, None)
+            self.pool.free(ids)
+            self._fail_room(room, f"tpusync P/D: fetch from {peer} not started: {e}")
+
+    def _decode_fetch_loop(self) -> None:
+        assert self.consumer is not None
+        while not self._stopped:
+            for r in self.consumer.poll():
+                if not (r.done or r.failed):
+                    continue
+                with self._lock:
+                    entry = self._fetching.pop(r.request_id, None)
+                if entry is None:
+                    continue
+                room, ids, start, n, is_last = entry
+                try:
+                    if r.failed:
+                        self._fail_room(
+                            room, f"tpusync P/D: fetching KV failed ({r.code}): {r.reason}"
+                        )
+                    else:
+                        self._land(room, ids, start, n, is_last)
+                except Exception as e:  # noqa: BLE001
+                    logger.exception("tpusync P/D: landing room %s failed", room)
+                    self._fail_room(room, f"tpusync P/D: scatter failed: {e}")
+                finally:
+                    self.pool.free(ids)
+            time.sleep(_FETCH_POLL_S)
+
+    def _land(self, room: int, ids: list[int], start: int, n: int, is_last: bool) -> None:
+        state = self._recv_rooms.get(room)
+        if state is None:
+            return
+        with state.lock:
+            state.in_flight -= 1
+            if self.request_status.get(room) in (None, KVPoll.Failed):
+                return  # ABORT CONTRACT: never write into an aborted room's pages
+            assert state.dst_kv_indices is not None
+            dst = state.dst_kv_indices[start : start + n]
+            if len(dst) != n:
+                raise ValueError(f"room {room}: {n} pages arrived for {len(dst)} slots")
+            futures = [
+                self.pool.get(ids[j * n : (j + 1) * n], table, rows=dst)
+                for j, table in enumerate(self.kv_tables)
+                if n
+            ]
+            for f in futures:
+                f.result(timeout=self.copy_timeout)
+            if is_last:
+                if self.aux_blocks:
+                    raw = np.concatenate(
+                        [self.pool.view(b) for b in ids[n * len(self.kv_tables) :]]
+                    )
+                    off = 0
+                    for t in self.aux_tables:
+                        t[state.dst_aux_index][:] = raw[off : off + t.shape[1]]
+                        off += t.shape[1]
+                state.last_landed = True
+            ready = state.last_landed and state.in_flight == 0 and state.prefill_ok
+            if ready:
+                state.done = True
+        if ready:
+            super().apply_prefill_status(
+                bootstrap_room=room, status=KVPoll.Success, prefill_rank=state.prefill_rank
+            )
+
+    def _on_prefill_status(self, room: int, status: int, rank: int, reason: str | None) -> None:
+        if status != KVPoll.Success:
+            super().apply_prefill_status(
+                bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason
+            )
+            return
+        state = self._recv_rooms.get(room)
+        if state is None:
+            return
+        with state.lock:
+            state.prefill_ok = True
+            state.prefill_rank = rank
+            ready = state.last_landed and state.in_flight == 0 and not state.done
+            if ready:
+                state.done = True
+        if ready:
+            super().apply_prefill_status(
+                bootstrap_room=room, status=KVPoll.Success, prefill_rank=rank
+            )
+
+    def _fail_room(self, room: int, reason: str) -> None:
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
+
+    def forget_room(self, room: int) -> None:
+        state = self._recv_rooms.pop(room, None)
+        if state is not None:
+            with state.lock:
+                state.done = True
+
+
+def _check_supported(args: KVArgs) -> None:
+    lens = set(int(x) for x in args.kv_item_lens)
+    if len(lens) != 1:
+        raise ValueError(
+            f"tpusync P/D backend: KV buffers must have one page size, got {sorted(lens)}"
+        )
+    if any(getattr(args, "state_data_ptrs", None) or []):
+        raise ValueError("tpusync P/D backend: hybrid state buffers are not supported yet")
+
+
+class TpusyncKVSender(CommonKVSender):
+    """Prefill side of one request: SGLang's sender; chunks go to :class:`TpusyncKVManager`."""
+
+
+class TpusyncKVReceiver(CommonKVReceiver):
+    """Decode side of one request: SGLang's receiver plus a guarded abort / clear."""
+
+    def send_metadata(
+        self,
+        kv_indices: np.ndarray,
+        aux_index: int | None = None,
+        state_indices: list | None = None,
+        decode_prefix_len: int | None = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        device_kv_indices: np.ndarray | None = None,
+    ) -> None:
+        if destination != KVTransferDestination.DEVICE:
+            raise NotImplementedError("tpusync P/D backend: host KV destinations")
+        super().send_metadata(
+            kv_indices, aux_index, state_indices, decode_prefix_len, destination, device_kv_indices
+        )
+
+    def abort(self) -> None:
+        state = self.kv_mgr._recv_rooms.get(self.bootstrap_room)
+        if state is None:
+            super().abort()
+            return
+        with state.lock:  # ABORT CONTRACT: no scatter runs past this point for this room
+            super().abort()
+
+    def _clear(self) -> None:
+        super()._clear()
+        self.kv_mgr.forget_room(self.bootstrap_room)
+
+
+class TpusyncKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's bootstrap server, unchanged (rank registry over HTTP)."""

@@ -1,0 +1,215 @@
+"""One side (prefill or decode) of an SGLang P/D transfer on the tpusync backend, in its own process.
+
+Run by tests/test_pd_backend.py: ``python pd_peer.py ROLE PORT SCENARIO``. It builds SGLang's real
+objects the way a scheduler does on CPU: a published (test) ServerArgs, SGLang's ``KVArgs`` over
+CPU torch KV buffers, the manager / sender / receiver / bootstrap server classes resolved through
+SGLang's own ``get_kv_class`` after the tpusync plugin hooked in, and drives one or more rooms
+through ``KVPoll`` exactly as the prefill / decode schedulers poll them. The last stdout line is
+a JSON report (states seen per room, failure reasons, SHA-256 digests of the pages involved).
+
+Scenarios: ``ok`` (room 11: two chunks, then room 12 which the decode aborts after sending its
+metadata), ``prefill_dies`` (the prefill offers the first chunk and exits), ``decode_dies`` (the
+decode sends its metadata and exits; the prefill's offer must expire into Failed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import cpu_shim  # noqa: E402 - before anything imports sglang
+
+cpu_shim.install()
+
+import torch  # noqa: E402
+
+LAYERS, PAGE, HEADS, DIM, PAGES = 3, 4, 2, 16, 16
+AUX_ROWS, AUX_WIDTH = 8, 16
+SRC_PAGES = [7, 3, 9, 1, 12]  # prefill page indices of the request (two chunks: 2 + 3 pages)
+DST_PAGES = [2, 14, 5, 11, 0]  # decode page indices it asks for
+DST_PAGES_ABORTED = [4, 6, 8, 10, 13]  # room 12 (aborted): must stay zero
+SRC_AUX, DST_AUX = 3, 5
+TIMEOUT_S = 300.0  # generous: SGLang imports take minutes on a loaded 2-core machine
+
+
+def say(**kw: object) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def setup(role: str, port: int):
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    from tpusync.sglang import pd_plugin
+
+    pd_plugin.install_now()  # what SGLang's load_plugins() does with our entry point
+    get_context().override_server_args(
+        disaggregation_mode=role,
+        disaggregation_bootstrap_port=port,
+        disaggregation_transfer_backend="tpusync",
+        host="127.0.0.1",
+        device="cpu",
+    ).install()
+    get_parallel().override_permanently(
+        attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0, tp_rank=0, pp_rank=0,
+        pp_group=None,
+    )  # fmt: skip
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    backend = TransferBackend("tpusync")  # raises ValueError unless the plugin hooked in
+    classes = {t: get_kv_class(backend, t) for t in KVClassType}
+    torch.manual_seed(1 if role == "prefill" else 2)
+    shape = (PAGES * PAGE, HEADS, DIM)
+    if role == "prefill":
+        k = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        v = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        aux = torch.randint(0, 2**20, (AUX_ROWS, AUX_WIDTH), dtype=torch.int32)
+    else:
+        k = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        v = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        aux = torch.zeros((AUX_ROWS, AUX_WIDTH), dtype=torch.int32)
+    bufs = k + v
+    args = classes[KVClassType.KVARGS]()
+    args.engine_rank = 0
+    args.kv_data_ptrs = [b.data_ptr() for b in bufs]
+    args.kv_data_lens = [b.nbytes for b in bufs]
+    args.kv_item_lens = [b[0].nbytes * PAGE for b in bufs]
+    args.kv_layer_ids = list(range(LAYERS)) * 2
+    args.kv_cache_dtype_str = "bfloat16"
+    args.aux_data_ptrs = [aux.data_ptr()]
+    args.aux_data_lens = [aux.nbytes]
+    args.aux_item_lens = [aux[0].nbytes]
+    args.state_types = []
+    args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], []
+    args.state_layer_ids = []
+    args.page_size = PAGE
+    args.pp_rank = 0
+    args.system_dp_rank = 0
+    args.prefill_start_layer, args.prefill_end_layer = 0, LAYERS
+    args.kv_head_num = args.total_kv_head_num = HEADS
+    args.rust_http_port = None
+    args.is_hybrid_mla_backend = False
+    return classes, args, bufs, aux
+
+
+def digests(bufs, aux, pages, aux_row) -> dict:
+    per_page = []
+    for p in pages:
+        h = hashlib.sha256()
+        for b in bufs:
+            h.update(b[p * PAGE : (p + 1) * PAGE].contiguous().view(torch.uint8).numpy().tobytes())
+        per_page.append(h.hexdigest())
+    return {"pages": per_page, "aux": hashlib.sha256(aux[aux_row].numpy().tobytes()).hexdigest()}
+
+
+def wait_for(obj, targets, states: list, timeout: float = TIMEOUT_S) -> int:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        s = int(obj.poll())
+        if not states or states[-1] != s:
+            states.append(s)
+        if s in targets or s == KVPoll.Failed:
+            return s
+        time.sleep(0.005)
+    raise TimeoutError(f"no state in {targets} after {timeout}s; seen {states}")
+
+
+def reason(obj) -> str | None:
+    try:
+        obj.failure_exception()
+    except Exception as e:  # noqa: BLE001 - SGLang's KVTransferError
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def prefill(port: int, scenario: str) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType
+    from sglang.srt.runtime_context import get_server_args
+
+    classes, args, bufs, aux = setup("prefill", port)
+    server = classes[KVClassType.BOOTSTRAP_SERVER]("127.0.0.1", port)
+    mgr = classes[KVClassType.MANAGER](args, DisaggregationMode.PREFILL, get_server_args(), False)
+    report = {"role": "prefill", "manager": type(mgr).__name__, "rooms": {}}
+    say(event="ready")
+    rooms = [11, 12] if scenario == "ok" else [21]
+    for room in rooms:
+        states: list[int] = []
+        sender = classes[KVClassType.SENDER](mgr, f"127.0.0.1:{port}", room)
+        sender.init(len(SRC_PAGES), aux_index=SRC_AUX)
+        s = wait_for(sender, {KVPoll.WaitingForInput}, states)
+        if s == KVPoll.WaitingForInput:
+            sender.send(torch.tensor(SRC_PAGES[:2], dtype=torch.int32).numpy())
+            if scenario == "prefill_dies":
+                time.sleep(0.05)
+                say(event="exiting")
+                os._exit(3)
+            sender.send(torch.tensor(SRC_PAGES[2:], dtype=torch.int32).numpy())
+            s = wait_for(sender, {KVPoll.Success}, states)
+        report["rooms"][room] = {
+            "states": states,
+            "final": s,
+            "reason": reason(sender) if s == KVPoll.Failed else None,
+            **digests(bufs, aux, SRC_PAGES, SRC_AUX),
+        }
+    mgr.teardown()
+    server.close()
+    say(**report)
+
+
+def decode(port: int, scenario: str) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType
+    from sglang.srt.runtime_context import get_server_args
+
+    classes, args, bufs, aux = setup("decode", port)
+    mgr = classes[KVClassType.MANAGER](args, DisaggregationMode.DECODE, get_server_args(), False)
+    addr = f"127.0.0.1:{port}"
+    end = time.monotonic() + TIMEOUT_S
+    while not mgr.try_ensure_parallel_info(addr):  # the decode scheduler's retry loop
+        if time.monotonic() > end:
+            raise TimeoutError("no prefill parallel info from the bootstrap server")
+        time.sleep(0.2)
+    report = {"role": "decode", "rooms": {}}
+    rooms = [11, 12] if scenario == "ok" else [21]
+    for room in rooms:
+        states: list[int] = []
+        receiver = classes[KVClassType.RECEIVER](mgr, addr, room)
+        states.append(int(receiver.poll()))
+        receiver.init(0)
+        s = wait_for(receiver, {KVPoll.WaitingForInput}, states)
+        dst = DST_PAGES_ABORTED if room == 12 else DST_PAGES
+        receiver.send_metadata(
+            torch.tensor(dst, dtype=torch.int32).numpy(), aux_index=DST_AUX + (room == 12)
+        )
+        if scenario == "decode_dies":
+            say(event="exiting")
+            os._exit(3)
+        if room == 12:
+            receiver.abort()
+        s = wait_for(receiver, {KVPoll.Success}, states)
+        why = reason(receiver) if s == KVPoll.Failed else None
+        if room == 12:
+            # Keep the room's pages unreachable for a while: a late scatter would show here.
+            time.sleep(1.0)
+        report["rooms"][room] = {
+            "states": states,
+            "final": s,
+            "reason": why,
+            **digests(bufs, aux, dst, DST_AUX + (room == 12)),
+        }
+        receiver.clear()
+    mgr.teardown()
+    say(**report)
+
+
+if __name__ == "__main__":
+    role, port, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    (prefill if role == "prefill" else decode)(port, scenario)
