@@ -4,7 +4,13 @@
 #include <chrono>
 #include <cstring>
 
+#include "tpusync/base/stream_copy.h"
+
 namespace tpusync::engine {
+
+namespace {
+constexpr size_t kStreamSpanBytes = 4096;
+}  // namespace
 
 std::vector<std::vector<CopySpan>> PartitionCopies(const std::vector<CopySpan>& spans, size_t parts,
                                                    size_t chunk) {
@@ -40,10 +46,23 @@ Future CopyAsync(ThreadPool& pool, std::vector<CopySpan> spans) {
   tasks.reserve(parts.size());
   for (auto& part : parts) {
     tasks.push_back([part = std::move(part)](const FutureCore& self) -> Status {
+      // Spans of kStreamSpanBytes and up use non-temporal stores: a batch copy's destination
+      // (pool blocks, or cache blocks about to be overwritten) is not read back soon, and
+      // ordinary stores would first read every destination line (see base/stream_copy.h).
+      bool streamed = false;
       for (const auto& s : part) {
-        if (self.cancel_requested()) return Status::Cancelled("copy cancelled");
-        std::memcpy(s.dst, s.src, s.bytes);
+        if (self.cancel_requested()) {
+          if (streamed) StreamFence();
+          return Status::Cancelled("copy cancelled");
+        }
+        if (s.bytes >= kStreamSpanBytes) {
+          StreamStore(s.dst, s.src, s.bytes);
+          streamed = true;
+        } else {
+          std::memcpy(s.dst, s.src, s.bytes);
+        }
       }
+      if (streamed) StreamFence();  // visible before the future completes
       return Status::OK();
     });
   }

@@ -66,7 +66,8 @@ Result<std::unique_ptr<StoreNode>> StoreNode::Start(StoreNodeOptions options, Se
   }
   std::unique_ptr<StoreNode> n(new StoreNode());
   n->options_ = options;
-  n->engine_ = std::make_shared<concurrency::ThreadPool>(std::max<size_t>(1, options.engine_threads));
+  n->engine_ =
+      std::make_shared<concurrency::ThreadPool>(std::max<size_t>(1, options.engine_threads));
   store::KVStoreOptions ko;
   ko.block_bytes = options.block_bytes;
   ko.host_blocks = options.capacity_bytes / options.block_bytes;

@@ -10,8 +10,10 @@
 //   1: base / memory / block / engine: BlockPool, BlockIndex, Engine, futures, DLPack views.
 //   2: KVStore (host + disk tiers, warm restart), segment gather/scatter, P/D producer/consumer,
 //      store node + client, checksum64 over arrays.
-//   3: BlockPool.borrow (batch borrows for DMA issued outside the core, e.g. CUDA streams), and
-//      whatever else the helpers of the same stop add (see git log).
+//   3: BlockPool.borrow (batch borrows for DMA issued outside the core, e.g. CUDA streams);
+//      KVStore remote tier (open_remote_kv_store), placement events (enable_events /
+//      take_events), BlockIndex.reserve / lookup_prefix_array, store-node disk tier and read
+//      leases (StoreNode.start(disk_dir=...), StoreClient.lookup_prefix(lease=...)).
 #pragma once
 
 namespace tpusync {

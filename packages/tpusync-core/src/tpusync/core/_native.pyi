@@ -151,6 +151,14 @@ class BlockIndex:
     def lookup_prefix(self, keys: Sequence[bytes]) -> tuple[int, list[Placement]]:
         """Length of the leading run of indexed keys, and their placements."""
 
+    def lookup_prefix_array(self, keys: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu', writable=False)]) -> int:
+        """
+        Length of the leading run of indexed keys among the rows of a [n, key_bytes] uint8 array (touching them); no per-key Python objects, placements not returned.
+        """
+
+    def reserve(self, keys: int) -> None:
+        """Size the hash table for this many keys (no rehash up to it)."""
+
     def remove(self, key: bytes, tier: Tier) -> int: ...
 
     def erase(self, key: bytes) -> Placement: ...
@@ -266,6 +274,14 @@ class KVStoreNative:
 
     def stats(self) -> dict: ...
 
+    def enable_events(self, capacity: int) -> None:
+        """Record placement changes (capacity > 0: queue bound; 0: off)."""
+
+    def take_events(self, max: int = 65536) -> tuple:
+        """
+        ([(kind, tier, key)], events dropped since the last call); kind is 'stored', 'removed' or 'cleared'.
+        """
+
 class PdProducer:
     """
     P/D producer: serves registered pool blocks to authenticated consumers.
@@ -308,7 +324,7 @@ class StoreNode:
     """A distributed prefix cache node (put/get/lookup)."""
 
     @staticmethod
-    def start(secret: bytes, listen: str = '127.0.0.1:0', capacity_bytes: int = 1073741824, block_bytes: int = 262144) -> StoreNode: ...
+    def start(secret: bytes, listen: str = '127.0.0.1:0', capacity_bytes: int = 1073741824, block_bytes: int = 262144, disk_dir: str = '', disk_capacity_bytes: int = 0) -> StoreNode: ...
 
     @property
     def address(self) -> str: ...
@@ -332,6 +348,11 @@ class StoreClient:
 
     def get(self, keys: Sequence[str], dst: Sequence[int]) -> list[bool]: ...
 
-    def lookup_prefix(self, keys: Sequence[str]) -> int: ...
+    def lookup_prefix(self, keys: Sequence[str], lease: float = 0.0) -> int: ...
 
     def remove(self, keys: Sequence[str]) -> list[bool]: ...
+
+def open_remote_kv_store(engine: Engine, block_bytes: int, host_blocks: int, nodes: Sequence[str], secret: bytes, disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False, name_space: str = '', fingerprint: str = '', replicas: int = 1, remote_blocks: int = 65536, lease: float = 10.0, timeout: float = 10.0) -> KVStoreNative:
+    """
+    A KVStore over host [-> disk] -> store nodes (host demotes to disk first, then remote).
+    """
