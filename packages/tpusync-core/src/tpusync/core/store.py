@@ -144,40 +144,7 @@ class KVStore:
     ) -> None:
         self._engine = engine or default_engine()
         self._block_bytes = block_bytes
-        if remote:
-            from tpusync.core.pd import load_secret
-
-            secret = auth_secret if auth_secret is not None else load_secret(auth_secret_file)
-            self._native = _native.open_remote_kv_store(
-                self._engine,
-                block_bytes,
-                host_blocks,
-                list(remote),
-                secret,
-                disk_dir=os.fspath(disk_dir) if disk_dir is not None else "",
-                disk_blocks=disk_blocks,
-                disk_segment_blocks=segment_blocks,
-                disk_direct_io=direct_io,
-                io_backend=io_backend,
-                io_threads=io_threads,
-                policy=policy,
-                writeback_batch=writeback_batch,
-                writeback_headroom=writeback_headroom,
-                put_wait_s=put_wait_s,
-                prefault=prefault,
-                huge_pages=huge_pages,
-                name_space=namespace or "",
-                fingerprint=fingerprint,
-                replicas=replicas,
-                remote_blocks=remote_blocks,
-                lease=lease_s,
-                timeout=remote_timeout,
-            )
-            return
-        self._native = _native.KVStoreNative.open(
-            self._engine,
-            block_bytes,
-            host_blocks,
+        local = dict(  # the host / disk tiers, the same with or without store nodes
             name_space=namespace or "",
             fingerprint=fingerprint,
             disk_dir=os.fspath(disk_dir) if disk_dir is not None else "",
@@ -193,7 +160,26 @@ class KVStore:
             prefault=prefault,
             huge_pages=huge_pages,
         )
-        self._block_bytes = block_bytes
+        if remote:
+            from tpusync.core.pd import load_secret
+
+            secret = auth_secret if auth_secret is not None else load_secret(auth_secret_file)
+            self._native = _native.open_remote_kv_store(
+                self._engine,
+                block_bytes,
+                host_blocks,
+                list(remote),
+                secret,
+                replicas=replicas,
+                remote_blocks=remote_blocks,
+                lease=lease_s,
+                timeout=remote_timeout,
+                **local,
+            )
+        else:
+            self._native = _native.KVStoreNative.open(
+                self._engine, block_bytes, host_blocks, **local
+            )
 
     @property
     def native(self) -> _native.KVStoreNative:
