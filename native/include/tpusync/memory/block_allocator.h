@@ -39,7 +39,10 @@ struct BlockAllocatorStats {
   uint64_t exhausted = 0;  // Alloc calls refused for lack of space
 };
 
-class BlockAllocator {
+// OWNERSHIP NOTE: enable_shared_from_this lets the Python bindings hand native code the same
+// control block Python holds; without it each conversion makes a shared_ptr whose deleter takes the
+// GIL, and an engine worker dropping the last one at interpreter exit would be killed mid-unwind.
+class BlockAllocator : public std::enable_shared_from_this<BlockAllocator> {
  public:
   // Blocks start at `offset` bytes into the pool (room for a caller's metadata region) and are
   // spaced by block_stride(): block_bytes rounded up to 4 KiB (blocks >= 4 KiB, so O_DIRECT and DMA

@@ -106,8 +106,9 @@ class KVStore:
             tier: the host tier demotes to disk first (when there is one), then to the nodes;
             lookups try local tiers first, then the nodes (blocks other processes stored there
             count as hits and are leased on the nodes until read or ``lease_s`` passes).
-        auth_secret / auth_secret_file: the nodes' shared secret (bytes, or a file holding it);
-            neither: ``$TPUSYNC_AUTH_SECRET``.
+        auth_secret: the nodes' shared secret (bytes); with neither this nor
+            ``auth_secret_file``: ``$TPUSYNC_AUTH_SECRET``.
+        auth_secret_file: a file holding the nodes' shared secret.
         replicas: copies of each block on distinct nodes (reads fall back to the next replica).
         remote_blocks: remote blocks this store indexes at once.
         remote_timeout: seconds one request to one node may take (a read that fails over waits at
