@@ -15,6 +15,8 @@
 #include "tpusync/engine/block_transfer.h"
 #include "tpusync/engine/future.h"
 
+#include "tpusync/store/kv_store.h"
+
 namespace tpusync::bindings {
 
 namespace nb = nanobind;
@@ -49,6 +51,17 @@ engine::RowBuffer ReadRows(const ReadArray& a, size_t n, size_t block_bytes,
                            std::optional<std::vector<uint64_t>> rows);
 engine::RowBuffer WriteRows(const WriteArray& a, size_t n, size_t block_bytes,
                             std::optional<std::vector<uint64_t>> rows);
+
+// The host / disk tier options shared by KVStoreNative.open and open_remote_kv_store (the Python
+// keyword arguments of both, in one place).
+store::KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks,
+                                   const std::string& name_space, const std::string& fingerprint,
+                                   const std::string& disk_dir, size_t disk_blocks,
+                                   size_t disk_segment_blocks, bool disk_direct_io,
+                                   const std::string& io_backend, size_t io_threads,
+                                   const std::string& policy, size_t writeback_batch,
+                                   size_t writeback_headroom, double put_wait_s, bool prefault,
+                                   bool huge_pages);
 
 void init_base(nb::module_& m);
 void init_memory(nb::module_& m);

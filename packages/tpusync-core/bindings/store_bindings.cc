@@ -104,6 +104,33 @@ nb::dict Stats(const store::StoreStats& s) {
 
 }  // namespace
 
+KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks, const std::string& name_space,
+                            const std::string& fingerprint, const std::string& disk_dir,
+                            size_t disk_blocks, size_t disk_segment_blocks, bool disk_direct_io,
+                            const std::string& io_backend, size_t io_threads,
+                            const std::string& policy, size_t writeback_batch,
+                            size_t writeback_headroom, double put_wait_s, bool prefault,
+                            bool huge_pages) {
+  KVStoreOptions o;
+  o.block_bytes = block_bytes;
+  o.host_blocks = host_blocks;
+  o.name_space = name_space;
+  o.fingerprint = fingerprint;
+  o.disk_dir = disk_dir;
+  o.disk_blocks = disk_blocks;
+  o.disk_segment_blocks = disk_segment_blocks;
+  o.disk_direct_io = disk_direct_io;
+  o.io_backend = io_backend;
+  o.io_threads = io_threads;
+  o.policy = policy;
+  o.writeback_batch = writeback_batch;
+  o.writeback_headroom = writeback_headroom;
+  o.put_wait_s = put_wait_s;
+  o.prefault = prefault;
+  o.huge_pages = huge_pages;
+  return o;
+}
+
 void init_store(nb::module_& m) {
   nb::class_<KVStore>(m, "KVStoreNative",
                       "Tiered KV block store (use tpusync.core.KVStore, the Python face).")
@@ -115,23 +142,10 @@ void init_store(nb::module_& m) {
              bool disk_direct_io, const std::string& io_backend, size_t io_threads,
              const std::string& policy, size_t writeback_batch, size_t writeback_headroom,
              double put_wait_s, bool prefault, bool huge_pages) {
-            KVStoreOptions o;
-            o.block_bytes = block_bytes;
-            o.host_blocks = host_blocks;
-            o.name_space = name_space;
-            o.fingerprint = fingerprint;
-            o.disk_dir = disk_dir;
-            o.disk_blocks = disk_blocks;
-            o.disk_segment_blocks = disk_segment_blocks;
-            o.disk_direct_io = disk_direct_io;
-            o.io_backend = io_backend;
-            o.io_threads = io_threads;
-            o.policy = policy;
-            o.writeback_batch = writeback_batch;
-            o.writeback_headroom = writeback_headroom;
-            o.put_wait_s = put_wait_s;
-            o.prefault = prefault;
-            o.huge_pages = huge_pages;
+            KVStoreOptions o = StoreOptions(
+                block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
+                disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy,
+                writeback_batch, writeback_headroom, put_wait_s, prefault, huge_pages);
             nb::gil_scoped_release release;
             return Unwrap(KVStore::Open(o, std::move(engine))).release();
           },

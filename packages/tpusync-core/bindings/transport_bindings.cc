@@ -269,23 +269,10 @@ void init_transport(nb::module_& m) {
          size_t writeback_batch, size_t writeback_headroom, double put_wait_s, bool prefault,
          bool huge_pages, const std::string& name_space, const std::string& fingerprint,
          size_t replicas, size_t remote_blocks, double lease, double timeout) {
-        store::KVStoreOptions o;
-        o.block_bytes = block_bytes;
-        o.host_blocks = host_blocks;
-        o.disk_dir = disk_dir;
-        o.disk_blocks = disk_blocks;
-        o.disk_segment_blocks = disk_segment_blocks;
-        o.disk_direct_io = disk_direct_io;
-        o.io_backend = io_backend;
-        o.io_threads = io_threads;
-        o.policy = policy;
-        o.writeback_batch = writeback_batch;
-        o.writeback_headroom = writeback_headroom;
-        o.put_wait_s = put_wait_s;
-        o.prefault = prefault;
-        o.huge_pages = huge_pages;
-        o.name_space = name_space;
-        o.fingerprint = fingerprint;
+        const store::KVStoreOptions o =
+            StoreOptions(block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
+                         disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy,
+                         writeback_batch, writeback_headroom, put_wait_s, prefault, huge_pages);
         node::RemoteTierOptions r;
         r.block_bytes = block_bytes;
         r.capacity_blocks = remote_blocks;
