@@ -4,14 +4,21 @@ Sources, read systematically (no hand-kept list to forget):
 
 - Python: every ``raise X(...)`` in packages/*/src and integrations/*/src (ast; f-string holes
   and computed parts shown as ``…``).
-- C++: every ``Status::<Code>(...)`` in native/src (not tests), literals joined, computed parts as
-  ``…``; the code maps to the Python class raised by the bindings (tpusync.core.errors).
+- C++: every ``Status::<Code>(...)`` and ``Status::FromErrno(errno, what)`` in native/src,
+  native/include and the bindings (not tests), literals joined, computed parts as ``…``; the code
+  maps to the Python class raised by the bindings (tpusync.core.errors).
 
-Cause and fix come from, in order: a hand-written note whose pattern matches the message
-(NOTES below), else the note of the area (source directory) combined with what the class means.
+Cause and fix of each message come from ci/error_notes.toml: one table per source file or folder
+(``["native/src/tier/disk_tier.cc"]``, ``["native/src/transport/"]``), each key a regular
+expression searched in the message (rendered as on the page, ``…`` for computed parts), each value
+``["cause", "fix"]``. A message must match EXACTLY ONE note among the tables whose name is a
+prefix of its file: no match means it has no documented cause and fix, two or more mean a pattern
+is too loose. Notes that match no message are reported too (stale after a message changed).
 
-    python ci/error_catalog.py           # rewrite docs/errors.md
-    python ci/error_catalog.py --check   # fail when docs/errors.md is stale (the docs session)
+    python ci/error_catalog.py           # rewrite docs/errors.md (prints what lacks a note)
+    python ci/error_catalog.py --check   # fail when docs/errors.md is stale, a message has no
+                                         # note or two, or a note matches nothing (docs session)
+    python ci/error_catalog.py --missing # list messages without a note, with file:line
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ from __future__ import annotations
 import ast
 import re
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs/errors.md"
+NOTES_FILE = ROOT / "ci/error_notes.toml"
 HOLE = "…"
 
 CODE_CLASS = {
@@ -162,67 +171,6 @@ AREAS = [
     ("integrations", "Integrations"),
 ]
 
-# Hand-written cause / fix for messages that need more than the class says (regex on message).
-NOTES: list[tuple[str, str, str]] = [
-    (
-        r"pool exhausted|PoolExhausted|no free block",
-        "more blocks requested than the pool has free",
-        "free blocks (finish_send, free_host, drop views) or create the pool with more blocks",
-    ),
-    (
-        r"stale block id|already freed|double free",
-        "a block id used after it was freed",
-        "keep ownership balanced; retain() for a second owner",
-    ),
-    (
-        r"/dev/shm",
-        "a /dev/shm segment of another size or name, or /dev/shm is full",
-        "use the same size and name when re-attaching, remove the stale segment, or enlarge /dev/shm",
-    ),
-    (
-        r"secret",
-        "no or too short shared secret",
-        "set TPUSYNC_AUTH_SECRET (16+ bytes) or pass a secret file, the same on every peer",
-    ),
-    (
-        r"pinned",
-        "the key is pinned (a load in flight holds it)",
-        "unpin it first, or wait for the load",
-    ),
-    (
-        r"fingerprint|format|field '",
-        "the two sides use different block formats (dtype, block size, heads, layers, layout)",
-        "give both engines the same model and cache configuration; the message names the field",
-    ),
-    (
-        r"endpoint",
-        "a ZMQ endpoint that cannot be bound or connected",
-        "use tcp://HOST:PORT (PORT free when binding) or ipc://PATH",
-    ),
-    (
-        r"undecodable KV event|not msgpack|KV event batch must",
-        "bytes on a KV-event topic that are not an llm-d / vLLM event batch",
-        "check what else publishes on that endpoint and topic; subscribers count and skip such messages",
-    ),
-    (
-        r"topic|medium|KV event|kv@",
-        "a KV-event topic, medium or batch outside the llm-d wire format",
-        "topic kv@<pod>@<model> without '@' in the parts; medium one of GPU, CPU, DISK, REMOTE",
-    ),
-    (
-        r"tier weight|tier_weights",
-        "the router was given no weight, or a bad one, for a medium",
-        "give every medium (None, GPU, CPU, DISK, REMOTE) a weight >= 0",
-    ),
-    (r"closed", "the object was closed", "create a new one; close() is final"),
-    (
-        r"deadline|timed out|not complete after",
-        "the peer or worker did not finish in time",
-        "check the peer is alive and reachable; raise the deadline for large transfers",
-    ),
-]
-
-
 def area_of(rel: str) -> str:
     for prefix, name in AREAS:
         if rel.startswith(prefix):
@@ -248,7 +196,12 @@ def python_errors() -> list[tuple[str, str, str, int]]:
             rel = path.relative_to(ROOT).as_posix()
             tree = ast.parse(path.read_text(), filename=rel)
             for node in ast.walk(tree):
-                if not isinstance(node, ast.Raise) or not isinstance(node.exc, ast.Call):
+                if not isinstance(node, ast.Raise):
+                    continue
+                if isinstance(node.exc, ast.Name) and node.exc.id.endswith("Error"):
+                    out.append(("", node.exc.id, rel, node.lineno))  # bare `raise XError`
+                    continue
+                if not isinstance(node.exc, ast.Call):
                     continue
                 func = node.exc.func
                 name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "?")
@@ -297,53 +250,143 @@ def _cpp_message(args: str) -> str:
     return "".join(parts) if parts else HOLE
 
 
-def cpp_errors() -> list[tuple[str, str, str, int]]:
-    out = []
-    for path in sorted(ROOT.glob("native/src/**/*.cc")):
-        if path.name.endswith("_test.cc"):
-            continue
-        rel = path.relative_to(ROOT).as_posix()
-        text = path.read_text()
-        for m in _CALL.finditer(text):
-            code = m.group(1)
-            if code not in CODE_CLASS:
-                continue
-            msg = _cpp_message(_balanced(text, m.end()))
-            out.append((msg, CODE_CLASS[code], rel, text.count("\n", 0, m.start()) + 1))
+def _split_args(args: str) -> list[str]:
+    """Split a C++ argument list at its top-level commas (strings and brackets respected)."""
+    out, depth, cur, in_str, i = [], 0, [], False, 0
+    while i < len(args):
+        c = args[i]
+        cur.append(c)
+        if in_str:
+            if c == "\\":
+                i += 1
+                cur.append(args[i])
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            cur.pop()
+            out.append("".join(cur))
+            cur = []
+        i += 1
+    out.append("".join(cur))
     return out
 
 
-def cause_fix(msg: str, cls: str) -> tuple[str, str]:
-    for pattern, cause, fix in NOTES:
-        if re.search(pattern, msg, re.IGNORECASE):
-            return cause, fix
-    return CLASS_NOTE.get(cls, ("see the message", "see the message"))
+# A Status::FromErrno's class follows errno (native/src/base/status.cc).
+ERRNO_CLASS = "StorageIOError (by errno)"
+
+CPP_SOURCES = ("native/src/**/*.cc", "native/src/**/*.h", "native/include/**/*.h",
+               "packages/tpusync-core/bindings/*.cc", "packages/tpusync-core/bindings/*.h")  # fmt: skip
+# Test helpers that live beside the sources but are compiled into tests only.
+CPP_TEST_ONLY = {"native/src/tier/mock_tier.h"}
+
+
+def cpp_errors() -> list[tuple[str, str, str, int]]:
+    out = []
+    paths = sorted({p for g in CPP_SOURCES for p in ROOT.glob(g)})
+    for path in paths:
+        rel = path.relative_to(ROOT).as_posix()
+        if path.name.endswith("_test.cc") or rel in CPP_TEST_ONLY:
+            continue
+        text = path.read_text()
+        for m in _CALL.finditer(text):
+            code = m.group(1)
+            line = text.count("\n", 0, m.start()) + 1
+            if text[text.rfind("\n", 0, m.start()) + 1 : m.start()].strip() == "Status":
+                continue  # the definition of Status::FromErrno, not a use
+            if code == "FromErrno":
+                what = _split_args(_balanced(text, m.end()))[-1]
+                out.append((_cpp_message(what) + ": … (errno …)", ERRNO_CLASS, rel, line))
+                continue
+            if code not in CODE_CLASS:
+                continue
+            msg = _cpp_message(_balanced(text, m.end()))
+            out.append((msg, CODE_CLASS[code], rel, line))
+    return out
+
+
+Row = tuple[str, str, str, int]
+
+
+def load_notes() -> list[tuple[str, str, str, str]]:
+    """(scope, pattern, cause, fix) from ci/error_notes.toml, in file order."""
+    data = tomllib.loads(NOTES_FILE.read_text())
+    notes = []
+    for scope, table in data.items():
+        for pattern, value in table.items():
+            if not (isinstance(value, list) and len(value) == 2):
+                raise SystemExit(f"{NOTES_FILE.name}: [{scope}] {pattern!r}: want [cause, fix]")
+            re.compile(pattern)
+            notes.append((scope, pattern, value[0], value[1]))
+    return notes
+
+
+def matches(notes: list, msg: str, rel: str) -> list[int]:
+    """Indexes of the notes in scope for ``rel`` whose pattern is found in ``msg``."""
+    return [
+        i
+        for i, (scope, pattern, _, _) in enumerate(notes)
+        if rel.startswith(scope) and re.search(pattern, msg)
+    ]
+
+
+def audit(rows: list[Row], notes: list) -> list[str]:
+    """Problems with the notes: messages with none or several, notes matching nothing."""
+    problems, used = [], set()
+    for msg, _cls, rel, line in rows:
+        hit = matches(notes, msg, rel)
+        used.update(hit)
+        if not hit:
+            problems.append(f"{rel}:{line}: no note for {msg!r}")
+        elif len(hit) > 1:
+            pats = ", ".join(f"[{notes[i][0]}] {notes[i][1]!r}" for i in hit)
+            problems.append(f"{rel}:{line}: {msg!r} matches several notes: {pats}")
+    for i, (scope, pattern, _, _) in enumerate(notes):
+        if i not in used:
+            problems.append(f"{NOTES_FILE.name}: [{scope}] {pattern!r} matches no message")
+    return problems
+
+
+def cause_fix(notes: list, msg: str, rel: str, cls: str) -> tuple[str, str]:
+    hit = matches(notes, msg, rel)
+    if hit:
+        return notes[hit[0]][2], notes[hit[0]][3]
+    # No note yet: the class meaning, marked so that the page shows the gap (--check fails).
+    cause, fix = CLASS_NOTE.get(cls.split()[0], ("see the message", "see the message"))
+    return f"(no note yet) {cause}", fix
 
 
 def _cell(text: str) -> str:
     text = " ".join(text.split()).replace("|", "\\|")
-    return f"`{text}`" if text and text != HOLE else "(computed message)"
+    if not text:
+        return "(no message)"
+    return f"`{text}`" if text != HOLE else "(computed message)"
 
 
-def render() -> str:
-    rows = python_errors() + cpp_errors()
+def render(rows: list[Row], notes: list) -> str:
     by_area: dict[str, list] = {}
     for msg, cls, rel, line in rows:
         by_area.setdefault(area_of(rel), []).append((msg, cls, rel, line))
     lines = [
         "# Error reference",
         "",
-        "<!-- GENERATED by ci/error_catalog.py from the sources; do not edit by hand. -->",
+        "<!-- GENERATED by ci/error_catalog.py from the sources and ci/error_notes.toml; do not",
+        "     edit by hand. -->",
         "",
         f"Every error message tpusync raises ({len(rows)} sites), read from the sources: Python",
         "`raise` statements and native `Status` constructors (a native code reaches Python as the",
-        "class shown; see `tpusync.core.errors`). `…` marks a value filled in at run time. The",
-        "cause and fix come from a note on the message's pattern or, failing that, from what the",
-        "class means. [Troubleshooting](troubleshooting.md) covers symptoms that raise nothing.",
+        "class shown; see `tpusync.core.errors`). `…` marks a value filled in at run time. Each",
+        "message has its own cause and fix (ci/error_notes.toml).",
+        "[Troubleshooting](troubleshooting.md) covers symptoms that raise nothing.",
         "",
         "## What each class means",
         "",
-        "| class | cause | fix |",
+        "| class | meaning | what to do in general |",
         "| --- | --- | --- |",
     ]
     used = sorted({cls for _, cls, _, _ in rows})
@@ -361,20 +404,35 @@ def render() -> str:
             if key in seen:
                 continue
             seen.add(key)
-            cause, fix = cause_fix(msg, cls)
+            cause, fix = cause_fix(notes, msg, rel, cls)
             lines.append(f"| {_cell(msg)} | `{cls}` | `{rel}` | {cause} | {fix} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
-    text = render()
-    if "--check" in sys.argv[1:]:
+    args = sys.argv[1:]
+    rows = python_errors() + cpp_errors()
+    notes = load_notes()
+    problems = audit(rows, notes)
+    if "--missing" in args:
+        print("\n".join(problems) or "every message has exactly one note")
+        return 1 if problems else 0
+    text = render(rows, notes)
+    noted = sum(1 for msg, _, rel, _ in rows if len(matches(notes, msg, rel)) == 1)
+    summary = f"{len(rows)} messages, {noted} with exactly one note, {len(problems)} problem(s)"
+    if "--check" in args:
+        rc = 0
+        if problems:
+            print("\n".join(problems))
+            print(f"{summary}: every message needs one specific note in {NOTES_FILE.name}")
+            rc = 1
         if not OUT.exists() or OUT.read_text() != text:
             print(f"{OUT.relative_to(ROOT)} is stale: run `python ci/error_catalog.py`")
-            return 1
-        return 0
+            rc = 1
+        return rc
     OUT.write_text(text)
-    print(f"wrote {OUT.relative_to(ROOT)}")
+    print("\n".join(problems))
+    print(f"wrote {OUT.relative_to(ROOT)}: {summary}")
     return 0
 
 
