@@ -26,8 +26,12 @@ from __future__ import annotations
 import ast
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as the tomli package
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs/errors.md"
@@ -170,6 +174,7 @@ AREAS = [
     ("integrations/sglang", "SGLang integration"),
     ("integrations", "Integrations"),
 ]
+
 
 def area_of(rel: str) -> str:
     for prefix, name in AREAS:
@@ -404,7 +409,7 @@ def render(rows: list[Row], notes: list) -> str:
             if key in seen:
                 continue
             seen.add(key)
-            cause, fix = cause_fix(notes, msg, rel, cls)
+            cause, fix = (t.replace("|", "\\|") for t in cause_fix(notes, msg, rel, cls))
             lines.append(f"| {_cell(msg)} | `{cls}` | `{rel}` | {cause} | {fix} |")
     return "\n".join(lines) + "\n"
 
