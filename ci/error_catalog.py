@@ -154,11 +154,13 @@ AREAS = [
     ("native/src/memory", "Host pools (HostBlockPool, /dev/shm segments)"),
     ("native/src/block", "Block keys and the block index"),
     ("native/src/engine", "Copy engine, futures and block transfers"),
+    ("native/src/concurrency", "Copy engine, futures and block transfers"),
     ("native/src/tier", "Tiers (host tier, disk tier, io_uring)"),
     ("native/src/store", "KVStore (tier cascade, write-back)"),
     ("native/src/transport", "Transport (frames, auth, links, P/D streams)"),
     ("native/src/node", "Store nodes and StoreClient"),
     ("native/src/base", "Base (status, checksums)"),
+    ("native/include/tpusync/base", "Base (status, checksums)"),
     ("packages/tpusync-core/bindings", "Bindings (argument conversion)"),
     (
         "packages/tpusync-core/src/tpusync/core/kvcache",
@@ -398,7 +400,7 @@ def render(rows: list[Row], notes: list) -> str:
     for cls in used:
         cause, fix = CLASS_NOTE.get(cls, ("see the message", "see the message"))
         lines.append(f"| `{cls}` | {cause} | {fix} |")
-    for area in [a for _, a in AREAS] + ["Other"]:
+    for area in dict.fromkeys([a for _, a in AREAS] + ["Other"]):  # each section once
         if area not in by_area:
             continue
         lines += ["", f"## {area}", "", "| message | class | where | cause | fix |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
