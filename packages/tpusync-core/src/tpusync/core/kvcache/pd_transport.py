@@ -57,7 +57,8 @@ class PdBlockTransport:
         listen: ``HOST:PORT`` the producer serves on (port 0: ephemeral, see :attr:`address`).
         unix_path: also serve same-host consumers on this Unix socket (shm copies; the pool
             needs an ``shm_name``).
-        secret / secret_file: the shared secret (default ``$TPUSYNC_AUTH_SECRET``).
+        secret: the shared secret (default ``$TPUSYNC_AUTH_SECRET``).
+        secret_file: a file holding the shared secret, instead of ``secret``.
         send_deadline: seconds a published transfer stays offered.
         recv_deadline: seconds a fetch may take before it fails.
         streams: parallel connections of the consumer.
