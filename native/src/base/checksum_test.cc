@@ -9,8 +9,66 @@
 
 #include "tpusync/base/stream_copy.h"
 
+// The reference digest: xxHash's own one-shot XXH3, compiled in this file (baseline vector unit),
+// independent of the library's dispatch.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 namespace tpusync {
+#if defined(__x86_64__)
+namespace internal {  // checksum_avx2.cc: the AVX2 build, linked on every x86-64 build
+uint64_t CopyWithChecksum64Avx2(void* dst, const void* src, size_t bytes, uint64_t seed);
+}  // namespace internal
+#endif
 namespace {
+
+using FusedFn = uint64_t (*)(void*, const void*, size_t, uint64_t);
+
+// Copies with `fused` at every size class (XXH3's short-input paths, the 1 KiB dispatch threshold,
+// the 16 KiB chunk and 64 KiB streaming thresholds and between them) and every source /
+// destination misalignment; the bytes, the digest (against xxHash's one-shot call, i.e. copy then
+// hash) and the bytes around the destination must all be exact.
+void ExpectFusedExact(FusedFn fused) {
+  std::mt19937 rng(11);
+  const size_t sizes[] = {0,
+                          1,
+                          3,
+                          16,
+                          17,
+                          128,
+                          129,
+                          240,
+                          241,
+                          1023,
+                          1024,
+                          1025,
+                          4096 + 3,
+                          kFusedChunkBytes - 1,
+                          kFusedChunkBytes,
+                          kFusedChunkBytes + 1,
+                          kStreamMinBytes - 1,
+                          kStreamMinBytes,
+                          kStreamMinBytes + 33,
+                          (256 << 10) + 7,
+                          (1 << 20) + 5};
+  for (size_t n : sizes) {
+    std::vector<uint8_t> src(n + 64), dst(n + 128);
+    for (auto& b : src) b = static_cast<uint8_t>(rng());
+    for (size_t so : {0, 1, 13, 32}) {
+      for (size_t doff : {0, 5, 16, 64}) {
+        for (uint64_t seed : {0ull, 0x9E3779B97F4A7C15ull}) {
+          std::fill(dst.begin(), dst.end(), 0xEE);
+          const uint64_t sum = fused(dst.data() + doff, src.data() + so, n, seed);
+          ASSERT_EQ(sum, XXH3_64bits_withSeed(src.data() + so, n, seed))
+              << n << " src+" << so << " dst+" << doff;
+          ASSERT_EQ(std::memcmp(dst.data() + doff, src.data() + so, n), 0) << n;
+          ASSERT_EQ(dst[doff + n], 0xEE) << "wrote past the end at " << n;
+          if (doff > 0) ASSERT_EQ(dst[doff - 1], 0xEE) << "wrote before the start at " << n;
+        }
+      }
+    }
+  }
+}
 
 // The fused copy must give byte-identical data and the one-shot digest at every size, including
 // sizes below XXH3's short-input paths, at chunk boundaries and between them.
@@ -41,6 +99,20 @@ TEST(Checksum, FusedCopyMatchesCopyThenHash) {
       EXPECT_EQ(dst[n], 0xEE) << "wrote past the end at " << n;
     }
   }
+}
+
+// The public entry point (AVX2 build on CPUs with AVX2 from 1 KiB, baseline below and elsewhere).
+TEST(Checksum, FusedCopyExactAtAllSizesAndAlignments) { ExpectFusedExact(&CopyWithChecksum64); }
+
+// The AVX2 build directly, so it is proven exact even where the dispatch would not pick it for a
+// size; skipped on CPUs without AVX2 (running it there would fault).
+TEST(Checksum, FusedCopyAvx2BuildExactAtAllSizesAndAlignments) {
+#if defined(__x86_64__)
+  if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "no AVX2 on this CPU";
+  ExpectFusedExact(&internal::CopyWithChecksum64Avx2);
+#else
+  GTEST_SKIP() << "the AVX2 build exists on x86-64 only";
+#endif
 }
 
 // Non-temporal copies: every byte right for any size around the thresholds and every source /

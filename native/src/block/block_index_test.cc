@@ -195,6 +195,70 @@ TEST(BlockIndex, MatchesAModelUnderChurn) {
   EXPECT_EQ(idx.Lookup("k1")->location[static_cast<int>(Tier::kHost)], 3u);
 }
 
+// LookupPrefix's pipeline (prefetch stages running ahead of the touches) must leave exactly the
+// LRU order of touching the leading hits one by one: batches longer and shorter than the
+// pipeline, repeated keys inside a batch (a key's LRU neighbours change under the prefetch), a
+// miss anywhere (nothing after it touched), keys present in one or two tiers.
+TEST(BlockIndex, LookupPrefixMatchesAModelOfExactLru) {
+  BlockIndex idx;
+  std::array<std::list<std::string>, kNumTiers> lru;  // least recent first
+  std::map<std::string, std::vector<int>> tiers_of;
+  std::mt19937_64 rng(13);
+  const Tier tiers[] = {Tier::kHost, Tier::kDisk};
+  for (int i = 0; i < 3000; ++i) {
+    const std::string k = Key(i);
+    for (Tier tier : tiers) {
+      if (tier == Tier::kDisk && i % 3 != 0) continue;
+      ASSERT_TRUE(idx.Insert(k, tier, i).ok());
+      const int t = static_cast<int>(tier);
+      lru[t].push_back(k);
+      tiers_of[k].push_back(t);
+      for (int u : tiers_of[k]) {  // Insert touches every tier the key is in
+        lru[u].remove(k);
+        lru[u].push_back(k);
+      }
+    }
+  }
+  for (int round = 0; round < 300; ++round) {
+    const size_t n = 1 + rng() % 100;
+    std::vector<std::string> keys;
+    for (size_t j = 0; j < n; ++j) {
+      const uint64_t r = rng();
+      // Mostly a small hot set (repeats and neighbour changes inside a batch), rarely absent.
+      if (r % 97 == 0) {
+        keys.push_back("absent-" + std::to_string(r));
+      } else {
+        keys.push_back(Key(static_cast<int>(r % 2 ? (r >> 8) % 40 : (r >> 8) % 3000)));
+      }
+    }
+    std::vector<std::string_view> views(keys.begin(), keys.end());
+    std::vector<Placement> out;
+    const size_t hits = idx.LookupPrefix(views, &out);
+    size_t expect = 0;
+    for (const std::string& k : keys) {
+      if (!tiers_of.count(k)) break;
+      for (int u : tiers_of[k]) {
+        lru[u].remove(k);
+        lru[u].push_back(k);
+      }
+      ++expect;
+    }
+    ASSERT_EQ(hits, expect) << "round " << round;
+    ASSERT_EQ(out.size(), expect);
+    for (size_t j = 0; j < expect; ++j) {
+      const int id = std::stoi(keys[j].substr(4));
+      ASSERT_EQ(out[j].location[static_cast<int>(Tier::kHost)], static_cast<uint64_t>(id));
+    }
+  }
+  for (Tier tier : tiers) {
+    const int t = static_cast<int>(tier);
+    auto v = idx.EvictionCandidates(tier, 1u << 20);
+    ASSERT_EQ(v.size(), lru[t].size());
+    size_t i = 0;
+    for (const std::string& k : lru[t]) ASSERT_EQ(v[i++].key, k);
+  }
+}
+
 TEST(BlockIndex, ReserveAndGrowthKeepEveryKey) {
   BlockIndex idx;
   ASSERT_TRUE(idx.Reserve(1000).ok());

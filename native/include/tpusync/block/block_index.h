@@ -12,8 +12,11 @@
 // 10^7 keys: one 8-byte bucket of an open-addressing table (linear probing, load <= 0.7, a 32-bit
 // hash tag next to a 32-bit entry id) and one entry in a flat, chunked entry array that holds the
 // key bytes inline. LRU links are 32-bit entry ids inside the entries (touching writes to the
-// neighbours, stores the CPU does not wait for). LookupPrefix hashes and prefetches a group of
-// keys before probing any of them, so the DRAM misses of a batch overlap instead of adding up.
+// neighbours, stores the CPU does not wait for). LookupPrefix runs a software pipeline over the
+// batch (bucket prefetch 12 keys ahead, entry 8 ahead, LRU neighbours 4 ahead of the key being
+// touched), so the DRAM misses of a batch overlap continuously instead of adding up. What stays
+// is the memory system's throughput for ~5 random lines per key (bucket, two entry lines, two
+// neighbours to relink); exact LRU needs the neighbour lines (docs/tiers.md, "Measured").
 // Rejected: std::unordered_map (one heap node per key plus an out-of-line key: three or four
 // dependent misses per lookup once the index outgrows the caches: a 32-key lookup was 10x slower at
 // 10^7 keys than at 10^3) and a lazily-compacted LRU queue (no neighbour writes on a
