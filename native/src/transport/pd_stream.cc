@@ -86,6 +86,7 @@ void PdProducer::Stop() {
     if (stop_) return;
     stop_ = true;
     cv_.notify_all();
+    reap_cv_.notify_all();
   }
   if (tcp_) tcp_->Stop();
   if (unix_) unix_->Stop();
@@ -153,7 +154,7 @@ size_t PdProducer::pending() const {
 void PdProducer::ReapLoop() {
   std::unique_lock lock(mu_);
   while (!stop_) {
-    cv_.wait_for(lock, std::chrono::milliseconds(20));
+    reap_cv_.wait_for(lock, std::chrono::milliseconds(20));
     const auto now = Clock::now();
     std::vector<uint64_t> expired;
     for (auto& [id, e] : entries_) {
@@ -273,6 +274,8 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
           f.meta = meta;
           f.block_bytes = bb;
           f.blocks = std::span<const uint8_t* const>(addrs).subspan(b, c);
+          // One stream: its PdEnd follows at once, so both leave in one segment.
+          f.more = k == 1 && g + 1 == groups && b + c >= hi;
           if (Status st = raw[si]->Send(f, e->deadline); !st.ok()) {
             failed.store(true);
             return st;
@@ -441,9 +444,9 @@ Result<PdStatus> PdConsumer::Recv(uint64_t request_id, std::vector<PdSource> sou
 }
 
 Result<std::shared_ptr<PdConsumer::Request>> PdConsumer::Begin(uint64_t request_id,
-                                                              std::vector<PdSource> sources,
-                                                              Deadline deadline,
-                                                              size_t first_queued) {
+                                                               std::vector<PdSource> sources,
+                                                               Deadline deadline,
+                                                               size_t first_queued) {
   if (sources.empty()) return Status::InvalidArgument("StartRecv needs at least one source");
   auto req = std::make_shared<Request>();
   req->id = request_id;

@@ -95,7 +95,8 @@ TEST(PdStream, StreamsGroupsAndFreesProducerBlocksOnlyAfterAck) {
 TEST(PdStream, ConsumerMayPullBeforeTheProducerRegisters) {
   auto ppool = MakePool(4096, 8), cpool = MakePool(4096, 8);
   auto producer = PdProducer::Start(ppool, TestSecret(), {});
-  auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
+  auto consumer =
+      PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
   auto dst = *cpool->Alloc(8);
   ASSERT_TRUE((*consumer)
                   ->StartRecv(1, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(10000))
@@ -184,7 +185,8 @@ TEST(PdStream, FaultsBecomeCleanFailuresAndRetriesSucceed) {
   auto dst = *cpool->Alloc(8);
   auto run = [&](uint64_t id, FaultPlan p, int64_t deadline_ms) {
     plan = p;  // a fresh consumer makes a fresh link, so the new plan applies
-    auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
+    auto consumer =
+        PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
     EXPECT_TRUE((*consumer)->StartRecv(id, {{peer, dst}}, DeadlineInMs(deadline_ms)).ok());
     return WaitEnd(**consumer, id);
   };
@@ -219,7 +221,8 @@ TEST(PdStream, SameHostPeersUseTheSharedMemorySegment) {
   po.unix_path = "/tmp/" + shm + ".sock";
   auto producer = PdProducer::Start(ppool, TestSecret(), po);
   ASSERT_TRUE(producer.ok()) << producer.status().ToString();
-  auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
+  auto consumer =
+      PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
   auto src = *ppool->Alloc(10);
   Fill(*ppool, src, 77);
   auto dst = *cpool->Alloc(10);
@@ -233,7 +236,6 @@ TEST(PdStream, SameHostPeersUseTheSharedMemorySegment) {
   EXPECT_TRUE(Same(*ppool, src, *cpool, dst));
   EXPECT_EQ(ProducerEnd(**producer, 9).state, PdState::kDone);
 }
-
 
 // INLINE CONTRACT: Recv pulls on the calling thread, returns the terminal status itself (Poll does
 // not report it again) and keeps to its deadline when the producer never registers.
@@ -291,9 +293,9 @@ TEST(PdStream, RecvWithSeveralSourcesCompletesOnlyWhenAllLanded) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     ASSERT_TRUE((*p2)->RegisterSend(9, s2, 0, DeadlineInMs(10000)).ok());
   });
-  auto got = (*consumer)->Recv(
-      9, {{(*p1)->address().ToString(), d1}, {(*p2)->address().ToString(), d2}},
-      DeadlineInMs(10000));
+  auto got =
+      (*consumer)->Recv(9, {{(*p1)->address().ToString(), d1}, {(*p2)->address().ToString(), d2}},
+                        DeadlineInMs(10000));
   late.join();
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   ASSERT_EQ(got->state, PdState::kDone) << got->reason.ToString();

@@ -316,7 +316,7 @@ def test_namespaced_node_killed_with_sigkill_restarts_warm_and_verified(secret_f
             assert client.lookup_prefix(keys) == 8
             dst = pool.alloc(8)
             assert client.get(keys, dst) == [True] * 8
-            for s, d in zip(src, dst):
+            for s, d in zip(src, dst, strict=True):
                 assert np.array_equal(pool.view(s), pool.view(d))
             pool.free(dst)
         finally:

@@ -101,7 +101,10 @@ class PdProducer {
   std::unique_ptr<Server> tcp_, unix_;
   Fd shm_fd_;
   mutable std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;  // a registration arrived (pulls waiting for one)
+  // The reaper's own: woken only by Stop. Rejected alternative: sharing cv_ - every RegisterSend
+  // and every finished request then woke the reaper too, a thread switch on each small pull.
+  std::condition_variable reap_cv_;
   std::map<uint64_t, std::shared_ptr<Entry>> entries_;
   std::vector<PdStatus> finished_;
   bool stop_ = false;
