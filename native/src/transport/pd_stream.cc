@@ -508,7 +508,7 @@ void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
       small_pull_bytes_ > 0 && src.blocks.size() * pool_->block_bytes() <= small_pull_bytes_
           ? small_links_
           : links_;
-  auto link = links.Acquire(src.peer);
+  auto link = links.Acquire(src.peer, req->deadline);  // a connect waits no longer either
   if (!link.ok()) {
     result = link.status();
   } else {

@@ -340,5 +340,27 @@ TEST(PdStream, SmallPullsUseOneStreamLargePullsStripe) {
   EXPECT_EQ((*consumer)->idle_links(), 2u);
 }
 
+// DEADLINE CONTRACT on the connect: a peer that accepts TCP but never authenticates costs a Recv
+// its deadline, not the (longer) per-stream connect timeout.
+TEST(PdStream, RecvFromASilentPeerEndsAtItsDeadline) {
+  auto cpool = MakePool(4096, 4);
+  auto addr = ParseAddress("127.0.0.1:0");
+  ASSERT_TRUE(addr.ok());
+  auto listener = Listen(*addr);  // the kernel completes TCP handshakes; nobody ever answers
+  ASSERT_TRUE(listener.ok()) << listener.status().ToString();
+  auto local = LocalAddress(listener->get(), false);
+  ASSERT_TRUE(local.ok());
+  auto consumer = PdConsumer::Create(
+      cpool, TestSecret(), {.connect = {.streams = 1, .timeout = std::chrono::seconds(20)}});
+  auto dst = *cpool->Alloc(1);
+  const auto t0 = Clock::now();
+  auto got = (*consumer)->Recv(1, {{local->ToString(), dst}}, DeadlineInMs(300));
+  const auto waited = Clock::now() - t0;
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->state, PdState::kFailed);
+  EXPECT_EQ(got->reason.code(), StatusCode::kTimeout) << got->reason.ToString();
+  EXPECT_LT(waited, std::chrono::seconds(3));
+}
+
 }  // namespace
 }  // namespace tpusync::transport
