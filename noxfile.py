@@ -52,6 +52,8 @@ NANOBIND = "nanobind==3.1.0"
 RUFF = "ruff==0.17.6"  # pinned: newer ruff releases change formatting (Markdown code blocks)
 BUILD_DEPS = ["scikit-build-core>=0.10", NANOBIND, "ninja", "cmake>=3.24"]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
+MOONCAKE = "mooncake-transfer-engine==0.3.13.post1"  # bench transport's optional reference
+MOONCAKE_NON_CUDA = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 STUB = ROOT / "packages/tpusync-core/src/tpusync/core/_native.pyi"
 
 nox.options.default_venv_backend = "venv"
@@ -356,6 +358,16 @@ def bench(session: nox.Session) -> None:
     suites = session.posargs or ["memory"]
     if "tiers" in suites:
         _apt(session, "fio")  # the same-run reference of the disk tier
+    if "transport" in suites:
+        _apt(session, "iperf3")  # the same-run TCP reference
+        # Mooncake Transfer Engine, the optional same-run reference (the suite says why it is
+        # skipped when it cannot import). Its CUDA wheel needs libcudart/libcuda at import, so a
+        # host without an NVIDIA driver gets the same engine's non-CUDA build.
+        wheel = MOONCAKE if shutil.which("nvidia-smi") else MOONCAKE_NON_CUDA
+        try:
+            session.install(wheel)
+        except nox.command.CommandFailed:
+            session.warn(f"{wheel} did not install: the transport suite skips its Mooncake row")
     if any(
         s not in ("memory", "tiers", "transport") for s in suites
     ):  # plugin suites (e.g. `device`) live in framework wheels

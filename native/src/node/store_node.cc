@@ -1,6 +1,7 @@
 #include "tpusync/node/store_node.h"
 
 #include <algorithm>
+#include <cstdio>
 
 namespace tpusync::node {
 
@@ -74,7 +75,26 @@ Result<std::unique_ptr<StoreNode>> StoreNode::Start(StoreNodeOptions options, Se
   ko.disk_dir = options.disk_dir;
   if (!options.disk_dir.empty()) ko.disk_blocks = options.disk_capacity_bytes / options.block_bytes;
   ko.prefault = false;  // a node may be sized far above what its first minutes use
+  ko.name_space = options.name_space;
+  ko.fingerprint = options.fingerprint;
   TPUSYNC_ASSIGN_OR_RETURN(n->store_, store::KVStore::Open(ko, n->engine_));
+  for (const auto& t : n->store_->stats().tiers) {
+    n->recovered_blocks_ += t.tier.recovered;
+    if (n->cold_start_reason_.empty()) n->cold_start_reason_ = t.tier.cold_start_reason;
+  }
+  if (!options.name_space.empty()) {
+    // One line either way, so an operator sees whether the restart kept the cache.
+    if (n->cold_start_reason_.empty()) {
+      std::fprintf(stderr,
+                   "tpusync store node: namespace '%s': %s, %llu blocks re-attached and verified\n",
+                   options.name_space.c_str(),
+                   n->recovered_blocks_ ? "warm restart" : "no cached blocks (first start)",
+                   static_cast<unsigned long long>(n->recovered_blocks_));
+    } else {
+      std::fprintf(stderr, "tpusync store node: namespace '%s': cold start: %s\n",
+                   options.name_space.c_str(), n->cold_start_reason_.c_str());
+    }
+  }
   auto so = options.server;
   so.listen = options.listen;
   StoreNode* self = n.get();
@@ -109,6 +129,7 @@ StoreNodeStats StoreNode::stats() const {
     }
   }
   s.evictions = ks.evicted;
+  s.recovered_blocks = recovered_blocks_;
   s.rejected_peers = server_ ? server_->rejected() : 0;
   s.links = server_ ? server_->links() : 0;
   {

@@ -8,6 +8,8 @@
 #include <random>
 #include <thread>
 
+#include <unistd.h>
+
 #include "tpusync/base/checksum.h"
 
 #include "tpusync/node/store_client.h"
@@ -72,6 +74,67 @@ TEST(StoreNode, PutGetLookupRemoveRoundTrip) {
   EXPECT_EQ(st.put_blocks, 8u);
   EXPECT_EQ(st.get_hits, 8u);
   EXPECT_EQ(st.blocks_used, 7u);
+}
+
+// WARM RESTART CONTRACT: same namespace + fingerprint -> the blocks come back, verified; another
+// fingerprint -> cold start with a reason. (The SIGKILL variant runs real processes in
+// packages/tpusync-core/tests/test_store_node.py.)
+TEST(StoreNode, NamespacedNodeRestartsWarmAndAnotherFingerprintStartsCold) {
+  const std::string ns = "storenode-test-" + std::to_string(::getpid());
+  auto cleanup = [&] {
+    std::filesystem::remove("/dev/shm/tpusync-" + ns + "-host");
+    std::filesystem::remove("/dev/shm/tpusync-" + ns + "-host.lock");
+  };
+  cleanup();
+  StoreNodeOptions o{.capacity_bytes = 32 * kBlock, .block_bytes = kBlock};
+  o.name_space = ns;
+  o.fingerprint = "model-a";
+  auto pool = MakePool(32);
+  const auto keys = Keys(6, "warm");
+  {
+    auto node = StoreNode::Start(o, TestSecret());
+    ASSERT_TRUE(node.ok()) << node.status().ToString();
+    EXPECT_EQ((*node)->stats().recovered_blocks, 0u);
+    EXPECT_EQ((*node)->cold_start_reason(), "");
+    // A second node on the same namespace is refused (one process per namespace).
+    auto twin = StoreNode::Start(o, TestSecret());
+    EXPECT_EQ(twin.status().code(), StatusCode::kFailedPrecondition);
+    auto client =
+        StoreClient::Create(pool, TestSecret(), {.nodes = {(*node)->address().ToString()}});
+    ASSERT_TRUE(client.ok());
+    auto src = *pool->Alloc(6);
+    Fill(*pool, src, 40);
+    ASSERT_EQ(*(*client)->Put(keys, src), std::vector<uint32_t>(6, 1));
+    (void)pool->Free(src);
+  }
+  {
+    auto node = StoreNode::Start(o, TestSecret());
+    ASSERT_TRUE(node.ok()) << node.status().ToString();
+    EXPECT_EQ((*node)->stats().recovered_blocks, 6u);
+    EXPECT_EQ((*node)->cold_start_reason(), "");
+    auto client =
+        StoreClient::Create(pool, TestSecret(), {.nodes = {(*node)->address().ToString()}});
+    auto dst = *pool->Alloc(6);
+    ASSERT_EQ(*(*client)->Get(keys, dst), std::vector<bool>(6, true));
+    for (size_t i = 0; i < 6; ++i) {
+      const uint8_t* b = *pool->Address(dst[i]);
+      EXPECT_EQ(b[0], 40 + i);
+      EXPECT_EQ(b[kBlock - 1], 40 + i);
+    }
+    (void)pool->Free(dst);
+  }
+  o.fingerprint = "model-b";
+  {
+    auto node = StoreNode::Start(o, TestSecret());
+    ASSERT_TRUE(node.ok()) << node.status().ToString();
+    EXPECT_EQ((*node)->stats().recovered_blocks, 0u);
+    EXPECT_NE((*node)->cold_start_reason().find("fingerprint"), std::string::npos)
+        << (*node)->cold_start_reason();
+    auto client =
+        StoreClient::Create(pool, TestSecret(), {.nodes = {(*node)->address().ToString()}});
+    EXPECT_EQ(*(*client)->LookupPrefix(keys), 0u);
+  }
+  cleanup();
 }
 
 TEST(StoreNode, CorruptPutCommitsNothingAndFirstWriterWins) {

@@ -214,7 +214,7 @@ void Server::Stop() {
 // ---------------------------------------------------------------------------------------- client
 
 Result<std::unique_ptr<Link>> ConnectLink(const Address& peer, const Secret& secret,
-                                          const ConnectOptions& options) {
+                                          const ConnectOptions& options, Deadline overall) {
   if (options.streams == 0 || options.streams > 64) {
     return Status::InvalidArgument(StrCat("streams must be 1..64, got ", options.streams));
   }
@@ -222,7 +222,7 @@ Result<std::unique_ptr<Link>> ConnectLink(const Address& peer, const Secret& sec
   TPUSYNC_RETURN_IF_ERROR(RandomBytes({reinterpret_cast<uint8_t*>(&link->id), 8}));
   link->peer = peer;
   for (size_t i = 0; i < options.streams; ++i) {
-    const Deadline deadline = Clock::now() + options.timeout;
+    const Deadline deadline = std::min(Clock::now() + options.timeout, overall);
     TPUSYNC_ASSIGN_OR_RETURN(Fd fd, Connect(peer, deadline, options.socket));
     auto stream = std::make_unique<SocketStream>(std::move(fd), peer.ToString());
     TPUSYNC_RETURN_IF_ERROR(ClientHandshake(*stream, secret, deadline));
@@ -238,7 +238,7 @@ Result<std::unique_ptr<Link>> ConnectLink(const Address& peer, const Secret& sec
   return link;
 }
 
-Result<std::unique_ptr<Link>> LinkPool::Acquire(const Address& peer) {
+Result<std::unique_ptr<Link>> LinkPool::Acquire(const Address& peer, Deadline deadline) {
   {
     std::lock_guard lock(mu_);
     auto& idle = idle_[peer.ToString()];
@@ -248,7 +248,7 @@ Result<std::unique_ptr<Link>> LinkPool::Acquire(const Address& peer) {
       if (link->healthy()) return link;
     }
   }
-  return ConnectLink(peer, secret_, options_);
+  return ConnectLink(peer, secret_, options_, deadline);
 }
 
 void LinkPool::Release(std::unique_ptr<Link> link) {

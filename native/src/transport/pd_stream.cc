@@ -86,6 +86,7 @@ void PdProducer::Stop() {
     if (stop_) return;
     stop_ = true;
     cv_.notify_all();
+    reap_cv_.notify_all();
   }
   if (tcp_) tcp_->Stop();
   if (unix_) unix_->Stop();
@@ -153,7 +154,7 @@ size_t PdProducer::pending() const {
 void PdProducer::ReapLoop() {
   std::unique_lock lock(mu_);
   while (!stop_) {
-    cv_.wait_for(lock, std::chrono::milliseconds(20));
+    reap_cv_.wait_for(lock, std::chrono::milliseconds(20));
     const auto now = Clock::now();
     std::vector<uint64_t> expired;
     for (auto& [id, e] : entries_) {
@@ -273,6 +274,8 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
           f.meta = meta;
           f.block_bytes = bb;
           f.blocks = std::span<const uint8_t* const>(addrs).subspan(b, c);
+          // One stream: its PdEnd follows at once, so both leave in one segment.
+          f.more = k == 1 && g + 1 == groups && b + c >= hi;
           if (Status st = raw[si]->Send(f, e->deadline); !st.ok()) {
             failed.store(true);
             return st;
@@ -281,10 +284,21 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
       }
       return Status::OK();
     };
+    // A stream that gets no block of any group (a pull smaller than the link is wide) needs no
+    // sender thread: it only sends its PdEnd below. Every group but the last has bpg blocks, so
+    // the first and the last group decide.
+    const size_t last_count = addrs.size() - size_t{groups - 1} * e->bpg;
+    auto has_data = [&](size_t si) {
+      for (size_t count : {size_t{e->bpg}, last_count}) {
+        if (count * (si + 1) / k > count * si / k) return true;
+      }
+      return false;
+    };
     std::vector<Status> results(k);
     std::vector<std::thread> senders;
-    for (size_t si = 1; si < k; ++si)
-      senders.emplace_back([&, si] { results[si] = send_stream(si); });
+    for (size_t si = 1; si < k; ++si) {
+      if (has_data(si)) senders.emplace_back([&, si] { results[si] = send_stream(si); });
+    }
     results[0] = send_stream(0);
     for (auto& t : senders) t.join();
     for (auto& r : results) {
@@ -351,9 +365,21 @@ struct PdConsumer::Request {
   std::set<Link*> links;  // in use, closed on destruction
 };
 
+namespace {
+ConnectOptions OneStream(ConnectOptions o) {
+  o.streams = 1;
+  return o;
+}
+// How long Recv waits past the request deadline for sources on workers to notice it.
+constexpr auto kRecvGrace = std::chrono::seconds(2);
+}  // namespace
+
 PdConsumer::PdConsumer(std::shared_ptr<BlockAllocator> pool, Secret secret,
                        PdConsumerOptions options)
-    : pool_(std::move(pool)), links_(std::move(secret), options.connect) {}
+    : pool_(std::move(pool)),
+      small_pull_bytes_(options.connect.streams > 1 ? options.small_pull_bytes : 0),
+      links_(secret, options.connect),
+      small_links_(std::move(secret), OneStream(options.connect)) {}
 
 Result<std::unique_ptr<PdConsumer>> PdConsumer::Create(std::shared_ptr<BlockAllocator> pool,
                                                        Secret secret, PdConsumerOptions options) {
@@ -376,6 +402,7 @@ PdConsumer::~PdConsumer() {
   work_cv_.notify_all();
   for (auto& w : workers_) w.join();
   links_.Clear();
+  small_links_.Clear();
 }
 
 void PdConsumer::WorkerLoop() {
@@ -396,6 +423,30 @@ void PdConsumer::WorkerLoop() {
 
 Status PdConsumer::StartRecv(uint64_t request_id, std::vector<PdSource> sources,
                              Deadline deadline) {
+  return Begin(request_id, std::move(sources), deadline, 0).status();
+}
+
+Result<PdStatus> PdConsumer::Recv(uint64_t request_id, std::vector<PdSource> sources,
+                                  Deadline deadline) {
+  TPUSYNC_ASSIGN_OR_RETURN(auto req, Begin(request_id, std::move(sources), deadline, 1));
+  RunSource(req, 0);  // INLINE CONTRACT: the calling thread pulls the first source
+  std::unique_lock lock(mu_);
+  // Every wait of a source is bounded by the request deadline; the grace covers noticing it.
+  if (!cv_.wait_until(lock, deadline + kRecvGrace, [&] { return req->running == 0; })) {
+    return Status::Timeout(StrCat("request ", request_id,
+                                  ": a source is still running past the deadline (Poll reports "
+                                  "its end)"));
+  }
+  if (auto it = requests_.find(request_id); it != requests_.end() && it->second == req) {
+    requests_.erase(it);  // reported here, not again by Poll
+  }
+  return req->status;
+}
+
+Result<std::shared_ptr<PdConsumer::Request>> PdConsumer::Begin(uint64_t request_id,
+                                                               std::vector<PdSource> sources,
+                                                               Deadline deadline,
+                                                               size_t first_queued) {
   if (sources.empty()) return Status::InvalidArgument("StartRecv needs at least one source");
   auto req = std::make_shared<Request>();
   req->id = request_id;
@@ -427,13 +478,14 @@ Status PdConsumer::StartRecv(uint64_t request_id, std::vector<PdSource> sources,
   TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(req->all_blocks));
   req->running = req->sources.size();
   requests_[request_id] = req;
-  for (size_t i = 0; i < req->sources.size(); ++i) jobs_.push_back({req, i});
+  for (size_t i = first_queued; i < req->sources.size(); ++i) jobs_.push_back({req, i});
+  if (jobs_.empty()) return req;
   while (jobs_.size() > idle_workers_ + spawning_) {
     workers_.emplace_back([this] { WorkerLoop(); });
     ++spawning_;
   }
   work_cv_.notify_all();
-  return Status::OK();
+  return req;
 }
 
 void PdConsumer::Update(Request& req) {
@@ -452,7 +504,11 @@ void PdConsumer::Update(Request& req) {
 void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
   Source& src = req->sources[index];
   Status result;
-  auto link = links_.Acquire(src.peer);
+  LinkPool& links =
+      small_pull_bytes_ > 0 && src.blocks.size() * pool_->block_bytes() <= small_pull_bytes_
+          ? small_links_
+          : links_;
+  auto link = links.Acquire(src.peer, req->deadline);  // a connect waits no longer either
   if (!link.ok()) {
     result = link.status();
   } else {
@@ -472,7 +528,7 @@ void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
       std::lock_guard lock(mu_);
       req->links.erase(raw);
     }
-    links_.Release(std::move(*link));
+    links.Release(std::move(*link));
   }
   std::lock_guard lock(mu_);
   if (!result.ok() && req->status.state == PdState::kPending) {

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <mutex>
 #include <thread>
 
 #include "tpusync/transport/fault_stream.h"
@@ -94,7 +95,8 @@ TEST(PdStream, StreamsGroupsAndFreesProducerBlocksOnlyAfterAck) {
 TEST(PdStream, ConsumerMayPullBeforeTheProducerRegisters) {
   auto ppool = MakePool(4096, 8), cpool = MakePool(4096, 8);
   auto producer = PdProducer::Start(ppool, TestSecret(), {});
-  auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}});
+  auto consumer =
+      PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
   auto dst = *cpool->Alloc(8);
   ASSERT_TRUE((*consumer)
                   ->StartRecv(1, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(10000))
@@ -183,7 +185,8 @@ TEST(PdStream, FaultsBecomeCleanFailuresAndRetriesSucceed) {
   auto dst = *cpool->Alloc(8);
   auto run = [&](uint64_t id, FaultPlan p, int64_t deadline_ms) {
     plan = p;  // a fresh consumer makes a fresh link, so the new plan applies
-    auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}});
+    auto consumer =
+        PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
     EXPECT_TRUE((*consumer)->StartRecv(id, {{peer, dst}}, DeadlineInMs(deadline_ms)).ok());
     return WaitEnd(**consumer, id);
   };
@@ -218,7 +221,8 @@ TEST(PdStream, SameHostPeersUseTheSharedMemorySegment) {
   po.unix_path = "/tmp/" + shm + ".sock";
   auto producer = PdProducer::Start(ppool, TestSecret(), po);
   ASSERT_TRUE(producer.ok()) << producer.status().ToString();
-  auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}});
+  auto consumer =
+      PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
   auto src = *ppool->Alloc(10);
   Fill(*ppool, src, 77);
   auto dst = *cpool->Alloc(10);
@@ -231,6 +235,131 @@ TEST(PdStream, SameHostPeersUseTheSharedMemorySegment) {
   EXPECT_EQ(got.groups_ready, 4u);
   EXPECT_TRUE(Same(*ppool, src, *cpool, dst));
   EXPECT_EQ(ProducerEnd(**producer, 9).state, PdState::kDone);
+}
+
+// INLINE CONTRACT: Recv pulls on the calling thread, returns the terminal status itself (Poll does
+// not report it again) and keeps to its deadline when the producer never registers.
+TEST(PdStream, RecvRunsOnTheCallingThreadAndKeepsItsDeadline) {
+  auto ppool = MakePool(16 << 10, 8), cpool = MakePool(16 << 10, 8);
+  PdProducerOptions po;
+  auto producer = PdProducer::Start(ppool, TestSecret(), po);
+  ASSERT_TRUE(producer.ok());
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {});
+  ASSERT_TRUE(consumer.ok());
+  const std::string peer = (*producer)->address().ToString();
+  auto src = *ppool->Alloc(1);
+  Fill(*ppool, src, 21);
+  auto dst = *cpool->Alloc(1);
+  for (uint64_t id = 1; id <= 20; ++id) {  // warm link reused: every round trip inline
+    ASSERT_TRUE((*producer)->RegisterSend(id, src, 0, DeadlineInMs(10000)).ok());
+    auto got = (*consumer)->Recv(id, {{peer, dst}}, DeadlineInMs(10000));
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_EQ(got->state, PdState::kDone) << got->reason.ToString();
+    EXPECT_EQ(got->bytes, 16u << 10);
+    ASSERT_TRUE(Same(*ppool, src, *cpool, dst));
+    std::memset(*cpool->Address(dst[0]), 0, 16 << 10);
+  }
+  EXPECT_TRUE((*consumer)->Poll().empty());  // reported by Recv, not again
+  EXPECT_EQ((*consumer)->idle_links(), 1u);
+  // A duplicate of a live id is refused, as with StartRecv.
+  ASSERT_TRUE((*consumer)->StartRecv(50, {{peer, dst}}, DeadlineInMs(800)).ok());
+  EXPECT_EQ((*consumer)->Recv(50, {{peer, dst}}, DeadlineInMs(800)).status().code(),
+            StatusCode::kAlreadyExists);
+  // The producer waits for the registration as long as the pull's deadline: NotFound or Timeout.
+  EXPECT_EQ(WaitEnd(**consumer, 50).state, PdState::kFailed);
+  // Never registered: the producer waits for the registration until the pull's deadline, then
+  // refuses; Recv returns a failure near its deadline, not later.
+  const auto t0 = Clock::now();
+  auto got = (*consumer)->Recv(51, {{peer, dst}}, DeadlineInMs(400));
+  const auto waited = Clock::now() - t0;
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->state, PdState::kFailed);
+  EXPECT_LT(waited, std::chrono::milliseconds(400) + std::chrono::seconds(2));
+}
+
+TEST(PdStream, RecvWithSeveralSourcesCompletesOnlyWhenAllLanded) {
+  auto p1pool = MakePool(4096, 8), p2pool = MakePool(4096, 8), cpool = MakePool(4096, 16);
+  auto p1 = PdProducer::Start(p1pool, TestSecret(), {});
+  auto p2 = PdProducer::Start(p2pool, TestSecret(), {});
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {});
+  auto s1 = *p1pool->Alloc(3), s2 = *p2pool->Alloc(5);
+  Fill(*p1pool, s1, 7);
+  Fill(*p2pool, s2, 8);
+  auto d = *cpool->Alloc(8);
+  std::vector<BlockId> d1(d.begin(), d.begin() + 3), d2(d.begin() + 3, d.end());
+  ASSERT_TRUE((*p1)->RegisterSend(9, s1, 0, DeadlineInMs(10000)).ok());
+  // The second producer registers late: Recv waits for it (on a worker) within the deadline.
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_TRUE((*p2)->RegisterSend(9, s2, 0, DeadlineInMs(10000)).ok());
+  });
+  auto got =
+      (*consumer)->Recv(9, {{(*p1)->address().ToString(), d1}, {(*p2)->address().ToString(), d2}},
+                        DeadlineInMs(10000));
+  late.join();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->state, PdState::kDone) << got->reason.ToString();
+  EXPECT_EQ(got->bytes, 8u * 4096);
+  EXPECT_TRUE(Same(*p1pool, s1, *cpool, d1));
+  EXPECT_TRUE(Same(*p2pool, s2, *cpool, d2));
+}
+
+// SMALL-PULL CONTRACT: a small source takes a 1-stream link, a large one the striped link.
+TEST(PdStream, SmallPullsUseOneStreamLargePullsStripe) {
+  auto ppool = MakePool(64 << 10, 16), cpool = MakePool(64 << 10, 16);
+  auto producer = PdProducer::Start(ppool, TestSecret(), {});
+  const std::string peer = (*producer)->address().ToString();
+  std::mutex mu;
+  size_t streams_made = 0;
+  PdConsumerOptions co{.connect = {.streams = 4}, .small_pull_bytes = 128 << 10};
+  co.connect.wrap = [&](std::unique_ptr<Stream> s, size_t) {
+    std::lock_guard lock(mu);
+    ++streams_made;
+    return s;
+  };
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), co);
+  auto src = *ppool->Alloc(16);
+  Fill(*ppool, src, 4);
+  auto dst = *cpool->Alloc(16);
+  auto pull = [&](uint64_t id, size_t n) {
+    std::vector<BlockId> s(src.begin(), src.begin() + n), d(dst.begin(), dst.begin() + n);
+    ASSERT_TRUE((*producer)->RegisterSend(id, s, 0, DeadlineInMs(10000)).ok());
+    auto got = (*consumer)->Recv(id, {{peer, d}}, DeadlineInMs(10000));
+    ASSERT_TRUE(got.ok());
+    ASSERT_EQ(got->state, PdState::kDone) << got->reason.ToString();
+    EXPECT_TRUE(Same(*ppool, s, *cpool, d));
+  };
+  pull(1, 2);  // 128 KiB: small
+  EXPECT_EQ(streams_made, 1u);
+  pull(2, 1);  // reuses the warm 1-stream link
+  EXPECT_EQ(streams_made, 1u);
+  pull(3, 16);  // 1 MiB: striped over a 4-stream link
+  EXPECT_EQ(streams_made, 5u);
+  pull(4, 3);  // 192 KiB: small again, same 1-stream link
+  EXPECT_EQ(streams_made, 5u);
+  EXPECT_EQ((*consumer)->idle_links(), 2u);
+}
+
+// DEADLINE CONTRACT on the connect: a peer that accepts TCP but never authenticates costs a Recv
+// its deadline, not the (longer) per-stream connect timeout.
+TEST(PdStream, RecvFromASilentPeerEndsAtItsDeadline) {
+  auto cpool = MakePool(4096, 4);
+  auto addr = ParseAddress("127.0.0.1:0");
+  ASSERT_TRUE(addr.ok());
+  auto listener = Listen(*addr);  // the kernel completes TCP handshakes; nobody ever answers
+  ASSERT_TRUE(listener.ok()) << listener.status().ToString();
+  auto local = LocalAddress(listener->get(), false);
+  ASSERT_TRUE(local.ok());
+  auto consumer = PdConsumer::Create(
+      cpool, TestSecret(), {.connect = {.streams = 1, .timeout = std::chrono::seconds(20)}});
+  auto dst = *cpool->Alloc(1);
+  const auto t0 = Clock::now();
+  auto got = (*consumer)->Recv(1, {{local->ToString(), dst}}, DeadlineInMs(300));
+  const auto waited = Clock::now() - t0;
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->state, PdState::kFailed);
+  EXPECT_EQ(got->reason.code(), StatusCode::kTimeout) << got->reason.ToString();
+  EXPECT_LT(waited, std::chrono::seconds(3));
 }
 
 }  // namespace

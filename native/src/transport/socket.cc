@@ -247,7 +247,7 @@ Result<Fd> Connect(const Address& addr, Deadline deadline, const SocketOptions& 
   return fd;
 }
 
-Status WriteAllV(int fd, std::span<const iovec> iov_in, Deadline deadline) {
+Status WriteAllV(int fd, std::span<const iovec> iov_in, Deadline deadline, int flags) {
   // Work on a copy so partial writes can advance the first entry.
   std::vector<iovec> iov(iov_in.begin(), iov_in.end());
   size_t first = 0;
@@ -261,7 +261,7 @@ Status WriteAllV(int fd, std::span<const iovec> iov_in, Deadline deadline) {
     msghdr msg{};
     msg.msg_iov = iov.data() + first;
     msg.msg_iovlen = static_cast<size_t>(count);
-    const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | flags);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {

@@ -77,7 +77,7 @@ Status SocketStream::Send(const OutFrame& f, Deadline deadline) {
   iov.push_back({const_cast<uint8_t*>(f.meta.data()), f.meta.size()});
   iov.push_back({sums.data(), sums.size() * sizeof(uint64_t)});
   for (const uint8_t* b : f.blocks) iov.push_back({const_cast<uint8_t*>(b), f.block_bytes});
-  return Fail(WriteAllV(fd_.get(), iov, deadline));
+  return Fail(WriteAllV(fd_.get(), iov, deadline, f.more ? MSG_MORE : 0));
 }
 
 Result<InFrame> SocketStream::RecvHead(Deadline deadline) {

@@ -118,8 +118,9 @@ void init_transport(nb::module_& m) {
       .def_static(
           "create",
           [](std::shared_ptr<BlockAllocator> pool, nb::bytes secret, size_t streams,
-             double connect_timeout, int socket_buffer_bytes) {
+             double connect_timeout, int socket_buffer_bytes, size_t small_pull_bytes) {
             transport::PdConsumerOptions o;
+            o.small_pull_bytes = small_pull_bytes;
             o.connect.streams = streams;
             o.connect.timeout = Ms(connect_timeout);
             o.connect.socket.buffer_bytes = socket_buffer_bytes;
@@ -129,7 +130,23 @@ void init_transport(nb::module_& m) {
                 Unwrap(PdConsumer::Create(std::move(pool), std::move(s), o)));
           },
           nb::arg("pool"), nb::arg("secret"), nb::arg("streams") = 4,
-          nb::arg("connect_timeout") = 5.0, nb::arg("socket_buffer_bytes") = 0)
+          nb::arg("connect_timeout") = 5.0, nb::arg("socket_buffer_bytes") = 0,
+          nb::arg("small_pull_bytes") = size_t{256} << 10)
+      .def(
+          "recv",
+          [](PdConsumer& c, uint64_t request_id,
+             std::vector<std::pair<std::string, std::vector<BlockId>>> sources, double deadline) {
+            std::vector<transport::PdSource> src;
+            for (auto& [peer, blocks] : sources) src.push_back({peer, std::move(blocks)});
+            const Deadline d = After(deadline);
+            Result<PdStatus> r = Status::Internal("unset");
+            {
+              nb::gil_scoped_release release;
+              r = c.Recv(request_id, std::move(src), d);
+            }
+            return ToDict(Unwrap(std::move(r)));
+          },
+          nb::arg("request_id"), nb::arg("sources"), nb::arg("deadline"))
       .def(
           "start_recv",
           [](PdConsumer& c, uint64_t request_id,
@@ -168,13 +185,16 @@ void init_transport(nb::module_& m) {
       .def_static(
           "start",
           [](nb::bytes secret, const std::string& listen, size_t capacity_bytes, size_t block_bytes,
-             const std::string& disk_dir, size_t disk_capacity_bytes) {
+             const std::string& disk_dir, size_t disk_capacity_bytes, const std::string& name_space,
+             const std::string& fingerprint) {
             node::StoreNodeOptions o;
             o.listen = listen;
             o.capacity_bytes = capacity_bytes;
             o.block_bytes = block_bytes;
             o.disk_dir = disk_dir;
             o.disk_capacity_bytes = disk_capacity_bytes;
+            o.name_space = name_space;
+            o.fingerprint = fingerprint;
             auto s = MakeSecret(secret);
             nb::gil_scoped_release release;
             return std::shared_ptr<node::StoreNode>(
@@ -182,8 +202,10 @@ void init_transport(nb::module_& m) {
           },
           nb::arg("secret"), nb::arg("listen") = "127.0.0.1:0",
           nb::arg("capacity_bytes") = size_t{1} << 30, nb::arg("block_bytes") = 256 << 10,
-          nb::arg("disk_dir") = "", nb::arg("disk_capacity_bytes") = 0)
+          nb::arg("disk_dir") = "", nb::arg("disk_capacity_bytes") = 0, nb::arg("name_space") = "",
+          nb::arg("fingerprint") = "")
       .def_prop_ro("address", [](const node::StoreNode& n) { return n.address().ToString(); })
+      .def_prop_ro("cold_start_reason", &node::StoreNode::cold_start_reason)
       .def_prop_ro("block_bytes", &node::StoreNode::block_bytes)
       .def("stats",
            [](const node::StoreNode& n) {
@@ -211,6 +233,7 @@ void init_transport(nb::module_& m) {
              d["bytes_out"] = s.bytes_out;
              d["rejected_peers"] = s.rejected_peers;
              d["links"] = s.links;
+             d["recovered_blocks"] = s.recovered_blocks;
              return d;
            })
       .def("stop", &node::StoreNode::Stop, nb::call_guard<nb::gil_scoped_release>());

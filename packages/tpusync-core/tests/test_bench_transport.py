@@ -43,3 +43,12 @@ def test_bench_transport_json_schema():
     small = data["small"]
     assert small["block_bytes"] == 16 << 10 and small["better"] == "lower"
     assert small["latency_us"] > 0 and small["limit_us"] > 0
+    assert small["async_latency_us"] > 0 and small["store_get_us"] > 0
+    # Mooncake: a measured row, or the reason it was skipped (not importable here, typically).
+    moon = data["mooncake"]
+    assert moon["limit"].startswith("Mooncake Transfer Engine, TCP protocol, P2PHANDSHAKE")
+    if "skipped" in moon:
+        assert isinstance(moon["skipped"], str) and moon["skipped"]
+    else:
+        assert moon["gbps"] > 0 and moon["limit_gbps"] > 0 and moon["better"] == "higher"
+    assert data["loadavg_1m"] >= 0

@@ -137,3 +137,26 @@ def test_secret_comes_from_file_or_env(tmp_path, monkeypatch):
     f.write_bytes(b"short")
     with pytest.raises(ValueError, match="at least 16"):
         load_secret(f)
+
+
+def test_recv_pulls_on_the_calling_thread_and_is_not_polled_again():
+    pool = tc.HostBlockPool(16 << 10, 4)
+    cpool = tc.HostBlockPool(16 << 10, 4)
+    with PdProducer(pool, secret=SECRET) as prod:
+        src = pool.alloc(1)
+        pool.view(src[0])[:] = np.arange(16 << 10, dtype=np.uint64).astype(np.uint8)
+        consumer = PdConsumer(cpool, secret=SECRET)  # 4 streams: a 16 KiB pull takes 1
+        dst = cpool.alloc(1)
+        for rid in range(1, 6):
+            cpool.view(dst[0])[:] = 0
+            prod.register_send(rid, src, deadline=10.0)
+            res = consumer.recv(rid, prod.address, dst, deadline=10.0)
+            assert res.done and res.bytes == 16 << 10, res
+            assert np.array_equal(cpool.view(dst[0]), pool.view(src[0]))
+        assert consumer.poll() == []
+        assert consumer.idle_links == 1
+        # Never registered: a failure by the deadline (plus a socket's moment), not a hang.
+        t0 = time.monotonic()
+        res = consumer.recv(99, prod.address, dst, deadline=0.3)
+        assert res.failed and res.code in ("NotFound", "Timeout"), res
+        assert time.monotonic() - t0 < 2.3

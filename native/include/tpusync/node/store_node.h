@@ -19,6 +19,15 @@
 // copies its blocks out of the KVStore (under the tier's hold) before sending them, so a
 // concurrent remove or eviction never changes bytes on the wire.
 //
+// WARM RESTART CONTRACT: a node started with a namespace keeps its DRAM tier in
+// /dev/shm/tpusync-<namespace>-host (and re-attaches its disk tier), exactly like a serving
+// KVStore (store/kv_store.h WARM RESTART, tier/host_tier.h WARM-RESTART CONTRACT): a node killed
+// with SIGKILL and started again with the same namespace, capacity, block size and fingerprint
+// serves every block whose bytes verify; a torn or corrupt slot is dropped, never served. Any
+// mismatch (another fingerprint, capacity or block size) is a cold start, logged on stderr with
+// its reason and reported by cold_start_reason(). One process per namespace (a second node on the
+// same namespace fails to start). Without a namespace the DRAM tier is private and starts cold.
+//
 // EVICTION: when the KVStore is full, a put evicts least-recently-used unpinned keys (demoting to
 // the disk tier first when the node has one).
 //
@@ -67,6 +76,9 @@ struct StoreNodeOptions {
   std::string disk_dir;  // non-empty: a disk tier below DRAM
   size_t disk_capacity_bytes = 0;
   size_t engine_threads = 2;  // the KVStore's copy threads
+  // Non-empty: the DRAM tier lives in /dev/shm and survives the process (WARM RESTART CONTRACT).
+  std::string name_space;
+  std::string fingerprint;  // model fingerprint; a restart with another one starts cold
   transport::ServerOptions server;
 };
 
@@ -79,6 +91,7 @@ struct StoreNodeStats {
   uint64_t disk_blocks_total = 0, disk_blocks_used = 0;
   uint64_t bytes_in = 0, bytes_out = 0;
   uint64_t rejected_peers = 0, links = 0;
+  uint64_t recovered_blocks = 0;  // blocks re-attached and verified at start (warm restart)
 };
 
 class StoreNode {
@@ -88,6 +101,8 @@ class StoreNode {
   const transport::Address& address() const { return server_->address(); }
   size_t block_bytes() const { return store_->block_bytes(); }
   StoreNodeStats stats() const;
+  // Why cached blocks were discarded at start (empty: warm restart, or nothing to re-attach).
+  const std::string& cold_start_reason() const { return cold_start_reason_; }
   // The node's store (tests and the CLI's metrics read its counters).
   store::KVStore& store() { return *store_; }
   // Stops accepting, ends every connection and joins all threads (SIGTERM path).
@@ -108,6 +123,8 @@ class StoreNode {
   void EndAllLeases(const std::string& key);
 
   StoreNodeOptions options_;
+  std::string cold_start_reason_;
+  uint64_t recovered_blocks_ = 0;
   std::shared_ptr<concurrency::ThreadPool> engine_;
   std::unique_ptr<store::KVStore> store_;
   std::unique_ptr<transport::Server> server_;

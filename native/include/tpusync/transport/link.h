@@ -101,14 +101,17 @@ struct ConnectOptions {
   StreamWrapper wrap;  // optional
 };
 
+// Every stream's connect + handshake waits at most options.timeout, and never past `overall`.
 Result<std::unique_ptr<Link>> ConnectLink(const Address& peer, const Secret& secret,
-                                          const ConnectOptions& options);
+                                          const ConnectOptions& options,
+                                          Deadline overall = Deadline::max());
 
 class LinkPool {
  public:
   LinkPool(Secret secret, ConnectOptions options, size_t max_idle_per_peer = 4)
       : secret_(std::move(secret)), options_(std::move(options)), max_idle_(max_idle_per_peer) {}
-  Result<std::unique_ptr<Link>> Acquire(const Address& peer);
+  // An idle healthy link, else a new one connected by `deadline` at the latest.
+  Result<std::unique_ptr<Link>> Acquire(const Address& peer, Deadline deadline = Deadline::max());
   void Release(std::unique_ptr<Link> link);
   size_t idle() const;
   void Clear();

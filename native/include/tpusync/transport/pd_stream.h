@@ -4,6 +4,7 @@
 //
 //   producer: RegisterSend(request_id, blocks, blocks_per_group, deadline)
 //   consumer: StartRecv(request_id, {(peer, destination blocks), ...}, deadline) ... Poll()
+//             or Recv(...) - the same, run to completion on the calling thread
 //
 // GROUP CONTRACT: the producer sends group 0 (blocks [0, blocks_per_group)) on every stream of the
 // link before group 1, and so on; the consumer publishes `groups_ready` (the leading run of groups
@@ -100,7 +101,10 @@ class PdProducer {
   std::unique_ptr<Server> tcp_, unix_;
   Fd shm_fd_;
   mutable std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;  // a registration arrived (pulls waiting for one)
+  // The reaper's own: woken only by Stop. Rejected alternative: sharing cv_ - every RegisterSend
+  // and every finished request then woke the reaper too, a thread switch on each small pull.
+  std::condition_variable reap_cv_;
   std::map<uint64_t, std::shared_ptr<Entry>> entries_;
   std::vector<PdStatus> finished_;
   bool stop_ = false;
@@ -114,6 +118,12 @@ struct PdSource {
 
 struct PdConsumerOptions {
   ConnectOptions connect;  // streams per link, timeouts, socket options, fault wrapper
+  // SMALL-PULL CONTRACT: a source of at most this many payload bytes is pulled over a 1-stream link
+  // (its own pool of warm links), so the producer sends it on one stream with no sender threads
+  // and the consumer reads it with no reader threads; larger sources keep the striped
+  // `connect.streams` path. 0 disables it. Rejected alternative: a flag in PdPull telling the
+  // producer to use one stream of a wide link - a wire change for what a second pool gives free.
+  size_t small_pull_bytes = size_t{256} << 10;
 };
 
 class PdConsumer {
@@ -122,24 +132,36 @@ class PdConsumer {
                                                     Secret secret, PdConsumerOptions options);
   ~PdConsumer();
   Status StartRecv(uint64_t request_id, std::vector<PdSource> sources, Deadline deadline);
+  // INLINE CONTRACT: StartRecv + Wait for the whole request, with the first source pulled on the
+  // calling thread (no hand-off to a worker and back: a small pull costs the two socket wake-ups of
+  // a plain round trip); other sources run on workers as with StartRecv. Returns by `deadline`
+  // plus the time a socket needs to notice it; a terminal request is reported here and not again
+  // by Poll. Rejected alternative: running StartRecv inline - StartRecv must return at once, since
+  // a consumer may start a receive long before the producer registers the send.
+  Result<PdStatus> Recv(uint64_t request_id, std::vector<PdSource> sources, Deadline deadline);
   // Every request; terminal ones are reported once and then forgotten.
   std::vector<PdStatus> Poll();
   // Waits until `groups` groups are ready, the request ended, or the deadline passed.
   Result<PdStatus> Wait(uint64_t request_id, uint32_t groups, Deadline deadline);
-  size_t idle_links() const { return links_.idle(); }
+  size_t idle_links() const { return links_.idle() + small_links_.idle(); }
 
  private:
   struct Request;
   struct Source;
   struct Mapping;
   PdConsumer(std::shared_ptr<BlockAllocator> pool, Secret secret, PdConsumerOptions options);
+  // Validates and registers a request (borrowing its destinations); queues sources [first, n).
+  Result<std::shared_ptr<Request>> Begin(uint64_t request_id, std::vector<PdSource> sources,
+                                         Deadline deadline, size_t first_queued);
   void RunSource(std::shared_ptr<Request> req, size_t index);
   Status PullFrom(Request& req, Source& src, Link& link);
   Result<std::shared_ptr<Mapping>> MapSegment(Fd fd);
   void Update(Request& req);  // mu_ held
 
   std::shared_ptr<BlockAllocator> pool_;
+  size_t small_pull_bytes_ = 0;  // 0: every source uses links_
   LinkPool links_;
+  LinkPool small_links_;  // 1-stream links for small sources (SMALL-PULL CONTRACT)
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<uint64_t, std::shared_ptr<Request>> requests_;

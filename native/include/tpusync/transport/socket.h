@@ -83,7 +83,8 @@ Result<Fd> Connect(const Address& addr, Deadline deadline, const SocketOptions& 
 Status ConfigureSocket(int fd, bool is_unix, const SocketOptions& options);
 
 // Writes every byte of `iov` (any count: chunked by IOV_MAX), waiting with poll until `deadline`.
-Status WriteAllV(int fd, std::span<const iovec> iov, Deadline deadline);
+// flags: extra sendmsg flags for the last call (MSG_MORE: another write follows at once).
+Status WriteAllV(int fd, std::span<const iovec> iov, Deadline deadline, int flags = 0);
 // Fills every byte of `iov`, waiting with poll until `deadline`; kUnavailable on EOF.
 Status ReadAllV(int fd, std::span<const iovec> iov, Deadline deadline);
 Status WriteAll(int fd, const void* data, size_t bytes, Deadline deadline);

@@ -37,6 +37,9 @@ struct OutFrame {
   // Optional precomputed checksums (one per block). The fault double uses this to send damaged
   // bytes under the checksums of the intact ones.
   std::span<const uint64_t> checksums;
+  // Another frame follows on this stream at once: the socket may hold this one back to send both
+  // in one segment (MSG_MORE). Only for a frame whose successor is sent without any wait.
+  bool more = false;
 };
 
 struct InFrame {

@@ -161,6 +161,8 @@ def _cmd_store_node(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         disk_dir=args.disk_dir,
         disk_capacity=parse_size(args.disk_capacity) if args.disk_dir else 0,
+        name_space=args.namespace or "",
+        fingerprint=args.fingerprint or "",
     )
 
 
@@ -210,6 +212,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-bytes", default="256KiB", help="block size, e.g. 256KiB")
     p.add_argument("--auth-secret-file", default=None, help="file holding the shared secret")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port")
+    p.add_argument(
+        "--namespace",
+        default=None,
+        help="keep the DRAM tier in /dev/shm/tpusync-NAMESPACE-host so a restarted node "
+        "(even after kill -9) serves its blocks again (letters, digits, - _ .)",
+    )
+    p.add_argument(
+        "--fingerprint",
+        default=None,
+        help="model fingerprint; a restart with another one discards the cached blocks",
+    )
     p.set_defaults(func=_cmd_store_node)
 
     p = sub.add_parser("demo", help="offload a synthetic paged KV cache and back")

@@ -154,13 +154,36 @@ class PdConsumer:
         secret: bytes | None = None,
         secret_file: str | os.PathLike[str] | None = None,
         connect_timeout: float = 5.0,
+        small_pull_bytes: int = 256 << 10,
     ) -> None:
+        """``small_pull_bytes``: a source of at most this many bytes is pulled over a 1-stream
+        link (no striping threads on either side); 0 stripes every pull over ``streams``."""
         self._pool = pool
         self._native = _native.PdConsumer.create(
             pool.native,
             _secret(secret, secret_file),
             streams=streams,
             connect_timeout=connect_timeout,
+            small_pull_bytes=small_pull_bytes,
+        )
+
+    def recv(
+        self, request_id: int, peer: str, blocks: Sequence[int], deadline: float = 30.0
+    ) -> PdResult:
+        """Pull request ``request_id`` from ``peer`` into ``blocks`` on the calling thread and
+        return its result (``done`` or ``failed`` with a reason) - :meth:`start_recv` plus
+        :meth:`wait` without handing the pull to a worker thread and back, the fast path for
+        small transfers. Returns within ``deadline`` seconds (plus the moment a socket needs to
+        notice it); the result is not reported again by :meth:`poll`."""
+        return self.recv_multi(request_id, [(peer, blocks)], deadline)
+
+    def recv_multi(
+        self, request_id: int, sources: Sequence[tuple[str, Sequence[int]]], deadline: float = 30.0
+    ) -> PdResult:
+        """:meth:`recv` with several senders: the first is pulled on the calling thread, the
+        others on worker threads; returns once every sender landed or one failed."""
+        return PdResult(
+            **self._native.recv(request_id, [(p, list(b)) for p, b in sources], deadline)
         )
 
     def start_recv(

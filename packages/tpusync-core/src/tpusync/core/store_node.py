@@ -45,6 +45,11 @@ class StoreNode:
 
     Blocks live in the node's own tiered KVStore: ``capacity`` bytes of host DRAM and, with
     ``disk_dir``, ``disk_capacity`` bytes of disk below it (LRU, checksums, counters).
+
+    With ``name_space`` the DRAM tier lives in ``/dev/shm/tpusync-<name_space>-host`` and survives
+    the process: a node restarted (even after SIGKILL) with the same namespace, capacity, block
+    size and ``fingerprint`` serves the blocks it held, each verified against its checksum; any
+    mismatch is a cold start whose reason is :attr:`cold_start_reason` (also logged on stderr).
     """
 
     def __init__(
@@ -57,6 +62,8 @@ class StoreNode:
         secret_file: str | None = None,
         disk_dir: str | os.PathLike[str] | None = None,
         disk_capacity: int = 0,
+        name_space: str = "",
+        fingerprint: str = "",
     ) -> None:
         self._native = _native.StoreNode.start(
             secret if secret is not None else load_secret(secret_file),
@@ -65,11 +72,18 @@ class StoreNode:
             block_bytes=block_bytes,
             disk_dir=os.fspath(disk_dir) if disk_dir is not None else "",
             disk_capacity_bytes=disk_capacity,
+            name_space=name_space,
+            fingerprint=fingerprint,
         )
 
     @property
     def address(self) -> str:
         return self._native.address
+
+    @property
+    def cold_start_reason(self) -> str:
+        """Why cached blocks were discarded at start; empty for a warm (or first) start."""
+        return self._native.cold_start_reason
 
     def stats(self) -> dict[str, int]:
         return self._native.stats()
@@ -129,7 +143,7 @@ def _metrics(node: StoreNode, host: str, port: int) -> object:
     from prometheus_client.registry import REGISTRY
 
     gauges = {"blocks_total", "blocks_used", "leases_active", "disk_blocks_total",
-              "disk_blocks_used"}  # fmt: skip
+              "disk_blocks_used", "recovered_blocks"}  # fmt: skip
 
     class Collector:
         def collect(self):
@@ -153,23 +167,35 @@ def run_store_node(
     metrics_port: int | None,
     disk_dir: str | None = None,
     disk_capacity: int = 0,
+    name_space: str = "",
+    fingerprint: str = "",
 ) -> int:
     """Run a store node until SIGTERM / SIGINT, then shut it down cleanly (exit 0).
 
-    Prints one JSON line ``{"address": ..., "metrics": ...}`` on stdout once serving.
+    Prints one JSON line ``{"address", "metrics", "pid", "namespace", "recovered_blocks",
+    "cold_start_reason"}`` on stdout once serving.
     """
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     node = StoreNode(listen=listen, capacity=capacity, block_bytes=block_bytes,
                      secret_file=secret_file, disk_dir=disk_dir,
-                     disk_capacity=disk_capacity)  # fmt: skip
+                     disk_capacity=disk_capacity, name_space=name_space,
+                     fingerprint=fingerprint)  # fmt: skip
     metrics = collector = None
     if metrics_port is not None:
         host = node.address.rsplit(":", 1)[0].strip("[]")
         collector = _metrics(node, host, metrics_port)
         metrics = f"http://{host}:{metrics_port}/metrics"
-    print(json.dumps({"address": node.address, "metrics": metrics, "pid": os.getpid()}), flush=True)
+    info = {
+        "address": node.address,
+        "metrics": metrics,
+        "pid": os.getpid(),
+        "namespace": name_space or None,
+        "recovered_blocks": node.stats()["recovered_blocks"],
+        "cold_start_reason": node.cold_start_reason or None,
+    }
+    print(json.dumps(info), flush=True)
     while not stop.wait(0.2):
         pass
     node.stop()

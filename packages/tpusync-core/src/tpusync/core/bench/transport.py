@@ -6,8 +6,15 @@
 2. Same host: the same pull through the producer's Unix socket, which passes the producer's
    /dev/shm pool and lets the consumer memcpy out of it, against one numpy copy out of a mapped
    /dev/shm file into a prefaulted buffer (the memcpy limit of that path).
-3. Small transfers: one 16 KiB block pulled end to end (pull, data, ack) over a warm 1-stream link,
-   against a plain 16 KiB TCP round trip between two Python sockets (median latency).
+3. Small transfers: one 16 KiB block pulled end to end (pull, data, ack) over a warm link with
+   ``PdConsumer.recv`` (the pull runs on the calling thread), and one 16 KiB block read from a
+   store node with ``StoreClient.get``, each against a plain 16 KiB TCP round trip between two
+   Python sockets (median latency). ``async_latency_us`` keeps the start_recv + wait figure (a
+   worker thread does the pull).
+4. Mooncake Transfer Engine (optional, when ``mooncake.engine`` imports here): the same number of
+   blocks of the same size pulled over its TCP protocol with P2PHANDSHAKE metadata, same run
+   (bench/mooncake_ref.py), while the pools are still alive; tpusync's default stream count is
+   measured again right after it for the row's ratio. The row says why it was skipped otherwise.
 
 Producer and consumer run in this one process on separate native threads; every byte crosses a
 real socket (or the shared segment). Figures are medians of ``repeats`` runs.
@@ -29,6 +36,7 @@ import time
 import numpy as np
 
 from tpusync.core.bench.common import measure, progress, result_entry
+from tpusync.core.bench.mooncake_ref import run_reference as _mooncake_reference
 from tpusync.core.pd import PdConsumer, PdProducer
 from tpusync.core.pool import HostBlockPool
 
@@ -37,6 +45,11 @@ SMALL = 16 << 10
 IPERF_LIMIT = "iperf3 over loopback TCP, same parallel streams and bytes, same run"
 SHM_LIMIT = "one numpy copy out of a mapped /dev/shm file into a prefaulted buffer, same run"
 RTT_LIMIT = "plain 16 KiB TCP round trip between two Python sockets on loopback, same run"
+MOONCAKE_LIMIT = (
+    "Mooncake Transfer Engine, TCP protocol, P2PHANDSHAKE metadata, loopback, default settings, "
+    "same blocks pulled with batch_transfer_sync_read, same run"
+)
+DEFAULT_STREAMS = 4  # PdConsumer's default
 
 
 def run(
@@ -54,7 +67,7 @@ def run(
     iperf = shutil.which("iperf3")
     tcp, shm, small = [], {}, {}
     with progress(show_progress) as bar, tempfile.TemporaryDirectory() as tmp:
-        task = bar.add_task("bench transport", total=len(streams) + 2)
+        task = bar.add_task("bench transport", total=len(streams) + 3)
         src_pool = HostBlockPool(block_bytes, n, shm_name=tag)
         dst_pool = HostBlockPool(block_bytes, n)
         src, dst = src_pool.alloc(n), dst_pool.alloc(n)
@@ -91,6 +104,30 @@ def run(
                 bar.advance(task)
             _check(src_pool, src, dst_pool, dst)
 
+            # Mooncake, then tpusync's default stream count again right after it: the two figures
+            # of the ratio are minutes apart at most (other load on the machine drifts).
+            ref = _mooncake_reference(
+                n, block_bytes, repeats, timeout=_mooncake_timeout(nbytes, repeats)
+            )
+            if "seconds" in ref:
+                consumer = PdConsumer(dst_pool, streams=DEFAULT_STREAMS, secret=secret)
+                pull(consumer, prod.address, src, dst)  # warm
+                ours = measure(
+                    lambda c=consumer: pull(c, prod.address, src, dst)["seconds"], repeats
+                )
+                mooncake = {
+                    "streams": DEFAULT_STREAMS,
+                    **result_entry(nbytes, ours, ref["seconds"], MOONCAKE_LIMIT),
+                    "version": ref.get("version"),
+                }
+                _check(src_pool, src, dst_pool, dst)
+            else:
+                mooncake = {
+                    "skipped": ref.get("skipped", "unknown reason"),
+                    "limit": MOONCAKE_LIMIT,
+                }
+            bar.advance(task)
+
             consumer = PdConsumer(dst_pool, streams=1, secret=secret)
             unix = prod.unix_address
             assert pull(consumer, unix, src, dst)["shm"], "same-host pull did not use /dev/shm"
@@ -115,8 +152,14 @@ def run(
         "shm": shm,
         "small": small,
         "iperf3": iperf is not None,
-        "mooncake": "not measured in this suite (see docs/wire-protocol.md)",
+        "mooncake": mooncake,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
     }
+
+
+def _mooncake_timeout(nbytes: int, repeats: int) -> float:
+    """Generous: Mooncake TCP measured ~0.15-0.4 GB/s here; 20 MB/s is the floor we wait for."""
+    return 60.0 + (repeats + 1) * nbytes / 20e6
 
 
 def _check(src_pool, src, dst_pool, dst) -> None:
@@ -189,22 +232,31 @@ def _small_latency(secret: bytes, repeats: int) -> dict:
     src, dst = src_pool.alloc(1), dst_pool.alloc(1)
     src_pool.view(src[0])[:] = 3
     with PdProducer(src_pool, secret=secret) as prod:
-        consumer = PdConsumer(dst_pool, streams=1, secret=secret)
+        # The default consumer (4 streams): a 16 KiB pull takes its 1-stream small-pull link.
+        consumer = PdConsumer(dst_pool, secret=secret)
         rid = iter(range(1, 1 << 30))
 
-        def once() -> float:
+        def once(inline: bool) -> float:
             r = next(rid)
             prod.register_send(r, src, deadline=30.0)
             t0 = time.perf_counter()
-            consumer.start_recv(r, prod.address, dst, deadline=30.0)
-            res = consumer.wait(r, timeout=30.0)
+            if inline:
+                res = consumer.recv(r, prod.address, dst, deadline=30.0)
+            else:
+                consumer.start_recv(r, prod.address, dst, deadline=30.0)
+                res = consumer.wait(r, timeout=30.0)
             dt = time.perf_counter() - t0
             if not res.done:
                 raise RuntimeError(f"bench transport: small pull failed: {res.reason}")
             return dt
 
-        once()
-        ours = measure(once, repeats)
+        once(True)
+        once(False)
+        ours = measure(lambda: once(True), repeats)
+        ours_async = measure(lambda: once(False), repeats)
+    if not np.array_equal(src_pool.view(src[0]), dst_pool.view(dst[0])):
+        raise RuntimeError("bench transport: small pull data check failed")
+    store = _store_get_latency(secret, repeats)
     ref = _tcp_round_trip(repeats)
     return {
         "block_bytes": SMALL,
@@ -213,7 +265,40 @@ def _small_latency(secret: bytes, repeats: int) -> dict:
         "limit": RTT_LIMIT,
         "ratio": round(ours / ref, 3),
         "better": "lower",
+        "async_latency_us": round(ours_async * 1e6, 1),
+        "store_get_us": round(store * 1e6, 1),
+        "store_get_ratio": round(store / ref, 3),
     }
+
+
+def _store_get_latency(secret: bytes, repeats: int) -> float:
+    """Median seconds of one 16 KiB StoreClient.get from an in-process store node."""
+    from tpusync.core.store_node import StoreClient, StoreNode
+
+    node = StoreNode(capacity=64 * SMALL, block_bytes=SMALL, secret=secret)
+    try:
+        pool = HostBlockPool(SMALL, 2)
+        src, dst = pool.alloc(1), pool.alloc(1)
+        pool.view(src[0])[:] = 5
+        client = StoreClient(pool, [node.address], secret=secret)
+        if client.put(["bench-small"], src) != [1]:
+            raise RuntimeError("bench transport: store put failed")
+
+        def once() -> float:
+            t0 = time.perf_counter()
+            found = client.get(["bench-small"], dst)
+            dt = time.perf_counter() - t0
+            if found != [True]:
+                raise RuntimeError("bench transport: store get missed")
+            return dt
+
+        once()
+        dt = measure(once, repeats)
+        if not np.array_equal(pool.view(src[0]), pool.view(dst[0])):
+            raise RuntimeError("bench transport: store get data check failed")
+        return dt
+    finally:
+        node.stop()
 
 
 def _tcp_round_trip(repeats: int) -> float:
