@@ -396,3 +396,66 @@ def test_trainer_refuses_a_bad_configuration():
         TrainerSync(2, 2, {}, secret=U.SECRET)
     with pytest.raises(ValueError, match="control address"):
         TrainerSync(1, 2, {}, secret=U.SECRET)
+
+
+def test_multicontroller_jax_2x2_mesh_to_tp4_torch_samplers():
+    """Two JAX processes (jax.distributed, 2 CPU devices each) hold a pytree sharded over a 2 x 2
+    mesh; each sends only its own devices' shards; four torch sampler ranks (a 1 x 4 split on
+    dim 1, a different layout) end with exactly their shards, for two versions."""
+    pytest.importorskip("jax")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = U.ctx().Queue()
+    dst = tp_layouts(4, {n: 1 for n, shape in U.SHAPES.items() if len(shape) == 2})
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    base = {
+        "coordinator": f"127.0.0.1:{port}",
+        "processes": 2,
+        "dst_layouts": dst,
+        "block_bytes": BB,
+        "samplers": 4,
+        "versions": [(1, 61), (2, 62)],
+    }
+    control_q = U.ctx().Queue()
+    procs = [
+        U.ctx().Process(
+            target=U.jax_trainer_main,
+            args=({**base, "process": i, "control_q": control_q}, q),
+            daemon=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        control = get(q, "control", timeout=180)[1]
+        control_q.put(control)
+        procs += start_samplers(q, control, eng, 1, 4, 2, common={"dtype": "float32"})
+        for v, seed in base["versions"]:
+            got = collect(q, 4, timeout=120)
+            full = U.full_weights(seed)
+            for (_replica, rank), info in got.items():
+                assert info["ok"] and info["version"] == v, info
+                assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32), rank
+            pubs = [get(q, "published", timeout=60) for _ in range(2)]
+            held = {p[1]: p[3] for p in pubs}
+            assert sorted(held[0] + held[1]) == [0, 1, 2, 3]  # each process: its two devices
+            sent = {p[1]: p[2]["bytes"] for p in pubs}
+            assert all(p[2]["failed"] == {} for p in pubs)
+            src = pubs[0][4]
+            assert src["embed"].shards != dst["embed"].shards  # a real reshard (2 x 2 -> 1 x 4)
+            metas = tuple(TensorMeta(n, "float32", src[n]) for n in U.SHAPES)
+            plans = pack_streams(Manifest(v, metas), dst, BB, 2)
+            for proc, ranks in held.items():
+                # Exactly the streams whose source is one of this process's devices, once.
+                mine = sum(len(pl.blocks) for (s, _r), pl in plans.items() if s in ranks)
+                assert sent[proc] == mine * BB > 0, (proc, ranks)
+            for (_replica, rank), info in got.items():  # each sampler got only its own shard
+                assert info["bytes"] == sum(
+                    eng[U.engine_name(n)].box_of(rank).size * 4 for n in full
+                )
+    finally:
+        join_all(procs, timeout=60)

@@ -146,10 +146,21 @@ class WeightPublisher:
                     checksum64(data),
                 )
 
-    def published(self, manifest: Manifest, tensors: Mapping[str, tuple[Any, ShardLayout]]) -> None:
-        """Record that ``manifest`` went out (the base of the next delta)."""
-        for name, (local, _layout) in tensors.items():
-            self._last_digests[name] = checksum64(_bytes_of(_as_torch(local)))
+    def published(
+        self,
+        manifest: Manifest,
+        tensors: Mapping[str, tuple[Any, ShardLayout]],
+        digests: bool = True,
+    ) -> None:
+        """Record that ``manifest`` went out (the base of the next delta).
+
+        ``digests=False`` skips hashing every local tensor (a full read of the model) when no
+        delta will follow; the next delta then sends every tensor, which is always correct.
+        """
+        self._last_digests.clear()
+        if digests:
+            for name, (local, _layout) in tensors.items():
+                self._last_digests[name] = checksum64(_bytes_of(_as_torch(local)))
         self._last_version = manifest.version
 
 

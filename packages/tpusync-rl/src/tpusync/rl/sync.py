@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,7 @@ from tpusync.rl.chunks import (
     VersionSkewError,
     WeightPublisher,
     WeightSubscriber,
+    _as_torch,
     _torch_dtype,
 )
 from tpusync.rl.control import ControlClient, ControlServer
@@ -198,13 +199,37 @@ class UpdateResult:
     forwarded_to: int = 0
 
 
-def _normalize(tensors: Mapping[str, Any], world: int) -> dict[str, tuple[Any, ShardLayout]]:
+def _normalize(
+    tensors: Mapping[str, Any], world: int, ranks: tuple[int, ...]
+) -> dict[str, tuple[dict[int, Any], ShardLayout]]:
+    """Every tensor as ``({local rank: local shard}, layout)``.
+
+    A value is a plain tensor (held whole by every rank), ``(shard, layout)`` (this process holds
+    one layout rank) or ``({rank: shard}, layout)`` (one shard per local layout rank).
+    """
     out = {}
     for name, v in tensors.items():
         if isinstance(v, tuple):
-            out[name] = v
+            local, layout = v
         else:  # a plain tensor: every trainer rank holds all of it
-            out[name] = (v, ShardLayout.replicated(tuple(v.shape), range(world)))
+            local, layout = v, ShardLayout.replicated(tuple(v.shape), range(world))
+        if not isinstance(local, Mapping):
+            local = {r: local for r in ranks}
+        held = {r for r, _ in layout.shards}
+        missing = [r for r in ranks if r in held and r not in local]
+        if missing:
+            raise ValueError(f"{name}: no local shard given for layout ranks {missing}")
+        out[name] = ({r: local[r] for r in ranks if r in held}, layout)
+    return out
+
+
+def _first(tensors: Mapping[str, tuple[dict[int, Any], ShardLayout]]) -> dict[str, tuple]:
+    """``(one local shard, layout)`` per tensor: what the manifest and delta digests look at."""
+    out = {}
+    for name, (local, layout) in tensors.items():
+        if not local:
+            raise ValueError(f"{name}: this process holds no shard of it")
+        out[name] = (local[min(local)], layout)
     return out
 
 
@@ -214,6 +239,12 @@ class TrainerSync:
     ``dst_layouts`` is the sampler group's layout of every tensor, keyed by trainer name (a tensor
     missing from it is not sent). ``control`` is the address to listen on (rank 0, default an
     ephemeral loopback port) or rank 0's :attr:`control_address` (other ranks).
+
+    MULTI-RANK CONTRACT: ``world`` counts the ranks of the trainer layouts. A process may hold
+    several of them (``local_ranks``, e.g. one per device of a multi-controller JAX process; the
+    default is ``(rank,)``); ``rank`` is then the smallest of them and the process holding layout
+    rank 0 serves the control channel. Each process sends only the streams of its own ranks, from
+    the shards it holds (:mod:`tpusync.rl.jax` builds these arguments from a pytree).
     """
 
     def __init__(
@@ -231,12 +262,19 @@ class TrainerSync:
         bucket_blocks: int = 8,
         pool_bytes: int = 512 << 20,
         deadline: float = 60.0,
+        local_ranks: Sequence[int] | None = None,
     ) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside world {world}")
         if fanout < 1:
             raise ValueError("fanout must be >= 1")
+        ranks = tuple(sorted({int(r) for r in local_ranks})) if local_ranks else (rank,)
+        if ranks[0] != rank or not all(0 <= r < world for r in ranks):
+            raise ValueError(
+                f"local ranks {ranks} must lie in [0, {world}) with {rank} the smallest"
+            )
         self.rank, self.world, self.fanout = rank, world, fanout
+        self.ranks = ranks
         self.deadline = deadline
         self.block_bytes, self.bucket_blocks = block_bytes, bucket_blocks
         self._dst = dict(dst_layouts)
@@ -246,10 +284,11 @@ class TrainerSync:
         self._lock = threading.Lock()
         self._members: dict[str, dict] = {}  # rank 0: "replica:rank" -> address
         self._have: dict[str, int] = {}  # rank 0: the version each sampler last said it has
-        self._trainers: dict[int, dict] = {rank: self._ep.address}
+        self._trainers: dict[int, dict] = {r: self._ep.address for r in ranks}
         self._announced: dict[int, dict] = {}
         self._reports: dict[int, dict[str, dict]] = collections.defaultdict(dict)
         self._force_full = False
+        self._delta_used = False
         self.metrics = {"versions_published": 0, "bytes_sent": 0, "last_publish_s": 0.0}
         self._server: ControlServer | None = None
         self._client: ControlClient | None = None
@@ -261,10 +300,11 @@ class TrainerSync:
             if not control:
                 raise ValueError("trainer ranks > 0 need rank 0's control address")
             self._client = ControlClient(self._secret, control)
-            self._client.request(
-                {"op": "join", "kind": "trainer", "rank": rank, "addr": self._ep.address},
-                timeout=deadline,
-            )
+            for r in ranks:
+                self._client.request(
+                    {"op": "join", "kind": "trainer", "rank": r, "addr": self._ep.address},
+                    timeout=deadline,
+                )
 
     @property
     def control_address(self) -> str:
@@ -369,10 +409,11 @@ class TrainerSync:
         ``delta`` (single-rank trainers) only tensors changed since the last version are sent.
         """
         t0 = time.monotonic()
-        tensors = _normalize(tensors, self.world)
+        tensors = _normalize(tensors, self.world, self.ranks)
         if delta and self.world != 1:
             raise ValueError("delta updates need the ranks' changed sets combined: world must be 1")
-        manifest = self._pub.prepare(version, tensors, delta=delta and not self._force_full)
+        view = _first(tensors)
+        manifest = self._pub.prepare(version, view, delta=delta and not self._force_full)
         if self.rank == 0:
             ann = self._announce(manifest)
         else:
@@ -389,7 +430,9 @@ class TrainerSync:
         self._wait_sent(outstanding, ann, report, t0 + self.deadline)
         if self.rank == 0:
             self._collect(ann, report, t0 + self.deadline)
-        self._pub.published(manifest, tensors)
+        # Digests of every local tensor are only worth a pass over the model once deltas are used.
+        self._delta_used = self._delta_used or delta
+        self._pub.published(manifest, view, digests=self._delta_used)
         self._force_full = bool(report.failed)
         report.seconds = time.monotonic() - t0
         self.metrics["versions_published"] += 1
@@ -418,36 +461,39 @@ class TrainerSync:
         self,
         ann: dict,
         manifest: Manifest,
-        tensors: Mapping[str, tuple[Any, ShardLayout]],
+        tensors: Mapping[str, tuple[dict[int, Any], ShardLayout]],
         report: PublishReport,
         deadline: float,
     ) -> dict[int, str]:
         dst = {n: _layout_from_wire(raw) for n, raw in ann["dst"].items()}
         plans = pack_streams(manifest, dst, ann["block_bytes"], ann["bucket_blocks"])
-        mine = {r: p for (s, r), p in plans.items() if s == self.rank}
+        mine = {(s, r): p for (s, r), p in plans.items() if s in self.ranks}
         topo = {int(r): v for r, v in ann["topo"].items()}
         outstanding: dict[int, str] = {}
-        # Round-robin over destination ranks so every sampler rank progresses at once.
+        # Round-robin over streams so every sampler rank progresses at once.
         order = [
-            (r, b)
+            (s, r, b)
             for b in range(max((len(p.buckets) for p in mine.values()), default=0))
-            for r in sorted(mine)
-            if b < len(mine[r].buckets) and topo.get(r)
+            for (s, r) in sorted(mine)
+            if b < len(mine[(s, r)].buckets) and topo.get(r)
         ]
         local = {
-            n: torch.as_tensor(t) if not isinstance(t, torch.Tensor) else t
-            for n, (t, _) in tensors.items()
+            s: {n: _as_torch(shards[s]) for n, (shards, _) in tensors.items() if s in shards}
+            for s in self.ranks
         }
-        boxes = {n: lay.box_of(self.rank) for n, (_, lay) in tensors.items()}
-        for n, (r, b) in enumerate(order):
-            plan = mine[r]
+        boxes = {
+            s: {n: lay.box_of(s) for n, (shards, lay) in tensors.items() if s in shards}
+            for s in self.ranks
+        }
+        for n, (s, r, b) in enumerate(order):
+            plan = mine[(s, r)]
             first, end = plan.buckets[b]
             try:
                 ids = self._ep.alloc(end - first, deadline)
             except PoolExhaustedError:
                 # Children that never acknowledged hold the pool until the deadline: whoever has
                 # not got every bucket by now fails this version (reported), nobody waits longer.
-                for r2, _b2 in order[n:]:
+                for _s2, r2, _b2 in order[n:]:
                     for replica in _children(topo[r2], None, ann["fanout"]):
                         report.failed.setdefault(
                             _key(replica, r2), "trainer pool stayed full until the deadline"
@@ -455,9 +501,9 @@ class TrainerSync:
                 break
             try:
                 for k, blk in enumerate(range(first, end)):
-                    self._fill(ids[k], plan, blk, manifest.version, local, boxes)
+                    self._fill(ids[k], plan, blk, manifest.version, local[s], boxes[s])
                 for j, replica in enumerate(_children(topo[r], None, ann["fanout"])):
-                    rid = request_id(manifest.version, self.rank, r, j, b)
+                    rid = request_id(manifest.version, s, r, j, b)
                     self._ep.producer.register_send(rid, ids, max(deadline - time.monotonic(), 0))
                     outstanding[rid] = _key(replica, r)
                     report.bytes_sent += (end - first) * self.block_bytes
