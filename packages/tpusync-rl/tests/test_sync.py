@@ -396,6 +396,10 @@ def test_trainer_refuses_a_bad_configuration():
         TrainerSync(2, 2, {}, secret=U.SECRET)
     with pytest.raises(ValueError, match="control address"):
         TrainerSync(1, 2, {}, secret=U.SECRET)
+    with pytest.raises(ValueError, match="local ranks"):
+        TrainerSync(0, 4, {}, secret=U.SECRET, local_ranks=[1, 2])  # rank 0 not among them
+    with pytest.raises(ValueError, match="local ranks"):
+        TrainerSync(2, 4, {}, secret=U.SECRET, local_ranks=[2, 4])  # 4 outside the world
 
 
 def test_multicontroller_jax_2x2_mesh_to_tp4_torch_samplers():

@@ -77,7 +77,7 @@ def checkpoint_params(model_dir: str | Path) -> dict[str, list]:
     out: dict[str, list] = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
+        raise ValueError(f"no *.safetensors file in {model_dir}: not a safetensors model directory")
     for path in files:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
