@@ -207,7 +207,9 @@ def jax_trainer_main(spec: dict, q) -> None:
     )
     if t.is_control:
         q.put(("control", t.control_address))
-        t.wait_for_samplers(spec["samplers"], timeout=60)
+        t.wait_for_samplers(spec["samplers"], timeout=120)
+    else:  # publish together with process 0 (a training step would line them up)
+        assert spec["control_q"].get(timeout=180) == "go"
     from tpusync.rl.jaxsync import pytree_shards
 
     held = sorted(t.sync.ranks)

@@ -59,7 +59,7 @@ from tpusync.rl.chunks import (
 from tpusync.rl.control import ControlClient, ControlServer
 from tpusync.rl.layout import Box, ShardLayout
 from tpusync.rl.manifest import Manifest
-from tpusync.rl.pack import DIGEST, TRAILER, StreamPlan, pack_streams
+from tpusync.rl.pack import TRAILER, StreamPlan, pack_streams
 
 log = logging.getLogger("tpusync.rl")
 
@@ -500,11 +500,15 @@ class TrainerSync:
                         )
                 break
             try:
-                for k, blk in enumerate(range(first, end)):
+                sums = [
                     self._fill(ids[k], plan, blk, manifest.version, local[s], boxes[s])
+                    for k, blk in enumerate(range(first, end))
+                ]
                 for j, replica in enumerate(_children(topo[r], None, ann["fanout"])):
                     rid = request_id(manifest.version, s, r, j, b)
-                    self._ep.producer.register_send(rid, ids, max(deadline - time.monotonic(), 0))
+                    self._ep.producer.register_send(
+                        rid, ids, max(deadline - time.monotonic(), 0), checksums=sums
+                    )
                     outstanding[rid] = _key(replica, r)
                     report.bytes_sent += (end - first) * self.block_bytes
             finally:
@@ -519,26 +523,31 @@ class TrainerSync:
         version: int,
         local: Mapping[str, torch.Tensor],
         boxes: Mapping[str, Box],
-    ) -> None:
+    ) -> int:
+        """Pack block ``index`` of ``plan`` into pool block ``block``; returns its checksum."""
         bb = self.block_bytes
         arr = self._ep.pool.view(block)
         u8 = torch.from_numpy(arr)
         pieces = plan.blocks[index]
-        digests = np.empty(len(pieces), dtype=np.uint64)
         for p in pieces:
             src = local[p.name][boxes[p.name].local_slices(p.box)]
             out = u8[p.offset : p.offset + p.nbytes].view(_torch_dtype(p.dtype)).view(p.box.shape)
             out.copy_(src)  # device -> host for accelerator tensors
-            digests[p.slot] = checksum64(arr[p.offset : p.offset + p.nbytes])
-        tail = arr[bb - TRAILER - DIGEST * len(pieces) :].view(np.uint64)
-        tail[: len(pieces)] = digests[::-1]  # piece i sits at bb - 16 - 8 * (i + 1)
-        tail[len(pieces) :] = (version, len(pieces))
+        arr[bb - TRAILER :].view(np.uint64)[:] = (version, len(pieces))
+        # BLOCK CHECKSUM CONTRACT: the one hash of these bytes, checked at every hop.
+        return checksum64(arr)
 
     def _wait_sent(
         self, outstanding: dict[int, str], ann: dict, report: PublishReport, deadline: float
     ) -> None:
         left = dict(outstanding)
+        version = int(ann["version"])
         while left and time.monotonic() < deadline + 1.0:
+            if self._server is not None:  # rank 0: a sampler that reported a failure gave up
+                with self._lock:
+                    reps = dict(self._reports.get(version, {}))
+                for rid in [r for r, k in left.items() if k in reps and not reps[k].get("ok")]:
+                    report.failed.setdefault(left.pop(rid), "rejected by the sampler")
             for st in self._ep.producer.poll():
                 key = left.get(st.request_id)
                 if key is None or st.state == "pending":
@@ -798,17 +807,27 @@ class SamplerSync:
                     )
                     flight.appendleft((s, b, rid, ids))
                     continue
-                if not st.done:
+                if not st.done or len(st.checksums) != len(ids):
                     ep.pool.free(ids)
+                    first, end = streams[s].buckets[b]
+                    names = sorted(
+                        {p.name for i in range(first, end) for p in streams[s].blocks[i]}
+                    )
+                    why = st.reason or st.state if not st.done else "no origin checksums"
                     raise UpdateRejectedError(
-                        f"bucket {b} from {peers[s]}: {st.reason or st.state}"
+                        f"bucket {b} ({', '.join(names)}) from trainer rank {s} via {peers[s]}: "
+                        f"{why}"
                     )
                 while queue and len(flight) < self._window and start():
                     pass
                 # Forward first (the children's pulls overlap our staging), then stage.
                 for j, _child in enumerate(children):
+                    # The trainer's checksums travel on: every hop checks the origin's hash.
                     ep.producer.register_send(
-                        request_id(version, s, me, j, b), ids, max(deadline - time.monotonic(), 0)
+                        request_id(version, s, me, j, b),
+                        ids,
+                        max(deadline - time.monotonic(), 0),
+                        checksums=st.checksums,
                     )
                     forwarded += 1
                 try:
@@ -849,7 +868,6 @@ class SamplerSync:
                 f"block {index} from trainer rank {src} carries version {got_version} with {count} "
                 f"pieces, expected version {version} with {len(pieces)} (stale or foreign data)"
             )
-        digests = arr[bb - TRAILER - DIGEST * len(pieces) : bb - TRAILER].view(np.uint64)[::-1]
         for p in pieces:
             if not self.sub.expects(p.name):
                 continue
@@ -862,7 +880,7 @@ class SamplerSync:
                     p.box,
                     p.dtype,
                     arr[p.offset : p.offset + p.nbytes],
-                    int(digests[p.slot]),
+                    None,  # the transport verified the whole block against the trainer's checksum
                 )
             )
 
