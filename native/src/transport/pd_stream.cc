@@ -650,23 +650,32 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
           std::vector<uint64_t> sums(with_sums ? n : 0);
           for (auto& c : sums) c = *r.U64();
           const uint32_t groups = GroupsOf(n, *bpg);
-          for (uint32_t g = 0; g < groups; ++g) {
+          Status damaged;
+          for (uint32_t g = 0; g < groups && damaged.ok(); ++g) {
             const size_t gfirst = size_t{g} * *bpg, glast = std::min<size_t>(gfirst + *bpg, n);
             for (size_t i = gfirst; i < glast; ++i) {
               if (!with_sums) {
                 std::memcpy(src.addrs[i], map->base + offsets[i], bb);
-              } else {  // copy and hash in one pass over the block
-                if (CopyWithChecksum64(src.addrs[i], map->base + offsets[i], bb) != sums[i]) {
-                  return Status::Corrupted(
-                      StrCat("block ", i, " failed its checksum on the same-host path"));
-                }
+              } else if (CopyWithChecksum64(src.addrs[i], map->base + offsets[i], bb) != sums[i]) {
+                // Copy and hash in one pass; a mismatch fails the request, the stream stays in
+                // step (the producer's PdEnd is still read below, so the link can be reused).
+                damaged = Status::Corrupted(
+                    StrCat("block ", i, " failed its checksum on the same-host path"));
+                break;
+              } else {
                 std::lock_guard lock(mu_);
                 src.sums[i] = sums[i];
                 src.summed[i] = 1;
               }
             }
-            TPUSYNC_RETURN_IF_ERROR(land(g, groups, *bpg, static_cast<uint32_t>(gfirst),
-                                         static_cast<uint32_t>(glast - gfirst)));
+            if (damaged.ok()) {
+              TPUSYNC_RETURN_IF_ERROR(land(g, groups, *bpg, static_cast<uint32_t>(gfirst),
+                                           static_cast<uint32_t>(glast - gfirst)));
+            }
+          }
+          if (!damaged.ok()) {
+            if (first_error.ok()) first_error = damaged;
+            break;
           }
           std::lock_guard lock(mu_);
           src.shm = true;
