@@ -410,7 +410,7 @@ def integration_rl(session: nox.Session) -> None:
     """tpusync-rl: its pytest suite (spawned trainer / sampler processes, real sockets, torch CPU)
     and the examples/rl_weight_sync RL loop, over TCP and over the same-host path."""
     install_core(session)
-    session.install(TORCH, *TEST_DEPS)
+    session.install(TORCH, JAX, *TEST_DEPS)  # jax: the multi-controller JAX trainer test
     for pkg in ("tpusync-torch", "tpusync-rl"):
         session.install("--no-deps", "--force-reinstall", str(ROOT / "packages" / pkg))
     env = {"TPUSYNC_REPO_ROOT": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -470,7 +470,8 @@ def integration_vllm(session: nox.Session) -> None:
         "python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"
     )
     install_core(session)
-    for pkg in ("tpusync-torch", "tpusync-vllm"):
+    # tpusync-rl too: its vLLM weight-transfer backend is tested against the same engine.
+    for pkg in ("tpusync-torch", "tpusync-vllm", "tpusync-rl"):
         session.install("--no-deps", "--force-reinstall", str(ROOT / "packages" / pkg))
     venv = Path(session.virtualenv.location)
     size = subprocess.run(["du", "-sm", str(venv)], capture_output=True, text=True).stdout.split()
@@ -489,6 +490,7 @@ def integration_vllm(session: nox.Session) -> None:
     session.run(
         "pytest",
         str(ROOT / "packages/tpusync-vllm/tests"),
+        str(ROOT / "packages/tpusync-rl/tests/test_vllm_sampler.py"),
         "-p",
         "no:cacheprovider",
         "--durations=0",

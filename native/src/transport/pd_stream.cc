@@ -1,5 +1,7 @@
 #include "tpusync/transport/pd_stream.h"
 
+#include "tpusync/base/checksum.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -46,6 +48,7 @@ struct PdProducer::Entry {
   uint32_t bpg = 1;
   Deadline deadline;
   uint64_t bytes = 0;
+  std::vector<uint64_t> checksums;  // empty or one per block (CHECKSUM CONTRACT)
 };
 
 Result<std::unique_ptr<PdProducer>> PdProducer::Start(std::shared_ptr<BlockAllocator> pool,
@@ -98,12 +101,18 @@ void PdProducer::Stop() {
 }
 
 Status PdProducer::RegisterSend(uint64_t request_id, std::vector<BlockId> blocks,
-                                uint32_t blocks_per_group, Deadline deadline) {
+                                uint32_t blocks_per_group, Deadline deadline,
+                                std::vector<uint64_t> checksums) {
   if (blocks.empty()) return Status::InvalidArgument("RegisterSend needs at least one block");
   if (blocks.size() > (1u << 24)) {
     return Status::InvalidArgument(StrCat("RegisterSend of ", blocks.size(), " blocks"));
   }
+  if (!checksums.empty() && checksums.size() != blocks.size()) {
+    return Status::InvalidArgument(StrCat("RegisterSend of ", blocks.size(), " blocks with ",
+                                          checksums.size(), " checksums (one per block or none)"));
+  }
   auto e = std::make_shared<Entry>();
+  e->checksums = std::move(checksums);
   e->id = request_id;
   e->bpg = blocks_per_group == 0 ? static_cast<uint32_t>(blocks.size()) : blocks_per_group;
   e->deadline = deadline;
@@ -240,6 +249,7 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
     MetaWriter w;
     w.U64(pool_->host_pool().size()).U64(bb).U32(e->bpg).U32(static_cast<uint32_t>(addrs.size()));
     for (const uint8_t* a : addrs) w.U64(static_cast<uint64_t>(a - pool_->host_pool().data()));
+    for (uint64_t c : e->checksums) w.U64(c);  // CHECKSUM CONTRACT: after the offsets, or none
     sent = s0.SendMeta(Op::kPdShmOffer, id, w.bytes(), e->deadline);
     if (sent.ok()) sent = SendFd(s0.fd(), shm_fd_.get(), e->deadline);
   } else {
@@ -276,6 +286,9 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
           f.blocks = std::span<const uint8_t* const>(addrs).subspan(b, c);
           // One stream: its PdEnd follows at once, so both leave in one segment.
           f.more = k == 1 && g + 1 == groups && b + c >= hi;
+          if (!e->checksums.empty()) {
+            f.checksums = std::span<const uint64_t>(e->checksums).subspan(b, c);
+          }
           if (Status st = raw[si]->Send(f, e->deadline); !st.ok()) {
             failed.store(true);
             return st;
@@ -351,6 +364,8 @@ struct PdConsumer::Source {
   uint32_t groups = 0, bpg = 0;
   std::vector<uint32_t> landed_in_group;
   std::vector<uint8_t> landed;
+  std::vector<uint64_t> sums;   // the verified checksum of each block (CHECKSUM CONTRACT)
+  std::vector<uint8_t> summed;  // whether sums[i] is known
   uint32_t ready = 0;
   bool shm = false;
 };
@@ -461,6 +476,8 @@ Result<std::shared_ptr<PdConsumer::Request>> PdConsumer::Begin(uint64_t request_
       req->all_blocks.push_back(b);
     }
     src.landed.assign(s.blocks.size(), 0);
+    src.sums.assign(s.blocks.size(), 0);
+    src.summed.assign(s.blocks.size(), 0);
     src.blocks = std::move(s.blocks);
     req->sources.push_back(std::move(src));
   }
@@ -537,7 +554,17 @@ void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
         Status(result.code(), StrCat("source ", src.peer.ToString(), ": ", result.message()));
   }
   if (--req->running == 0) {
-    if (req->status.state == PdState::kPending) req->status.state = PdState::kDone;
+    if (req->status.state == PdState::kPending) {
+      req->status.state = PdState::kDone;
+      bool all = true;
+      for (const Source& s : req->sources) {
+        all = all && std::all_of(s.summed.begin(), s.summed.end(), [](uint8_t x) { return x; });
+      }
+      for (const Source& s : req->sources) {
+        if (all)
+          req->status.checksums.insert(req->status.checksums.end(), s.sums.begin(), s.sums.end());
+      }
+    }
     pool_->ReleaseBorrow(req->all_blocks);
   }
   Update(*req);
@@ -644,6 +671,12 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
             continue;
           }
           TPUSYNC_RETURN_IF_ERROR(s);
+          if (f->checksums.size() == *count) {  // verified by RecvBlocks
+            for (uint32_t i = 0; i < *count; ++i) {
+              src.sums[*first + i] = f->checksums[i];
+              src.summed[*first + i] = 1;
+            }
+          }
           TPUSYNC_RETURN_IF_ERROR(land(*g, *groups, *bpg, *first, *count));
           break;
         }
@@ -655,8 +688,10 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
           MetaReader r(f->meta);
           auto pool_bytes = r.U64(), obb = r.U64();
           auto bpg = r.U32(), count = r.U32();
+          // Offsets, then (CHECKSUM CONTRACT) optionally one checksum per block.
+          const bool with_sums = r.remaining() == uint64_t{n} * 16;
           if (!pool_bytes.ok() || !obb.ok() || !bpg.ok() || !count.ok() || *obb != bb ||
-              *count != n || *bpg == 0 || r.remaining() != uint64_t{n} * 8) {
+              *count != n || *bpg == 0 || (r.remaining() != uint64_t{n} * 8 && !with_sums)) {
             return Status::Corrupted("malformed PdShmOffer frame");
           }
           TPUSYNC_ASSIGN_OR_RETURN(auto map, MapSegment(std::move(fd)));
@@ -668,14 +703,35 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
                   StrCat("shm offset ", offsets[i], " is outside the segment"));
             }
           }
+          std::vector<uint64_t> sums(with_sums ? n : 0);
+          for (auto& c : sums) c = *r.U64();
           const uint32_t groups = GroupsOf(n, *bpg);
-          for (uint32_t g = 0; g < groups; ++g) {
+          Status damaged;
+          for (uint32_t g = 0; g < groups && damaged.ok(); ++g) {
             const size_t gfirst = size_t{g} * *bpg, glast = std::min<size_t>(gfirst + *bpg, n);
             for (size_t i = gfirst; i < glast; ++i) {
-              std::memcpy(src.addrs[i], map->base + offsets[i], bb);
+              if (!with_sums) {
+                std::memcpy(src.addrs[i], map->base + offsets[i], bb);
+              } else if (CopyWithChecksum64(src.addrs[i], map->base + offsets[i], bb) != sums[i]) {
+                // Copy and hash in one pass; a mismatch fails the request, the stream stays in
+                // step (the producer's PdEnd is still read below, so the link can be reused).
+                damaged = Status::Corrupted(
+                    StrCat("block ", i, " failed its checksum on the same-host path"));
+                break;
+              } else {
+                std::lock_guard lock(mu_);
+                src.sums[i] = sums[i];
+                src.summed[i] = 1;
+              }
             }
-            TPUSYNC_RETURN_IF_ERROR(land(g, groups, *bpg, static_cast<uint32_t>(gfirst),
-                                         static_cast<uint32_t>(glast - gfirst)));
+            if (damaged.ok()) {
+              TPUSYNC_RETURN_IF_ERROR(land(g, groups, *bpg, static_cast<uint32_t>(gfirst),
+                                           static_cast<uint32_t>(glast - gfirst)));
+            }
+          }
+          if (!damaged.ok()) {
+            if (first_error.ok()) first_error = damaged;
+            break;
           }
           std::lock_guard lock(mu_);
           src.shm = true;

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <thread>
 
+#include "tpusync/base/checksum.h"
 #include "tpusync/transport/fault_stream.h"
 
 namespace tpusync::transport {
@@ -360,6 +361,68 @@ TEST(PdStream, RecvFromASilentPeerEndsAtItsDeadline) {
   EXPECT_EQ(got->state, PdState::kFailed);
   EXPECT_EQ(got->reason.code(), StatusCode::kTimeout) << got->reason.ToString();
   EXPECT_LT(waited, std::chrono::seconds(3));
+}
+
+// CHECKSUM CONTRACT: checksums given at RegisterSend travel instead of a fresh hash, are verified
+// by the consumer on TCP and on the same-host path, come back in PdStatus::checksums, and a wrong
+// one fails the receipt (the bytes are never trusted).
+TEST(PdStream, OriginChecksumsTravelAreVerifiedAndReported) {
+  const std::string shm = "tpusync-pd-sum-" + std::to_string(::getpid());
+  auto ppool = MakePool(64 << 10, 16, shm), cpool = MakePool(64 << 10, 16);
+  PdProducerOptions po;
+  po.unix_path = "/tmp/" + shm + ".sock";
+  auto producer = PdProducer::Start(ppool, TestSecret(), po);
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}});
+  auto src = *ppool->Alloc(6);
+  Fill(*ppool, src, 41);
+  std::vector<uint64_t> sums;
+  for (BlockId b : src) sums.push_back(Checksum64(*ppool->Address(b), ppool->block_bytes()));
+  EXPECT_EQ((*producer)->RegisterSend(1, src, 2, DeadlineInMs(10000), {1, 2}).code(),
+            StatusCode::kInvalidArgument);  // one per block or none
+  uint64_t id = 10;
+  for (const std::string& peer : {(*producer)->address().ToString(), (*producer)->unix_address()}) {
+    SCOPED_TRACE(peer);
+    auto dst = *cpool->Alloc(6);
+    ASSERT_TRUE((*producer)->RegisterSend(id, src, 2, DeadlineInMs(10000), sums).ok());
+    ASSERT_TRUE((*consumer)->StartRecv(id, {{peer, dst}}, DeadlineInMs(10000)).ok());
+    PdStatus got = WaitEnd(**consumer, id);
+    ASSERT_EQ(got.state, PdState::kDone) << got.reason.ToString();
+    EXPECT_EQ(got.checksums, sums);
+    EXPECT_TRUE(Same(*ppool, src, *cpool, dst));
+    EXPECT_EQ(ProducerEnd(**producer, id).state, PdState::kDone);
+    ++id;
+    // A checksum that does not match the bytes (damage after it was taken) fails the receipt.
+    std::vector<uint64_t> bad = sums;
+    bad[3] ^= 1;
+    ASSERT_TRUE((*producer)->RegisterSend(id, src, 2, DeadlineInMs(3000), bad).ok());
+    ASSERT_TRUE((*consumer)->StartRecv(id, {{peer, dst}}, DeadlineInMs(3000)).ok());
+    got = WaitEnd(**consumer, id);
+    EXPECT_EQ(got.state, PdState::kFailed);
+    EXPECT_EQ(got.reason.code(), StatusCode::kCorrupted) << got.reason.ToString();
+    EXPECT_TRUE(got.checksums.empty());
+    ++id;
+    ASSERT_TRUE(cpool->Free(dst).ok());
+  }
+  // Without given checksums: TCP still reports the ones the producer computed; shm has none.
+  auto dst = *cpool->Alloc(6);
+  ASSERT_TRUE((*producer)->RegisterSend(id, src, 2, DeadlineInMs(10000)).ok());
+  ASSERT_TRUE((*consumer)
+                  ->StartRecv(id, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(10000))
+                  .ok());
+  const PdStatus computed = WaitEnd(**consumer, id);
+  ASSERT_EQ(computed.state, PdState::kDone) << computed.reason.ToString();
+  EXPECT_EQ(computed.checksums, sums);
+  ++id;
+  ASSERT_TRUE((*producer)->RegisterSend(id, src, 2, DeadlineInMs(10000)).ok());
+  ASSERT_TRUE(
+      (*consumer)->StartRecv(id, {{(*producer)->unix_address(), dst}}, DeadlineInMs(10000)).ok());
+  const PdStatus plain = WaitEnd(**consumer, id);
+  // Done (the link that carried the failed receipts above is still in step), without checksums.
+  ASSERT_EQ(plain.state, PdState::kDone) << plain.reason.ToString();
+  EXPECT_TRUE(plain.shm);
+  EXPECT_TRUE(plain.checksums.empty());
+  EXPECT_TRUE(Same(*ppool, src, *cpool, dst));
 }
 
 }  // namespace

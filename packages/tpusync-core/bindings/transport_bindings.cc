@@ -58,6 +58,7 @@ nb::dict ToDict(const PdStatus& s) {
   d["groups_ready"] = s.groups_ready;
   d["bytes"] = s.bytes;
   d["shm"] = s.shm;
+  d["checksums"] = s.checksums;
   return d;
 }
 
@@ -95,13 +96,14 @@ void init_transport(nb::module_& m) {
       .def(
           "register_send",
           [](PdProducer& p, uint64_t request_id, std::vector<BlockId> blocks, double deadline,
-             uint32_t blocks_per_group) {
+             uint32_t blocks_per_group, std::vector<uint64_t> checksums) {
             const Deadline d = After(deadline);
             nb::gil_scoped_release release;
-            ThrowIfError(p.RegisterSend(request_id, std::move(blocks), blocks_per_group, d));
+            ThrowIfError(p.RegisterSend(request_id, std::move(blocks), blocks_per_group, d,
+                                        std::move(checksums)));
           },
           nb::arg("request_id"), nb::arg("blocks"), nb::arg("deadline"),
-          nb::arg("blocks_per_group") = 0)
+          nb::arg("blocks_per_group") = 0, nb::arg("checksums") = std::vector<uint64_t>{})
       .def("poll",
            [](PdProducer& p) {
              std::vector<PdStatus> v;

@@ -159,3 +159,72 @@ def trainer_rank_main(spec: dict, q) -> None:
         rep = t.publish(v, tensors)
         q.put(("published", v, {"failed": rep.failed, "committed": rep.committed}))
     t.close()
+
+
+def jax_trainer_main(spec: dict, q) -> None:
+    """One multi-controller JAX process (2 CPU devices): publishes ``spec['versions']`` of a
+    pytree sharded over a 2 x 2 mesh spanning both processes."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    torch.set_num_threads(1)
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    jax.distributed.initialize(
+        coordinator_address=spec["coordinator"],
+        num_processes=spec["processes"],
+        process_id=spec["process"],
+        initialization_timeout=60,
+    )
+    from tpusync.rl.jaxsync import JaxTrainerSync, device_ranks
+
+    devices = np.array(sorted(jax.devices(), key=lambda d: d.id)).reshape(2, 2)
+    mesh = Mesh(devices, ("x", "y"))
+    specs = {2: PartitionSpec("x", "y"), 1: PartitionSpec("y"), 0: PartitionSpec()}
+
+    def tree(seed: int) -> dict:
+        out = {}
+        for name, t in full_weights(seed).items():
+            host = t.numpy()
+            sharding = NamedSharding(mesh, specs[t.dim()])
+            out[name] = jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i])
+        return out
+
+    # jax.distributed.initialize returns once every process joined: only then can process 0
+    # hand its control address to the others (here through the test's queue).
+    ranks = device_ranks()
+    is_control = any(ranks[d] == 0 for d in jax.local_devices())
+    control = None if is_control else spec["control_q"].get(timeout=120)
+    t = JaxTrainerSync(
+        spec["dst_layouts"],
+        control=control,
+        secret=SECRET,
+        block_bytes=spec["block_bytes"],
+        bucket_blocks=2,
+        pool_bytes=8 << 20,
+        deadline=30.0,
+    )
+    if t.is_control:
+        q.put(("control", t.control_address))
+        t.wait_for_samplers(spec["samplers"], timeout=120)
+    else:  # publish together with process 0 (a training step would line them up)
+        assert spec["control_q"].get(timeout=180) == "go"
+    from tpusync.rl.jaxsync import pytree_shards
+
+    held = sorted(t.sync.ranks)
+    for v, seed in spec["versions"]:
+        params = tree(seed)
+        layouts = {n: lay for n, (_, lay) in pytree_shards(params).items()}
+        rep = t.publish(v, params)
+        q.put(
+            (
+                "published",
+                spec["process"],
+                {"failed": rep.failed, "committed": rep.committed, "bytes": rep.bytes_sent},
+                held,
+                layouts,
+            )
+        )
+    t.close()
+    jax.distributed.shutdown()

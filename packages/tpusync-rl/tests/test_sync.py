@@ -287,15 +287,16 @@ def test_trainer_dying_leaves_samplers_on_the_old_version():
 
 
 class TamperingTrainer(TrainerSync):
-    """Flips one byte of the first block of stream (0 -> rank 1) after its digests were taken."""
+    """Flips one byte of the first block of stream (0 -> rank 1) after its checksum was taken."""
 
     def _fill(self, block, plan, index, version, *a):
-        super()._fill(block, plan, index, version, *a)
+        checksum = super()._fill(block, plan, index, version, *a)
         if version == 2 and plan.dst == 1 and index == 0:
             self._ep.pool.view(block)[0] ^= 0xFF
+        return checksum
 
 
-def test_digest_mismatch_rejects_update_others_commit(caplog):
+def test_damaged_block_rejects_update_others_commit(caplog):
     q = U.ctx().Queue()
     dst = tp_layouts(2, {})
     trainer = TamperingTrainer(
@@ -310,11 +311,14 @@ def test_digest_mismatch_rejects_update_others_commit(caplog):
         collect(q, 2)
         rep = trainer.publish(2, U.full_weights(52))
         assert rep.committed == ["0:0"]
-        assert "digest mismatch in embed" in rep.failed["0:1"]
+        # The transport checked the block against the trainer's checksum and refused it; the
+        # sampler names the tensors of the bucket.
+        assert "failed its checksum" in rep.failed["0:1"] and "embed" in rep.failed["0:1"]
+        assert rep.seconds < 10.0  # the trainer stopped waiting once the sampler reported
         got = collect(q, 2)
         assert got[(0, 0)]["ok"] and got[(0, 0)]["serving"] == 2
         bad = got[(0, 1)]
-        assert not bad["ok"] and "digest mismatch" in bad["reason"] and bad["serving"] == 1
+        assert not bad["ok"] and "failed its checksum" in bad["reason"] and bad["serving"] == 1
         assert bad["digest"] == U.expected_digest(full1, eng, 1, torch.bfloat16)
     finally:
         join_all(procs)
@@ -384,7 +388,7 @@ def test_pack_streams_tile_every_transfer_inside_blocks():
                 end = p.offset + p.nbytes
                 assert p.transfer.contains(p.box) and p.nbytes == p.box.size * 4
                 covered.setdefault((p.name, p.transfer), []).append(p.box)
-            assert end <= 8192 - 16 - 8 * len(block)
+            assert end <= 8192 - 16
         assert set(covered) == want
         for (_n, tbox), boxes in covered.items():
             assert sum(b.size for b in boxes) == tbox.size
@@ -396,3 +400,71 @@ def test_trainer_refuses_a_bad_configuration():
         TrainerSync(2, 2, {}, secret=U.SECRET)
     with pytest.raises(ValueError, match="control address"):
         TrainerSync(1, 2, {}, secret=U.SECRET)
+    with pytest.raises(ValueError, match="local ranks"):
+        TrainerSync(0, 4, {}, secret=U.SECRET, local_ranks=[1, 2])  # rank 0 not among them
+    with pytest.raises(ValueError, match="local ranks"):
+        TrainerSync(2, 4, {}, secret=U.SECRET, local_ranks=[2, 4])  # 4 outside the world
+
+
+def test_multicontroller_jax_2x2_mesh_to_tp4_torch_samplers():
+    """Two JAX processes (jax.distributed, 2 CPU devices each) hold a pytree sharded over a 2 x 2
+    mesh; each sends only its own devices' shards; four torch sampler ranks (a 1 x 4 split on
+    dim 1, a different layout) end with exactly their shards, for two versions."""
+    pytest.importorskip("jax")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = U.ctx().Queue()
+    dst = tp_layouts(4, {n: 1 for n, shape in U.SHAPES.items() if len(shape) == 2})
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    base = {
+        "coordinator": f"127.0.0.1:{port}",
+        "processes": 2,
+        "dst_layouts": dst,
+        "block_bytes": BB,
+        "samplers": 4,
+        "versions": [(1, 61), (2, 62)],
+    }
+    control_q = U.ctx().Queue()
+    procs = [
+        U.ctx().Process(
+            target=U.jax_trainer_main,
+            args=({**base, "process": i, "control_q": control_q}, q),
+            daemon=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        control = get(q, "control", timeout=180)[1]
+        control_q.put(control)
+        procs += start_samplers(q, control, eng, 1, 4, 2, common={"dtype": "float32"})
+        control_q.put("go")
+        for v, seed in base["versions"]:
+            got = collect(q, 4, timeout=120)
+            full = U.full_weights(seed)
+            for (_replica, rank), info in got.items():
+                assert info["ok"] and info["version"] == v, info
+                assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32), rank
+            pubs = [get(q, "published", timeout=60) for _ in range(2)]
+            held = {p[1]: p[3] for p in pubs}
+            assert sorted(held[0] + held[1]) == [0, 1, 2, 3]  # each process: its two devices
+            sent = {p[1]: p[2]["bytes"] for p in pubs}
+            assert all(p[2]["failed"] == {} for p in pubs)
+            src = pubs[0][4]
+            assert src["embed"].shards != dst["embed"].shards  # a real reshard (2 x 2 -> 1 x 4)
+            metas = tuple(TensorMeta(n, "float32", src[n]) for n in U.SHAPES)
+            plans = pack_streams(Manifest(v, metas), dst, BB, 2)
+            for proc, ranks in held.items():
+                # Exactly the streams whose source is one of this process's devices, once.
+                mine = sum(len(pl.blocks) for (s, _r), pl in plans.items() if s in ranks)
+                assert sent[proc] == mine * BB > 0, (proc, ranks)
+            for (_replica, rank), info in got.items():  # each sampler got only its own shard
+                assert info["bytes"] == sum(
+                    eng[U.engine_name(n)].box_of(rank).size * 4 for n in full
+                )
+    finally:
+        join_all(procs, timeout=60)

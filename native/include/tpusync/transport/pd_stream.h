@@ -23,6 +23,17 @@
 // kTimeout, kUnavailable, kNotFound...). A failed receipt is acknowledged as failed, and the
 // producer keeps the blocks registered until the deadline, so the consumer may pull again.
 //
+// CHECKSUM CONTRACT: RegisterSend may be given one checksum (Checksum64 of the whole block) per
+// block, computed where the bytes were made. The producer then sends those values instead of
+// hashing the blocks again (in each kPdData frame, and after the offsets of a kPdShmOffer); the
+// consumer verifies every block against them either way (on the same-host path right after its
+// memcpy) and reports them in PdStatus::checksums, so a consumer that forwards the blocks passes
+// the same values on and one hash pass, made once at the origin, is checked at every hop.
+// Without them the producer hashes each block at send time (TCP) and the same-host path carries
+// no checksum (PdStatus::checksums stays empty). Rejected alternative: a per-hop hash - every
+// forwarder re-hashed what it received, a pass per hop that also could not catch damage done in
+// a forwarder's memory.
+//
 // SAME-HOST PATH: when the consumer reaches the producer through its Unix socket and the producer's
 // pool lives in /dev/shm, the producer passes the segment's file descriptor (SCM_RIGHTS) and block
 // offsets, and the consumer memcpys from the mapping; no TCP, no socket copy.
@@ -63,6 +74,9 @@ struct PdStatus {
   uint32_t groups_ready = 0;  // consumer: leading groups complete from every source
   uint64_t bytes = 0;         // payload bytes moved so far
   bool shm = false;           // the same-host shared-memory path was used
+  // Consumer, once done: the verified checksum of every destination block, in StartRecv order
+  // (sources in order); empty unless every block carried one (CHECKSUM CONTRACT).
+  std::vector<uint64_t> checksums;
 };
 
 struct PdProducerOptions {
@@ -80,9 +94,10 @@ class PdProducer {
   Address address() const { return tcp_->address(); }
   std::string unix_address() const { return unix_ ? unix_->address().ToString() : ""; }
 
-  // blocks_per_group 0: one group. kAlreadyExists for a live request id.
+  // blocks_per_group 0: one group. kAlreadyExists for a live request id. `checksums`: empty, or
+  // Checksum64 of each block (CHECKSUM CONTRACT), which the producer sends instead of hashing.
   Status RegisterSend(uint64_t request_id, std::vector<BlockId> blocks, uint32_t blocks_per_group,
-                      Deadline deadline);
+                      Deadline deadline, std::vector<uint64_t> checksums = {});
   // Every request; terminal ones (done / failed) are reported once and then forgotten.
   std::vector<PdStatus> Poll();
   size_t pending() const;

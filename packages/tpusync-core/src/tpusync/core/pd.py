@@ -62,6 +62,9 @@ class PdResult:
     groups_ready: int
     bytes: int
     shm: bool
+    # Consumer, once done: the verified checksum of every destination block (in start_recv
+    # order), for forwarding them with register_send; empty unless every block carried one.
+    checksums: tuple[int, ...] = ()
 
     @property
     def done(self) -> bool:
@@ -72,8 +75,12 @@ class PdResult:
         return self.state == "failed"
 
 
+def _result(r: dict) -> PdResult:
+    return PdResult(**{**r, "checksums": tuple(r.get("checksums", ()))})
+
+
 def _results(raw: list[dict]) -> list[PdResult]:
-    return [PdResult(**r) for r in raw]
+    return [_result(r) for r in raw]
 
 
 def _secret(secret: bytes | None, secret_file: str | os.PathLike[str] | None) -> bytes:
@@ -119,14 +126,24 @@ class PdProducer:
         return self._native.pending
 
     def register_send(
-        self, request_id: int, blocks: Sequence[int], deadline: float, blocks_per_group: int = 0
+        self,
+        request_id: int,
+        blocks: Sequence[int],
+        deadline: float,
+        blocks_per_group: int = 0,
+        checksums: Sequence[int] = (),
     ) -> None:
         """Offer ``blocks`` under ``request_id`` until acknowledged or ``deadline`` seconds pass.
 
         ``blocks_per_group`` (0: all in one group) sets the streaming unit, e.g. the blocks of
-        one layer. AlreadyExistsError for a live request id.
+        one layer. ``checksums``: none, or :func:`tpusync.core.checksum64` of each whole block,
+        sent instead of hashing the blocks again and verified by the consumer on every path
+        (forward a received request with the consumer's ``PdResult.checksums``).
+        AlreadyExistsError for a live request id.
         """
-        self._native.register_send(request_id, list(blocks), deadline, blocks_per_group)
+        self._native.register_send(
+            request_id, list(blocks), deadline, blocks_per_group, [int(c) for c in checksums]
+        )
 
     def poll(self) -> list[PdResult]:
         """Every request; ``done`` (acknowledged) and ``failed`` (expired) ones are reported once."""
@@ -210,8 +227,8 @@ class PdConsumer:
         TimeoutError when neither happened in ``timeout`` seconds; NotFoundError for an unknown
         (or already polled) request.
         """
-        return PdResult(
-            **self._native.wait(request_id, 2**32 - 1 if groups is None else groups, timeout)
+        return _result(
+            self._native.wait(request_id, 2**32 - 1 if groups is None else groups, timeout)
         )
 
     @property

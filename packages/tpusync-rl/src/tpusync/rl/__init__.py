@@ -15,8 +15,13 @@ Available now (transport-agnostic cores, tested in-process):
   resharding, commit reports and fault handling (:mod:`tpusync.rl.pack` lays pieces into blocks,
   :mod:`tpusync.rl.control` is the signed control channel).
 
-NOT IMPLEMENTED YET: JAX pytree publishing across processes (multi-controller JAX) and the vLLM
-sampler integration. They are tracked in the project's issues.
+- :mod:`tpusync.rl.jaxsync`: :class:`~tpusync.rl.jaxsync.JaxTrainerSync` - multi-controller JAX
+  (``jax.distributed``) trainers publishing pytrees of sharded arrays, each process its own shards.
+- :mod:`tpusync.rl.vllm`: the ``tpusync`` backend of vLLM's weight-transfer API (a running vLLM
+  engine as the sampler); imports vLLM only when vLLM calls it.
+
+NOT IMPLEMENTED YET: delta updates from multi-rank trainers; vLLM tensor-parallel engines pull
+whole tensors on every worker. Tracked in the project's issues.
 """
 
 from tpusync.core import require_api

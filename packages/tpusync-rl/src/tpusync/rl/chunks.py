@@ -13,7 +13,9 @@ update that fails half-way then leaves the subscriber marked ``dirty`` until a f
 
 DIGEST CONTRACT: every chunk carries the XXH3-64 of its bytes in the trainer's dtype, computed by
 the sender and re-computed by the subscriber before anything is written; one mismatch rejects the
-whole update (nothing is committed) and is logged.
+whole update (nothing is committed) and is logged. A chunk whose ``digest`` is None was already
+verified end to end: the network path checks each block against the checksum the trainer took
+when it filled the block (:mod:`tpusync.rl.pack`, BLOCK CHECKSUM CONTRACT).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class Chunk:
     box: Box
     dtype: str  # trainer dtype of `data`
     data: np.ndarray  # uint8, box.size * itemsize bytes, C-contiguous
-    digest: int
+    digest: int | None  # None: verified upstream (the network path's block checksum)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -146,10 +148,21 @@ class WeightPublisher:
                     checksum64(data),
                 )
 
-    def published(self, manifest: Manifest, tensors: Mapping[str, tuple[Any, ShardLayout]]) -> None:
-        """Record that ``manifest`` went out (the base of the next delta)."""
-        for name, (local, _layout) in tensors.items():
-            self._last_digests[name] = checksum64(_bytes_of(_as_torch(local)))
+    def published(
+        self,
+        manifest: Manifest,
+        tensors: Mapping[str, tuple[Any, ShardLayout]],
+        digests: bool = True,
+    ) -> None:
+        """Record that ``manifest`` went out (the base of the next delta).
+
+        ``digests=False`` skips hashing every local tensor (a full read of the model) when no
+        delta will follow; the next delta then sends every tensor, which is always correct.
+        """
+        self._last_digests.clear()
+        if digests:
+            for name, (local, _layout) in tensors.items():
+                self._last_digests[name] = checksum64(_bytes_of(_as_torch(local)))
         self._last_version = manifest.version
 
 
@@ -321,7 +334,7 @@ class WeightSubscriber:
                 p.error = f"chunk {chunk.name} {chunk.box} carries {chunk.data.nbytes} bytes"
                 log.error("rank %d rejects update %d: %s", self.rank, chunk.version, p.error)
                 return
-            if checksum64(chunk.data) != chunk.digest:
+            if chunk.digest is not None and checksum64(chunk.data) != chunk.digest:
                 p.error = f"digest mismatch in {chunk.name} {chunk.box} from rank {chunk.src_rank}"
                 log.error("rank %d rejects update %d: %s", self.rank, chunk.version, p.error)
                 return

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,12 +53,13 @@ from tpusync.rl.chunks import (
     VersionSkewError,
     WeightPublisher,
     WeightSubscriber,
+    _as_torch,
     _torch_dtype,
 )
 from tpusync.rl.control import ControlClient, ControlServer
 from tpusync.rl.layout import Box, ShardLayout
 from tpusync.rl.manifest import Manifest
-from tpusync.rl.pack import DIGEST, TRAILER, StreamPlan, pack_streams
+from tpusync.rl.pack import TRAILER, StreamPlan, pack_streams
 
 log = logging.getLogger("tpusync.rl")
 
@@ -198,13 +199,37 @@ class UpdateResult:
     forwarded_to: int = 0
 
 
-def _normalize(tensors: Mapping[str, Any], world: int) -> dict[str, tuple[Any, ShardLayout]]:
+def _normalize(
+    tensors: Mapping[str, Any], world: int, ranks: tuple[int, ...]
+) -> dict[str, tuple[dict[int, Any], ShardLayout]]:
+    """Every tensor as ``({local rank: local shard}, layout)``.
+
+    A value is a plain tensor (held whole by every rank), ``(shard, layout)`` (this process holds
+    one layout rank) or ``({rank: shard}, layout)`` (one shard per local layout rank).
+    """
     out = {}
     for name, v in tensors.items():
         if isinstance(v, tuple):
-            out[name] = v
+            local, layout = v
         else:  # a plain tensor: every trainer rank holds all of it
-            out[name] = (v, ShardLayout.replicated(tuple(v.shape), range(world)))
+            local, layout = v, ShardLayout.replicated(tuple(v.shape), range(world))
+        if not isinstance(local, Mapping):
+            local = {r: local for r in ranks}
+        held = {r for r, _ in layout.shards}
+        missing = [r for r in ranks if r in held and r not in local]
+        if missing:
+            raise ValueError(f"{name}: no local shard given for layout ranks {missing}")
+        out[name] = ({r: local[r] for r in ranks if r in held}, layout)
+    return out
+
+
+def _first(tensors: Mapping[str, tuple[dict[int, Any], ShardLayout]]) -> dict[str, tuple]:
+    """``(one local shard, layout)`` per tensor: what the manifest and delta digests look at."""
+    out = {}
+    for name, (local, layout) in tensors.items():
+        if not local:
+            raise ValueError(f"{name}: this process holds no shard of it")
+        out[name] = (local[min(local)], layout)
     return out
 
 
@@ -214,6 +239,12 @@ class TrainerSync:
     ``dst_layouts`` is the sampler group's layout of every tensor, keyed by trainer name (a tensor
     missing from it is not sent). ``control`` is the address to listen on (rank 0, default an
     ephemeral loopback port) or rank 0's :attr:`control_address` (other ranks).
+
+    MULTI-RANK CONTRACT: ``world`` counts the ranks of the trainer layouts. A process may hold
+    several of them (``local_ranks``, e.g. one per device of a multi-controller JAX process; the
+    default is ``(rank,)``); ``rank`` is then the smallest of them and the process holding layout
+    rank 0 serves the control channel. Each process sends only the streams of its own ranks, from
+    the shards it holds (:mod:`tpusync.rl.jax` builds these arguments from a pytree).
     """
 
     def __init__(
@@ -231,12 +262,19 @@ class TrainerSync:
         bucket_blocks: int = 8,
         pool_bytes: int = 512 << 20,
         deadline: float = 60.0,
+        local_ranks: Sequence[int] | None = None,
     ) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside world {world}")
         if fanout < 1:
             raise ValueError("fanout must be >= 1")
+        ranks = tuple(sorted({int(r) for r in local_ranks})) if local_ranks else (rank,)
+        if ranks[0] != rank or not all(0 <= r < world for r in ranks):
+            raise ValueError(
+                f"local ranks {ranks} must lie in [0, {world}) with {rank} the smallest"
+            )
         self.rank, self.world, self.fanout = rank, world, fanout
+        self.ranks = ranks
         self.deadline = deadline
         self.block_bytes, self.bucket_blocks = block_bytes, bucket_blocks
         self._dst = dict(dst_layouts)
@@ -246,10 +284,11 @@ class TrainerSync:
         self._lock = threading.Lock()
         self._members: dict[str, dict] = {}  # rank 0: "replica:rank" -> address
         self._have: dict[str, int] = {}  # rank 0: the version each sampler last said it has
-        self._trainers: dict[int, dict] = {rank: self._ep.address}
+        self._trainers: dict[int, dict] = {r: self._ep.address for r in ranks}
         self._announced: dict[int, dict] = {}
         self._reports: dict[int, dict[str, dict]] = collections.defaultdict(dict)
         self._force_full = False
+        self._delta_used = False
         self.metrics = {"versions_published": 0, "bytes_sent": 0, "last_publish_s": 0.0}
         self._server: ControlServer | None = None
         self._client: ControlClient | None = None
@@ -261,10 +300,11 @@ class TrainerSync:
             if not control:
                 raise ValueError("trainer ranks > 0 need rank 0's control address")
             self._client = ControlClient(self._secret, control)
-            self._client.request(
-                {"op": "join", "kind": "trainer", "rank": rank, "addr": self._ep.address},
-                timeout=deadline,
-            )
+            for r in ranks:
+                self._client.request(
+                    {"op": "join", "kind": "trainer", "rank": r, "addr": self._ep.address},
+                    timeout=deadline,
+                )
 
     @property
     def control_address(self) -> str:
@@ -369,10 +409,11 @@ class TrainerSync:
         ``delta`` (single-rank trainers) only tensors changed since the last version are sent.
         """
         t0 = time.monotonic()
-        tensors = _normalize(tensors, self.world)
+        tensors = _normalize(tensors, self.world, self.ranks)
         if delta and self.world != 1:
             raise ValueError("delta updates need the ranks' changed sets combined: world must be 1")
-        manifest = self._pub.prepare(version, tensors, delta=delta and not self._force_full)
+        view = _first(tensors)
+        manifest = self._pub.prepare(version, view, delta=delta and not self._force_full)
         if self.rank == 0:
             ann = self._announce(manifest)
         else:
@@ -389,7 +430,9 @@ class TrainerSync:
         self._wait_sent(outstanding, ann, report, t0 + self.deadline)
         if self.rank == 0:
             self._collect(ann, report, t0 + self.deadline)
-        self._pub.published(manifest, tensors)
+        # Digests of every local tensor are only worth a pass over the model once deltas are used.
+        self._delta_used = self._delta_used or delta
+        self._pub.published(manifest, view, digests=self._delta_used)
         self._force_full = bool(report.failed)
         report.seconds = time.monotonic() - t0
         self.metrics["versions_published"] += 1
@@ -418,47 +461,54 @@ class TrainerSync:
         self,
         ann: dict,
         manifest: Manifest,
-        tensors: Mapping[str, tuple[Any, ShardLayout]],
+        tensors: Mapping[str, tuple[dict[int, Any], ShardLayout]],
         report: PublishReport,
         deadline: float,
     ) -> dict[int, str]:
         dst = {n: _layout_from_wire(raw) for n, raw in ann["dst"].items()}
         plans = pack_streams(manifest, dst, ann["block_bytes"], ann["bucket_blocks"])
-        mine = {r: p for (s, r), p in plans.items() if s == self.rank}
+        mine = {(s, r): p for (s, r), p in plans.items() if s in self.ranks}
         topo = {int(r): v for r, v in ann["topo"].items()}
         outstanding: dict[int, str] = {}
-        # Round-robin over destination ranks so every sampler rank progresses at once.
+        # Round-robin over streams so every sampler rank progresses at once.
         order = [
-            (r, b)
+            (s, r, b)
             for b in range(max((len(p.buckets) for p in mine.values()), default=0))
-            for r in sorted(mine)
-            if b < len(mine[r].buckets) and topo.get(r)
+            for (s, r) in sorted(mine)
+            if b < len(mine[(s, r)].buckets) and topo.get(r)
         ]
         local = {
-            n: torch.as_tensor(t) if not isinstance(t, torch.Tensor) else t
-            for n, (t, _) in tensors.items()
+            s: {n: _as_torch(shards[s]) for n, (shards, _) in tensors.items() if s in shards}
+            for s in self.ranks
         }
-        boxes = {n: lay.box_of(self.rank) for n, (_, lay) in tensors.items()}
-        for n, (r, b) in enumerate(order):
-            plan = mine[r]
+        boxes = {
+            s: {n: lay.box_of(s) for n, (shards, lay) in tensors.items() if s in shards}
+            for s in self.ranks
+        }
+        for n, (s, r, b) in enumerate(order):
+            plan = mine[(s, r)]
             first, end = plan.buckets[b]
             try:
                 ids = self._ep.alloc(end - first, deadline)
             except PoolExhaustedError:
                 # Children that never acknowledged hold the pool until the deadline: whoever has
                 # not got every bucket by now fails this version (reported), nobody waits longer.
-                for r2, _b2 in order[n:]:
+                for _s2, r2, _b2 in order[n:]:
                     for replica in _children(topo[r2], None, ann["fanout"]):
                         report.failed.setdefault(
                             _key(replica, r2), "trainer pool stayed full until the deadline"
                         )
                 break
             try:
-                for k, blk in enumerate(range(first, end)):
-                    self._fill(ids[k], plan, blk, manifest.version, local, boxes)
+                sums = [
+                    self._fill(ids[k], plan, blk, manifest.version, local[s], boxes[s])
+                    for k, blk in enumerate(range(first, end))
+                ]
                 for j, replica in enumerate(_children(topo[r], None, ann["fanout"])):
-                    rid = request_id(manifest.version, self.rank, r, j, b)
-                    self._ep.producer.register_send(rid, ids, max(deadline - time.monotonic(), 0))
+                    rid = request_id(manifest.version, s, r, j, b)
+                    self._ep.producer.register_send(
+                        rid, ids, max(deadline - time.monotonic(), 0), checksums=sums
+                    )
                     outstanding[rid] = _key(replica, r)
                     report.bytes_sent += (end - first) * self.block_bytes
             finally:
@@ -473,26 +523,31 @@ class TrainerSync:
         version: int,
         local: Mapping[str, torch.Tensor],
         boxes: Mapping[str, Box],
-    ) -> None:
+    ) -> int:
+        """Pack block ``index`` of ``plan`` into pool block ``block``; returns its checksum."""
         bb = self.block_bytes
         arr = self._ep.pool.view(block)
         u8 = torch.from_numpy(arr)
         pieces = plan.blocks[index]
-        digests = np.empty(len(pieces), dtype=np.uint64)
         for p in pieces:
             src = local[p.name][boxes[p.name].local_slices(p.box)]
             out = u8[p.offset : p.offset + p.nbytes].view(_torch_dtype(p.dtype)).view(p.box.shape)
             out.copy_(src)  # device -> host for accelerator tensors
-            digests[p.slot] = checksum64(arr[p.offset : p.offset + p.nbytes])
-        tail = arr[bb - TRAILER - DIGEST * len(pieces) :].view(np.uint64)
-        tail[: len(pieces)] = digests[::-1]  # piece i sits at bb - 16 - 8 * (i + 1)
-        tail[len(pieces) :] = (version, len(pieces))
+        arr[bb - TRAILER :].view(np.uint64)[:] = (version, len(pieces))
+        # BLOCK CHECKSUM CONTRACT: the one hash of these bytes, checked at every hop.
+        return checksum64(arr)
 
     def _wait_sent(
         self, outstanding: dict[int, str], ann: dict, report: PublishReport, deadline: float
     ) -> None:
         left = dict(outstanding)
+        version = int(ann["version"])
         while left and time.monotonic() < deadline + 1.0:
+            if self._server is not None:  # rank 0: a sampler that reported a failure gave up
+                with self._lock:
+                    reps = dict(self._reports.get(version, {}))
+                for rid in [r for r, k in left.items() if k in reps and not reps[k].get("ok")]:
+                    report.failed.setdefault(left.pop(rid), "rejected by the sampler")
             for st in self._ep.producer.poll():
                 key = left.get(st.request_id)
                 if key is None or st.state == "pending":
@@ -752,17 +807,27 @@ class SamplerSync:
                     )
                     flight.appendleft((s, b, rid, ids))
                     continue
-                if not st.done:
+                if not st.done or len(st.checksums) != len(ids):
                     ep.pool.free(ids)
+                    first, end = streams[s].buckets[b]
+                    names = sorted(
+                        {p.name for i in range(first, end) for p in streams[s].blocks[i]}
+                    )
+                    why = st.reason or st.state if not st.done else "no origin checksums"
                     raise UpdateRejectedError(
-                        f"bucket {b} from {peers[s]}: {st.reason or st.state}"
+                        f"bucket {b} ({', '.join(names)}) from trainer rank {s} via {peers[s]}: "
+                        f"{why}"
                     )
                 while queue and len(flight) < self._window and start():
                     pass
                 # Forward first (the children's pulls overlap our staging), then stage.
                 for j, _child in enumerate(children):
+                    # The trainer's checksums travel on: every hop checks the origin's hash.
                     ep.producer.register_send(
-                        request_id(version, s, me, j, b), ids, max(deadline - time.monotonic(), 0)
+                        request_id(version, s, me, j, b),
+                        ids,
+                        max(deadline - time.monotonic(), 0),
+                        checksums=st.checksums,
                     )
                     forwarded += 1
                 try:
@@ -803,7 +868,6 @@ class SamplerSync:
                 f"block {index} from trainer rank {src} carries version {got_version} with {count} "
                 f"pieces, expected version {version} with {len(pieces)} (stale or foreign data)"
             )
-        digests = arr[bb - TRAILER - DIGEST * len(pieces) : bb - TRAILER].view(np.uint64)[::-1]
         for p in pieces:
             if not self.sub.expects(p.name):
                 continue
@@ -816,7 +880,7 @@ class SamplerSync:
                     p.box,
                     p.dtype,
                     arr[p.offset : p.offset + p.nbytes],
-                    int(digests[p.slot]),
+                    None,  # the transport verified the whole block against the trainer's checksum
                 )
             )
 

@@ -1,0 +1,137 @@
+"""vLLM sampler integration: tpusync as a backend of vLLM's weight-transfer API.
+
+vLLM (0.32) updates a running engine's weights through a pluggable weight-transfer engine
+(``WeightTransferConfig(backend=...)``) driven by four calls on the engine:
+``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` and
+``finish_weight_update``. tpusync-rl registers the backend ``"tpusync"`` (a ``vllm.general_plugins``
+entry point calls :func:`register` in every vLLM process); its worker-side engine
+(:class:`tpusync.rl.vllm.engine.TpusyncWeightTransferEngine`) is one
+:class:`~tpusync.rl.sync.SamplerSync` per vLLM worker that pulls a version from the trainers,
+verifies every digest, stages it in shadow buffers (checkpoint names and shapes) and only then
+loads it into the model through vLLM's layerwise reload (``model.load_weights`` plus the
+post-load processing a fresh load runs, e.g. CPU weight repacking).
+
+ATOMICITY CONTRACT: the model is not touched until a whole version has landed and verified; a
+rejected or timed-out update raises out of ``update_weights`` and the engine keeps serving the
+old weights. The load itself runs inside vLLM's ``update_weights`` RPC, between engine steps:
+with the offline ``LLM`` call :func:`update` between ``generate`` calls; with a server, pause
+generation first (vLLM's ``pause_generation``) so no request sees two versions.
+
+This module imports vLLM only inside functions: tpusync-rl does not depend on vLLM.
+
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+    from tpusync.rl import vllm as rlvllm
+
+    llm = LLM(model_dir, weight_transfer_config=WeightTransferConfig(backend="tpusync"))
+    rlvllm.init(llm, control=trainer_control_address, replica=0,
+                params=rlvllm.checkpoint_params(model_dir))
+    while training:
+        rlvllm.update(llm, timeout=60)      # raises if no new version / the update was rejected
+        outputs = llm.generate(prompts, sampling_params)
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+BACKEND = "tpusync"
+
+__all__ = ["BACKEND", "checkpoint_params", "init", "init_info", "register", "update"]
+
+
+def register() -> None:
+    """Register the ``tpusync`` weight-transfer backend with vLLM (idempotent; the plugin hook)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "tpusync.rl.vllm.engine", "TpusyncWeightTransferEngine"
+        )
+
+
+_ST_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def checkpoint_params(model_dir: str | Path) -> dict[str, list]:
+    """``{name: [shape, dtype]}`` of every tensor in a model directory's safetensors files.
+
+    Reads only the files' JSON headers (no tensor data): the names and shapes a trainer of this
+    model publishes under (Hugging Face checkpoint names, which ``model.load_weights`` takes).
+    """
+    out: dict[str, list] = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors file in {model_dir}: not a safetensors model directory")
+    for path in files:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            if meta["dtype"] not in _ST_DTYPES:
+                raise ValueError(f"{path.name}: {name} has unsupported dtype {meta['dtype']}")
+            out[name] = [list(meta["shape"]), _ST_DTYPES[meta["dtype"]]]
+    return out
+
+
+def init_info(
+    *,
+    control: str,
+    replica: int,
+    params: Mapping[str, Any],
+    dtype: str | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """The ``init_info`` dict of ``LLM.init_weight_transfer_engine`` for the tpusync backend.
+
+    ``control``: trainer rank 0's control address; ``replica``: this engine's sampler replica
+    number (unique per engine); ``params``: ``{trainer name: [shape, dtype]}`` of what the trainer
+    publishes (:func:`checkpoint_params`); ``dtype``: the staging dtype (default: the engine's).
+    Other options go to :class:`~tpusync.rl.sync.SamplerSync` (``block_bytes``, ``pool_bytes``,
+    ``streams``, ``window``, ``listen``, ``same_host``). The transport secret is read from
+    ``$TPUSYNC_AUTH_SECRET`` in the worker processes (inherited from the ``LLM`` process).
+    """
+    params = {str(k): [list(v[0]), str(v[1])] for k, v in params.items()}
+    return {
+        "control": control,
+        "replica": int(replica),
+        "params": params,
+        "dtype": dtype,
+        **options,
+    }
+
+
+def init(llm: Any, **kwargs: Any) -> None:
+    """``llm.init_weight_transfer_engine`` with :func:`init_info` (``kwargs``)."""
+    llm.init_weight_transfer_engine({"init_info": init_info(**kwargs)})
+
+
+def update(llm: Any, timeout: float, version: int | None = None) -> None:
+    """Pull the next version (or at least ``version``) into a running ``LLM`` and load it.
+
+    Runs vLLM's start / update / finish sequence, then drops the prefix cache (its KV blocks were
+    computed with the old weights). Raises when no newer version was announced within
+    ``timeout`` s or the update was rejected (digest mismatch, version skew, a trainer died): the
+    engine then keeps serving the weights it had.
+    """
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"timeout": float(timeout), "version": version}})
+    llm.finish_weight_update(weight_version=None if version is None else str(version))
+    llm.reset_prefix_cache()

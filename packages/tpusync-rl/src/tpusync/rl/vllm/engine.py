@@ -1,0 +1,137 @@
+"""The worker side of the ``tpusync`` vLLM weight-transfer backend (imports vLLM).
+
+One engine per vLLM worker process. ``init_transfer_engine`` opens a
+:class:`~tpusync.rl.sync.SamplerSync` whose :class:`~tpusync.rl.chunks.WeightSubscriber` stages
+the trainer's tensors under their checkpoint names (shadow mode, double-buffered); every
+``update_weights`` pulls one version, and only a verified, committed version is loaded into the
+model (vLLM's layerwise reload: ``load_weights`` followed by the same post-load processing as a
+fresh load). SHARDING CONTRACT (this version): every worker of the engine receives whole tensors
+(a replicated sampler layout over the engine's ranks) and ``load_weights`` cuts its own
+tensor-parallel part; the trainer's ``dst_layouts`` must be ``ShardLayout.replicated(shape,
+range(tp))`` per tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from tpusync.rl.chunks import UpdateRejectedError, WeightSubscriber, _torch_dtype
+from tpusync.rl.layout import ShardLayout
+from tpusync.rl.sync import SamplerSync
+
+log = logging.getLogger("tpusync.rl")
+
+
+@dataclass
+class TpusyncInitInfo(WeightTransferInitInfo):
+    control: str
+    replica: int
+    params: dict[str, list] = field(default_factory=dict)
+    dtype: str | None = None
+    block_bytes: int = 4 << 20
+    pool_bytes: int = 256 << 20
+    streams: int = 4
+    window: int = 4
+    listen: str = "127.0.0.1:0"
+    same_host: bool = False
+
+
+@dataclass
+class TpusyncUpdateInfo(WeightTransferUpdateInfo):
+    timeout: float = 60.0
+    version: int | None = None
+
+
+class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncUpdateInfo]):
+    init_info_cls = TpusyncInitInfo
+    update_info_cls = TpusyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.sampler: SamplerSync | None = None
+        self.last_version = 0
+
+    def init_transfer_engine(self, init_info: TpusyncInitInfo) -> None:
+        if self.sampler is not None:
+            raise RuntimeError("the tpusync weight transfer engine is already initialized")
+        if not init_info.params:
+            raise ValueError("init_info.params is empty: pass checkpoint_params(model_dir)")
+        rank = self.parallel_config.rank if hasattr(self.parallel_config, "rank") else 0
+        world = max(int(self.parallel_config.world_size), 1)
+        dtype = _torch_dtype(init_info.dtype) if init_info.dtype else self.model_config.dtype
+        weights, layouts = {}, {}
+        for name, (shape, _trainer_dtype) in init_info.params.items():
+            weights[name] = torch.zeros(tuple(shape), dtype=dtype, device="cpu")
+            layouts[name] = ShardLayout.replicated(tuple(shape), range(world))
+        sub = WeightSubscriber(rank, weights, layouts, mode="shadow", recycle=True)
+        self.sampler = SamplerSync(
+            sub,
+            replica=init_info.replica,
+            control=init_info.control,
+            listen=init_info.listen,
+            same_host=init_info.same_host,
+            block_bytes=init_info.block_bytes,
+            pool_bytes=init_info.pool_bytes,
+            streams=init_info.streams,
+            window=init_info.window,
+        )
+
+    def start_weight_update(self) -> None:
+        """Nothing: the model is only touched once a whole version verified (receive_weights)."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing: receive_weights loads and post-processes the model in one step."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes the accelerator afterwards; this engine loads synchronously.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: TpusyncUpdateInfo) -> None:
+        if self.sampler is None:
+            raise RuntimeError("call init_weight_transfer_engine before update_weights")
+        want = update_info.version
+        if want is not None and self.sampler.version >= want:
+            raise UpdateRejectedError(
+                f"version {want} requested but this engine already serves {self.sampler.version}"
+            )
+        result = self.sampler.update(timeout=update_info.timeout)
+        if result is None:
+            raise TimeoutError(
+                f"no version newer than {self.sampler.version} was announced within "
+                f"{update_info.timeout} s; still serving version {self.sampler.version}"
+            )
+        if not result.ok:
+            raise UpdateRejectedError(
+                f"update to version {result.version} rejected: {result.reason}; still serving "
+                f"version {self.sampler.version}"
+            )
+        if want is not None and result.version != want:
+            log.warning("asked for version %d, version %d arrived", want, result.version)
+        self._load(self.sampler.sub.weights)
+        self.last_version = result.version
+        log.info("vLLM worker now serves version %d (%.3f s)", result.version, result.seconds)
+
+    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(((n, t.to(self.device)) for n, t in weights.items()))
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None

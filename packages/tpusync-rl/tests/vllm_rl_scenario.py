@@ -1,0 +1,91 @@
+"""One vLLM engine per process (vLLM keeps per-process globals), for test_vllm_sampler.py.
+
+``python vllm_rl_scenario.py generate <model_dir> <out.json>``: greedy outputs of a fresh engine.
+``python vllm_rl_scenario.py update <model_dir> <out.json> <control>``: outputs before, an update
+through the ``tpusync`` weight-transfer backend, outputs after, then an update that times out
+(nothing new published) and the outputs once more (the engine must keep serving).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+PROMPTS = 3
+PROMPT_LEN = 40
+MAX_TOKENS = 16
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 150) for _ in range(PROMPT_LEN)] for _ in range(PROMPTS)]
+
+
+def make_llm(model: str, weight_transfer: bool):
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    extra = (
+        {"weight_transfer_config": WeightTransferConfig(backend="tpusync")}
+        if weight_transfer
+        else {}
+    )
+    return LLM(
+        model=model,
+        tokenizer=model,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        enforce_eager=True,
+        seed=0,
+        **extra,
+    )
+
+
+def generate(llm) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def main() -> None:
+    mode, model, out = sys.argv[1:4]
+    result: dict = {}
+    if mode == "generate":
+        result["tokens"] = generate(make_llm(model, False))
+    elif mode == "update":
+        from tpusync.rl import vllm as rlvllm
+
+        llm = make_llm(model, True)
+        result["before"] = generate(llm)
+        rlvllm.init(
+            llm,
+            control=sys.argv[4],
+            replica=0,
+            params=rlvllm.checkpoint_params(model),
+            block_bytes=1 << 20,
+            pool_bytes=16 << 20,
+        )
+        t0 = time.monotonic()
+        rlvllm.update(llm, timeout=300, version=1)
+        result["update_s"] = time.monotonic() - t0
+        result["after"] = generate(llm)
+        try:
+            rlvllm.update(llm, timeout=1.0)
+            result["second_update"] = "applied"
+        except Exception as e:  # noqa: BLE001 - the test checks the message
+            result["second_update"] = f"{type(e).__name__}: {e}"
+        result["after_failed_update"] = generate(llm)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
