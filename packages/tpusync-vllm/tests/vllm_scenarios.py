@@ -497,9 +497,9 @@ def scenario_shared_b(model: str, node: str, secret_file: str) -> dict:
     r["pins"] = worker.store.num_pins
     r["leases"] = sched.num_leases
     r["store"] = store_summary(worker.store.stats())
-    r["carrier"] = generate(llm, prompt(32)[: BLOCK + 8], params(1))
-    r["events"] = sub.drain()
     r["metrics"] = scrape(port)
+    r["carrier"] = generate(llm, prompt(36)[: BLOCK + 8], params(1))
+    r["events"] = sub.drain()
     return r
 
 

@@ -699,6 +699,13 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                 None, lookup_endpoint(self._engine_key, rank), {"pd_address": self.pd.address}
             )
             return
+        if self.config.store_nodes:
+            from tpusync.core.pd import load_secret
+
+            try:  # the store nodes' secret: a clear error now, not a failed engine start later
+                load_secret(self.config.auth_secret_file)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"store_nodes: {exc} (auth_secret_file)") from exc
         self.store = WorkerStore(
             arrays,
             host_blocks=self.host_blocks,
