@@ -196,6 +196,8 @@ TEST(KVStore, DiskFullKeepsServingFromDram) {
 TEST(KVStore, WriteThroughCopiesEveryNewBlockToTheLastTierWithoutOverflow) {
   StoreConfig cfg;
   cfg.write_through = true;
+  cfg.writeback_batch = 2;
+  cfg.writeback_headroom = 2;  // write-back stays idle: only write-through copies blocks down
   Fixture f(16, 16, cfg);
   f.store->EnableEvents(1024);
   EXPECT_EQ(f.Put({1, 2, 3}), (std::vector<uint8_t>{1, 1, 1}));
