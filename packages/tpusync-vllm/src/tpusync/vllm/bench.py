@@ -297,7 +297,9 @@ def _remote(model: str, tokens: int, repeats: int, work: str) -> dict:
 
     block = _kv_block_bytes(model)
     secret = os.environ.get("TPUSYNC_AUTH_SECRET", _SECRET).encode()
-    blocks = (repeats + 4) * (tokens // BLOCK + 2)
+    # The writer's prompts, then the reader's warm-up and fresh prompts (written through too):
+    # the node must hold them all, or its LRU evicts the prompts the reader is timed on.
+    blocks = (2 * repeats + 4) * (tokens // BLOCK + 2)
     node = StoreNode(
         listen="127.0.0.1:0", capacity=blocks * block, block_bytes=block, secret=secret
     )
@@ -307,6 +309,8 @@ def _remote(model: str, tokens: int, repeats: int, work: str) -> dict:
     finally:
         node.stop()
     reader["write_through"] = writer["write_through"]
+    if not all(reader["cached_tokens"]):
+        raise RuntimeError(f"remote store hit path loaded nothing: {reader}")  # not a hit row
     return reader
 
 
