@@ -147,7 +147,9 @@ def test_store_nodes_share_blocks_between_worker_stores_with_salted_keys(tmp_pat
     )
     common = dict(store_nodes=[node.address], auth_secret_file=str(secret), key_salt=b"s" * 16)
     try:
-        a = WorkerStore(src, host_blocks=8, events=True, **common)
+        # 64 host blocks: write-back stays idle (3 used + 32 headroom < 64), so only
+        # write-through can have put the blocks on the node.
+        a = WorkerStore(src, host_blocks=64, events=True, **common)
         k = keys("a", "b", "c")
         assert a.save(k, [1, 2, 3], timeout=10) == 3
         a.flush(30)
