@@ -1,6 +1,7 @@
 #include "tpusync/store/kv_store.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <unordered_map>
 
@@ -71,6 +72,7 @@ StoreConfig KVStore::ConfigFrom(const KVStoreOptions& o) {
   c.writeback_batch = o.writeback_batch;
   c.writeback_headroom = o.writeback_headroom;
   c.put_wait_s = o.put_wait_s;
+  c.write_through = o.write_through;
   return c;
 }
 
@@ -85,6 +87,12 @@ Result<std::unique_ptr<KVStore>> KVStore::Open(std::vector<std::unique_ptr<tier:
                                                std::shared_ptr<concurrency::ThreadPool> engine) {
   if (tiers.empty()) return Status::InvalidArgument("KVStore needs at least one tier");
   if (!engine) return Status::InvalidArgument("KVStore needs an engine");
+  if (config.write_through && tiers.size() < 2) {
+    return Status::InvalidArgument("write_through needs a tier below the first (disk or remote)");
+  }
+  if (config.write_through && config.write_through_queue == 0) {
+    return Status::InvalidArgument("write_through needs write_through_queue > 0");
+  }
   for (const auto& t : tiers) {
     if (t->block_bytes() != tiers[0]->block_bytes()) {
       return Status::InvalidArgument("every tier of a KVStore must store the same block size");
@@ -131,6 +139,7 @@ Status KVStore::Start() {
     }
   }
   if (tiers_.size() > 1) writeback_ = std::thread([this] { WritebackLoop(); });
+  if (config_.write_through) wt_thread_ = std::thread([this] { WriteThroughLoop(); });
   return Status::OK();
 }
 
@@ -140,8 +149,10 @@ KVStore::~KVStore() {
     stop_ = true;
   }
   wb_cv_.notify_all();
+  wt_cv_.notify_all();
   room_cv_.notify_all();
   if (writeback_.joinable()) writeback_.join();
+  if (wt_thread_.joinable()) wt_thread_.join();
   std::unique_lock<std::mutex> lock(ops_mu_);
   ops_cv_.wait(lock, [this] { return active_ops_ == 0; });
 }
@@ -317,6 +328,13 @@ concurrency::Future KVStore::Put(std::vector<std::string> keys, memory::RowBuffe
             (*stored)[chunk->index[j]] = 1;
             ++put_stored_;
             Emit(StoreEvent::Kind::kStored, tiers_[0]->kind(), key);
+            if (config_.write_through) {
+              if (wt_queue_.size() >= config_.write_through_queue) {
+                wt_queue_.pop_front();
+                ++write_through_dropped_;
+              }
+              wt_queue_.push_back(key);
+            }
           } else {
             tiers_[0]->Release(op.location, /*forget=*/false);
             ++put_rejected_;
@@ -325,6 +343,7 @@ concurrency::Future KVStore::Put(std::vector<std::string> keys, memory::RowBuffe
       }
       room_cv_.notify_all();
       wb_cv_.notify_all();
+      if (config_.write_through) wt_cv_.notify_all();
       part_done(s);
     });
   };
@@ -509,6 +528,8 @@ size_t KVStore::Lookup(std::span<const std::string_view> keys, std::vector<block
     for (size_t j = 0; j < found; ++j) {
       if (!index_.Insert(keys[local + j], last.kind(), locs[j]).ok()) {
         last.Release(locs[j], /*forget=*/false);  // indexed meanwhile (or already elsewhere)
+      } else {
+        Emit(StoreEvent::Kind::kStored, last.kind(), keys[local + j]);  // readable here now
       }
     }
   }
@@ -582,6 +603,7 @@ void KVStore::Clear() {
     all = index_.Snapshot();
     index_.Clear();
     demote_failed_.clear();
+    wt_queue_.clear();
     if (event_capacity_ > 0) {
       events_.clear();  // superseded: a consumer re-reads the (empty) store after kCleared
       Emit(StoreEvent::Kind::kCleared, block::Tier::kHost, {});
@@ -706,13 +728,123 @@ bool KVStore::WritebackRound(std::unique_lock<std::mutex>& lock) {
   return wrote;
 }
 
+void KVStore::WriteThroughLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    if (wt_queue_.empty()) {
+      room_cv_.notify_all();  // Flush waits for an empty queue
+      wt_cv_.wait_for(lock, std::chrono::milliseconds(100));
+      continue;
+    }
+    if (Clock::now() < wt_pause_until_) {  // the last tier failed recently: skip, counted
+      write_through_dropped_ += wt_queue_.size();
+      wt_queue_.clear();
+      continue;
+    }
+    if (WriteThroughBatch(lock)) {
+      wt_backoff_ = std::chrono::milliseconds(0);
+    } else {
+      wt_backoff_ = std::min<std::chrono::milliseconds>(
+          std::chrono::milliseconds(30000),
+          std::max<std::chrono::milliseconds>(std::chrono::milliseconds(1000), wt_backoff_ * 2));
+      wt_pause_until_ = Clock::now() + wt_backoff_;
+    }
+  }
+  room_cv_.notify_all();
+}
+
+bool KVStore::WriteThroughBatch(std::unique_lock<std::mutex>& lock) {
+  const size_t last = tiers_.size() - 1;
+  tier::BlockTier& low = *tiers_[last];
+  const Tier low_kind = low.kind();
+  struct Copy {
+    std::string key;
+    size_t from_tier;
+    uint64_t from;
+    uint64_t to;
+    uint64_t sequence;
+  };
+  std::vector<Copy> copies;
+  const size_t batch = std::max<size_t>(1, config_.writeback_batch);
+  while (!wt_queue_.empty() && copies.size() < batch) {
+    std::string key = std::move(wt_queue_.front());
+    wt_queue_.pop_front();
+    // Gone, already below, or being moved by write-back: nothing to copy.
+    if (demoting_.count(key)) continue;
+    auto p = index_.Lookup(key, /*touch=*/false);
+    if (!p || p->in(low_kind)) continue;
+    size_t t = 0;
+    while (t < last && !p->in(tiers_[t]->kind())) ++t;
+    if (t == last) continue;
+    const uint64_t from = p->location[static_cast<size_t>(tiers_[t]->kind())];
+    auto loc = MakeRoom(last, /*wait=*/false, lock);
+    if (!loc.ok()) {  // every handle of the last tier pinned / in flight: drop the copy
+      ++write_through_dropped_;
+      continue;
+    }
+    if (!tiers_[t]->Hold(from).ok()) {
+      low.Release(*loc, false);
+      continue;
+    }
+    demoting_.insert(key);
+    copies.push_back({std::move(key), t, from, *loc, sequence_++});
+  }
+  if (copies.empty()) return true;
+  wt_busy_ = true;
+  lock.unlock();
+  std::vector<tier::BlockWrite> ops;
+  std::vector<std::vector<uint8_t>> bounce;
+  std::vector<size_t> op_of(copies.size(), SIZE_MAX);
+  bounce.reserve(copies.size());
+  for (size_t j = 0; j < copies.size(); ++j) {
+    const Copy& c = copies[j];
+    const uint8_t* data = tiers_[c.from_tier]->Address(c.from);
+    if (data == nullptr) {  // not byte-addressable (disk): stage through a read
+      bounce.emplace_back(block_bytes_);
+      tier::BlockRead r{c.key, bounce.back().data(), c.from, Status()};
+      tiers_[c.from_tier]->ReadBatch({&r, 1});
+      data = r.status.ok() ? bounce.back().data() : nullptr;
+    }
+    if (data == nullptr) continue;
+    op_of[j] = ops.size();
+    ops.push_back({c.key, data, c.to, c.sequence, Status()});
+  }
+  low.WriteBatch(ops);
+  lock.lock();
+  wt_busy_ = false;
+  bool all_ok = true;
+  for (size_t j = 0; j < copies.size(); ++j) {
+    const Copy& c = copies[j];
+    tiers_[c.from_tier]->Unhold(c.from);
+    demoting_.erase(c.key);
+    const Status st =
+        op_of[j] == SIZE_MAX ? Status::IOError("source read failed") : ops[op_of[j]].status;
+    auto p = index_.Lookup(c.key, false);
+    if (st.ok() && p && !p->in(low_kind) && index_.Insert(c.key, low_kind, c.to).ok()) {
+      ++write_through_;
+      Emit(StoreEvent::Kind::kStored, low_kind, c.key);
+      continue;
+    }
+    low.Release(c.to, false);
+    if (!st.ok()) {
+      ++write_through_errors_;
+      all_ok = false;
+    }
+  }
+  room_cv_.notify_all();
+  return all_ok;
+}
+
 Status KVStore::Flush(std::chrono::nanoseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   if (tiers_.size() < 2) return Status::OK();
   wb_idle_ = false;
   wb_cv_.notify_all();
-  if (!room_cv_.wait_for(lock, timeout, [this] { return wb_idle_ || stop_; })) {
-    return Status::Timeout("write-back still busy at the flush deadline");
+  wt_cv_.notify_all();
+  if (!room_cv_.wait_for(lock, timeout, [this] {
+        return (wb_idle_ && wt_queue_.empty() && !wt_busy_) || stop_;
+      })) {
+    return Status::Timeout("write-back or write-through still busy at the flush deadline");
   }
   return Status::OK();
 }
@@ -732,6 +864,9 @@ StoreStats KVStore::stats() const {
     s.corrupted = corrupted_;
     s.writeback_errors = writeback_errors_;
     s.writeback_inflight = writeback_inflight_;
+    s.write_through = write_through_;
+    s.write_through_dropped = write_through_dropped_;
+    s.write_through_errors = write_through_errors_;
     s.put_latency = put_latency_;
     s.get_latency = get_latency_;
     s.policy = std::string(policy_->name());

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -190,6 +191,63 @@ TEST(KVStore, DiskFullKeepsServingFromDram) {
   f.disk->FailNextWrites(0);
   f.Put({40, 41, 42});
   EXPECT_EQ(f.Get({40, 41, 42}), (std::vector<uint8_t>{1, 1, 1}));
+}
+
+TEST(KVStore, WriteThroughCopiesEveryNewBlockToTheLastTierWithoutOverflow) {
+  StoreConfig cfg;
+  cfg.write_through = true;
+  cfg.writeback_batch = 2;
+  cfg.writeback_headroom = 2;  // write-back stays idle: only write-through copies blocks down
+  Fixture f(16, 16, cfg);
+  f.store->EnableEvents(1024);
+  EXPECT_EQ(f.Put({1, 2, 3}), (std::vector<uint8_t>{1, 1, 1}));
+  ASSERT_TRUE(f.store->Flush(kWait).ok());  // waits for the queued copies
+  const StoreStats s = f.store->stats();
+  EXPECT_EQ(s.write_through, 3u);
+  EXPECT_EQ(s.tiers[0].indexed, 3u);  // DRAM is far from full: the copies stay too
+  EXPECT_EQ(s.tiers[1].indexed, 3u);
+  EXPECT_EQ(s.tiers[1].demotions_in, 0u);  // not write-back
+  EXPECT_EQ(f.disk->stats().blocks_written, 3u);
+  size_t disk_stored = 0;
+  for (const StoreEvent& e : f.store->TakeEvents(100)) {
+    disk_stored += e.kind == StoreEvent::Kind::kStored && e.tier == Tier::kDisk;
+  }
+  EXPECT_EQ(disk_stored, 3u);
+  EXPECT_EQ(f.Put({2}), (std::vector<uint8_t>{1}));  // already stored: no second copy
+  ASSERT_TRUE(f.store->Flush(kWait).ok());
+  EXPECT_EQ(f.store->stats().write_through, 3u);
+}
+
+TEST(KVStore, WriteThroughFailureBacksOffAndPutsStillSucceed) {
+  StoreConfig cfg;
+  cfg.write_through = true;
+  cfg.writeback_batch = 4;
+  Fixture f(16, 16, cfg);
+  f.disk->FailNextWrites(1000);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(f.Put({i}), (std::vector<uint8_t>{1}));
+  ASSERT_TRUE(f.store->Flush(kWait).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  StoreStats s = f.store->stats();
+  EXPECT_GT(s.write_through_errors, 0u);
+  EXPECT_EQ(s.write_through, 0u);
+  // Failed copies are errors; the rest were skipped during the back-off: none is lost silently.
+  EXPECT_EQ(s.write_through_errors + s.write_through_dropped, 8u);
+  EXPECT_EQ(f.Get({0, 7}), (std::vector<uint8_t>{1, 1}));  // DRAM copies serve
+  f.disk->FailNextWrites(0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // the first back-off is 1 s
+  f.Put({20});
+  ASSERT_TRUE(f.store->Flush(kWait).ok());
+  EXPECT_EQ(f.store->stats().write_through, 1u);
+}
+
+TEST(KVStore, WriteThroughNeedsALowerTier) {
+  StoreConfig cfg;
+  cfg.write_through = true;
+  std::vector<std::unique_ptr<tier::BlockTier>> tiers;
+  tiers.push_back(std::make_unique<MockTier>(Tier::kHost, kBytes, 4));
+  auto r = KVStore::Open(std::move(tiers), cfg, std::make_shared<concurrency::ThreadPool>(1));
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(KVStore, CorruptedLowerTierBlockIsAMissAndItsSlotIsReclaimed) {

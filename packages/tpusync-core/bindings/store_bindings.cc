@@ -69,6 +69,9 @@ nb::dict Stats(const store::StoreStats& s) {
   d["corrupted"] = s.corrupted;
   d["writeback_errors"] = s.writeback_errors;
   d["writeback_inflight"] = s.writeback_inflight;
+  d["write_through"] = s.write_through;
+  d["write_through_dropped"] = s.write_through_dropped;
+  d["write_through_errors"] = s.write_through_errors;
   d["engine_queue"] = s.engine_queue;
   d["put_latency"] = Latency(s.put_latency);
   d["get_latency"] = Latency(s.get_latency);
@@ -110,7 +113,7 @@ KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks, const std::s
                             const std::string& io_backend, size_t io_threads,
                             const std::string& policy, size_t writeback_batch,
                             size_t writeback_headroom, double put_wait_s, bool prefault,
-                            bool huge_pages) {
+                            bool huge_pages, bool write_through) {
   KVStoreOptions o;
   o.block_bytes = block_bytes;
   o.host_blocks = host_blocks;
@@ -128,6 +131,7 @@ KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks, const std::s
   o.put_wait_s = put_wait_s;
   o.prefault = prefault;
   o.huge_pages = huge_pages;
+  o.write_through = write_through;
   return o;
 }
 
@@ -141,11 +145,12 @@ void init_store(nb::module_& m) {
              const std::string& disk_dir, size_t disk_blocks, size_t disk_segment_blocks,
              bool disk_direct_io, const std::string& io_backend, size_t io_threads,
              const std::string& policy, size_t writeback_batch, size_t writeback_headroom,
-             double put_wait_s, bool prefault, bool huge_pages) {
-            KVStoreOptions o = StoreOptions(
-                block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
-                disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy,
-                writeback_batch, writeback_headroom, put_wait_s, prefault, huge_pages);
+             double put_wait_s, bool prefault, bool huge_pages, bool write_through) {
+            KVStoreOptions o =
+                StoreOptions(block_bytes, host_blocks, name_space, fingerprint, disk_dir,
+                             disk_blocks, disk_segment_blocks, disk_direct_io, io_backend,
+                             io_threads, policy, writeback_batch, writeback_headroom, put_wait_s,
+                             prefault, huge_pages, write_through);
             nb::gil_scoped_release release;
             return Unwrap(KVStore::Open(o, std::move(engine))).release();
           },
@@ -155,7 +160,8 @@ void init_store(nb::module_& m) {
           nb::arg("disk_direct_io") = true, nb::arg("io_backend") = "auto",
           nb::arg("io_threads") = 4, nb::arg("policy") = "lru", nb::arg("writeback_batch") = 32,
           nb::arg("writeback_headroom") = 0, nb::arg("put_wait_s") = 5.0,
-          nb::arg("prefault") = true, nb::arg("huge_pages") = false, nb::rv_policy::take_ownership)
+          nb::arg("prefault") = true, nb::arg("huge_pages") = false,
+          nb::arg("write_through") = false, nb::rv_policy::take_ownership)
       .def_prop_ro("block_bytes", &KVStore::block_bytes)
       .def(
           "put",

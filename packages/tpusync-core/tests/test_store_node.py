@@ -246,6 +246,48 @@ def test_kvstore_with_remote_nodes_demotes_and_shares(secret_file):
             stop(proc)
 
 
+def test_kvstore_write_through_shares_before_any_overflow(secret_file):
+    """write_through=True: every put is copied to the nodes at once (DRAM far from full), so a
+    second store finds it; events announce the REMOTE copy; a dead node only counts errors."""
+    proc, info = start_node(secret_file, capacity="16MiB")
+    try:
+        keys = [f"wt-{i}".encode() for i in range(6)]
+        rows = np.stack([np.full(BLOCK, 7 * i + 1, dtype=np.uint8) for i in range(6)])
+        a = tc.KVStore(
+            BLOCK, 64, remote=[info["address"]], auth_secret_file=secret_file, write_through=True
+        )
+        a.enable_events()
+        assert all(a.put(keys, rows).result(timeout=30))
+        a.flush(timeout=30)  # waits for the write-through copies
+        st = a.stats()
+        assert st["write_through"] == 6 and st["write_through_errors"] == 0
+        assert st["tiers"]["host"]["indexed"] == 6  # the DRAM copies stay
+        assert st["tiers"]["remote"]["demotions_in"] == 0  # not write-back
+        events, _ = a.take_events()
+        assert [(k, t) for k, t, _ in events].count(("stored", "remote")) == 6
+        b = tc.KVStore(BLOCK, 64, remote=[info["address"]], auth_secret=SECRET)
+        assert b.lookup(keys) == (6, ["remote"] * 6)
+        out = np.zeros_like(rows)
+        assert all(b.get(keys, out).result(timeout=30))
+        assert (out == rows).all()
+        a.close()
+        b.close()
+    finally:
+        stop(proc)
+    # The node is gone: puts still succeed locally, copies fail and back off, flush returns.
+    c = tc.KVStore(
+        BLOCK, 64, remote=[info["address"]], auth_secret=SECRET, write_through=True,
+        remote_timeout=1.0,
+    )  # fmt: skip
+    assert all(c.put(keys, rows).result(timeout=30))
+    c.flush(timeout=30)
+    st = c.stats()
+    assert st["write_through"] == 0
+    assert st["write_through_errors"] + st["write_through_dropped"] == 6
+    assert c.lookup(keys) == (6, ["host"] * 6)
+    c.close()
+
+
 def test_store_node_cli_disk_tier_holds_what_dram_cannot(secret_file, tmp_path):
     cmd = [sys.executable, "-m", "tpusync.core.cli", "store-node", "--listen", "127.0.0.1:0",
            "--capacity", str(4 * BLOCK), "--block-bytes", str(BLOCK),

@@ -130,3 +130,44 @@ def test_unanswered_lookup_is_a_miss():
 def test_bad_arguments():
     with pytest.raises(tc.InvalidArgumentError):
         WorkerStore([], host_blocks=1)
+
+
+def test_store_nodes_share_blocks_between_worker_stores_with_salted_keys(tmp_path):
+    """Two WorkerStores over one in-process store node: the first's saves are written through,
+    the second (empty host tier) loads them; another salt (another model / layout) never does;
+    events name the plain block hashes."""
+    from tpusync.core.store_node import StoreNode
+
+    secret = tmp_path / "secret"
+    secret.write_text("worker-store-node-secret-0123456789")
+    src = layers()
+    row = int(src[0].shape[1]) * len(src)
+    node = StoreNode(
+        listen="127.0.0.1:0", capacity=64 * row, block_bytes=row, secret_file=str(secret)
+    )
+    common = dict(store_nodes=[node.address], auth_secret_file=str(secret), key_salt=b"s" * 16)
+    try:
+        # 64 host blocks: write-back stays idle (3 used + 32 headroom < 64), so only
+        # write-through can have put the blocks on the node.
+        a = WorkerStore(src, host_blocks=64, events=True, **common)
+        k = keys("a", "b", "c")
+        assert a.save(k, [1, 2, 3], timeout=10) == 3
+        a.flush(30)
+        assert a.stats()["write_through"] == 3
+        events, dropped = a.take_events()
+        assert dropped == 0 and {key for _, _, key in events} == set(k)  # salt stripped
+        assert ("stored", "remote") in {(kind, tier) for kind, tier, _ in events}
+        dst = layers(seed=1)
+        b = WorkerStore(dst, host_blocks=8, **common)
+        r = b.lookup("req", k)
+        assert (r.hit, r.tiers) == (3, ("remote",) * 3)
+        assert b.load(k, [5, 6, 7], timeout=10) == []
+        b.release(["req"])
+        for layer_a, layer_b in zip(src, dst, strict=True):
+            assert torch.equal(layer_b[[5, 6, 7]], layer_a[[1, 2, 3]])
+        other = WorkerStore(layers(), host_blocks=8, **{**common, "key_salt": b"o" * 16})
+        assert other.lookup("req", k).hit == 0  # another model's blocks are never offered
+        for s in (a, b, other):
+            s.close()
+    finally:
+        node.stop()

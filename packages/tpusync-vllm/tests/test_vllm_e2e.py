@@ -10,8 +10,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -233,3 +235,116 @@ def test_pd_pull_of_a_released_transfer_fails_cleanly_and_recomputes(pd):
     # fails, is reported as load errors, vLLM recomputes (policy "recompute"), same tokens.
     assert pd["stats_again"]["load_errors_seen"] == FULL_BLOCKS
     assert pd["again"]["tokens"] == pd["single"]["tokens"]
+
+
+def _kv_block_bytes(model: Path) -> int:
+    """Bytes of one vLLM block across all layers (K and V) of the tiny model, float32."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * BLOCK * cfg["num_key_value_heads"] * head_dim * 4
+
+
+@pytest.fixture(scope="module")
+def shared(model_dir, tmp_path_factory) -> Iterator[dict]:
+    """Scenario 2: a real `tpusync store-node` process; instance A (fresh process) computes a
+    prompt, instance B (fresh process, empty host tier, no /dev/shm namespace) serves it from
+    the node; then an instance whose node is unreachable."""
+    work = tmp_path_factory.mktemp("store-node")
+    secret = work / "secret"
+    secret.write_text(uuid.uuid4().hex * 2)
+    tpusync = Path(sys.executable).with_name("tpusync")
+    log = work / "node.log"
+    with open(log, "w") as out_file:  # a file, not a pipe: nobody has to drain it
+        node = subprocess.Popen(
+            [str(tpusync), "store-node", "--listen", "127.0.0.1:0", "--capacity", "64MiB",
+             "--block-bytes", str(_kv_block_bytes(model_dir)), "--auth-secret-file", str(secret)],
+            stdout=out_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not log.read_text().startswith("{") or "\n" not in log.read_text():
+            assert node.poll() is None, f"store node exited: {log.read_text()}"
+            assert time.monotonic() < deadline, "store node did not start in 60 s"
+            time.sleep(0.1)
+        address = json.loads(log.read_text().splitlines()[0])["address"]
+        out = {"a": _run("shared_a", model_dir, tmp_path_factory, address, str(secret))}
+        out["b"] = _run("shared_b", model_dir, tmp_path_factory, address, str(secret))
+        with socket.socket() as s:  # a port nobody listens on: the node is "dead"
+            s.bind(("127.0.0.1", 0))
+            dead = f"127.0.0.1:{s.getsockname()[1]}"
+        disk = str(tmp_path_factory.mktemp("dead-disk"))
+        out["dead"] = _run("shared_dead", model_dir, tmp_path_factory, dead, str(secret), disk)
+        out["a_tokens_ref"] = out["a"]["p"]["tokens"]
+        yield out
+    finally:
+        node.send_signal(signal.SIGTERM)
+        try:
+            node.wait(30)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait(10)
+
+
+def test_two_instances_share_a_prefix_through_a_store_node(shared):
+    a, b = shared["a"], shared["b"]
+    assert a["p"]["cached"] == 0
+    # A published its saves to the node at save time (write-through), not on DRAM overflow.
+    assert a["store"]["write_through"] >= FULL_BLOCKS
+    assert a["store"]["write_through_errors"] == 0
+    assert a["store"]["remote.blocks_written"] >= FULL_BLOCKS
+    # B starts empty and loads the prompt's prefix from the node: the connector's hit count.
+    assert b["keys_at_start"] == 0
+    assert b["p"]["cached"] == FULL_BLOCKS * BLOCK
+    assert b["stats"]["hit_blocks"] == FULL_BLOCKS
+    assert b["stats"]["remote_hit_blocks"] == FULL_BLOCKS
+    assert b["worker"]["loaded_blocks"] == FULL_BLOCKS and b["worker"]["load_failures"] == 0
+    assert b["store"]["remote.hits"] == FULL_BLOCKS
+    assert b["p"]["tokens"] == a["p"]["tokens"]
+    assert b["pins"] == 0 and b["leases"] == 0
+
+
+def test_store_events_carry_remote_medium(shared):
+    a, b = shared["a"], shared["b"]
+    a_media = {(e["type"], e["medium"]) for e in a["events"]}
+    assert ("BlockStored", "CPU") in a_media and ("BlockStored", "REMOTE") in a_media
+    # Saves this scheduler planned carry their tokens; so do their write-through copies.
+    assert all(e["tokens"] == e["n"] * BLOCK for e in a["events"] if e["type"] == "BlockStored")
+    remote_a = sum(e["n"] for e in a["events"] if e["medium"] == "REMOTE")
+    assert remote_a >= FULL_BLOCKS
+    # B: found on the node at lookup (REMOTE), then promoted into its host tier (CPU).
+    b_media = {(e["type"], e["medium"]) for e in b["events"]}
+    assert ("BlockStored", "REMOTE") in b_media and ("BlockStored", "CPU") in b_media
+
+
+def test_worker_serves_prometheus_metrics(shared):
+    text = shared["b"]["metrics"]
+    assert f"tpusync_vllm_loaded_blocks_total {float(FULL_BLOCKS)}" in text
+    assert "tpusync_vllm_load_failures_total 0.0" in text
+    assert f'tpusync_vllm_store_tier_hits_total{{tier="remote"}} {float(FULL_BLOCKS)}' in text
+    assert 'tpusync_vllm_store_tier_read_bytes_total{tier="remote"}' in text
+    assert "tpusync_vllm_store_misses_total" in text
+
+
+def test_dead_store_node_requests_complete_with_a_clear_log(shared):
+    d, ref = shared["dead"], shared["a_tokens_ref"]
+    assert d["p"]["tokens"] == ref  # recomputed, same output
+    assert d["p"]["seconds"] < 60  # bounded: a refused node costs no deadline per request
+    assert "store nodes 127.0.0.1:" in d["stderr"] and "do not answer" in d["stderr"]
+    assert d["store"]["write_through"] == 0
+    assert d["store"]["write_through_errors"] + d["store"]["write_through_dropped"] > 0
+    # The local tiers keep serving: the prompt's prefix loads again, identical output.
+    assert d["again"]["cached"] == FULL_BLOCKS * BLOCK
+    assert d["again"]["tokens"] == ref
+    assert d["worker"]["load_failures"] == 0 and d["pins"] == 0
+
+
+def test_store_events_include_demotions_and_drops(shared):
+    # A 16-block host tier over a disk tier: blocks are written down (BlockStored DISK) and
+    # dropped from DRAM for room (BlockRemoved CPU), as vLLM's own classes decode them.
+    media = {(e["type"], e["medium"]) for e in shared["dead"]["events"]}
+    assert ("BlockStored", "CPU") in media
+    assert ("BlockStored", "DISK") in media
+    assert ("BlockRemoved", "CPU") in media
+    assert shared["dead"]["store"]["host.evictions"] > 0

@@ -437,6 +437,94 @@ def scenario_api_server(model: str, ns: str, disk: str) -> dict:
     return r
 
 
+def store_summary(st: dict) -> dict:
+    """The integer counters of a store's stats, tiers flattened as tier.counter."""
+    out = {k: v for k, v in st.items() if isinstance(v, int)}
+    for tier, t in st["tiers"].items():
+        out.update({f"{tier}.{k}": v for k, v in t.items() if isinstance(v, int)})
+    return out
+
+
+def scrape(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def _shared_llm(model: str, nodes: list[str], secret_file: str, pod: str, **extra):
+    """An in-process engine whose store's last tier is the store nodes ``nodes``; its KV events
+    go to a SUB of this process."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sub = Subscriber(endpoint)
+    llm = make_llm(
+        model,
+        extra={
+            "store_nodes": nodes,
+            "auth_secret_file": secret_file,
+            "kv_events_endpoint": endpoint,
+            "pod_id": pod,
+            **extra,
+        },
+    )
+    return llm, sub
+
+
+def scenario_shared_a(model: str, node: str, secret_file: str) -> dict:
+    """Scenario 2, instance A: computes a prompt; its saves are written through to the node."""
+    llm, sub = _shared_llm(model, [node], secret_file, "pod-a")
+    sched, worker = connectors(llm)
+    r = {"p": generate(llm, prompt(31))}
+    worker.store.flush(30)  # the write-through copies are on the node now
+    # The store's events reach vLLM with a step's output: one short request carries them out.
+    r["carrier"] = generate(llm, prompt(32)[: BLOCK + 8], params(1))
+    r["store"] = store_summary(worker.store.stats())
+    r["stats"] = dict(sched.stats)
+    r["events"] = sub.drain()
+    return r
+
+
+def scenario_shared_b(model: str, node: str, secret_file: str) -> dict:
+    """Scenario 2, instance B: another fresh process with its own empty host tier (no namespace)
+    serves the same prompt: its prefix comes from the store node. Also scrapes metrics_port."""
+    port = free_port()
+    llm, sub = _shared_llm(model, [node], secret_file, "pod-b", metrics_port=port)
+    sched, worker = connectors(llm)
+    r = {"keys_at_start": worker.store.stats()["keys"], "p": generate(llm, prompt(31))}
+    r["stats"] = dict(sched.stats)
+    r["worker"] = dict(worker.totals.data)
+    r["pins"] = worker.store.num_pins
+    r["leases"] = sched.num_leases
+    r["store"] = store_summary(worker.store.stats())
+    r["metrics"] = scrape(port)
+    r["carrier"] = generate(llm, prompt(36)[: BLOCK + 8], params(1))
+    r["events"] = sub.drain()
+    return r
+
+
+def scenario_shared_dead(model: str, dead: str, secret_file: str, disk: str) -> dict:
+    """Store node unreachable: requests still complete (local tiers / recompute), a clear log
+    line, bounded time. The small host tier over a disk tier also forces demotions and drops,
+    whose DISK / CPU events are checked."""
+    llm, sub = _shared_llm(
+        model, [dead], secret_file, "pod-d", store_timeout_s=1.0, disk_dir=disk, **CHAIN
+    )
+    sched, worker = connectors(llm)
+    r = {"p": generate(llm, prompt(31))}
+    for seed in (33, 34, 35):  # 4 prompts x 7+ blocks > the host tier's 16 blocks
+        r[f"p{seed}"] = generate(llm, prompt(seed))
+    worker.store.flush(30)
+    llm.reset_prefix_cache()
+    r["again"] = generate(llm, prompt(31))  # from the local tiers, the node still dead
+    r["stats"] = dict(sched.stats)
+    r["worker"] = dict(worker.totals.data)
+    r["store"] = store_summary(worker.store.stats())
+    r["pins"] = worker.store.num_pins
+    r["events"] = sub.drain()
+    return r
+
+
 PD_SECRET = "tpusync-vllm-test-secret-0123456789"
 
 
@@ -526,6 +614,9 @@ SCENARIOS = {
     "corrupt_recompute": lambda m, disk: scenario_corrupt(m, disk, "recompute"),
     "corrupt_fail": lambda m, disk: scenario_corrupt(m, disk, "fail"),
     "api_server": scenario_api_server,
+    "shared_a": scenario_shared_a,
+    "shared_b": scenario_shared_b,
+    "shared_dead": scenario_shared_dead,
 }
 
 if __name__ == "__main__":

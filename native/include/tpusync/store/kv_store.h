@@ -19,6 +19,18 @@
 // The last tier evicts LRU. A Get served from a lower tier promotes the block to the fastest tier
 // when that needs no wait. Pinned keys are never dropped from any tier.
 //
+// WRITE-THROUGH CONTRACT (option `write_through`, for a last tier that other processes read - the
+// store nodes of a shared prefix cache): every block a Put newly stores is also copied to the LAST
+// tier, asynchronously, by a write-through worker, so other stores see it without waiting for this
+// one's DRAM to overflow. The Put completes when the fastest tier holds the block (it never waits
+// for the copy); the copy is best effort: the queue is bounded (`write_through_queue` keys, the
+// oldest dropped and counted), and after a failed batch (a dead node) copies pause for a back-off
+// (1 s doubling to 30 s, queued keys dropped and counted) so a dead tier costs neither a stall nor
+// a retry storm. Flush waits for queued copies too. Copies run on their own thread, so a slow
+// last tier never delays write-back demotions (which keep DRAM free for Puts). Rejected
+// alternatives: a synchronous copy inside Put (a network round trip on vLLM's step), and a
+// write-back headroom of the whole tier (every block would also be written to the disk tier).
+//
 // FAULT CONTRACT: a failed tier write (ENOSPC, I/O error) is counted; the block stays where it
 // was (and may be dropped later from DRAM, counted). A corrupted or truncated block is counted,
 // removed from the index, its slot reclaimed, and served as a miss. Nothing throws; per-key results
@@ -68,7 +80,8 @@ struct KVStoreOptions {
   size_t writeback_headroom = 0;  // 0: max(writeback_batch, host_blocks / 8)
   double put_wait_s = 5.0;
   bool prefault = true;
-  bool huge_pages = true;  // hugetlbfs pages if reserved, else transparent huge pages (madvise)
+  bool huge_pages = true;      // hugetlbfs pages if reserved, else transparent huge pages (madvise)
+  bool write_through = false;  // WRITE-THROUGH CONTRACT: copy every new block to the last tier
 };
 
 // Knobs of a store built from explicit tiers (tests, or a remote tier added by a caller).
@@ -78,6 +91,8 @@ struct StoreConfig {
   size_t writeback_batch = 32;
   size_t writeback_headroom = 0;
   double put_wait_s = 5.0;
+  bool write_through = false;
+  size_t write_through_queue = size_t{1} << 16;  // queued keys at most (oldest dropped, counted)
 };
 
 struct LatencyStats {
@@ -107,7 +122,10 @@ struct StoreStats {
   uint64_t evicted = 0;       // keys that left the store for lack of room
   uint64_t corrupted = 0;     // corrupted / truncated blocks detected on read (served as misses)
   uint64_t writeback_errors = 0;
-  uint64_t writeback_inflight = 0;  // blocks being written down right now
+  uint64_t writeback_inflight = 0;     // blocks being written down right now
+  uint64_t write_through = 0;          // blocks copied to the last tier by write-through
+  uint64_t write_through_dropped = 0;  // queued copies skipped (queue bound, failure back-off)
+  uint64_t write_through_errors = 0;   // copies the last tier failed
   uint64_t engine_queue = 0;
   size_t keys = 0;
   LatencyStats put_latency, get_latency;
@@ -188,6 +206,10 @@ class KVStore {
   Result<uint64_t> MakeRoom(size_t t, bool wait, std::unique_lock<std::mutex>& lock);
   bool DropVictim(size_t t);  // mu_ held
   void WritebackLoop();
+  void WriteThroughLoop();
+  // One write-through batch (mu_ held through `lock`, released during the copy); true when every
+  // copy it attempted succeeded.
+  bool WriteThroughBatch(std::unique_lock<std::mutex>& lock);
   bool WritebackRound(std::unique_lock<std::mutex>& lock);  // true when it wrote something
   size_t TierIndex(block::Tier kind) const;
   void OpBegin();
@@ -213,6 +235,13 @@ class KVStore {
   bool stop_ = false;
   bool wb_idle_ = true;
   std::thread writeback_;
+  std::thread wt_thread_;
+  std::condition_variable wt_cv_;     // wakes the write-through worker
+  std::deque<std::string> wt_queue_;  // keys to copy to the last tier (mu_ held)
+  bool wt_busy_ = false;              // a write-through batch is in flight
+  // Failure back-off: queued copies are dropped (counted) until wt_pause_until_.
+  std::chrono::steady_clock::time_point wt_pause_until_{};
+  std::chrono::milliseconds wt_backoff_{0};
   std::mutex ops_mu_;
   std::condition_variable ops_cv_;
   size_t active_ops_ = 0;
@@ -220,7 +249,8 @@ class KVStore {
   // Counters (mu_ held to update).
   std::vector<TierCounters> counters_;
   uint64_t puts_ = 0, put_stored_ = 0, put_present_ = 0, put_rejected_ = 0, gets_ = 0, misses_ = 0,
-           evicted_ = 0, corrupted_ = 0, writeback_errors_ = 0, writeback_inflight_ = 0;
+           evicted_ = 0, corrupted_ = 0, writeback_errors_ = 0, writeback_inflight_ = 0,
+           write_through_ = 0, write_through_dropped_ = 0, write_through_errors_ = 0;
   LatencyStats put_latency_, get_latency_;
   std::deque<StoreEvent> events_;  // mu_ held; bounded by event_capacity_
   size_t event_capacity_ = 0;      // 0: events off

@@ -23,6 +23,9 @@ _STORE_FIELDS = [
     ("corrupted", "corrupted_blocks", "Corrupted or truncated blocks detected on read", True),
     ("writeback_errors", "writeback_errors", "Failed write-back writes (ENOSPC included)", True),
     ("writeback_inflight", "writeback_queue_blocks", "Blocks being written down now", False),
+    ("write_through", "write_through_blocks", "Blocks copied to the last tier on put", True),
+    ("write_through_dropped", "write_through_dropped_blocks", "Write-through copies skipped", True),
+    ("write_through_errors", "write_through_errors", "Write-through copies that failed", True),
     ("engine_queue", "engine_queue_tasks", "Tasks queued on the copy engine", False),
     ("keys", "keys", "Keys stored", False),
 ]

@@ -6,6 +6,9 @@ locally, greedy 1-token generations; TTFT = wall time of that generation):
 - ``host_hit``: the prompt's prefix loads from tpusync's host tier.
 - ``disk_hit``: a host tier of 32 blocks in front of the disk tier (O_DIRECT): the prompt's
   blocks cascade to disk when stored, and the hit reads them back from there.
+- ``remote_hit``: a store node runs in the benchmark's own process (``tpusync.core.store_node``,
+  loopback TCP); a writer instance computes the prompts and writes them through to the node, then
+  a fresh reader instance with an empty host tier loads each prompt's prefix from the node.
 - ``pd_consumer``: a kv_consumer instance pulls the prompt's KV from a kv_producer process over
   tpusync's P/D stream (TTFT on the consumer: the pull plus the last partial block).
 - ``example_connector``: vLLM's built-in ExampleConnector (safetensors files per layer) on the
@@ -16,7 +19,6 @@ locally, greedy 1-token generations; TTFT = wall time of that generation):
 Every process measures its own reference: the TTFT of recomputing a prompt of the same length
 (vLLM's prefix cache reset, a prompt never seen before), and ``ratio`` = hit TTFT / that
 recompute TTFT (lower is better; the goal is <= 0.1). Medians over ``repeats`` prompts.
-Not measured yet: a remote store node (not in this build).
 
 Run directly: ``python -m tpusync.vllm.bench --json [--prompt-tokens N] [--repeats R]``.
 """
@@ -109,6 +111,7 @@ def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
 
     if mode == "pd_producer":
         return _pd_producer(model, tokens, repeats, work)
+    node = os.environ.get("TPUSYNC_BENCH_STORE_NODE", "")
     if mode == "pd":
         ktc = KVTransferConfig(
             kv_connector="TpusyncConnector",
@@ -131,6 +134,8 @@ def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
                 "disk_dir": os.path.join(work, "disk"),
                 "disk_bytes": blocks * (64 << 10),
             }
+        if mode in ("remote", "remote_writer"):
+            extra["store_nodes"] = [node]
         ktc = KVTransferConfig(
             kv_connector="TpusyncConnector", kv_role="kv_both", kv_connector_extra_config=extra
         )
@@ -143,10 +148,20 @@ def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
         (out,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
         return time.perf_counter() - t0, int(out.num_cached_tokens or 0)
 
+    shared = _prompts(repeats, tokens, 7)  # the prompts the hit paths load
+    if mode == "remote_writer":  # computes the shared prompts; write-through puts them on the node
+        for ids in shared:
+            ttft(ids)
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        w = get_kv_transfer_group()
+        w.store.flush(120)
+        return {"mode": mode, "write_through": w.store.stats()["write_through"]}
     for ids in _prompts(2, tokens, 1000):
         ttft(ids)  # warm-up: first-call costs, and two prompts' worth of stored blocks
-    shared = _prompts(repeats, tokens, 7)  # the prompts the hit paths load
-    fresh = _prompts(repeats, tokens, {"host": 100, "disk": 200, "example": 300, "pd": 400}[mode])
+    fresh = _prompts(
+        repeats, tokens, {"host": 100, "disk": 200, "example": 300, "pd": 400, "remote": 500}[mode]
+    )
     recompute = [ttft(ids)[0] for ids in fresh]
     hits, cached, local = [], [], []
     if mode == "pd":
@@ -183,8 +198,13 @@ def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
             "recompute_all_s": recompute,
             "cached_tokens": cached,
         }
-    for ids in shared:
-        ttft(ids)  # computes and stores
+    if mode != "remote":  # the remote reader finds the shared prompts on the node
+        for ids in shared:
+            ttft(ids)  # computes and stores
+    else:  # the fresh prompts' write-through copies must not overlap the timed hits
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        get_kv_transfer_group().store.flush(120)
     if mode == "disk":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -218,11 +238,15 @@ def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
     }
 
 
-def _start(mode: str, model: str, tokens: int, repeats: int, work: str) -> subprocess.Popen:
+def _start(
+    mode: str, model: str, tokens: int, repeats: int, work: str, node: str | None = None
+) -> subprocess.Popen:
     out = Path(work) / f"{mode}.json"
     # A fresh shared secret per run for the P/D stream (never on a command line).
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.setdefault("TPUSYNC_AUTH_SECRET", _SECRET)
+    if node is not None:
+        env["TPUSYNC_BENCH_STORE_NODE"] = node
     cmd = [sys.executable, "-m", "tpusync.vllm.bench", "--child", mode, "--model", model]
     cmd += ["--prompt-tokens", str(tokens), "--repeats", str(repeats), "--work", work]
     cmd += ["--out", str(out)]
@@ -230,8 +254,10 @@ def _start(mode: str, model: str, tokens: int, repeats: int, work: str) -> subpr
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _spawn(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
-    proc = _start(mode, model, tokens, repeats, work)
+def _spawn(
+    mode: str, model: str, tokens: int, repeats: int, work: str, node: str | None = None
+) -> dict:
+    proc = _start(mode, model, tokens, repeats, work, node)
     try:
         rc = proc.wait(timeout=1200)
     except subprocess.TimeoutExpired:
@@ -258,6 +284,36 @@ def _entry(name: str, r: dict, tokens: int, key: str = "hit_s") -> dict:
     }
 
 
+def _kv_block_bytes(model: str) -> int:
+    """Bytes of one vLLM block across every layer (K and V) of a float32 model."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * BLOCK * cfg["num_key_value_heads"] * head_dim * 4
+
+
+def _remote(model: str, tokens: int, repeats: int, work: str) -> dict:
+    """The remote-store row: a store node in this process, a writer, then a fresh reader."""
+    from tpusync.core.store_node import StoreNode
+
+    block = _kv_block_bytes(model)
+    secret = os.environ.get("TPUSYNC_AUTH_SECRET", _SECRET).encode()
+    # The writer's prompts, then the reader's warm-up and fresh prompts (written through too):
+    # the node must hold them all, or its LRU evicts the prompts the reader is timed on.
+    blocks = (2 * repeats + 4) * (tokens // BLOCK + 2)
+    node = StoreNode(
+        listen="127.0.0.1:0", capacity=blocks * block, block_bytes=block, secret=secret
+    )
+    try:
+        writer = _spawn("remote_writer", model, tokens, repeats, work, node.address)
+        reader = _spawn("remote", model, tokens, repeats, work, node.address)
+    finally:
+        node.stop()
+    reader["write_through"] = writer["write_through"]
+    if not all(reader["cached_tokens"]):
+        raise RuntimeError(f"remote store hit path loaded nothing: {reader}")  # not a hit row
+    return reader
+
+
 def measure_all(model: str | None, tokens: int, repeats: int) -> dict:
     if model is None:
         from tpusync.vllm.tinymodel import tiny_model_dir
@@ -267,6 +323,7 @@ def measure_all(model: str | None, tokens: int, repeats: int) -> dict:
         host = _spawn("host", model, tokens, repeats, work)
         disk = _spawn("disk", model, tokens, repeats, work)
         example = _spawn("example", model, tokens, repeats, work)
+        remote = _remote(model, tokens, repeats, work)
         producer = _start("pd_producer", model, tokens, repeats, work)
         try:
             pd = _spawn("pd", model, tokens, repeats, work)
@@ -280,13 +337,10 @@ def measure_all(model: str | None, tokens: int, repeats: int) -> dict:
         "suite": "vllm",
         "prompt_tokens": tokens,
         "repeats": repeats,
-        "not_measured": [
-            "pd (kv_producer/kv_consumer: tested, not benchmarked yet)",
-            "remote store node",
-        ],
         "results": [
             _entry("ttft_host_hit", host, tokens),
             _entry("ttft_disk_hit", disk, tokens),
+            _entry("ttft_remote_store_hit", remote, tokens),
             _entry("ttft_pd_consumer", pd, tokens),
             _entry("ttft_example_connector_hit", example, tokens),
             _entry("ttft_vllm_local_prefix_hit", host, tokens, key="local_s"),
@@ -307,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
-        "--child", choices=["host", "disk", "example", "pd", "pd_producer"], help=argparse.SUPPRESS
+        "--child",
+        choices=["host", "disk", "example", "pd", "pd_producer", "remote", "remote_writer"],
+        help=argparse.SUPPRESS,
     )
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

@@ -20,11 +20,9 @@ class ConfigError(InvalidArgumentError):
     """A kv_connector_extra_config key is unknown, malformed or not available in this build."""
 
 
-# Keys documented now whose features live on branches not merged into this build.
-PENDING_KEYS: dict[str, str] = {
-    "store_nodes": "the network transport and tpusync store nodes",
-    "metrics_port": "the Prometheus exporter",
-}
+# Keys documented now whose features live on branches not merged into this build (none today;
+# kept so that a key can be announced before its feature lands).
+PENDING_KEYS: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -40,7 +38,18 @@ class TpusyncVllmConfig:
     # P/D (kv_producer / kv_consumer): where the producer listens, and the shared secret's file
     # (default: $TPUSYNC_AUTH_SECRET).
     pd_listen: str = "127.0.0.1:0"
-    auth_secret_file: str | None = None
+    auth_secret_file: str | None = None  # P/D and store nodes (default: $TPUSYNC_AUTH_SECRET)
+    # Store nodes (`tpusync store-node`, HOST:PORT each): a last, shared tier under host [-> disk].
+    # Every saved block is also written through to them (asynchronously) so that other vLLM
+    # instances on the same nodes find it; lookups try the local tiers first, then the nodes.
+    store_nodes: tuple[str, ...] = ()
+    replicas: int = 1  # copies of each block on distinct nodes
+    store_timeout_s: float = 2.0  # one request to one node (must stay below lookup_timeout_s)
+    write_through: bool = True  # with store_nodes: publish every save to the nodes at once
+    # Prometheus exporter of the worker (connector + store counters) on metrics_port + rank;
+    # 0: none.
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
     metrics: bool = True
     load_timeout_s: float = 60.0
     save_timeout_s: float = 60.0
@@ -70,6 +79,13 @@ class TpusyncVllmConfig:
             default = getattr(cls, key)
             if key in ("namespace", "kv_events_endpoint", "disk_dir", "auth_secret_file"):
                 ok = value is None or isinstance(value, str)
+            elif key == "store_nodes":
+                if isinstance(value, str):  # "h1:p1,h2:p2" (handy on a command line)
+                    value = [v.strip() for v in value.split(",") if v.strip()]
+                ok = isinstance(value, list | tuple) and all(
+                    isinstance(v, str) and re.fullmatch(r"\[?[^\s\]]+\]?:\d{1,5}", v) for v in value
+                )
+                value = tuple(value) if ok else value
             elif isinstance(default, bool):
                 ok = isinstance(value, bool)
             elif isinstance(default, int):
@@ -79,9 +95,9 @@ class TpusyncVllmConfig:
             else:
                 ok = isinstance(value, str)
             if not ok:
+                want = "a list of HOST:PORT" if key == "store_nodes" else type(default).__name__
                 raise ConfigError(
-                    f"kv_connector_extra_config[{key!r}] must be {type(default).__name__}, "
-                    f"got {value!r}"
+                    f"kv_connector_extra_config[{key!r}] must be {want}, got {value!r}"
                 )
             kwargs[key] = value
         cfg = cls(**kwargs)
@@ -95,6 +111,15 @@ class TpusyncVllmConfig:
             raise ConfigError("disk_dir and disk_bytes (> 0) go together")
         if cfg.namespace is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", cfg.namespace):
             raise ConfigError(f"namespace must be 1-64 of [A-Za-z0-9_.-], got {cfg.namespace!r}")
+        if cfg.store_nodes and not 1 <= cfg.replicas <= len(cfg.store_nodes):
+            raise ConfigError(
+                f"replicas must be 1..{len(cfg.store_nodes)} (the number of store_nodes), "
+                f"got {cfg.replicas}"
+            )
+        if cfg.store_timeout_s <= 0:
+            raise ConfigError(f"store_timeout_s must be positive, got {cfg.store_timeout_s}")
+        if not 0 <= cfg.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be 0 (off) or a TCP port, got {cfg.metrics_port}")
         if cfg.kv_events_encoding not in ("tagged", "positional"):
             raise ConfigError("kv_events_encoding must be 'tagged' or 'positional'")
         return cfg

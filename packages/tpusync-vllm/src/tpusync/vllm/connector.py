@@ -21,14 +21,33 @@ asks it (direct call in vLLM's in-process engine, else a Unix-socket round trip)
 5. ``request_finished`` (also on abort and failure) ends the request's lease.
 
 Loads and saves are synchronous per step (no ``finished_recving``/``finished_sending``).
+
+With ``store_nodes``, the store's last tier is a set of ``tpusync store-node`` processes shared by
+several vLLM instances: every save is written through to them (asynchronously, after the local
+put), and a lookup that ends early in the local tiers continues on the nodes, so a prefix that
+another instance computed loads from the nodes (SHARED KEY CONTRACT in store.py).
+
+EVENT CONTRACT (KV events for llm-d). The worker's store records every placement change (put,
+write-back demotion host -> disk, write-through to the nodes, promotion, LRU drop, corruption,
+clear); the worker hands them to vLLM with each step's output
+(``get_kv_connector_kv_cache_events``), and the scheduler's ``take_events`` returns them as vLLM's
+BlockStored / BlockRemoved with ``medium`` CPU, DISK or REMOTE, keyed by vLLM's block hashes
+(AllBlocksCleared when the store was cleared or its event queue overflowed). BlockStored carries
+the blocks' token ids and parent hash when the scheduler planned that save itself (the usual
+case); blocks it never planned (e.g. re-attached after a restart) are announced without tokens.
+With tensor parallelism an event is announced once every worker reported it (a block is in a
+tier only when every rank's shard is). Events of work the store does between steps reach vLLM
+with the next step.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
-from collections import deque
+from array import array
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,7 +65,13 @@ from tpusync.vllm.store import (
     lookup_endpoint,
     model_fingerprint,
 )
-from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -65,7 +90,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["TpusyncConnector", "TpusyncMetadata", "TpusyncStats", "Transfer"]
+__all__ = ["TpusyncConnector", "TpusyncKVEvents", "TpusyncMetadata", "TpusyncStats", "Transfer"]
 
 log = logging.getLogger("tpusync.vllm")
 
@@ -147,6 +172,41 @@ class TpusyncStats(KVConnectorStats):
         return not any(self.data.get(k) for k in _WORKER_COUNTERS)
 
 
+class TpusyncKVEvents(KVConnectorKVEvents):
+    """One step's store events of the workers, one event per block (vLLM's output aggregator
+    concatenates the workers' lists and counts the workers; the scheduler matches them up)."""
+
+    def __init__(self, events: list[KVCacheEvent] | None = None, num_workers: int = 1) -> None:
+        self._events: list[KVCacheEvent] = list(events or [])
+        self._workers = num_workers
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> TpusyncKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._events = []
+
+
+# The medium each store tier is announced with (tpusync.core.events.TIER_MEDIUM).
+_MEDIUM = tev.TIER_MEDIUM
+# Block hashes whose tokens the scheduler remembers for BlockStored events (4 bytes per token).
+_PLANNED_BLOCKS = 1 << 14
+# Per-block events of some but not all TP workers kept for matching (beyond: dropped, logged).
+_PENDING_EVENTS = 1 << 16
+
+
 def _key_geometry(kv_cache_config: KVCacheConfig) -> tuple[int, int]:
     """(bytes of one block across all layers of this worker, number of layers)."""
     groups = kv_cache_config.kv_cache_groups
@@ -202,7 +262,11 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         # block id -> (req, block index, key) of the loads of the last two steps (two: with async
         # scheduling, step N+1's metadata is built before step N's output arrives).
         self._load_history: deque[dict[int, tuple[str, int, bytes]]] = deque(maxlen=2)
-        self._stored_events: list[BlockStored] = []
+        # KV events: block hash -> (parent hash, token ids) of saves this scheduler planned, and
+        # the per-block events the workers reported that are not announced yet.
+        self._planned: OrderedDict[Any, tuple[Any, array]] = OrderedDict()
+        self._worker_events: list[KVCacheEvent] = []
+        self._pending_events: Counter[KVCacheEvent] = Counter()
         self._pd_lookups: dict[str, tuple[dict[str, Any], int]] = {}
         self._pd_pending_recvs: list[PdRecv] = []
         self._pd_published: dict[str, tuple[int, list[int]]] = {}
@@ -216,6 +280,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
             "queries": 0,
             "hit_blocks": 0,
             "disk_hit_blocks": 0,
+            "remote_hit_blocks": 0,
             "hit_tokens": 0,
             "planned_saves": 0,
             "load_errors_seen": 0,
@@ -230,6 +295,11 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_errors: set[int] = set()
         self._worker_stats = TpusyncStats()
         self.totals = TpusyncStats()  # never reset: for diagnostics and tests
+        kec = getattr(vllm_config, "kv_events_config", None)
+        self._events_wanted = bool(
+            self.config.kv_events_endpoint or (kec is not None and kec.enable_kv_cache_events)
+        )
+        self._metrics_server: Any = None
         if role == KVConnectorRole.SCHEDULER:
             self.client = LookupClient(
                 [lookup_endpoint(self._engine_key, r) for r in range(self.world_size)],
@@ -313,6 +383,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         self._saved_upto[req_id] = max(self._saved_upto[req_id], end)
         self.stats["hit_blocks"] += len(keys)
         self.stats["disk_hit_blocks"] += sum(1 for t in tiers[first:end] if t == "disk")
+        self.stats["remote_hit_blocks"] += sum(1 for t in tiers[first:end] if t == "remote")
         self.stats["hit_tokens"] += num_external_tokens
 
     def _pd_matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -383,7 +454,8 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             )
             self.stats["planned_saves"] += full - start
-            self._record_stored(request, list(range(start, full)))
+            if self._events_wanted:
+                self._remember_tokens(request, start, full)
         return meta
 
     def _plan_pd_sends(self, scheduler_output: SchedulerOutput, meta: TpusyncMetadata) -> None:
@@ -406,34 +478,23 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
             self._pd_published[req_id] = (tid, ids)
             self.stats["pd_sent_blocks"] += n
 
-    def _record_stored(self, request: Request, positions: list[int]) -> None:
+    def _remember_tokens(self, request: Request, start: int, end: int) -> None:
+        """Keep the tokens and parent of blocks start..end-1 for their BlockStored events."""
         bs = self.block_size
         tokens = request.all_token_ids
-        # One event per contiguous run, chained to the block before it (llm-d rebuilds chains).
-        run: list[int] = []
-        for p in [*positions, -2]:
-            if run and p != run[-1] + 1:
-                first = run[0]
-                parent = request.block_hashes[first - 1] if first > 0 else None
-                self._stored_events.append(
-                    BlockStored(
-                        block_hashes=[
-                            maybe_convert_block_hash(request.block_hashes[i]) for i in run
-                        ],
-                        parent_block_hash=None
-                        if parent is None
-                        else maybe_convert_block_hash(parent),
-                        token_ids=list(tokens[first * bs : (run[-1] + 1) * bs]),
-                        block_size=bs,
-                        lora_id=None,
-                        medium="CPU",
-                        lora_name=None,
-                    )
-                )
-                run = []
-            run.append(p)
+        hashes = request.block_hashes
+        for i in range(start, end):
+            h = maybe_convert_block_hash(hashes[i])
+            parent = maybe_convert_block_hash(hashes[i - 1]) if i > 0 else None
+            self._planned[h] = (parent, array("I", tokens[i * bs : (i + 1) * bs]))
+            self._planned.move_to_end(h)
+        while len(self._planned) > _PLANNED_BLOCKS:
+            self._planned.popitem(last=False)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        events = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(events, TpusyncKVEvents):
+            self._collect_worker_events(events)
         bad = getattr(connector_output, "invalid_block_ids", None) or set()
         if not bad:
             return
@@ -490,10 +551,76 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         self._pd_tried.discard(req_id)
         self._release(req_id)
 
+    def _collect_worker_events(self, events: TpusyncKVEvents) -> None:
+        """Announce an event once every worker reported it (EVENT CONTRACT)."""
+        got = events.get_all_events()
+        if self.world_size == 1:
+            self._worker_events.extend(got)
+            return
+        for e in got:
+            if isinstance(e, AllBlocksCleared):  # any rank losing its shards clears the pod
+                self._pending_events.clear()
+                self._worker_events.append(e)
+                continue
+            self._pending_events[e] += 1
+            if self._pending_events[e] >= self.world_size:
+                del self._pending_events[e]
+                self._worker_events.append(e)
+        if len(self._pending_events) > _PENDING_EVENTS:
+            log.warning("tpusync: %d unmatched worker events dropped", len(self._pending_events))
+            self._pending_events.clear()
+
     def take_events(self) -> Iterable[Any]:
-        # BlockStored only: evictions happen inside the worker's store (not reported yet).
-        out: list[Any] = list(self._stored_events)
-        self._stored_events = []
+        """What the workers' stores did since the last call, as vLLM KV events (EVENT CONTRACT):
+        runs of one kind and medium become one event; BlockStored runs are split where the
+        planned token chain breaks so that ``parent_block_hash`` / ``token_ids`` stay exact."""
+        raw, self._worker_events = self._worker_events, []
+        out: list[Any] = []
+        run: list[Any] = []
+        run_kind: tuple[str, Any, bool] | None = None
+
+        def flush() -> None:
+            if not run or run_kind is None:
+                return
+            kind, medium, known = run_kind
+            if kind == "removed":
+                out.append(BlockRemoved(block_hashes=list(run), medium=medium))
+                return
+            parent, tokens = None, []
+            if known:
+                parent = self._planned[run[0]][0]
+                for h in run:
+                    tokens.extend(self._planned[h][1])
+            out.append(
+                BlockStored(
+                    block_hashes=list(run),
+                    parent_block_hash=parent,
+                    token_ids=tokens,
+                    block_size=self.block_size,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                )
+            )
+
+        for e in raw:
+            if isinstance(e, AllBlocksCleared):
+                flush()
+                run, run_kind = [], None
+                out.append(AllBlocksCleared())
+                continue
+            for h in e.block_hashes:
+                if isinstance(e, BlockStored):
+                    known = h in self._planned
+                    key = ("stored", e.medium, known)
+                    chained = not known or not run or self._planned[h][0] == run[-1]
+                else:
+                    key, chained = ("removed", e.medium, False), True
+                if key != run_kind or not chained:
+                    flush()
+                    run, run_kind = [], key
+                run.append(h)
+        flush()
         if out and self._publisher is not None:
             self._publisher.publish([_to_tpusync_event(e) for e in out])
         return out
@@ -572,6 +699,13 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                 None, lookup_endpoint(self._engine_key, rank), {"pd_address": self.pd.address}
             )
             return
+        if self.config.store_nodes:
+            from tpusync.core.pd import load_secret
+
+            try:  # the store nodes' secret: a clear error now, not a failed engine start later
+                load_secret(self.config.auth_secret_file)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"store_nodes: {exc} (auth_secret_file)") from exc
         self.store = WorkerStore(
             arrays,
             host_blocks=self.host_blocks,
@@ -581,8 +715,28 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
             fingerprint=fingerprint,
             lease_s=self.config.lease_s,
             prefault=self.config.prefault,
+            store_nodes=self.config.store_nodes,
+            auth_secret_file=self.config.auth_secret_file,
+            replicas=self.config.replicas,
+            store_timeout_s=self.config.store_timeout_s,
+            write_through=self.config.write_through,
+            key_salt=_share_salt(
+                model=mc.model,
+                revision=getattr(mc, "revision", None),
+                dtype=str(mc.dtype),
+                kv_cache_dtype=self._vllm_config.cache_config.cache_dtype,
+                block_size=self.block_size,
+                hash_algo=getattr(self._vllm_config.cache_config, "prefix_caching_hash_algo", None),
+                row_bytes=rb,
+                rows=len(arrays),
+                rank=rank,
+                world=self.world_size,
+            ),
+            events=self._events_wanted,
         )
         self._server = LookupServer(self.store, lookup_endpoint(self._engine_key, rank))
+        if self.config.metrics_port:
+            self._start_metrics(rank)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -616,6 +770,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                 self._count("load_failures", 1)
             self._count("loaded_blocks", len(tr.keys) - len(failed))
         self._count("load_seconds", time.perf_counter() - t0)
+        self.store.check_remote()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads completed in start_load_kv
@@ -649,6 +804,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         self._count("saved_blocks", stored)
         self._count("save_failures", len(keys) - stored)
         self._count("save_seconds", time.perf_counter() - t0)
+        self.store.check_remote()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.pd is None:
@@ -663,6 +819,58 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
             self._count("load_failures", 1)
         recving = done | set(failed)
         return None, (recving or None)
+
+    def get_kv_connector_kv_cache_events(self) -> TpusyncKVEvents | None:
+        """This worker's store events since the last step, one per block (EVENT CONTRACT)."""
+        if self.store is None or not self._events_wanted:
+            return None
+        raw, dropped = self.store.take_events()
+        if not raw and not dropped:
+            return None
+        events: list[KVCacheEvent] = [AllBlocksCleared()] if dropped else []
+        if dropped:
+            log.warning("tpusync: %d store events lost (queue bound); announced a clear", dropped)
+        for kind, tier, key in raw:
+            if kind == "cleared":
+                events.append(AllBlocksCleared())
+                continue
+            h = maybe_convert_block_hash(key)
+            if kind == "stored":
+                events.append(
+                    BlockStored(
+                        block_hashes=[h],
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=self.block_size,
+                        lora_id=None,
+                        medium=_MEDIUM[tier],
+                        lora_name=None,
+                    )
+                )
+            else:
+                events.append(BlockRemoved(block_hashes=[h], medium=_MEDIUM[tier]))
+        return TpusyncKVEvents(events)
+
+    def _start_metrics(self, rank: int) -> None:
+        """Prometheus exporter of this worker on metrics_port + rank (connector + store)."""
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        from tpusync.core.metrics import StoreCollector
+
+        assert self.store is not None
+        registry = CollectorRegistry()
+        registry.register(StoreCollector(self.store.store, prefix="tpusync_vllm_store"))
+        registry.register(_ConnectorCollector(self))
+        port = self.config.metrics_port + rank
+        try:
+            self._metrics_server = start_http_server(
+                port, addr=self.config.metrics_host, registry=registry
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"metrics_port: cannot serve on {self.config.metrics_host}:{port}: {exc}"
+            ) from exc
+        log.info("tpusync: metrics on http://%s:%d/metrics", self.config.metrics_host, port)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -685,6 +893,12 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         return TpusyncStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
+        if self._metrics_server is not None:
+            server = self._metrics_server[0] if isinstance(self._metrics_server, tuple) else None
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+            self._metrics_server = None
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
@@ -703,6 +917,37 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("tpusync: flush at shutdown: %s", exc)
             self.store.close()
             self.store = None
+
+
+class _ConnectorCollector:
+    """prometheus-client collector over one worker connector's never-reset totals."""
+
+    _HELP = {
+        "loaded_blocks": "Blocks loaded into vLLM from tpusync",
+        "saved_blocks": "Blocks saved from vLLM into tpusync (already stored ones included)",
+        "load_failures": "Transfers with blocks not loaded (missing, corrupted, errors)",
+        "save_failures": "Blocks a save could not store",
+        "load_seconds": "Seconds spent in loads",
+        "save_seconds": "Seconds spent in saves",
+    }
+
+    def __init__(self, connector: TpusyncConnector) -> None:
+        self._c = connector
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        data = dict(self._c.totals.data)
+        for key, doc in self._HELP.items():
+            yield CounterMetricFamily(f"tpusync_vllm_{key}", doc, value=data.get(key, 0))
+
+
+def _share_salt(**parts: Any) -> bytes:
+    """16 bytes naming what decides a block's bytes (SHARED KEY CONTRACT in store.py)."""
+    h = hashlib.sha256()
+    for k in sorted(parts):
+        h.update(f"{k}={parts[k]!r};".encode())
+    return h.digest()[:16]
 
 
 def _worker_rank() -> int:

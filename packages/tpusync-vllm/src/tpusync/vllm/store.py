@@ -5,8 +5,9 @@ WORKER instance per worker process that moves bytes. On vLLM's default engine th
 different processes. The store therefore has exactly one owner, the WORKER:
 
 - :class:`WorkerStore` owns a :class:`tpusync.core.KVStore` (host tier, optionally in /dev/shm
-  under a namespace for warm restart, optional disk tier) whose block is one vLLM block across
-  every layer of this worker. Saves gather the block's rows of every layer into a staging buffer
+  under a namespace for warm restart, optional disk tier, optional store nodes as a last, shared
+  tier written through on every save) whose block is one vLLM block across every layer of this
+  worker. Saves gather the block's rows of every layer into a staging buffer
   and ``put`` it; loads ``get`` into the staging buffer and scatter the rows back.
 - The SCHEDULER asks the worker through :class:`LookupClient`: a direct call when both halves
   share a process (vLLM's in-process engine), else one ZeroMQ REQ/REP round trip over a Unix
@@ -25,6 +26,13 @@ scheduler sends the request id as released (finished, aborted, preempted, or the
 used), a new lookup for the same request replaces it, or ``lease_s`` passed (a backstop for a
 scheduler that died). Every pin the store holds belongs to exactly one live lease, so
 ``num_pins == 0`` once no request is in flight.
+
+SHARED KEY CONTRACT (store nodes). Store nodes may be shared by vLLM instances of other models,
+dtypes or tensor-parallel layouts, whose block hashes can be equal for equal tokens. With store
+nodes, every store key is therefore the vLLM block hash followed by ``key_salt`` (16 bytes of a
+digest of what decides a block's bytes: model, dtype, block size, hash algorithm, row geometry,
+rank and world size - not the KV cache's capacity); events and callers see the plain hashes.
+Without store nodes no salt is added (the host / disk tiers are fingerprinted as a whole).
 """
 
 from __future__ import annotations
@@ -53,6 +61,10 @@ log = logging.getLogger("tpusync.vllm")
 # Lookup servers of this process by endpoint: vLLM's in-process engine answers lookups directly.
 _LOCAL: dict[str, LookupServer] = {}
 _LOCAL_LOCK = threading.Lock()
+
+
+# Tier names by cost of a read, for merging the ranks' answers (the slowest rank decides).
+_SLOWNESS = {"host": 0, "disk": 1, "remote": 2}
 
 
 def lookup_endpoint(engine_id: str, rank: int) -> str:
@@ -88,12 +100,21 @@ class WorkerStore:
         lease_s: float = 60.0,
         prefault: bool = True,
         put_wait_s: float = 5.0,
+        store_nodes: Sequence[str] = (),
+        auth_secret_file: str | None = None,
+        replicas: int = 1,
+        store_timeout_s: float = 2.0,
+        write_through: bool = True,
+        key_salt: bytes = b"",
+        events: bool = False,
     ) -> None:
         if not layers:
             raise tc.InvalidArgumentError("no KV layers to store")
         self.bind(layers)
         self.row_bytes = int(self.layers[0].shape[1])
         self.key_bytes = self.row_bytes * len(self.layers)
+        self.store_nodes = list(store_nodes)
+        self.key_salt = bytes(key_salt) if self.store_nodes else b""
         self.store = tc.KVStore(
             self.key_bytes,
             host_blocks,
@@ -103,8 +124,20 @@ class WorkerStore:
             fingerprint=fingerprint,
             prefault=prefault,
             put_wait_s=put_wait_s,
+            remote=self.store_nodes or None,
+            auth_secret_file=auth_secret_file,
+            replicas=replicas,
+            remote_timeout=store_timeout_s,
+            lease_s=min(lease_s, 60.0),
+            write_through=write_through and bool(self.store_nodes),
         )
+        if events:
+            self.store.enable_events()
         self.lease_s = lease_s
+        self._health_at = 0.0
+        self._health_seen = (0, 0, 0)
+        if self.store_nodes:
+            self._probe_nodes(auth_secret_file, replicas, store_timeout_s)
         self._staging = np.empty((0, self.key_bytes), dtype=np.uint8)
         self._lock = threading.Lock()  # leases (lookup thread vs. the worker's step thread)
         self._leases: dict[str, tuple[list[bytes], float]] = {}
@@ -126,6 +159,7 @@ class WorkerStore:
             self._release_locked(req_id)
             if not keys:
                 return LookupResult(0, ())
+            keys = self._salted(keys)
             n, tiers = self.store.lookup(keys)
             if n > pin_above:
                 try:
@@ -180,6 +214,7 @@ class WorkerStore:
         afterwards (keys already stored count, without a copy). Waits: vLLM reuses the blocks."""
         if not keys:
             return 0
+        keys = self._salted(keys)
         stage = self._stage(len(keys))
         idx = np.asarray(block_ids, dtype=np.int64)
         rb = self.row_bytes
@@ -192,6 +227,7 @@ class WorkerStore:
         not found or failed verification (their bytes in vLLM are left as they were)."""
         if not keys:
             return []
+        keys = self._salted(keys)
         stage = self._stage(len(keys))
         found = self.store.get(keys, stage).mask(timeout).astype(bool)
         ids = np.asarray(block_ids, dtype=np.int64)
@@ -201,6 +237,68 @@ class WorkerStore:
         for j, arr in enumerate(self._np):
             arr[dst] = src[:, j * rb : (j + 1) * rb]
         return [int(b) for b in ids[~found]]
+
+    def _salted(self, keys: Sequence[bytes]) -> list[bytes]:
+        salt = self.key_salt
+        return [bytes(k) + salt for k in keys] if salt else list(keys)
+
+    def plain_key(self, key: bytes) -> bytes:
+        """The vLLM block hash of a store key (the SHARED KEY CONTRACT's salt removed)."""
+        return key[: len(key) - len(self.key_salt)] if self.key_salt else key
+
+    def take_events(self) -> tuple[list[tuple[str, str, bytes]], int]:
+        """The store's placement changes since the last call, as ``(kind, tier, block hash)``,
+        and the number lost to the queue bound (enable with ``events=True``)."""
+        raw, dropped = self.store.take_events()
+        if self.key_salt:
+            raw = [(kind, tier, self.plain_key(k)) for kind, tier, k in raw]
+        return raw, dropped
+
+    def _probe_nodes(self, secret_file: str | None, replicas: int, timeout: float) -> None:
+        """One lookup on the nodes at start, so that a wrong address or secret is a clear log
+        line now, not a silent miss rate later. Never fatal: the local tiers serve regardless."""
+        from tpusync.core.store_node import StoreClient
+
+        try:
+            pool = tc.HostBlockPool(self.key_bytes, 1)
+            client = StoreClient(
+                pool, self.store_nodes, replication=replicas, secret_file=secret_file,
+                timeout=timeout,
+            )  # fmt: skip
+            client.lookup_prefix(["tpusync-probe"])
+            log.info("tpusync: store nodes %s answer", ",".join(self.store_nodes))
+        except (tc.TpusyncError, ValueError, TypeError) as exc:
+            log.warning(
+                "tpusync: store nodes %s do not answer (%s); serving from the local tiers, "
+                "blocks are recomputed instead of shared until a node is back",
+                ",".join(self.store_nodes),
+                exc,
+            )
+
+    def check_remote(self, every_s: float = 10.0) -> None:
+        """Log (at most every ``every_s``) when remote reads or write-through copies failed since
+        the last check: the requests still complete (local tiers or recompute)."""
+        if not self.store_nodes:
+            return
+        now = time.monotonic()
+        if now < self._health_at:
+            return
+        self._health_at = now + every_s
+        st = self.store.stats()
+        remote = st["tiers"].get("remote", {})
+        seen = (
+            int(remote.get("read_errors", 0)),
+            int(st.get("write_through_errors", 0)),
+            int(st.get("write_through_dropped", 0)),
+        )
+        old, self._health_seen = self._health_seen, seen
+        if seen != old and (seen[0] > old[0] or seen[1] > old[1]):
+            log.warning(
+                "tpusync: store nodes %s failing: %d remote read errors, %d write-through "
+                "errors, %d copies skipped so far (requests complete from local tiers or recompute)",
+                ",".join(self.store_nodes),
+                *seen,
+            )
 
     def flush(self, timeout: float = 60.0) -> None:
         self.store.flush(timeout)
@@ -328,7 +426,7 @@ class LookupClient:
                 break
             hit = min(hit, reply[0])
             for i, t in enumerate(reply[1][:hit]):
-                if t == "disk" or not tiers[i]:
+                if _SLOWNESS.get(t, 0) >= _SLOWNESS.get(tiers[i], -1):
                     tiers[i] = t  # the slowest rank decides
         if hit <= pin_above:
             self.release([req_id])
