@@ -14,11 +14,15 @@
 //      KVStore remote tier (open_remote_kv_store), placement events (enable_events /
 //      take_events), BlockIndex.reserve / lookup_prefix_array, store-node disk tier and read
 //      leases (StoreNode.start(disk_dir=...), StoreClient.lookup_prefix(lease=...)).
+//   4: KVStore write_through (open / open_remote_kv_store, write_through_* stats); P/D origin
+//      checksums (PdProducer.register_send(checksums=...), PdStatus.checksums); PdConsumer.recv
+//      (pull on the calling thread) and small_pull_bytes; StoreNode.start(name_space=,
+//      fingerprint=) warm restart, cold_start_reason, recovered_blocks.
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 3;
+inline constexpr int kApiVersion = 4;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

@@ -10,7 +10,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-API_VERSION: int = 3
+API_VERSION: int = 4
 
 @overload
 def checksum64(data: bytes, seed: int = 0) -> int:
@@ -246,7 +246,7 @@ class KVStoreNative:
     """Tiered KV block store (use tpusync.core.KVStore, the Python face)."""
 
     @staticmethod
-    def open(engine: Engine, block_bytes: int, host_blocks: int, name_space: str = '', fingerprint: str = '', disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False) -> KVStoreNative: ...
+    def open(engine: Engine, block_bytes: int, host_blocks: int, name_space: str = '', fingerprint: str = '', disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False, write_through: bool = False) -> KVStoreNative: ...
 
     @property
     def block_bytes(self) -> int: ...
@@ -299,7 +299,7 @@ class PdProducer:
     @property
     def pending(self) -> int: ...
 
-    def register_send(self, request_id: int, blocks: Sequence[int], deadline: float, blocks_per_group: int = 0) -> None: ...
+    def register_send(self, request_id: int, blocks: Sequence[int], deadline: float, blocks_per_group: int = 0, checksums: Sequence[int] = []) -> None: ...
 
     def poll(self) -> list: ...
 
@@ -309,7 +309,9 @@ class PdConsumer:
     """P/D consumer: pulls registered blocks into its own pool blocks."""
 
     @staticmethod
-    def create(pool: BlockPool, secret: bytes, streams: int = 4, connect_timeout: float = 5.0, socket_buffer_bytes: int = 0) -> PdConsumer: ...
+    def create(pool: BlockPool, secret: bytes, streams: int = 4, connect_timeout: float = 5.0, socket_buffer_bytes: int = 0, small_pull_bytes: int = 262144) -> PdConsumer: ...
+
+    def recv(self, request_id: int, sources: Sequence[tuple[str, Sequence[int]]], deadline: float) -> dict: ...
 
     def start_recv(self, request_id: int, sources: Sequence[tuple[str, Sequence[int]]], deadline: float) -> None: ...
 
@@ -324,10 +326,13 @@ class StoreNode:
     """A distributed prefix cache node (put/get/lookup)."""
 
     @staticmethod
-    def start(secret: bytes, listen: str = '127.0.0.1:0', capacity_bytes: int = 1073741824, block_bytes: int = 262144, disk_dir: str = '', disk_capacity_bytes: int = 0) -> StoreNode: ...
+    def start(secret: bytes, listen: str = '127.0.0.1:0', capacity_bytes: int = 1073741824, block_bytes: int = 262144, disk_dir: str = '', disk_capacity_bytes: int = 0, name_space: str = '', fingerprint: str = '') -> StoreNode: ...
 
     @property
     def address(self) -> str: ...
+
+    @property
+    def cold_start_reason(self) -> str: ...
 
     @property
     def block_bytes(self) -> int: ...
@@ -352,7 +357,7 @@ class StoreClient:
 
     def remove(self, keys: Sequence[str]) -> list[bool]: ...
 
-def open_remote_kv_store(engine: Engine, block_bytes: int, host_blocks: int, nodes: Sequence[str], secret: bytes, disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False, name_space: str = '', fingerprint: str = '', replicas: int = 1, remote_blocks: int = 65536, lease: float = 10.0, timeout: float = 10.0) -> KVStoreNative:
+def open_remote_kv_store(engine: Engine, block_bytes: int, host_blocks: int, nodes: Sequence[str], secret: bytes, disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False, name_space: str = '', fingerprint: str = '', replicas: int = 1, remote_blocks: int = 65536, lease: float = 10.0, timeout: float = 10.0, write_through: bool = False) -> KVStoreNative:
     """
     A KVStore over host [-> disk] -> store nodes (host demotes to disk first, then remote).
     """

@@ -26,7 +26,7 @@ whole tensors on every worker. Tracked in the project's issues.
 
 from tpusync.core import require_api
 
-MIN_CORE_API = 2
+MIN_CORE_API = 4  # P/D origin checksums
 require_api(MIN_CORE_API, "tpusync-rl")
 
 from tpusync.rl.chunks import (  # noqa: E402 - after the API gate on purpose
