@@ -1,0 +1,206 @@
+"""Scenario 1 of issue 8: a LIVE SGLang server (real processes, real HTTP) with HiCache on tpusync.
+
+``python -m sglang.launch_server`` runs the tiny test model on CPU with
+``--enable-hierarchical-cache --hicache-storage-backend dynamic`` and the extra config naming
+``tpusync.sglang.TpusyncHiCacheStorage``. A request is served, ``/flush_cache`` drops the device
+and host caches, and the same request again is served with its prefix pages loaded from tpusync
+storage: ``meta_info.cached_tokens_details.storage`` counts them, the backend's own prefetch
+counters (SGLang's ``sglang:prefetch_pgs`` histogram, fed by the backend's ``get_stats``) count
+the pages it served, and greedy output is identical.
+
+CPU only through the TEST-ONLY shim ``support/cpu_server_shim.py`` (installed in every server
+process by ``support/server_site/sitecustomize.py``): CPU stand-ins for SGLang's host-pool copy
+kernel and host-memory registration, nothing of tpusync. To keep start-up short the server is told
+(``SGLANG_DISABLED_MODEL_ARCHS``) to skip importing the ~200 model modules other than Llama.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pkgutil
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import tiny_model
+
+SUPPORT = Path(__file__).parent / "support"
+STARTUP_TIMEOUT_S = 420  # a loaded 2-core CI machine: imports dominate
+REQUEST_TIMEOUT_S = 120
+PAGE = 4
+PROMPT = (
+    "the cache page block host disk token model prefix hit miss store load copy layer head key "
+    "value tpusync sglang the cache page block host disk token model prefix"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _other_model_modules() -> str:
+    spec = importlib.util.find_spec("sglang.srt.models")
+    assert spec is not None and spec.submodule_search_locations
+    names = [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)]
+    assert "llama" in names
+    return ",".join(n for n in names if n != "llama")
+
+
+def _http(url: str, payload: dict | None = None, timeout: float = REQUEST_TIMEOUT_S):
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    if payload is None and url.endswith("/flush_cache"):
+        req.method = "POST"
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        body = resp.read().decode()
+        return resp.status, body
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, base: str, log: Path) -> None:
+        self.proc, self.base, self.log = proc, base, log
+
+    def generate(self, text: str) -> dict:
+        status, body = _http(
+            f"{self.base}/generate",
+            {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+        )
+        assert status == 200, body
+        return json.loads(body)
+
+    def flush_cache(self) -> None:
+        deadline = time.monotonic() + 60
+        while True:  # refused while a request is still finishing (SGLang's rule); bounded retry
+            status, body = _http(f"{self.base}/flush_cache")
+            if status == 200 and "Cache flushed" in body:
+                return
+            assert time.monotonic() < deadline, f"flush_cache kept failing: {body}"
+            time.sleep(0.5)
+
+    def metric(self, name: str) -> float:
+        _, body = _http(f"{self.base}/metrics")
+        total = 0.0
+        for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", body, re.M):
+            total += float(m.group(1))
+        return total
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = Path(os.environ.get("TPUSYNC_REPO_ROOT", Path(__file__).resolve().parents[3]))
+    model = tiny_model.ensure(root)
+    port = _free_port()
+    log = tmp_path_factory.mktemp("sglang-server") / "server.log"
+    extra = {
+        "backend_name": "tpusync",
+        "module_path": "tpusync.sglang",
+        "class_name": "TpusyncHiCacheStorage",
+        "interface_v1": 1,
+        "capacity_pages": 512,
+        "prefault": False,
+        # SGLang's own prefetch knobs (popped by SGLang before the backend sees the config):
+        # prefetch from one page on, and give a slow CPU machine time to finish it.
+        "prefetch_threshold": PAGE,
+        "prefetch_timeout_base": 60,
+    }
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model), "--device", "cpu",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--attention-backend", "torch_native", "--grammar-backend", "none",
+        "--disable-cuda-graph", "--page-size", str(PAGE), "--max-total-tokens", "2048",
+        "--enable-hierarchical-cache", "--hicache-ratio", "2",
+        "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+        "--hicache-storage-prefetch-policy", "wait_complete",
+        "--hicache-storage-backend", "dynamic",
+        "--hicache-storage-backend-extra-config", json.dumps(extra),
+        "--enable-metrics", "--enable-cache-report",
+        "--random-seed", "1",
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(SUPPORT / "server_site"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+        "TPUSYNC_SGLANG_CPU_SHIM": "1",
+        "SGLANG_DISABLED_MODEL_ARCHS": _other_model_modules(),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    srv = Server(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"SGLang server exited with {proc.returncode}:\n{srv.tail()}")
+            try:
+                if _http(f"{srv.base}/health", timeout=5)[0] == 200 and (
+                    "fired up and ready" in log.read_text(errors="replace")
+                ):
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"SGLang server not ready in {STARTUP_TIMEOUT_S} s:\n{srv.tail()}")
+            time.sleep(2)
+        yield srv
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (new session)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+def test_flushed_prefix_is_loaded_from_tpusync_with_identical_output(server):
+    first = server.generate(PROMPT)
+    prompt_tokens = first["meta_info"]["prompt_tokens"]
+    assert prompt_tokens >= 4 * PAGE
+    assert first["meta_info"]["cached_tokens"] == 0
+
+    # The first request's pages went device -> host (write-through) -> tpusync (backup). Wait
+    # until the backend reports them stored, then drop device and host caches.
+    deadline = time.monotonic() + 60
+    while server.metric("sglang:backup_pgs_sum") < 1:
+        assert time.monotonic() < deadline, f"no backup to tpusync:\n{server.tail()}"
+        time.sleep(1)
+    prefetched_before = server.metric("sglang:prefetch_pgs_sum")
+    server.flush_cache()
+
+    second = server.generate(PROMPT)
+    meta = second["meta_info"]
+    details = meta.get("cached_tokens_details") or {}
+    assert details.get("storage_backend") == "TpusyncHiCacheStorage", meta
+    # every whole page of the prompt but the last token's, from tpusync storage, none on device
+    expected = (prompt_tokens - 1) // PAGE * PAGE
+    assert details.get("storage", 0) == expected, meta
+    assert details.get("device", 0) == 0, meta
+    assert meta["cached_tokens"] >= details["storage"], meta
+    assert second["output_ids"] == first["output_ids"]
+    assert second["text"] == first["text"]
+
+    # The backend's own counters (its get_stats(), exported by SGLang) saw the pages it served.
+    deadline = time.monotonic() + 60
+    while server.metric("sglang:prefetch_pgs_sum") - prefetched_before < details["storage"] // PAGE:
+        assert time.monotonic() < deadline, f"prefetch counters did not move:\n{server.tail()}"
+        time.sleep(1)
