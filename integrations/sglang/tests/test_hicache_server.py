@@ -6,7 +6,9 @@
 and host caches, and the same request again is served with its prefix pages loaded from tpusync
 storage: ``meta_info.cached_tokens_details.storage`` counts them, the backend's own prefetch
 counters (SGLang's ``sglang:prefetch_pgs`` histogram, fed by the backend's ``get_stats``) count
-the pages it served, and greedy output is identical.
+the pages it served, and greedy output is identical. The backend also publishes its store's
+placement changes as KV events (``kv_events_endpoint``): the subscriber sees every page of the
+prompt announced in medium CPU under SGLang's own page hashes.
 
 CPU only through the TEST-ONLY shim ``support/cpu_server_shim.py`` (installed in every server
 process by ``support/server_site/sitecustomize.py``): CPU stand-ins for SGLang's host-pool copy
@@ -71,10 +73,10 @@ class Server:
     def __init__(self, proc: subprocess.Popen, base: str, log: Path) -> None:
         self.proc, self.base, self.log = proc, base, log
 
-    def generate(self, text: str) -> dict:
+    def generate(self, input_ids: list[int]) -> dict:
         status, body = _http(
             f"{self.base}/generate",
-            {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+            {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
         )
         assert status == 200, body
         return json.loads(body)
@@ -104,6 +106,7 @@ def server(tmp_path_factory):
     root = Path(os.environ.get("TPUSYNC_REPO_ROOT", Path(__file__).resolve().parents[3]))
     model = tiny_model.ensure(root)
     port = _free_port()
+    events_endpoint = f"tcp://127.0.0.1:{_free_port()}"
     log = tmp_path_factory.mktemp("sglang-server") / "server.log"
     extra = {
         "backend_name": "tpusync",
@@ -112,6 +115,9 @@ def server(tmp_path_factory):
         "interface_v1": 1,
         "capacity_pages": 512,
         "prefault": False,
+        "kv_events_endpoint": events_endpoint,
+        "kv_events_pod_id": "pod-live",
+        "kv_events_model": "tiny",
         # SGLang's own prefetch knobs (popped by SGLang before the backend sees the config):
         # prefetch from one page on, and give a slow CPU machine time to finish it.
         "prefetch_threshold": PAGE,
@@ -146,6 +152,8 @@ def server(tmp_path_factory):
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     srv = Server(proc, f"http://127.0.0.1:{port}", log)
+    srv.model_dir = model
+    srv.events_endpoint = events_endpoint
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
@@ -173,34 +181,62 @@ def server(tmp_path_factory):
 
 
 def test_flushed_prefix_is_loaded_from_tpusync_with_identical_output(server):
-    first = server.generate(PROMPT)
-    prompt_tokens = first["meta_info"]["prompt_tokens"]
-    assert prompt_tokens >= 4 * PAGE
-    assert first["meta_info"]["cached_tokens"] == 0
+    import zmq
+    from sglang.srt.mem_cache.utils import get_hash_str
+    from transformers import AutoTokenizer
 
-    # The first request's pages went device -> host (write-through) -> tpusync (backup). Wait
-    # until the backend reports them stored, then drop device and host caches.
-    deadline = time.monotonic() + 60
-    while server.metric("sglang:backup_pgs_sum") < 1:
-        assert time.monotonic() < deadline, f"no backup to tpusync:\n{server.tail()}"
-        time.sleep(1)
-    prefetched_before = server.metric("sglang:prefetch_pgs_sum")
-    server.flush_cache()
+    from tpusync.core import events as tev
 
-    second = server.generate(PROMPT)
-    meta = second["meta_info"]
-    details = meta.get("cached_tokens_details") or {}
-    assert details.get("storage_backend") == "TpusyncHiCacheStorage", meta
-    # every whole page of the prompt but the last token's, from tpusync storage, none on device
-    expected = (prompt_tokens - 1) // PAGE * PAGE
-    assert details.get("storage", 0) == expected, meta
-    assert details.get("device", 0) == 0, meta
-    assert meta["cached_tokens"] >= details["storage"], meta
-    assert second["output_ids"] == first["output_ids"]
-    assert second["text"] == first["text"]
+    ids = AutoTokenizer.from_pretrained(server.model_dir)(PROMPT).input_ids
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@pod-live@tiny")
+    sub.connect(server.events_endpoint)
+    try:
+        time.sleep(0.5)  # PUB/SUB join
+        first = server.generate(ids)
+        assert first["meta_info"]["prompt_tokens"] == len(ids) >= 4 * PAGE
+        assert first["meta_info"]["cached_tokens"] == 0
 
-    # The backend's own counters (its get_stats(), exported by SGLang) saw the pages it served.
-    deadline = time.monotonic() + 60
-    while server.metric("sglang:prefetch_pgs_sum") - prefetched_before < details["storage"] // PAGE:
-        assert time.monotonic() < deadline, f"prefetch counters did not move:\n{server.tail()}"
-        time.sleep(1)
+        # The first request's pages went device -> host (write-through) -> tpusync (backup).
+        # Wait until the backend reports them stored, then drop device and host caches.
+        deadline = time.monotonic() + 60
+        while server.metric("sglang:backup_pgs_sum") < 1:
+            assert time.monotonic() < deadline, f"no backup to tpusync:\n{server.tail()}"
+            time.sleep(1)
+        prefetched_before = server.metric("sglang:prefetch_pgs_sum")
+        server.flush_cache()
+
+        second = server.generate(ids)
+        meta = second["meta_info"]
+        details = meta.get("cached_tokens_details") or {}
+        assert details.get("storage_backend") == "TpusyncHiCacheStorage", meta
+        # every whole page of the prompt but the last token's, from tpusync storage, none from
+        # device or host
+        expected = (len(ids) - 1) // PAGE * PAGE
+        assert details.get("storage", 0) == expected, meta
+        assert details.get("device", 0) == 0 and details.get("host", 0) == 0, meta
+        assert meta["cached_tokens"] == expected, meta
+        assert second["output_ids"] == first["output_ids"]
+        assert second["text"] == first["text"]
+
+        # The backend's own counters (its get_stats(), exported by SGLang) saw the pages.
+        deadline = time.monotonic() + 60
+        while server.metric("sglang:prefetch_pgs_sum") - prefetched_before < expected // PAGE:
+            assert time.monotonic() < deadline, f"prefetch counters did not move:\n{server.tail()}"
+            time.sleep(1)
+
+        # KV events: the prompt's pages, under SGLang's own page hashes, stored in CPU.
+        pages = {bytes.fromhex(h) for h in get_hash_str(ids[:expected], None, page_size=PAGE)}
+        stored: set[bytes] = set()
+        deadline = time.monotonic() + 30
+        while not pages <= stored and sub.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+            topic, _, payload = sub.recv_multipart()
+            assert topic == b"kv@pod-live@tiny"
+            for e in tev.decode_batch(payload)[1]:
+                if isinstance(e, tev.BlockStored) and e.medium == "CPU":
+                    assert e.block_size == PAGE
+                    stored.update(e.block_hashes)
+        assert pages <= stored, f"{len(pages - stored)} prompt page(s) never announced"
+    finally:
+        sub.close(0)
