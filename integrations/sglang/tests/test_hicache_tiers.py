@@ -55,7 +55,11 @@ def _create(host, extra):
 
 def _hashes(n_pages: int, page_size: int, seed: int) -> list[str]:
     g = torch.Generator().manual_seed(seed)
-    return get_hash_str(torch.randint(0, 50_000, (n_pages * page_size,), generator=g).tolist(), None, page_size=page_size)
+    return get_hash_str(
+        torch.randint(0, 50_000, (n_pages * page_size,), generator=g).tolist(),
+        None,
+        page_size=page_size,
+    )
 
 
 def _fill(host, indices, seed: int) -> list[torch.Tensor]:
@@ -141,6 +145,7 @@ def test_two_backends_share_pages_through_a_store_node(sglang_pools, store_node,
         ({"store": "interim", "store_nodes": ["h:1"], "auth_secret_file": "/x"}, "kvstore"),
         ({"store": "interim", "kv_events_endpoint": "tcp://127.0.0.1:*"}, "kvstore"),
         ({"kv_events_interval_s": 0}, "positive"),
+        ({"kv_events_endpoint": "tcp://127.0.0.1:*", "kv_events_bind": "no"}, "kv_events_bind"),
     ],
 )
 def test_bad_remote_or_event_options_fail_at_startup(sglang_pools, extra, match):
@@ -162,6 +167,25 @@ def _drain(sub: zmq.Socket, until, timeout_s: float = 20.0):
         seqs.append(int.from_bytes(seq, "big"))
         events.extend(tev.decode_batch(payload)[1])
     return events, seqs, topics
+
+
+def _join(backend, host, sub: zmq.Socket) -> None:
+    """Wait until the PUB/SUB pair is joined (ZMQ drops messages sent before that): store probe
+    pages until one is announced, then clear and consume everything up to AllBlocksCleared."""
+    for attempt in range(40):
+        keys = _hashes(1, host.page_size, seed=1000 + attempt)
+        src = host.alloc(host.page_size)
+        _fill(host, src, seed=1000 + attempt)
+        assert backend.batch_set_v1(keys, src) == [True]
+        host.free(src)
+        if sub.poll(500):
+            break
+    else:
+        pytest.fail("the KV event subscriber never received anything")
+    backend.store.flush(30)
+    backend.clear()
+    events, _, _ = _drain(sub, lambda evs: any(isinstance(e, tev.AllBlocksCleared) for e in evs))
+    assert any(isinstance(e, tev.AllBlocksCleared) for e in events)
 
 
 def _pages_in(events, kind, medium) -> list[bytes]:
@@ -190,7 +214,7 @@ def test_events_show_cpu_then_disk_when_the_host_tier_overflows(sglang_pools, tm
     try:
         assert backend.events is not None and backend.events.topic == "kv@pod-a@tiny-test"
         sub.connect(backend.events.endpoint)
-        time.sleep(0.3)  # PUB/SUB join (messages before the subscription are dropped by ZMQ)
+        _join(backend, host, sub)
         n = 8
         keys = _hashes(n, host.page_size, seed=41)
         pages = [bytes.fromhex(k) for k in keys]
@@ -202,9 +226,10 @@ def test_events_show_cpu_then_disk_when_the_host_tier_overflows(sglang_pools, tm
         backend.store.flush(30)
 
         def done(evs):
-            return set(_pages_in(evs, tev.BlockStored, "DISK")) >= set(pages) and len(
-                set(_pages_in(evs, tev.BlockRemoved, "CPU"))
-            ) >= n - 3
+            return (
+                set(_pages_in(evs, tev.BlockStored, "DISK")) >= set(pages)
+                and len(set(_pages_in(evs, tev.BlockRemoved, "CPU"))) >= n - 3
+            )
 
         events, seqs, topics = _drain(sub, done)
         assert topics == {"kv@pod-a@tiny-test"}
@@ -222,8 +247,43 @@ def test_events_show_cpu_then_disk_when_the_host_tier_overflows(sglang_pools, tm
         assert backend.batch_exists(keys) == n
 
         backend.clear()
-        events, _, _ = _drain(sub, lambda evs: any(isinstance(e, tev.AllBlocksCleared) for e in evs))
+        events, _, _ = _drain(
+            sub, lambda evs: any(isinstance(e, tev.AllBlocksCleared) for e in evs)
+        )
         assert any(isinstance(e, tev.AllBlocksCleared) for e in events)
     finally:
         sub.close(0)
         backend.close()
+
+
+def test_events_connect_to_a_bound_router_like_llm_d_epp(sglang_pools):
+    """kv_events_bind=false: the router (llm-d's EPP) binds, every pod's backend connects."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    _, host = sglang_pools("layer_first")
+    backend = _create(
+        host,
+        {
+            "capacity_pages": 8,
+            "kv_events_endpoint": f"tcp://127.0.0.1:{port}",
+            "kv_events_bind": False,
+            "kv_events_pod_id": "pod-b",
+        },
+    )
+    try:
+        _join(backend, host, sub)
+        keys = _hashes(2, host.page_size, seed=51)
+        src = host.alloc(2 * host.page_size)
+        _fill(host, src, seed=52)
+        assert backend.batch_set_v1(keys, src) == [True, True]
+        want = {bytes.fromhex(k) for k in keys}
+        events, _, topics = _drain(
+            sub, lambda evs: set(_pages_in(evs, tev.BlockStored, "CPU")) >= want
+        )
+        assert topics == {"kv@pod-b@tiny-test"}
+        assert set(_pages_in(events, tev.BlockStored, "CPU")) == want
+    finally:
+        backend.close()
+        sub.close(0)

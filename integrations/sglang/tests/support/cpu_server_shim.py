@@ -35,7 +35,6 @@ from typing import Any
 import cpu_shim
 
 
-
 def transfer_kv_direct(
     src_layers: list[Any],
     dst_layers: list[Any],

@@ -75,6 +75,7 @@ _CONFIG_KEYS = {
     "kv_events_model",
     "kv_events_encoding",
     "kv_events_interval_s",
+    "kv_events_bind",
 }
 
 
@@ -178,7 +179,8 @@ class TpusyncHiCacheStorage(HiCacheStorage):
     placement changes as llm-d KV events, medium CPU / DISK / REMOTE, through
     :mod:`tpusync.core.events`) with ``kv_events_pod_id`` (default: host name),
     ``kv_events_model`` (default: SGLang's model name), ``kv_events_encoding`` (``tagged`` or
-    ``positional``) and ``kv_events_interval_s`` (drain period, default 0.05).
+    ``positional``), ``kv_events_interval_s`` (drain period, default 0.05) and
+    ``kv_events_bind`` (default true; false connects to the endpoint, as llm-d's EPP expects).
     """
 
     def __init__(
@@ -236,6 +238,12 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         )
         self._events_encoding = str(extra.get("kv_events_encoding", "tagged"))
         self._events_interval = _positive(extra, "kv_events_interval_s", 0.05, float)
+        self._events_bind = extra.get("kv_events_bind", True)
+        if not isinstance(self._events_bind, bool):
+            raise ValueError(
+                f"tpusync HiCache option kv_events_bind={self._events_bind!r}: true (bind the "
+                "endpoint) or false (connect to it, e.g. llm-d's EPP)"
+            )
         if self._events_endpoint is not None and self._store_kind != "kvstore":
             raise ValueError("kv_events_endpoint needs store='kvstore'")
         self._events: _PageEvents | None = None
@@ -300,6 +308,7 @@ class TpusyncHiCacheStorage(HiCacheStorage):
                 encoding=self._events_encoding,
                 page_size=rows.page_size,
                 interval_s=self._events_interval,
+                bind=self._events_bind,
             )
         logger.info(
             "tpusync HiCache storage: pages of %d x %d B, namespace %s",
@@ -493,6 +502,7 @@ class _PageEvents:
         encoding: str,
         page_size: int,
         interval_s: float,
+        bind: bool,
     ) -> None:
         from tpusync.core import events as tev
 
@@ -502,6 +512,7 @@ class _PageEvents:
             pod_id=pod_id,
             model=model,
             encoding=encoding,  # type: ignore[arg-type] - validated by the publisher
+            bind=bind,
         )
         self.endpoint = self.publisher.endpoint
         self.topic = self.publisher.topic
