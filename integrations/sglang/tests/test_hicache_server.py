@@ -59,11 +59,16 @@ def _other_model_modules() -> str:
     return ",".join(n for n in names if n != "llama")
 
 
-def _http(url: str, payload: dict | None = None, timeout: float = REQUEST_TIMEOUT_S):
+def _http(
+    url: str,
+    payload: dict | None = None,
+    timeout: float = REQUEST_TIMEOUT_S,
+    method: str | None = None,
+):
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    if payload is None and url.endswith("/flush_cache"):
-        req.method = "POST"
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}, method=method
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         body = resp.read().decode()
         return resp.status, body
@@ -82,13 +87,18 @@ class Server:
         return json.loads(body)
 
     def flush_cache(self) -> None:
-        deadline = time.monotonic() + 60
-        while True:  # refused while a request is still finishing (SGLang's rule); bounded retry
-            status, body = _http(f"{self.base}/flush_cache")
-            if status == 200 and "Cache flushed" in body:
-                return
+        """SGLang's /flush_cache; ``timeout`` lets the server wait for in-flight work to end
+        (it refuses to flush a busy scheduler with 400). Bounded retry on top."""
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                status, body = _http(f"{self.base}/flush_cache?timeout=30", method="POST")
+                if status == 200:
+                    return
+            except urllib.error.HTTPError as e:
+                body = e.read().decode(errors="replace")
             assert time.monotonic() < deadline, f"flush_cache kept failing: {body}"
-            time.sleep(0.5)
+            time.sleep(1)
 
     def metric(self, name: str) -> float:
         _, body = _http(f"{self.base}/metrics")
