@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -66,6 +67,15 @@ _CONFIG_KEYS = {
     "disk_dir",
     "disk_gb",
     "namespace",
+    "store_nodes",
+    "auth_secret_file",
+    "replicas",
+    "kv_events_endpoint",
+    "kv_events_pod_id",
+    "kv_events_model",
+    "kv_events_encoding",
+    "kv_events_interval_s",
+    "kv_events_bind",
 }
 
 
@@ -161,7 +171,16 @@ class TpusyncHiCacheStorage(HiCacheStorage):
 
     extra_config keys (besides SGLang's backend_name / module_path / class_name / interface_v1):
     ``capacity_gb`` (host bytes for the interim store, default 1) or ``capacity_pages``;
-    ``timeout_s`` (per batch copy, default 60); ``prefault`` (default true).
+    ``timeout_s`` (per batch copy, default 60); ``prefault`` (default true); ``disk_dir`` with
+    ``disk_gb`` (a disk tier below the host tier); ``namespace`` (/dev/shm host tier, warm
+    restart); ``store_nodes`` (list or comma-separated ``host:port`` of tpusync store nodes, the
+    last tier, shared by every instance with the same list) with ``auth_secret_file`` and
+    ``replicas`` (default 1); ``kv_events_endpoint`` (ZMQ PUB endpoint: publish the store's
+    placement changes as llm-d KV events, medium CPU / DISK / REMOTE, through
+    :mod:`tpusync.core.events`) with ``kv_events_pod_id`` (default: host name),
+    ``kv_events_model`` (default: SGLang's model name), ``kv_events_encoding`` (``tagged`` or
+    ``positional``), ``kv_events_interval_s`` (drain period, default 0.05) and
+    ``kv_events_bind`` (default true; false connects to the endpoint, as llm-d's EPP expects).
     """
 
     def __init__(
@@ -194,6 +213,40 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         if self._disk_dir is not None and self._store_kind != "kvstore":
             raise ValueError("a disk tier needs store='kvstore'")
         self._shm_namespace = extra.get("namespace") or None
+        nodes = extra.get("store_nodes") or []
+        if isinstance(nodes, str):
+            nodes = [n.strip() for n in nodes.split(",") if n.strip()]
+        if not isinstance(nodes, list) or not all(isinstance(n, str) and n for n in nodes):
+            raise ValueError(
+                f"tpusync HiCache option store_nodes={extra.get('store_nodes')!r}: a list of "
+                "'host:port' strings (or one comma-separated string)"
+            )
+        self._store_nodes: list[str] = nodes
+        self._auth_secret_file = extra.get("auth_secret_file") or None
+        self._replicas = _positive(extra, "replicas", 1, int)
+        if self._store_nodes:
+            if self._store_kind != "kvstore":
+                raise ValueError("store_nodes need store='kvstore'")
+            if self._auth_secret_file is None:
+                raise ValueError("tpusync HiCache option store_nodes needs auth_secret_file")
+        elif self._auth_secret_file is not None or "replicas" in extra:
+            raise ValueError("auth_secret_file / replicas only apply with store_nodes")
+        self._events_endpoint = extra.get("kv_events_endpoint") or None
+        self._events_pod_id = str(extra.get("kv_events_pod_id") or socket.gethostname())
+        self._events_model = str(
+            extra.get("kv_events_model") or storage_config.model_name or "unknown"
+        )
+        self._events_encoding = str(extra.get("kv_events_encoding", "tagged"))
+        self._events_interval = _positive(extra, "kv_events_interval_s", 0.05, float)
+        self._events_bind = extra.get("kv_events_bind", True)
+        if not isinstance(self._events_bind, bool):
+            raise ValueError(
+                f"tpusync HiCache option kv_events_bind={self._events_bind!r}: true (bind the "
+                "endpoint) or false (connect to it, e.g. llm-d's EPP)"
+            )
+        if self._events_endpoint is not None and self._store_kind != "kvstore":
+            raise ValueError("kv_events_endpoint needs store='kvstore'")
+        self._events: _PageEvents | None = None
         self._store: PageStore | None = store
         self._rows: HostPoolRows | None = None
         self._namespace = b""
@@ -229,6 +282,9 @@ class TpusyncHiCacheStorage(HiCacheStorage):
                     namespace=self._shm_namespace,
                     fingerprint=self._shm_namespace or "",
                     prefault=self._prefault,
+                    remote=self._store_nodes or None,
+                    auth_secret_file=self._auth_secret_file,
+                    replicas=self._replicas,
                 )
         elif (self._store.segment_bytes, self._store.segments_per_page) != (
             rows.segment_bytes,
@@ -241,6 +297,19 @@ class TpusyncHiCacheStorage(HiCacheStorage):
             )
         self._rows = rows
         self._namespace = _namespace(self.storage_config, mem_pool_host, rows)
+        if self._events_endpoint is not None and self._events is None:
+            if not isinstance(self._store, KVStorePageStore):
+                raise ValueError("kv_events_endpoint needs a KVStorePageStore")
+            self._events = _PageEvents(
+                self._store,
+                self._events_endpoint,
+                pod_id=self._events_pod_id,
+                model=self._events_model,
+                encoding=self._events_encoding,
+                page_size=rows.page_size,
+                interval_s=self._events_interval,
+                bind=self._events_bind,
+            )
         logger.info(
             "tpusync HiCache storage: pages of %d x %d B, namespace %s",
             rows.segments_per_page,
@@ -399,8 +468,94 @@ class TpusyncHiCacheStorage(HiCacheStorage):
             self._metrics[f"{kind}_pgs"].append(pages)
             self._metrics[f"{kind}_bandwidth"].append(gbps)
 
+    @property
+    def events(self) -> _PageEvents | None:
+        """The KV-event bridge (None unless ``kv_events_endpoint`` is configured)."""
+        return self._events
+
     def close(self) -> None:
+        """Stop publishing events (drained once more), then forget every page."""
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         self.clear()
+
+
+class _PageEvents:
+    """The page store's placement changes as llm-d KV events, one block hash per SGLang page.
+
+    The KVStore records one event per *segment* key (``page key + 2-byte segment number``);
+    :class:`tpusync.core.events.StoreEventBridge` turns them into BlockStored / BlockRemoved with
+    the tier as ``medium``. This adapter maps each segment key to its page's hash - the 32 raw
+    bytes of SGLang's own page hash (SHA-256 hex digest), the namespace prefix dropped - and
+    announces each page once per event. A page counts as removed from a tier as soon as one of
+    its segments left it (a partial page is no hit).
+    """
+
+    def __init__(
+        self,
+        store: KVStorePageStore,
+        endpoint: str,
+        *,
+        pod_id: str,
+        model: str,
+        encoding: str,
+        page_size: int,
+        interval_s: float,
+        bind: bool,
+    ) -> None:
+        from tpusync.core import events as tev
+
+        self._tev = tev
+        self.publisher = tev.KVEventPublisher(
+            endpoint,
+            pod_id=pod_id,
+            model=model,
+            encoding=encoding,  # type: ignore[arg-type] - validated by the publisher
+            bind=bind,
+        )
+        self.endpoint = self.publisher.endpoint
+        self.topic = self.publisher.topic
+        try:
+            self.bridge = tev.StoreEventBridge(
+                store.store,
+                self,  # type: ignore[arg-type] - duck-typed: the bridge only calls publish()
+                block_size=page_size,
+                interval_s=interval_s,
+                key_to_hash=_segment_key_to_page_hash,
+            )
+        except Exception:
+            self.publisher.close()
+            raise
+
+    def publish(self, events: Any) -> int | None:
+        tev = self._tev
+        out = []
+        for event in events:
+            if isinstance(event, tev.BlockStored | tev.BlockRemoved):
+                hashes = list(dict.fromkeys(event.block_hashes))
+                if isinstance(event, tev.BlockStored):
+                    event = tev.BlockStored(
+                        hashes, None, [], event.block_size, event.lora_id, event.medium
+                    )
+                else:
+                    event = tev.BlockRemoved(hashes, event.medium)
+            out.append(event)
+        return self.publisher.publish(out)
+
+    def close(self) -> None:
+        try:
+            self.bridge.close()
+        finally:
+            self.publisher.close()
+
+
+def _segment_key_to_page_hash(key: bytes) -> bytes:
+    """Segment key ``namespace(8) + page digest(32) + segment(2)`` -> the page digest."""
+    return bytes(key[_NAMESPACE_BYTES:-2])
+
+
+_NAMESPACE_BYTES = 8
 
 
 def _empty_metrics() -> dict[str, list]:

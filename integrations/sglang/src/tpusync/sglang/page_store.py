@@ -341,7 +341,9 @@ class KVStorePageStore:
 
     Eviction, write-back to the disk tier, checksums and warm restart are the KVStore's (see
     docs/tiers.md): a full host tier drops least-recently-used blocks (after their disk copy
-    when there is a disk tier).
+    when there is a disk tier). With ``remote`` (store-node addresses, docs/store-node.md) the
+    store nodes are the last tier: pages reach them when the local tiers demote them, and any
+    process with the same node list finds them by ``lookup_prefix`` and reads them back.
     """
 
     def __init__(
@@ -356,12 +358,17 @@ class KVStorePageStore:
         fingerprint: str = "",
         prefault: bool = True,
         engine: tc.Engine | None = None,
+        remote: Sequence[str] | None = None,
+        auth_secret_file: str | None = None,
+        replicas: int = 1,
     ) -> None:
         if segment_bytes <= 0 or segments_per_page <= 0 or capacity_pages <= 0:
             raise ValueError(
                 "segment_bytes, segments_per_page and capacity_pages must be positive, got "
                 f"{segment_bytes}, {segments_per_page}, {capacity_pages}"
             )
+        if remote and auth_secret_file is None:
+            raise ValueError("store nodes need auth_secret_file (the nodes' shared secret)")
         if disk_dir is not None and disk_pages <= 0:
             raise ValueError("a disk tier needs disk_pages > 0")
         self._segment_bytes = int(segment_bytes)
@@ -376,6 +383,9 @@ class KVStorePageStore:
             fingerprint=fingerprint,
             prefault=prefault,
             engine=engine,
+            remote=list(remote) if remote else None,
+            auth_secret_file=auth_secret_file,
+            replicas=replicas,
         )
         self._suffixes = [j.to_bytes(2, "little") for j in range(self._spp)]
 
@@ -449,6 +459,10 @@ class KVStorePageStore:
 
     def clear(self) -> None:
         self.store.clear()
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until write-back (host -> disk / store nodes) has nothing left to write."""
+        self.store.flush(timeout)
 
     def close(self) -> None:
         self.store.close()

@@ -1,0 +1,124 @@
+"""TEST-ONLY CPU stand-ins for the CUDA plumbing a live SGLang HiCache server touches on CPU.
+
+NOTHING HERE IS PART OF tpusync-sglang, and nothing here touches tpusync: the server under test
+runs tpusync's HiCache backend unmodified. What this replaces is SGLang's *device* plumbing that
+has no CPU build in 0.5.23:
+
+- ``sgl_kernel.kvcacheio.transfer_kv_direct``: the host <-> device page copy of HiCache's
+  ``direct`` io backend (layer_first layout). SGLang imports it only on CUDA / ROCm / XPU, so on a
+  CPU-only host the host pool's ``load_to_device_per_layer`` / ``backup_from_device_all_layer``
+  would raise NameError. The stand-in is the same gather/scatter written with torch indexing.
+- ``cudaHostRegister`` / ``cudaHostUnregister`` of the host pool buffer (page-locking host memory
+  for DMA; SGLang calls them whenever the host pool is pinned, which it always is in a server):
+  with no device there is no DMA, so the stand-ins do nothing. The buffer itself is allocated by
+  SGLang's own allocator as usual.
+- the rotary embedding's fallback-kernel lookup: off CUDA and off SGLang's CPU engine (which
+  needs the sgl_kernel CPU wheel) ``RotaryEmbedding.__init__`` imports ``vllm._custom_ops`` for a
+  kernel that only ``forward_cuda`` would call. On this platform the op dispatches to
+  ``forward_native`` (pure torch), so the stand-in tells the module it is on a CPU host
+  (``_is_cpu = True``), which skips that import and nothing else in the module.
+- the ``torchvision`` import stand-in from :mod:`cpu_shim`.
+
+The model kernels (RMSNorm, SiLU-and-mul, rotary, attention) need no stand-in: without
+sgl_kernel SGLang's own ``forward_native`` / torch_native attention backend run on CPU.
+
+Installed in every server process (SGLang spawns its scheduler and detokenizer) by the
+``sitecustomize`` in ``support/server_site`` when ``TPUSYNC_SGLANG_CPU_SHIM=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from typing import Any
+
+import cpu_shim
+
+
+def transfer_kv_direct(
+    src_layers: list[Any],
+    dst_layers: list[Any],
+    src_indices: Any,
+    dst_indices: Any,
+    page_size: int,
+) -> None:
+    """CPU stand-in: ``dst_layers[i][dst_indices] = src_layers[i][src_indices]`` for every i.
+
+    Token-indexed (page_size only states that indices come in whole pages), exactly the
+    contract of the CUDA op the ``direct`` io backend calls for the layer_first layout.
+    """
+    if len(src_layers) != len(dst_layers):
+        raise ValueError(f"{len(src_layers)} source layers vs {len(dst_layers)} destination")
+    if src_indices.numel() != dst_indices.numel() or src_indices.numel() % page_size:
+        raise ValueError("index lists must have equal length, a whole number of pages")
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst[dst_indices.to(dst.device, non_blocking=False)] = src[
+            src_indices.to(src.device, non_blocking=False)
+        ].to(dst.device)
+
+
+def _patch_host_pool(module: Any) -> None:
+    if "transfer_kv_direct" not in module.__dict__:  # never shadow a real kernel
+        module.transfer_kv_direct = transfer_kv_direct
+
+
+def _host_register(buffer: Any, registration_granularity_bytes: int | None = None) -> None:
+    """CPU stand-in for cudaHostRegister of a host pool buffer: no device, no DMA, nothing to do."""
+
+
+def _host_unregister(buffer: Any) -> None:
+    """CPU stand-in for cudaHostUnregister (pairs with :func:`_host_register`)."""
+
+
+def _patch_host_memory(module: Any) -> None:
+    module._cuda_host_register = _host_register
+    module._cuda_host_unregister = _host_unregister
+
+
+def _patch_rotary(module: Any) -> None:
+    module._is_cpu = True
+
+
+_PATCHES = {
+    "sglang.srt.mem_cache.pool_host.mha": _patch_host_pool,
+    "sglang.srt.layers.rotary_embedding.base": _patch_rotary,
+    "sglang.srt.mem_cache.pool_host.common": _patch_host_memory,
+}
+PATCHED_MODULES = tuple(_PATCHES)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self._inner = inner
+
+    def create_module(self, spec):  # noqa: ANN001 - importlib API
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:  # noqa: ANN001 - importlib API
+        self._inner.exec_module(module)
+        _PATCHES[module.__name__](module)
+        module.__tpusync_test_shim__ = True
+
+
+class _PatchingFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001 - importlib API
+        if fullname not in PATCHED_MODULES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+_FINDER = _PatchingFinder()
+
+
+def install() -> None:
+    """Register the stand-ins (idempotent); call before anything imports sglang."""
+    cpu_shim.install()
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
