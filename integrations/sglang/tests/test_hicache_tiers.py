@@ -100,16 +100,28 @@ def store_node(secret_file, sglang_pools):
         proc.communicate(timeout=30)
 
 
-def test_two_backends_share_pages_through_a_store_node(sglang_pools, store_node, secret_file):
-    remote = {"store_nodes": [store_node], "auth_secret_file": str(secret_file), "replicas": 1}
+@pytest.mark.parametrize(
+    ("capacity_a", "write_through"),
+    [(4, False), (16, True)],
+    ids=["demoted-when-host-tier-overflows", "written-through-without-overflow"],
+)
+def test_two_backends_share_pages_through_a_store_node(
+    sglang_pools, store_node, secret_file, capacity_a, write_through
+):
+    remote = {
+        "store_nodes": [store_node],
+        "auth_secret_file": str(secret_file),
+        "replicas": 1,
+        "write_through": write_through,
+    }
     _, host_a = sglang_pools("layer_first")
     _, host_b = sglang_pools("layer_first")
-    a = _create(host_a, {"capacity_pages": 4, **remote})
+    a = _create(host_a, {"capacity_pages": capacity_a, **remote})
     b = _create(host_b, {"capacity_pages": 16, "store_nodes": store_node,  # comma-string form
                          "auth_secret_file": str(secret_file)})  # fmt: skip
     try:
         n = 10
-        keys = _hashes(n, host_a.page_size, seed=31)
+        keys = _hashes(n, host_a.page_size, seed=31 + capacity_a)
         src = host_a.alloc(n * host_a.page_size)
         expected = _fill(host_a, src, seed=32)
         for lo in range(0, n, 2):  # two pages per backup, like SGLang's write-through batches
@@ -117,7 +129,11 @@ def test_two_backends_share_pages_through_a_store_node(sglang_pools, store_node,
             assert a.batch_set_v1(keys[lo : lo + 2], src[sl]) == [True, True]
         a.store.flush(30)
         spp = a.store.segments_per_page
-        assert a.store.stats()["tiers"]["remote"]["demotions_in"] >= (n - 4) * spp
+        if write_through:  # every page copied to the node although A's host tier holds all
+            assert a.store.stats()["write_through"] >= n * spp
+            assert a.store.stats()["tiers"]["remote"]["demotions_in"] == 0
+        else:
+            assert a.store.stats()["tiers"]["remote"]["demotions_in"] >= (n - 4) * spp
 
         assert b.batch_exists(keys) == n  # B never saw these pages: they come from the node
         dst = host_b.alloc(n * host_b.page_size)
@@ -142,6 +158,11 @@ def test_two_backends_share_pages_through_a_store_node(sglang_pools, store_node,
         ({"store_nodes": 7, "auth_secret_file": "/x"}, "store_nodes"),
         ({"auth_secret_file": "/x"}, "only apply with store_nodes"),
         ({"replicas": 2}, "only apply with store_nodes"),
+        ({"write_through": True}, "only apply with store_nodes"),
+        (
+            {"store_nodes": ["h:1"], "auth_secret_file": "/x", "write_through": "yes"},
+            "true or false",
+        ),
         ({"store": "interim", "store_nodes": ["h:1"], "auth_secret_file": "/x"}, "kvstore"),
         ({"store": "interim", "kv_events_endpoint": "tcp://127.0.0.1:*"}, "kvstore"),
         ({"kv_events_interval_s": 0}, "positive"),

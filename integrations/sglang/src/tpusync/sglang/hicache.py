@@ -70,6 +70,7 @@ _CONFIG_KEYS = {
     "store_nodes",
     "auth_secret_file",
     "replicas",
+    "write_through",
     "kv_events_endpoint",
     "kv_events_pod_id",
     "kv_events_model",
@@ -175,7 +176,8 @@ class TpusyncHiCacheStorage(HiCacheStorage):
     ``disk_gb`` (a disk tier below the host tier); ``namespace`` (/dev/shm host tier, warm
     restart); ``store_nodes`` (list or comma-separated ``host:port`` of tpusync store nodes, the
     last tier, shared by every instance with the same list) with ``auth_secret_file`` and
-    ``replicas`` (default 1); ``kv_events_endpoint`` (ZMQ PUB endpoint: publish the store's
+    ``replicas`` (default 1) and ``write_through`` (copy each new page to the nodes at once,
+    default true; false: only when the local tiers demote it); ``kv_events_endpoint`` (ZMQ PUB endpoint: publish the store's
     placement changes as llm-d KV events, medium CPU / DISK / REMOTE, through
     :mod:`tpusync.core.events`) with ``kv_events_pod_id`` (default: host name),
     ``kv_events_model`` (default: SGLang's model name), ``kv_events_encoding`` (``tagged`` or
@@ -224,13 +226,20 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         self._store_nodes: list[str] = nodes
         self._auth_secret_file = extra.get("auth_secret_file") or None
         self._replicas = _positive(extra, "replicas", 1, int)
+        self._write_through = extra.get("write_through", True)
+        if not isinstance(self._write_through, bool):
+            raise ValueError(
+                f"tpusync HiCache option write_through={self._write_through!r}: true or false"
+            )
         if self._store_nodes:
             if self._store_kind != "kvstore":
                 raise ValueError("store_nodes need store='kvstore'")
             if self._auth_secret_file is None:
                 raise ValueError("tpusync HiCache option store_nodes needs auth_secret_file")
-        elif self._auth_secret_file is not None or "replicas" in extra:
-            raise ValueError("auth_secret_file / replicas only apply with store_nodes")
+        elif self._auth_secret_file is not None or "replicas" in extra or "write_through" in extra:
+            raise ValueError(
+                "auth_secret_file / replicas / write_through only apply with store_nodes"
+            )
         self._events_endpoint = extra.get("kv_events_endpoint") or None
         self._events_pod_id = str(extra.get("kv_events_pod_id") or socket.gethostname())
         self._events_model = str(
@@ -285,6 +294,7 @@ class TpusyncHiCacheStorage(HiCacheStorage):
                     remote=self._store_nodes or None,
                     auth_secret_file=self._auth_secret_file,
                     replicas=self._replicas,
+                    write_through=self._write_through and bool(self._store_nodes),
                 )
         elif (self._store.segment_bytes, self._store.segments_per_page) != (
             rows.segment_bytes,

@@ -342,8 +342,10 @@ class KVStorePageStore:
     Eviction, write-back to the disk tier, checksums and warm restart are the KVStore's (see
     docs/tiers.md): a full host tier drops least-recently-used blocks (after their disk copy
     when there is a disk tier). With ``remote`` (store-node addresses, docs/store-node.md) the
-    store nodes are the last tier: pages reach them when the local tiers demote them, and any
-    process with the same node list finds them by ``lookup_prefix`` and reads them back.
+    store nodes are the last tier: with ``write_through`` (the default with ``remote``) every
+    page newly stored is also copied to the nodes in the background, otherwise pages reach them
+    only when the local tiers demote them; any process with the same node list finds them by
+    ``lookup_prefix`` and reads them back.
     """
 
     def __init__(
@@ -361,6 +363,7 @@ class KVStorePageStore:
         remote: Sequence[str] | None = None,
         auth_secret_file: str | None = None,
         replicas: int = 1,
+        write_through: bool | None = None,
     ) -> None:
         if segment_bytes <= 0 or segments_per_page <= 0 or capacity_pages <= 0:
             raise ValueError(
@@ -386,6 +389,7 @@ class KVStorePageStore:
             remote=list(remote) if remote else None,
             auth_secret_file=auth_secret_file,
             replicas=replicas,
+            write_through=bool(remote) if write_through is None else write_through,
         )
         self._suffixes = [j.to_bytes(2, "little") for j in range(self._spp)]
 
