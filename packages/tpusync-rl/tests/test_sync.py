@@ -8,6 +8,7 @@ pieces across blocks and buckets, so the packing, pipelining and window paths al
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import rl_netutil as U
@@ -180,6 +181,74 @@ def test_reshard_tp2_trainer_to_tp4_samplers_without_gathering():
         assert get(q, "published")[1] == 1
     finally:
         join_all(procs + [rank1])
+        trainer.close()
+
+
+def test_resharded_publish_larger_than_the_trainer_pools_never_waits_for_the_deadline():
+    """Regression (1 GiB resharded stall): 2 trainer ranks -> 2 sampler ranks split on another
+    dim, each trainer's data several times its pool (4 blocks), two versions. Waiting for pool
+    blocks used to swallow the transport's acknowledgements, so every trainer rank then waited
+    for them until the version's deadline (and rank > 0 reported the samplers as failed)."""
+    deadline = 6.0
+    q = U.ctx().Queue()
+    src = tp_layouts(2, {})
+    dst = tp_layouts(2, {"embed": 1, "layers.0.w": 1, "layers.1.w": 1})
+    bb = 16 << 10  # one block per bucket, 4 blocks per pool: the trainers block on every bucket
+    small = {"block_bytes": bb, "bucket_blocks": 1, "pool_bytes": 4 * bb, "deadline": deadline}
+    per_trainer = sum(4 * src[n].box_of(0).size for n in U.SHAPES)
+    assert per_trainer > 3 * small["pool_bytes"]  # the premise: a version outgrows the pools
+    trainer = TrainerSync(0, 2, dst, secret=U.SECRET, **small)
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    procs = start_samplers(
+        q,
+        trainer.control_address,
+        eng,
+        1,
+        2,
+        2,
+        common={"dtype": "float32", "block_bytes": bb, "pool_bytes": 4 * bb},
+    )
+    rank1 = U.ctx().Process(
+        target=U.trainer_rank_main,
+        args=(
+            {
+                "rank": 1,
+                "world": 2,
+                "dst_layouts": dst,
+                "src_layouts": src,
+                "control": trainer.control_address,
+                "versions": [(1, 41), (2, 42)],
+                **small,
+            },
+            q,
+        ),
+        daemon=True,
+    )
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        # Rank 1 waits only `deadline` s for rank 0's announcement: start it once the samplers
+        # are up and publish as soon as it joined (a loaded host spawns processes slowly).
+        rank1.start()
+        end = time.monotonic() + 60
+        while len(trainer._trainers) < 2 and time.monotonic() < end:
+            time.sleep(0.01)
+        for version, seed in [(1, 41), (2, 42)]:
+            full = U.full_weights(seed)
+            mine = {n: (U.shard(t, src[n].box_of(0)).clone(), src[n]) for n, t in full.items()}
+            rep = trainer.publish(version, mine)
+            assert rep.ok, rep.failed
+            # Every bucket was acknowledged long before the deadline; a lost acknowledgement
+            # makes publish return only at deadline + 1 s.
+            assert rep.seconds < deadline, rep.seconds
+            got = collect(q, 2)
+            for (_replica, rank), info in got.items():
+                assert info["ok"] and info["version"] == version, info
+                assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32), rank
+            published = get(q, "published")
+            assert published[1] == version
+            assert published[2]["failed"] == {}, published  # rank 1 saw every acknowledgement
+    finally:
+        join_all(procs + ([rank1] if rank1.pid is not None else []))
         trainer.close()
 
 

@@ -107,7 +107,14 @@ def _local(shapes, src, rank):
 
 
 def _run_sync(
-    shapes, src, dst, trainers: int, samplers: list[tuple[int, int]], repeats, same_host
+    shapes,
+    src,
+    dst,
+    trainers: int,
+    samplers: list[tuple[int, int]],
+    repeats,
+    same_host,
+    pool_bytes: int | None = None,
 ) -> list[float]:
     """Seconds per version (median-ready list) of one topology; trainer rank 0 is this process."""
     from tpusync.rl import TrainerSync
@@ -115,7 +122,7 @@ def _run_sync(
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     total = sum(4 * r * c for r, c in shapes.values())
-    pool = min(max(total // 4, 256 << 20), 512 << 20)
+    pool = pool_bytes or min(max(total // 4, 256 << 20), 512 << 20)
     secret = os.urandom(32)  # children get it through their spec (never a command line)
     t0 = TrainerSync(
         0, trainers, dst, secret=secret, block_bytes=BLOCK, pool_bytes=pool, same_host=same_host

@@ -148,11 +148,38 @@ class _Endpoint:
             "unix": self.producer.unix_address,
             "host": socket.gethostname(),
         }
+        # ACK LEDGER CONTRACT: the producer reports a terminal (done / failed) send once, to
+        # whichever caller polls first. Every poll of this endpoint's producer goes through
+        # :meth:`poll_sends`, which keeps terminal statuses here until their owner takes them
+        # (:meth:`take_send`) or a new version starts (:meth:`forget_sends`). Rejected: polling
+        # the producer directly from several places (the pool wait used to drop acknowledgements
+        # that the trainer's ack wait then waited for until the version's deadline: the 61 s
+        # stall of a 1 GiB publish whose data outgrew the trainer's pool).
+        self._sent: dict[int, Any] = {}
 
     def peer(self, addr: Mapping[str, Any]) -> str:
         if addr.get("unix") and addr.get("host") == self.address["host"] and self._dir:
             return addr["unix"]
         return addr["tcp"]
+
+    def poll_sends(self) -> list[Any]:
+        """Poll the producer; terminal statuses go to the ledger. Returns the pending ones."""
+        pending = []
+        for st in self.producer.poll():
+            if st.state == "pending":
+                pending.append(st)
+            else:
+                self._sent[st.request_id] = st
+        return pending
+
+    def take_send(self, rid: int) -> Any | None:
+        """The terminal status of send ``rid`` (removed from the ledger), None while pending."""
+        return self._sent.pop(rid, None)
+
+    def forget_sends(self) -> None:
+        """Drop the ledger (statuses of earlier versions nobody waits for any more)."""
+        self.poll_sends()
+        self._sent.clear()
 
     def alloc(self, n: int, deadline: float) -> list[int]:
         """``n`` blocks, waiting for in-flight ones to be released until ``deadline``."""
@@ -162,7 +189,7 @@ class _Endpoint:
             except PoolExhaustedError:
                 if time.monotonic() >= deadline:
                     raise
-                self.producer.poll()
+                self.poll_sends()  # never drops an acknowledgement (ACK LEDGER CONTRACT)
                 time.sleep(0.002)
 
     def close(self) -> None:
@@ -470,7 +497,22 @@ class TrainerSync:
         mine = {(s, r): p for (s, r), p in plans.items() if s in self.ranks}
         topo = {int(r): v for r, v in ann["topo"].items()}
         outstanding: dict[int, str] = {}
+        self._ep.forget_sends()  # acknowledgements of earlier versions nobody waits for
         # Round-robin over streams so every sampler rank progresses at once.
+        # FLOW CONTROL CONTRACT (no wait cycle between trainer pools and sampler windows): every
+        # trainer rank registers its buckets in the order (bucket index, destination rank) and
+        # every sampler rank pulls in the order (bucket index, source rank), starting up to
+        # ``window`` pulls at once; a started pull is acknowledged (and frees the trainer's
+        # blocks) when its data landed, whatever the sampler's head is waiting for. A trainer
+        # blocks in ``alloc`` only while its pool holds registered, unacknowledged buckets, i.e.
+        # buckets beyond some sampler's window; that sampler waits on a bucket of a trainer whose
+        # registered prefix is strictly shorter. Following these waits never returns to a trainer
+        # already visited, so the trainer with the shortest registered prefix is never blocked
+        # (every bucket in its pool lies inside a window and is being pulled) and the whole group
+        # progresses. Rejected: one FIFO over all senders without this ordering (a window full of
+        # one sender's far-ahead buckets could pin the pool another sender needs). The stall
+        # seen at 1 GiB resharded was not such a cycle but lost acknowledgements (ACK LEDGER
+        # CONTRACT in :class:`_Endpoint`).
         order = [
             (s, r, b)
             for b in range(max((len(p.buckets) for p in mine.values()), default=0))
@@ -548,14 +590,16 @@ class TrainerSync:
                     reps = dict(self._reports.get(version, {}))
                 for rid in [r for r, k in left.items() if k in reps and not reps[k].get("ok")]:
                     report.failed.setdefault(left.pop(rid), "rejected by the sampler")
-            for st in self._ep.producer.poll():
-                key = left.get(st.request_id)
-                if key is None or st.state == "pending":
+            self._ep.poll_sends()
+            for rid in list(left):
+                st = self._ep.take_send(rid)
+                if st is None:
                     continue
-                del left[st.request_id]
+                key = left.pop(rid)
                 if st.failed and key not in report.failed:
                     report.failed[key] = f"transfer failed: {st.reason}"
-            time.sleep(0.002)
+            if left:
+                time.sleep(0.002)
         for key in left.values():
             report.failed.setdefault(key, "transfer not acknowledged by the deadline")
 
@@ -765,6 +809,7 @@ class SamplerSync:
         queue = collections.deque(items)
         flight: collections.deque = collections.deque()
         ep = self._ep
+        ep.forget_sends()  # forwarded sends of earlier versions: nobody reads their statuses
         forwarded = 0
         finished: dict[int, Any] = {}  # terminal statuses polled before their turn
 
