@@ -75,6 +75,7 @@ def _sampler(spec: dict, q) -> None:
             break
         if not res.ok:
             q.put(f"failed: {res.reason}")
+        q.put(("stages", spec["replica"], rank, res.version, dict(s.stages)))
     s.close()
 
 
@@ -169,6 +170,9 @@ def _run_sync(
                 raise RuntimeError(f"version {v} failed: {rep.failed}")
             if v > 1:
                 times.append(rep.seconds)
+                split = {k: round(x, 3) for k, x in t0.stages.items()}
+                _log(f"version {v}: {rep.seconds:.3f} s; trainer rank 0 stages {split}")
+        _log_sampler_stages(q, repeats + 1, len(samplers))
         return times
     finally:
         t0.close()
@@ -179,6 +183,21 @@ def _run_sync(
             p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+def _log_sampler_stages(q, last: int, samplers: int) -> None:
+    """Log each sampler's stage split of the last version (reported right after its commit)."""
+    end = time.monotonic() + 10.0
+    seen = 0
+    while seen < samplers and time.monotonic() < end:
+        try:
+            msg = q.get(timeout=max(end - time.monotonic(), 0.01))
+        except Exception:  # noqa: BLE001 - queue.Empty: a sampler's stages are only informative
+            break
+        if isinstance(msg, tuple) and msg[0] == "stages" and msg[3] == last:
+            seen += 1
+            split = {k: round(x, 3) for k, x in msg[4].items()}
+            _log(f"version {last}: sampler {msg[1]}:{msg[2]} stages {split}")
 
 
 def _gloo_rank(rank: int, port: int, shapes, repeats: int, q) -> None:

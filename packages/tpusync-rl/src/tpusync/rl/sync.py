@@ -317,6 +317,10 @@ class TrainerSync:
         self._force_full = False
         self._delta_used = False
         self.metrics = {"versions_published": 0, "bytes_sent": 0, "last_publish_s": 0.0}
+        # STAGE TIMES of the last publish (seconds on this rank's publishing thread): waiting for
+        # free pool blocks, packing (device -> host copy into the pool + block hash), waiting for
+        # the last acknowledgements. Where the time goes, for the bench and for tuning.
+        self.stages = {"pool_wait_s": 0.0, "fill_s": 0.0, "ack_wait_s": 0.0}
         self._server: ControlServer | None = None
         self._client: ControlClient | None = None
         if rank == 0:
@@ -453,8 +457,11 @@ class TrainerSync:
                     f"trainer rank {self.rank} disagrees with rank 0 on version {version}"
                 )
         report = PublishReport(version)
+        self.stages = dict.fromkeys(self.stages, 0.0)
         outstanding = self._send(ann, manifest, tensors, report, t0 + self.deadline)
+        t1 = time.monotonic()
         self._wait_sent(outstanding, ann, report, t0 + self.deadline)
+        self.stages["ack_wait_s"] = time.monotonic() - t1
         if self.rank == 0:
             self._collect(ann, report, t0 + self.deadline)
         # Digests of every local tensor are only worth a pass over the model once deltas are used.
@@ -530,6 +537,7 @@ class TrainerSync:
         for n, (s, r, b) in enumerate(order):
             plan = mine[(s, r)]
             first, end = plan.buckets[b]
+            t1 = time.monotonic()
             try:
                 ids = self._ep.alloc(end - first, deadline)
             except PoolExhaustedError:
@@ -541,11 +549,14 @@ class TrainerSync:
                             _key(replica, r2), "trainer pool stayed full until the deadline"
                         )
                 break
+            t2 = time.monotonic()
+            self.stages["pool_wait_s"] += t2 - t1
             try:
                 sums = [
                     self._fill(ids[k], plan, blk, manifest.version, local[s], boxes[s])
                     for k, blk in enumerate(range(first, end))
                 ]
+                self.stages["fill_s"] += time.monotonic() - t2
                 for j, replica in enumerate(_children(topo[r], None, ann["fanout"])):
                     rid = request_id(manifest.version, s, r, j, b)
                     self._ep.producer.register_send(
@@ -671,6 +682,10 @@ class SamplerSync:
         self._poll = poll_interval
         self.history: list[UpdateResult] = []
         self._seen = subscriber.version  # newest version attempted (never retried)
+        # STAGE TIMES of the last update (seconds on the pulling thread): waiting for the head
+        # bucket to land and verify (wire + transport), registering it for the children, staging
+        # it (digest-free copy into the shadow / live weights, dtype cast, name mapping).
+        self.stages = {"wire_wait_s": 0.0, "forward_s": 0.0, "stage_s": 0.0}
 
     @property
     def version(self) -> int:
@@ -811,6 +826,7 @@ class SamplerSync:
         ep = self._ep
         ep.forget_sends()  # forwarded sends of earlier versions: nobody reads their statuses
         forwarded = 0
+        stages = self.stages = dict.fromkeys(self.stages, 0.0)
         finished: dict[int, Any] = {}  # terminal statuses polled before their turn
 
         def start(block: bool = False) -> bool:
@@ -843,7 +859,9 @@ class SamplerSync:
                 while queue and len(flight) < self._window and start():
                     pass
                 s, b, rid, ids = flight.popleft()
+                t1 = time.monotonic()
                 st = self._wait(rid, finished, deadline)
+                stages["wire_wait_s"] += time.monotonic() - t1
                 if st.code == "NotFound" and time.monotonic() < deadline:
                     # A pull waits ~10 s for its registration; a sender still busy (a loaded host,
                     # a slow device -> host copy) is asked again until the version's deadline.
@@ -866,6 +884,7 @@ class SamplerSync:
                 while queue and len(flight) < self._window and start():
                     pass
                 # Forward first (the children's pulls overlap our staging), then stage.
+                t1 = time.monotonic()
                 for j, _child in enumerate(children):
                     # The trainer's checksums travel on: every hop checks the origin's hash.
                     ep.producer.register_send(
@@ -875,12 +894,15 @@ class SamplerSync:
                         checksums=st.checksums,
                     )
                     forwarded += 1
+                t2 = time.monotonic()
+                stages["forward_s"] += t2 - t1
                 try:
                     first, _ = streams[s].buckets[b]
                     for k, block in enumerate(ids):
                         self._stage(version, me, s, streams[s], first + k, block)
                 finally:
                     ep.pool.free(ids)
+                stages["stage_s"] += time.monotonic() - t2
         finally:
             for _s, _b, _rid, ids in flight:
                 ep.pool.free(ids)  # the transport borrows them until the receive ends
