@@ -473,6 +473,8 @@ def test_trainer_refuses_a_bad_configuration():
         TrainerSync(0, 4, {}, secret=U.SECRET, local_ranks=[1, 2])  # rank 0 not among them
     with pytest.raises(ValueError, match="local ranks"):
         TrainerSync(2, 4, {}, secret=U.SECRET, local_ranks=[2, 4])  # 4 outside the world
+    with pytest.raises(ValueError, match="does not fit"):  # no wait for the deadline to say so
+        TrainerSync(0, 1, {}, secret=U.SECRET, block_bytes=BB, bucket_blocks=8, pool_bytes=4 * BB)
 
 
 def test_multicontroller_jax_2x2_mesh_to_tp4_torch_samplers():

@@ -295,6 +295,11 @@ class TrainerSync:
             raise ValueError(f"rank {rank} outside world {world}")
         if fanout < 1:
             raise ValueError("fanout must be >= 1")
+        if bucket_blocks < 1 or max(pool_bytes // block_bytes, 4) < bucket_blocks:
+            raise ValueError(
+                f"a bucket of {bucket_blocks} blocks of {block_bytes} bytes does not fit the "
+                f"{pool_bytes}-byte pool: raise pool_bytes or lower bucket_blocks"
+            )
         ranks = tuple(sorted({int(r) for r in local_ranks})) if local_ranks else (rank,)
         if ranks[0] != rank or not all(0 <= r < world for r in ranks):
             raise ValueError(
