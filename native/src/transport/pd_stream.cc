@@ -340,13 +340,16 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
     const size_t per_frame =
         std::clamp<size_t>(kPdFrameBytes / std::max<uint64_t>(bb, 1), 1, kMaxBlocksPerFrame);
     std::atomic<bool> failed{false};
-    const size_t below = options_.hash_ahead_below_streams > 0
-                             ? options_.hash_ahead_below_streams
-                             : std::max<size_t>(1, std::thread::hardware_concurrency());
-    const bool use_hasher = k < below;
+    static const size_t kHardwareThreads =
+        std::max<size_t>(1, std::thread::hardware_concurrency());  // once: it is a syscall
+    const size_t below = options_.hash_ahead_below_streams > 0 ? options_.hash_ahead_below_streams
+                                                               : kHardwareThreads;
+    // Cheap screen first (a small pull must not pay for building the send order).
+    const bool use_hasher =
+        e->checksums.empty() && k < below && addrs.size() * bb >= kHashAheadMinBytes;
     auto send_stream = [&](size_t si) -> Status {
       std::unique_ptr<HashAhead> hasher;  // HASH-AHEAD CONTRACT
-      if (e->checksums.empty()) {
+      if (use_hasher) {
         std::vector<const uint8_t*> order;
         for (uint32_t g = 0; g < groups; ++g) {
           const size_t first = size_t{g} * e->bpg;
@@ -355,7 +358,7 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
             order.push_back(addrs[b]);
           }
         }
-        if (use_hasher && order.size() >= 2 && order.size() * bb >= kHashAheadMinBytes) {
+        if (order.size() >= 2 && order.size() * bb >= kHashAheadMinBytes) {
           const size_t ahead = std::max<size_t>(2 * per_frame, kHashAheadMinBytes / bb);
           hasher = std::make_unique<HashAhead>(std::move(order), bb, ahead);
         }
