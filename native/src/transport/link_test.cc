@@ -81,6 +81,12 @@ TEST(Auth, MatchingSecretsConnectAndWrongSecretIsRejectedAndLogged) {
     std::lock_guard l(mu);
     logs.push_back(m);
   });
+  // Reset on every exit, a failed ASSERT too: a sink left behind points at this frame's dead
+  // mutex, and the next test's server threads would block on it (seen as a hang of the next Auth
+  // test after this one timed out on a loaded machine).
+  struct SinkReset {
+    ~SinkReset() { SetLogSink(nullptr); }
+  } sink_reset;
   EchoServer echo;
   auto ok = ConnectLink(echo.server->address(), TestSecret(), {.streams = 2});
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();

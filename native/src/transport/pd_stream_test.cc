@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <mutex>
 #include <thread>
 
@@ -423,6 +424,106 @@ TEST(PdStream, OriginChecksumsTravelAreVerifiedAndReported) {
   EXPECT_TRUE(plain.shm);
   EXPECT_TRUE(plain.checksums.empty());
   EXPECT_TRUE(Same(*ppool, src, *cpool, dst));
+}
+
+// HASH-AHEAD CONTRACT: many blocks on one stream (and on three), with no origin checksums and the
+// hasher forced on, arrive intact, each in its own destination slot, and the consumer reports the
+// producer-computed checksum of every block in order (a checksum paired with the wrong block
+// would fail the receipt as kCorrupted instead).
+TEST(PdStream, ManyBlocksArriveIntactInOrderWithHashAheadChecksums) {
+  constexpr size_t kBlock = 128 << 10, kBlocks = 64;  // 8 MiB: above the hash-ahead threshold
+  auto ppool = MakePool(kBlock, kBlocks), cpool = MakePool(kBlock, kBlocks);
+  auto producer = PdProducer::Start(ppool, TestSecret(), {.hash_ahead_below_streams = 64});
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto src = *ppool->Alloc(kBlocks);
+  Fill(*ppool, src, 9);  // every block differs from every other
+  std::vector<uint64_t> sums;
+  for (BlockId b : src) sums.push_back(Checksum64(*ppool->Address(b), kBlock));
+  uint64_t id = 500;
+  for (size_t streams : {size_t{1}, size_t{3}}) {
+    SCOPED_TRACE(streams);
+    auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = streams}});
+    auto dst = *cpool->Alloc(kBlocks);
+    ASSERT_TRUE((*producer)->RegisterSend(id, src, 4, DeadlineInMs(20000)).ok());
+    auto got =
+        (*consumer)->Recv(id, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(20000));
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_EQ(got->state, PdState::kDone) << got->reason.ToString();
+    EXPECT_EQ(got->groups_ready, kBlocks / 4);
+    EXPECT_EQ(got->bytes, kBlocks * kBlock);
+    EXPECT_EQ(got->checksums, sums);
+    EXPECT_TRUE(Same(*ppool, src, *cpool, dst));
+    EXPECT_EQ(ProducerEnd(**producer, id).state, PdState::kDone);
+    ASSERT_TRUE(cpool->Free(dst).ok());
+    ++id;
+  }
+}
+
+// HASH-AHEAD CONTRACT: a damaged frame on the hash-ahead path is refused (kCorrupted), the link
+// stays in step, and a clean retry of the same request lands every block.
+TEST(PdStream, HashAheadPathRefusesDamagedBlocks) {
+  constexpr size_t kBlock = 256 << 10, kBlocks = 24;  // 6 MiB on one stream
+  auto ppool = MakePool(kBlock, kBlocks), cpool = MakePool(kBlock, kBlocks);
+  FaultPlan plan;
+  ServerOptions so;
+  so.wrap = [&plan](std::unique_ptr<Stream> s, size_t) -> std::unique_ptr<Stream> {
+    return std::make_unique<FaultyStream>(std::move(s), plan);
+  };
+  auto producer =
+      PdProducer::Start(ppool, TestSecret(), {.server = so, .hash_ahead_below_streams = 64});
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto src = *ppool->Alloc(kBlocks);
+  Fill(*ppool, src, 21);
+  auto dst = *cpool->Alloc(kBlocks);
+  ASSERT_TRUE((*producer)->RegisterSend(600, src, 0, DeadlineInMs(20000)).ok());
+  plan = {.corrupt_probability = 1.0};
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 1}});
+  auto got =
+      (*consumer)->Recv(600, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(20000));
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->state, PdState::kFailed);
+  EXPECT_EQ(got->reason.code(), StatusCode::kCorrupted) << got->reason.ToString();
+  plan = {};
+  auto clean = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 1}});
+  got = (*clean)->Recv(600, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(20000));
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->state, PdState::kDone) << got->reason.ToString();
+  EXPECT_TRUE(Same(*ppool, src, *cpool, dst));
+}
+
+// The same-host path copies large blocks with non-temporal stores (StreamCopy); every byte of
+// every block still lands, with and without origin checksums.
+TEST(PdStream, SameHostPathCopiesLargeBlocksExactly) {
+  const std::string shm = "tpusync-pd-big-" + std::to_string(::getpid());
+  constexpr size_t kBlock = (1 << 20) + 4096, kBlocks = 6;  // above kStreamMinBytes, odd size
+  auto ppool = MakePool(kBlock, kBlocks, shm), cpool = MakePool(kBlock, kBlocks);
+  PdProducerOptions po;
+  po.unix_path = "/tmp/" + shm + ".sock";
+  auto producer = PdProducer::Start(ppool, TestSecret(), po);
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 1}});
+  auto src = *ppool->Alloc(kBlocks);
+  Fill(*ppool, src, 55);
+  std::vector<uint64_t> sums;
+  for (BlockId b : src) sums.push_back(Checksum64(*ppool->Address(b), kBlock));
+  uint64_t id = 700;
+  for (bool with_sums : {false, true}) {
+    SCOPED_TRACE(with_sums);
+    auto dst = *cpool->Alloc(kBlocks);
+    for (BlockId b : dst) std::memset(*cpool->Address(b), 0xEE, kBlock);
+    ASSERT_TRUE((*producer)
+                    ->RegisterSend(id, src, 2, DeadlineInMs(20000),
+                                   with_sums ? sums : std::vector<uint64_t>{})
+                    .ok());
+    auto got = (*consumer)->Recv(id, {{(*producer)->unix_address(), dst}}, DeadlineInMs(20000));
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_EQ(got->state, PdState::kDone) << got->reason.ToString();
+    EXPECT_TRUE(got->shm);
+    EXPECT_TRUE(Same(*ppool, src, *cpool, dst));
+    EXPECT_EQ(got->checksums, with_sums ? sums : std::vector<uint64_t>{});
+    ASSERT_TRUE(cpool->Free(dst).ok());
+    ++id;
+  }
 }
 
 }  // namespace

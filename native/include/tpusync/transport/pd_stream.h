@@ -84,6 +84,10 @@ struct PdProducerOptions {
   std::string unix_path;               // optional: also listen here (same-host peers)
   ServerOptions server;                // handshake timeout, socket options, fault wrapper
   std::chrono::milliseconds max_pull_wait{10000};  // how long a pull may wait for RegisterSend
+  // HASH-AHEAD CONTRACT (pd_stream.cc): pulls on links with fewer streams than this get a hasher
+  // thread per stream when they carry no origin checksums; 0 = the number of hardware threads
+  // (a hasher only helps while a core would otherwise idle). Tests set it to force the path.
+  size_t hash_ahead_below_streams = 0;
 };
 
 class PdProducer {

@@ -5,7 +5,10 @@
    streams, against ``iperf3`` with the same number of parallel streams and bytes, same run.
 2. Same host: the same pull through the producer's Unix socket, which passes the producer's
    /dev/shm pool and lets the consumer memcpy out of it, against one numpy copy out of a mapped
-   /dev/shm file into a prefaulted buffer (the memcpy limit of that path).
+   /dev/shm file into a prefaulted buffer (the memcpy limit of that path). The reference is kept
+   as one bulk copy on purpose: it is the honest cost of a plain copy of the same bytes (glibc
+   streams a copy that large with non-temporal stores); the pull copies block by block and must
+   stream its stores too (``StreamCopy``) to come near it, not get a per-block reference.
 3. Small transfers: one 16 KiB block pulled end to end (pull, data, ack) over a warm link with
    ``PdConsumer.recv`` (the pull runs on the calling thread), and one 16 KiB block read from a
    store node with ``StoreClient.get``, each against a plain 16 KiB TCP round trip between two
