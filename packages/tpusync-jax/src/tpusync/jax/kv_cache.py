@@ -436,14 +436,17 @@ class KVCacheManager(KVCacheManagerBase):
                 staging[(layer, k)] = buf
                 return buf.reshape(-1).view(np.uint8), geom
 
-            regions, segs = self._segments(layers, blocks, host_ids, piece_for, True)
             if not pinned:
+                regions, segs = self._segments(layers, blocks, host_ids, piece_for, True)
                 self._launch(_native.get_segments, ids, regions, segs).result()
                 break
             try:
+                regions, segs = self._segments(layers, blocks, host_ids, piece_for, True)
                 self._launch(_native.get_segments, ids, regions, segs).result()
                 break
-            except TypeError as e:  # DLPack import refused (pinned memory not exported as CPU)
+            except Exception as e:  # noqa: BLE001 - e.g. DLPack refusing pinned memory as CPU
+                # Only staging buffers were written: retrying unpinned reports a real error
+                # (bad ids, freed blocks) again, by itself.
                 self._pinned_failed(e)
         idx_on: dict = {}
         for layer in layers:
