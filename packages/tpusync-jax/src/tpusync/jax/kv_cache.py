@@ -132,6 +132,7 @@ class _Chained(TransferFuture):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self._native: Any = None
+        self._inner: cf.Future | None = None  # the worker job (set by _submit)
 
     def chain(self, job: cf.Future) -> None:
         err = job.exception()
@@ -154,18 +155,16 @@ class _Chained(TransferFuture):
     def result(self, timeout: float | None = None) -> Any:
         t = default_timeout() if timeout is None else timeout
         t0 = time.monotonic()
-        self.wait_job(t)
-        nf = self._native
-        if nf is not None and not cf.Future.done(self):
-            if nf.wait(max(0.0, t - (time.monotonic() - t0))):
-                self._settle_native()
+        inner = self._inner
+        if inner is not None and not cf.Future.done(self):
+            # The job's own value, not self._native: chain() may not have run yet when the
+            # inner future reads done (concurrent.futures wakes waiters before callbacks).
+            cf.wait([inner], timeout=t)
+            ok = inner.done() and not inner.cancelled() and inner.exception(0) is None
+            nf = inner.result(timeout=0) if ok else None
+            if nf is not None and nf.wait(max(0.0, t - (time.monotonic() - t0))):
+                self.settle(lambda: (nf.result(timeout=0), None)[1])
         return super().result(timeout=0 if cf.Future.done(self) else timeout)
-
-    def wait_job(self, timeout: float) -> None:
-        """Wait until the worker job has run (so a native copy, if any, is known)."""
-        inner = next((k for k in self.keepalive if isinstance(k, cf.Future)), None)
-        if inner is not None:
-            cf.wait([inner], timeout=timeout)
 
 
 class _Part:
@@ -301,6 +300,7 @@ class KVCacheManager(KVCacheManagerBase):
         a native copy future (CPU path, see :meth:`_launch`), when that copy has too."""
         out = _Chained(name)
         inner = self._worker.submit(fn)
+        out._inner = inner
         out.keepalive.append(inner)
         inner.add_done_callback(out.chain)
         return out
