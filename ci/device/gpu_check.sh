@@ -7,6 +7,9 @@
 # 2. the compute stream is not synchronised: a d2h issued behind a long kernel returns at once;
 # 3. `tpusync bench device --json`: D2H / H2D GB/s against torch's own pinned copy_ of the same
 #    bytes, same run (the "cuda" rows).
+# JAX on the GPU (staged path, host_memory "pinned_host" vs "unpinned", against JAX's own pageable
+# and pinned copies of the same bytes) is ci/device/jax_gpu_check.py, which ci/device/run_all.sh
+# runs right after this script (its own 240 s limit).
 #
 # Needs: python3 with a CUDA build of torch and numpy (PYTHON=... to choose), and either
 # tpusync-core/tpusync-torch installed, or what building them needs (nanobind, scikit-build-core,
