@@ -1,7 +1,12 @@
 """tpusync.torch.KVCacheManager: device <-> host block transfers over a paged torch KV cache.
 
 CPU tensors: one native segment gather/scatter per layer on the engine's threads (GIL released),
-straight between the cache's strided memory and host pool blocks: no staging copy.
+straight between the cache's strided memory and host pool blocks: no staging copy. ORDER
+CONTRACT (CPU): operations run concurrently on the engine's threads, in no guaranteed order; a
+caller that saves and then loads (or loads and then saves) the same device or host blocks waits
+for the first operation's future before issuing the second. Rejected: serialising every CPU
+operation behind the previous one (independent saves and loads would lose the engine's overlap).
+CUDA operations, by contrast, keep submission order (STREAM CONTRACT below).
 
 CUDA tensors: STREAM CONTRACT - every copy runs on the manager's own copy stream. A copy first
 makes the copy stream wait for an event recorded on the caller's current stream (GPU-side; the
