@@ -228,7 +228,7 @@ def test_pd_consumer_decodes_producer_prefill_with_identical_output(pd):
     # tpusync's P/D stream (kv_transfer_params) and decodes: same tokens as one instance alone.
     kvp = pd["kv_transfer_params"]
     assert kvp["do_remote_prefill"] and kvp["tpusync_num_blocks"] == FULL_BLOCKS
-    assert pd["producer"]["stats"]["pd_sent_blocks"] == FULL_BLOCKS
+    assert pd["producer"]["stats"]["pd_sent_blocks"] == 2 * FULL_BLOCKS  # two prompts
     assert pd["producer"]["worker_totals"]["save_failures"] == 0
     assert pd["stats"]["pd_recv_blocks"] == FULL_BLOCKS
     assert pd["worker_totals"]["loaded_blocks"] == FULL_BLOCKS  # landed, checksummed, copied
