@@ -8,7 +8,14 @@ import pytest
 import torch
 
 import tpusync.core as tc
-from tpusync.vllm.store import LookupClient, LookupServer, WorkerStore, lookup_endpoint
+from tpusync.vllm.store import (
+    LookupClient,
+    LookupServer,
+    WorkerStore,
+    lookup_endpoint,
+    model_fingerprint,
+    share_salt,
+)
 
 
 def keys(*names: str) -> list[bytes]:
@@ -36,6 +43,39 @@ def test_save_load_roundtrip_across_layers_and_missing_blocks():
         assert torch.equal(b[6], a[5]) and torch.equal(b[3], a[1])
         assert not b[0].any()
     store.close()
+
+
+def test_layered_load_lands_layer_by_layer_and_reports_missing_blocks():
+    src = layers(n=4)
+    store = WorkerStore(src, host_blocks=4)
+    k1, k2, k3 = keys("k1", "k2", "k3")
+    assert store.save([k1, k2], [5, 1], timeout=10) == 2
+    assert store.lookup("req", [k1, k2]).hit == 2 and store.num_pins == 2
+    dst = [torch.zeros_like(a) for a in src]
+    store.bind(dst)
+    # Two "attention layers" of two row arrays each (K and V).
+    load = store.start_load([k1, k3, k2], [6, 0, 3], 10, [[0, 1], [2, 3]], release=["req"])
+    assert load.wait_layer(0)
+    for j in (0, 1):  # layer 0's rows are in place once its wait returned
+        assert torch.equal(dst[j][6], src[j][5]) and torch.equal(dst[j][3], src[j][1])
+    assert load.wait_layer(1)
+    failed, in_time = load.finish()
+    assert (failed, in_time) == ([0], True)  # k3 was never stored
+    for a, b in zip(src, dst, strict=True):
+        assert torch.equal(b[6], a[5]) and torch.equal(b[3], a[1]) and not b[0].any()
+    assert store.num_pins == 0 and load.load_seconds > 0  # the lease ended with the get
+    empty = store.start_load([], [], 10, release=[])
+    assert empty.wait_layer(0) and empty.finish() == ([], True)
+    store.close()
+
+
+def test_fingerprint_and_salt_come_from_one_identity():
+    ident = {"model": "m", "dtype": "float32", "block_size": 32, "rank": 0, "world": 1}
+    # The salt is the first 16 bytes of the identity's digest, the fingerprint its hex form:
+    # one set of fields, so they cannot drift apart; the fingerprint alone adds the shapes.
+    assert share_salt(**ident).hex() == model_fingerprint(**ident)
+    assert model_fingerprint(**ident, shapes=[(2, 8)]) != model_fingerprint(**ident)
+    assert share_salt(**{**ident, "rank": 1}) != share_salt(**ident)
 
 
 def test_lookup_leases_pin_and_release():

@@ -145,6 +145,16 @@ def test_worker_moved_the_bytes(inproc):
     assert totals["save_failures"] == 0 and totals["load_failures"] == 0
 
 
+def test_loads_are_layer_pipelined(inproc):
+    # Every load step ran on the loading thread and the forward waited for each of the tiny
+    # model's 2 attention layers once (wait_for_layer_load), never for the whole load up front;
+    # the outputs of those loads are the ones the tests above compare (warm == cold).
+    totals = inproc["worker_totals"]
+    assert totals["layered_loads"] >= 4
+    assert totals["layer_waits"] == 2 * totals["layered_loads"]
+    assert totals["load_failures"] == 0
+
+
 def test_kv_events_decode_with_vllm_classes(inproc):
     events = inproc["events"] + inproc["events_late"]
     stored = [e for e in events if e["type"] == "BlockStored"]
@@ -218,16 +228,28 @@ def test_pd_consumer_decodes_producer_prefill_with_identical_output(pd):
     # tpusync's P/D stream (kv_transfer_params) and decodes: same tokens as one instance alone.
     kvp = pd["kv_transfer_params"]
     assert kvp["do_remote_prefill"] and kvp["tpusync_num_blocks"] == FULL_BLOCKS
-    assert pd["producer"]["stats"]["pd_sent_blocks"] == FULL_BLOCKS
+    assert pd["producer"]["stats"]["pd_sent_blocks"] == 2 * FULL_BLOCKS  # two prompts
     assert pd["producer"]["worker_totals"]["save_failures"] == 0
     assert pd["stats"]["pd_recv_blocks"] == FULL_BLOCKS
     assert pd["worker_totals"]["loaded_blocks"] == FULL_BLOCKS  # landed, checksummed, copied
     assert pd["worker_totals"]["load_failures"] == 0
     assert pd["pd"]["tokens"] == pd["single"]["tokens"]
     assert pd["producer"]["prefill"]["tokens"] == pd["single"]["tokens"][:1]
+    # Both on this host: the consumer pulled through the producer's Unix socket and /dev/shm.
+    assert kvp["tpusync_unix"].startswith("unix:") and kvp["tpusync_host"]
+    assert pd["worker_totals"]["pd_shm_blocks"] == FULL_BLOCKS
     # Nothing left behind: no receive in flight, every pool block free on both sides.
     assert pd["pd_pending"] == 0 and pd["pool_free"] == pd["pool_blocks"]
     assert pd["producer"]["pool_free"] == pd["producer"]["pool_blocks"]
+
+
+def test_pd_consumer_on_another_host_pulls_over_tcp(pd):
+    # Host ids differ: the same-host path is not taken, the blocks come over TCP, same tokens.
+    before, after = pd["worker_totals"], pd["worker_totals_tcp"]
+    assert after["loaded_blocks"] - before["loaded_blocks"] == FULL_BLOCKS
+    assert after["pd_shm_blocks"] == before["pd_shm_blocks"]
+    assert after["load_failures"] == 0
+    assert pd["pd_tcp"]["tokens"] == pd["single_tcp"]["tokens"]
 
 
 def test_pd_pull_of_a_released_transfer_fails_cleanly_and_recomputes(pd):

@@ -535,9 +535,11 @@ def scenario_pd_producer(model: str, work: str) -> dict:
     llm = make_llm(model, role="kv_producer")
     sched, worker = connectors(llm)
     r = {"prefill": generate(llm, prompt(21), params(1, {"do_remote_decode": True}))}
+    # A second prompt, which the consumer pulls over TCP as if it ran on another host.
+    r["prefill_tcp"] = generate(llm, prompt(22), params(1, {"do_remote_decode": True}))
     tmp = os.path.join(work, "params.json.tmp")
     with open(tmp, "w") as f:
-        json.dump(r["prefill"]["kv_transfer_params"], f)
+        json.dump([r["prefill"]["kv_transfer_params"], r["prefill_tcp"]["kv_transfer_params"]], f)
     os.rename(tmp, os.path.join(work, "params.json"))
     deadline = time.monotonic() + 300
     while not os.path.exists(os.path.join(work, "done")) and time.monotonic() < deadline:
@@ -579,11 +581,18 @@ def scenario_pd(model: str) -> dict:
                 raise RuntimeError(f"producer failed:\n{open(log_path).read()[-4000:]}")
             time.sleep(0.2)
         with open(path) as f:
-            kvp = json.load(f)
+            kvp, kvp_tcp = json.load(f)
         r["kv_transfer_params"] = kvp
         r["pd"] = generate(llm, prompt(21), params(MAX_TOKENS, kvp))
         r["stats"] = dict(sched.stats)
         r["worker_totals"] = dict(worker.totals.data)
+        # The producer on "another host" (its host id differs): the pull goes over TCP.
+        r["pd_tcp"] = generate(
+            llm, prompt(22), params(MAX_TOKENS, {**kvp_tcp, "tpusync_host": "elsewhere"})
+        )
+        r["worker_totals_tcp"] = dict(worker.totals.data)
+        llm.reset_prefix_cache()
+        r["single_tcp"] = generate(llm, prompt(22))
         r["pd_pending"] = worker.pd.pending
         r["pool_free"] = worker.pd.pool.num_free
         r["pool_blocks"] = worker.pd.pool.num_blocks

@@ -3,7 +3,13 @@
 Paths, each in its own fresh vLLM process (in-process engine, tiny random Llama generated
 locally, greedy 1-token generations; TTFT = wall time of that generation):
 
-- ``host_hit``: the prompt's prefix loads from tpusync's host tier.
+- ``host_hit``: the prompt's prefix loads from tpusync's host tier (layer-pipelined loads);
+  ``host_hit_sync_load`` the same with ``layerwise_load=false`` (each load completes in
+  ``start_load_kv``, the behaviour before layer pipelining).
+- ``host_hit_tpusync_critical_path``: of a host hit's TTFT, the time tpusync held vLLM up: the
+  worker-side lookup, ``start_load_kv`` and the waits in ``wait_for_layer_load``; its ``ratio``
+  is that time / recompute, i.e. tpusync's share of the host-hit ratio (the rest is vLLM
+  computing the last partial block, ``vllm_local_prefix_hit``).
 - ``disk_hit``: a host tier of 32 blocks in front of the disk tier (O_DIRECT): the prompt's
   blocks cascade to disk when stored, and the hit reads them back from there.
 - ``remote_hit``: a store node runs in the benchmark's own process (``tpusync.core.store_node``,
@@ -76,7 +82,7 @@ def _pd_producer(model: str, tokens: int, repeats: int, work: str) -> dict:
         kv_connector="TpusyncConnector",
         kv_role="kv_producer",
         kv_connector_extra_config={
-            "host_bytes": (repeats + 1) * (tokens // BLOCK + 2) * (64 << 10)
+            "host_bytes": (repeats + 1) * (tokens // BLOCK + 2) * 2 * _kv_block_bytes(model)
         },
     )
     llm = _llm(model, tokens, ktc)
@@ -127,12 +133,14 @@ def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
         )
     else:
         blocks = (repeats + 4) * (tokens // BLOCK + 2)
-        extra: dict[str, Any] = {"host_bytes": blocks * (64 << 10)}
+        extra: dict[str, Any] = {"host_bytes": blocks * 2 * _kv_block_bytes(model)}
+        if mode == "host_sync":
+            extra["layerwise_load"] = False
         if mode == "disk":
             extra = {
-                "host_bytes": 32 * (32 << 10),  # about 32 blocks of the tiny model
+                "host_bytes": 32 * _kv_block_bytes(model),  # 32 blocks
                 "disk_dir": os.path.join(work, "disk"),
-                "disk_bytes": blocks * (64 << 10),
+                "disk_bytes": blocks * 2 * _kv_block_bytes(model),
             }
         if mode in ("remote", "remote_writer"):
             extra["store_nodes"] = [node]
@@ -159,9 +167,8 @@ def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
         return {"mode": mode, "write_through": w.store.stats()["write_through"]}
     for ids in _prompts(2, tokens, 1000):
         ttft(ids)  # warm-up: first-call costs, and two prompts' worth of stored blocks
-    fresh = _prompts(
-        repeats, tokens, {"host": 100, "disk": 200, "example": 300, "pd": 400, "remote": 500}[mode]
-    )
+    seeds = {"host": 100, "host_sync": 150, "disk": 200, "example": 300, "pd": 400, "remote": 500}
+    fresh = _prompts(repeats, tokens, seeds[mode])
     recompute = [ttft(ids)[0] for ids in fresh]
     hits, cached, local = [], [], []
     if mode == "pd":
@@ -209,8 +216,26 @@ def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         get_kv_transfer_group().store.flush(60)  # every block is on disk now
+    critical: list[float] = []
+    loads: list[float] = []
+
+    def tpusync_times() -> tuple[float, float]:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        c = get_kv_transfer_group()
+        if c.store is None:
+            return 0.0, 0.0
+        d = c.totals.data
+        held = c.store.lookup_seconds + d["load_issue_seconds"] + d["layer_wait_seconds"]
+        return held, d["load_seconds"]
+
     for ids in shared:
+        held0, load0 = (0.0, 0.0) if mode == "example" else tpusync_times()
         t, c = ttft(ids)
+        if mode != "example":
+            held1, load1 = tpusync_times()
+            critical.append(held1 - held0)
+            loads.append(load1 - load0)
         hits.append(t)
         cached.append(c)
         if mode == "host":  # vLLM's own prefix cache holds the prompt now: the floor
@@ -218,6 +243,9 @@ def _child(mode: str, model: str, tokens: int, repeats: int, work: str) -> dict:
             llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
             local.append(time.perf_counter() - t0)
     extra_out: dict[str, Any] = {}
+    if critical:
+        extra_out["critical_s"] = statistics.median(critical)
+        extra_out["load_s"] = statistics.median(loads)
     if local:
         extra_out["local_s"] = statistics.median(local)
     if mode != "example":
@@ -280,8 +308,13 @@ def _entry(name: str, r: dict, tokens: int, key: str = "hit_s") -> dict:
         "better": "lower",
         "goal": 0.1,
         "cached_tokens": r["cached_tokens"],
-        **{k: r[k] for k in ("tier_hits", "load_s_total") if k in r},
+        **{k: round(r[k], 4) if isinstance(r[k], float) else r[k] for k in _EXTRA if k in r},
     }
+
+
+# Per-path figures passed through to the JSON: store hits per tier, the connector's load time
+# (all steps / median per hit, on the loading thread) and the time tpusync held vLLM up per hit.
+_EXTRA = ("tier_hits", "load_s_total", "load_s", "critical_s")
 
 
 def _kv_block_bytes(model: str) -> int:
@@ -321,6 +354,7 @@ def measure_all(model: str | None, tokens: int, repeats: int) -> dict:
         model = str(tiny_model_dir())
     with tempfile.TemporaryDirectory(prefix="tpusync-vllm-bench-") as work:
         host = _spawn("host", model, tokens, repeats, work)
+        host_sync = _spawn("host_sync", model, tokens, repeats, work)
         disk = _spawn("disk", model, tokens, repeats, work)
         example = _spawn("example", model, tokens, repeats, work)
         remote = _remote(model, tokens, repeats, work)
@@ -339,6 +373,8 @@ def measure_all(model: str | None, tokens: int, repeats: int) -> dict:
         "repeats": repeats,
         "results": [
             _entry("ttft_host_hit", host, tokens),
+            _entry("ttft_host_hit_sync_load", host_sync, tokens),
+            _entry("host_hit_tpusync_critical_path", host, tokens, key="critical_s"),
             _entry("ttft_disk_hit", disk, tokens),
             _entry("ttft_remote_store_hit", remote, tokens),
             _entry("ttft_pd_consumer", pd, tokens),
@@ -362,7 +398,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--child",
-        choices=["host", "disk", "example", "pd", "pd_producer", "remote", "remote_writer"],
+        choices=[
+            "host",
+            "host_sync",
+            "disk",
+            "example",
+            "pd",
+            "pd_producer",
+            "remote",
+            "remote_writer",
+        ],
         help=argparse.SUPPRESS,
     )
     ap.add_argument("--work", help=argparse.SUPPRESS)

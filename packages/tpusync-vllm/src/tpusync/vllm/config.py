@@ -38,6 +38,9 @@ class TpusyncVllmConfig:
     # P/D (kv_producer / kv_consumer): where the producer listens, and the shared secret's file
     # (default: $TPUSYNC_AUTH_SECRET).
     pd_listen: str = "127.0.0.1:0"
+    # P/D on one host: the producer also serves its pool from /dev/shm over a Unix socket, and a
+    # consumer on the same host (same boot id) pulls through it instead of TCP.
+    pd_same_host: bool = True
     auth_secret_file: str | None = None  # P/D and store nodes (default: $TPUSYNC_AUTH_SECRET)
     # Store nodes (`tpusync store-node`, HOST:PORT each): a last, shared tier under host [-> disk].
     # Every saved block is also written through to them (asynchronously) so that other vLLM
@@ -57,6 +60,10 @@ class TpusyncVllmConfig:
     kv_events_encoding: str = "tagged"
     pod_id: str = ""
     prefault: bool = True
+    # Layer-pipelined loads: start_load_kv starts the step's loads and returns; each attention
+    # layer waits for its own rows only (wait_for_layer_load). False: loads complete in
+    # start_load_kv.
+    layerwise_load: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> TpusyncVllmConfig:

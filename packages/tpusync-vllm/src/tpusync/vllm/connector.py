@@ -42,7 +42,6 @@ with the next step.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -59,11 +58,13 @@ from tpusync.core import events as tev
 from tpusync.vllm.config import ConfigError, TpusyncVllmConfig
 from tpusync.vllm.pd import PdWorker, transfer_id_for
 from tpusync.vllm.store import (
+    LayeredLoad,
     LookupClient,
     LookupServer,
     WorkerStore,
     lookup_endpoint,
     model_fingerprint,
+    share_salt,
 )
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -137,6 +138,8 @@ class PdRecv:
     transfer_id: int
     peer: str
     block_ids: list[int]
+    unix_peer: str = ""  # the producer's "unix:PATH" (same-host path), "" if it offers none
+    peer_host: str = ""  # the producer's host id (pd.host_id)
 
 
 _WORKER_COUNTERS = (
@@ -144,8 +147,13 @@ _WORKER_COUNTERS = (
     "saved_blocks",
     "load_failures",
     "save_failures",
-    "load_seconds",
+    "load_seconds",  # store get + copies into vLLM's blocks (on the loading thread if layered)
     "save_seconds",
+    "load_issue_seconds",  # start_load_kv's own time (the forward waits for it)
+    "layered_loads",  # steps whose loads ran layer-pipelined
+    "layer_waits",  # wait_for_layer_load calls during a layered load
+    "layer_wait_seconds",  # time the forward spent blocked in them
+    "pd_shm_blocks",  # P/D blocks pulled over the same-host /dev/shm path (not TCP)
 )
 
 
@@ -274,6 +282,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         # preemption - computes locally instead of pulling again (no retry loop).
         self._pd_tried: set[str] = set()
         self._pd_address: str | None = None
+        self._pd_same_host: dict[str, str] = {}
         self.stats: dict[str, int] = {
             "pd_sent_blocks": 0,
             "pd_recv_blocks": 0,
@@ -292,6 +301,12 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         self._pd_failed: dict[str, list[int]] = {}
         self._server: LookupServer | None = None
         self._row_arrays: list[torch.Tensor] = []
+        # Layer-pipelined loads: layer name -> index of its group of row arrays (K, V).
+        self._layer_index: dict[str, int] = {}
+        self._layer_groups: list[list[int]] = []
+        self._load: LayeredLoad | None = None
+        self._load_transfers: list[Transfer] = []
+        self._layers_waited: set[int] = set()
         self._load_errors: set[int] = set()
         self._worker_stats = TpusyncStats()
         self.totals = TpusyncStats()  # never reset: for diagnostics and tests
@@ -366,6 +381,8 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                         int(pd["tpusync_transfer_id"]),
                         f"{pd['remote_host']}:{pd['remote_port']}",
                         [-1 if i < local else b for i, b in enumerate(ids)],
+                        str(pd.get("tpusync_unix") or ""),
+                        str(pd.get("tpusync_host") or ""),
                     )
                 )
                 self.stats["pd_recv_blocks"] += n - local
@@ -528,10 +545,16 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         if self._pd_address is None:
             assert self.client is not None
-            self._pd_address = str(self.client.info().get("pd_address", ""))
+            info = self.client.info()
+            self._pd_address = str(info.get("pd_address", ""))
+            self._pd_same_host = {
+                "tpusync_unix": str(info.get("pd_unix", "")),
+                "tpusync_host": str(info.get("pd_host", "")),
+            }
         host, _, port = self._pd_address.rpartition(":")
         tid, ids = published
         return {
+            **self._pd_same_host,
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self._engine_key,
@@ -644,6 +667,8 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                 parts = [t[0], t[1]]  # K and V stored apart: two rows per block
             else:
                 parts = [t]
+            self._layer_index[name] = len(self._layer_groups)
+            self._layer_groups.append(list(range(len(arrays), len(arrays) + len(parts))))
             for p in parts:
                 if p.shape[0] != self._kv_cache_config.num_blocks:
                     raise ConfigError(
@@ -669,19 +694,12 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         if self.config.disk_dir is not None:
             disk_dir = os.path.join(self.config.disk_dir, f"rank{rank}")
             os.makedirs(disk_dir, exist_ok=True)
-        mc = self._vllm_config.model_config
+        # BLOCK IDENTITY: one set of fields decides a block's bytes; the local tiers'
+        # fingerprint adds the KV tensors' shapes (a resized cache cannot re-attach), the store
+        # nodes' key salt leaves them out (instances of any capacity share blocks).
+        identity = self._block_identity(row_bytes=rb, rows=len(arrays), rank=rank)
         fingerprint = model_fingerprint(
-            model=mc.model,
-            revision=getattr(mc, "revision", None),
-            dtype=str(mc.dtype),
-            kv_cache_dtype=self._vllm_config.cache_config.cache_dtype,
-            block_size=self.block_size,
-            hash_algo=getattr(self._vllm_config.cache_config, "prefix_caching_hash_algo", None),
-            row_bytes=rb,
-            rows=len(arrays),
-            shapes=[tuple(t.shape) for t in kv_caches.values()],
-            rank=rank,
-            world=self.world_size,
+            **identity, shapes=[tuple(t.shape) for t in kv_caches.values()]
         )
         if self.kv_role != "kv_both":
             try:
@@ -692,12 +710,15 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                     listen=self.config.pd_listen,
                     secret_file=self.config.auth_secret_file,
                     timeout_s=self.config.load_timeout_s,
+                    same_host=self.config.pd_same_host,
+                    name=f"{self._engine_key}-{rank}",
                 )
             except ValueError as exc:  # no or short secret
                 raise ConfigError(f"{self.kv_role}: {exc} (auth_secret_file)") from exc
-            self._server = LookupServer(
-                None, lookup_endpoint(self._engine_key, rank), {"pd_address": self.pd.address}
-            )
+            info = {"pd_address": self.pd.address}
+            if self.pd.unix_address:
+                info.update(pd_unix=self.pd.unix_address, pd_host=self.pd.host)
+            self._server = LookupServer(None, lookup_endpoint(self._engine_key, rank), info)
             return
         if self.config.store_nodes:
             from tpusync.core.pd import load_secret
@@ -720,36 +741,69 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
             replicas=self.config.replicas,
             store_timeout_s=self.config.store_timeout_s,
             write_through=self.config.write_through,
-            key_salt=_share_salt(
-                model=mc.model,
-                revision=getattr(mc, "revision", None),
-                dtype=str(mc.dtype),
-                kv_cache_dtype=self._vllm_config.cache_config.cache_dtype,
-                block_size=self.block_size,
-                hash_algo=getattr(self._vllm_config.cache_config, "prefix_caching_hash_algo", None),
-                row_bytes=rb,
-                rows=len(arrays),
-                rank=rank,
-                world=self.world_size,
-            ),
+            key_salt=share_salt(**identity),
             events=self._events_wanted,
         )
         self._server = LookupServer(self.store, lookup_endpoint(self._engine_key, rank))
         if self.config.metrics_port:
             self._start_metrics(rank)
 
+    def _block_identity(self, *, row_bytes: int, rows: int, rank: int) -> dict[str, Any]:
+        """What decides a stored block's bytes (model, dtype, layout, rank) - the single source
+        of the local tiers' fingerprint and the store nodes' key salt."""
+        mc = self._vllm_config.model_config
+        cc = self._vllm_config.cache_config
+        return {
+            "model": mc.model,
+            "revision": getattr(mc, "revision", None),
+            "dtype": str(mc.dtype),
+            "kv_cache_dtype": cc.cache_dtype,
+            "block_size": self.block_size,
+            "hash_algo": getattr(cc, "prefix_caching_hash_algo", None),
+            "row_bytes": row_bytes,
+            "rows": rows,
+            "rank": rank,
+            "world": self.world_size,
+        }
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._finish_load()  # a previous step's load that no wait_for_save collected
         meta = self._get_connector_metadata()
         if isinstance(meta, TpusyncMetadata) and meta.pd_recvs and self.pd is not None:
             for rv in meta.pd_recvs:  # asynchronous: get_finished reports them
                 try:
-                    self.pd.start(rv.req_id, rv.transfer_id, rv.peer, rv.block_ids)
+                    peer = self.pd.peer_for(rv.peer, rv.unix_peer, rv.peer_host)
+                    self.pd.start(rv.req_id, rv.transfer_id, peer, rv.block_ids)
                 except _TRANSFER_ERRORS as exc:
                     log.warning("tpusync P/D receive of %s not started: %s", rv.req_id, exc)
                     self._pd_failed[rv.req_id] = [b for b in rv.block_ids if b >= 0]
         if not isinstance(meta, TpusyncMetadata) or not meta.loads or self.store is None:
             return
         t0 = time.perf_counter()
+        if self.config.layerwise_load:
+            # PIPELINE CONTRACT (store.py): the copies run on a loading thread; each attention
+            # layer waits for its own rows in wait_for_layer_load, so layer 0 computes while
+            # later layers still land. Results are collected in _finish_load.
+            keys = [k for tr in meta.loads for k in tr.keys]
+            block_ids = [b for tr in meta.loads for b in tr.block_ids]
+            try:
+                self._load = self.store.start_load(
+                    keys,
+                    block_ids,
+                    self.config.load_timeout_s,
+                    layer_groups=self._layer_groups,
+                    release=[tr.req_id for tr in meta.loads],
+                )
+                self._load_transfers = list(meta.loads)
+                self._layers_waited = set()
+                self._count("layered_loads", 1)
+            except _TRANSFER_ERRORS as exc:
+                log.warning("tpusync load of %d blocks not started: %s", len(keys), exc)
+                self.store.release([tr.req_id for tr in meta.loads])
+                self._load_errors.update(block_ids)
+                self._count("load_failures", len(meta.loads))
+            self._count("load_issue_seconds", time.perf_counter() - t0)
+            return
         # The forward reads these blocks next: each load completes here.
         for tr in meta.loads:
             try:
@@ -759,21 +813,65 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                 failed = list(tr.block_ids)
             finally:
                 self.store.release([tr.req_id])  # the bytes are in vLLM's blocks: lease over
-            if failed:
-                log.warning(
-                    "tpusync: %d of %d blocks of %s not loaded (missing or corrupted)",
-                    len(failed),
-                    len(tr.keys),
-                    tr.req_id,
-                )
-                self._load_errors.update(failed)
-                self._count("load_failures", 1)
-            self._count("loaded_blocks", len(tr.keys) - len(failed))
+            self._note_load(tr, failed)
         self._count("load_seconds", time.perf_counter() - t0)
+        self._count("load_issue_seconds", time.perf_counter() - t0)
         self.store.check_remote()
 
+    def _note_load(self, tr: Transfer, failed: list[int]) -> None:
+        if failed:
+            log.warning(
+                "tpusync: %d of %d blocks of %s not loaded (missing or corrupted)",
+                len(failed),
+                len(tr.keys),
+                tr.req_id,
+            )
+            self._load_errors.update(failed)
+            self._count("load_failures", 1)
+        self._count("loaded_blocks", len(tr.keys) - len(failed))
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads completed in start_load_kv
+        load = self._load
+        if load is None:
+            return
+        group = self._layer_index.get(layer_name)
+        if group is None:
+            return
+        t0 = time.perf_counter()
+        if not load.wait_layer(group):
+            log.warning("tpusync: layer %s not loaded in %.0f s", layer_name, load.timeout)
+        self._layers_waited.add(group)
+        self._count("layer_waits", 1)
+        self._count("layer_wait_seconds", time.perf_counter() - t0)
+
+    def _finish_load(self) -> None:
+        """Collect the step's layered load (idempotent): failed blocks become load errors. A
+        layer the forward never waited for may have been read before it landed: its load counts
+        as failed (vLLM recomputes), never as a silent hit."""
+        load, self._load = self._load, None
+        if load is None or self.store is None:
+            return
+        failed, in_time = load.finish()
+        unwaited = len(self._layer_groups) - len(self._layers_waited)
+        all_ids = {b for tr in self._load_transfers for b in tr.block_ids}
+        if not in_time:
+            log.warning("tpusync: a load did not complete in %.0f s", load.timeout)
+            failed = list(all_ids)
+            self.store.abandon_staging()
+        elif unwaited:
+            log.warning(
+                "tpusync: vLLM did not wait for %d of %d layers' loads; their blocks are "
+                "recomputed (set layerwise_load=false for this model)",
+                unwaited,
+                len(self._layer_groups),
+            )
+            failed = list(all_ids)
+        bad = set(failed)
+        for tr in self._load_transfers:
+            self._note_load(tr, [b for b in tr.block_ids if b in bad])
+        self._load_transfers = []
+        self._count("load_seconds", load.load_seconds)
+        self.store.check_remote()
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -781,6 +879,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         return  # saves run in wait_for_save, once every layer has written its KV
 
     def wait_for_save(self) -> None:
+        self._finish_load()  # every layer ran: the step's loads are over
         meta = self._get_connector_metadata()
         if isinstance(meta, TpusyncMetadata) and meta.pd_sends and self.pd is not None:
             for sd in meta.pd_sends:  # the prefill's KV is complete now
@@ -809,9 +908,10 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.pd is None:
             return None, None
-        before = self.pd.received
+        before, before_shm = self.pd.received, self.pd.received_shm
         done, failed = self.pd.poll()
         self._count("loaded_blocks", self.pd.received - before)
+        self._count("pd_shm_blocks", self.pd.received_shm - before_shm)
         failed.update(self._pd_failed)
         self._pd_failed = {}
         for ids in failed.values():
@@ -873,6 +973,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("tpusync: metrics on http://%s:%d/metrics", self.config.metrics_host, port)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_load()
         out, self._load_errors = self._load_errors, set()
         return out
 
@@ -910,6 +1011,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         if self.pd is not None:
             self.pd.close()
             self.pd = None
+        self._finish_load()
         if self.store is not None:
             try:  # dirty host blocks reach the disk tier before the process ends
                 self.store.flush(self.config.save_timeout_s)
@@ -929,6 +1031,11 @@ class _ConnectorCollector:
         "save_failures": "Blocks a save could not store",
         "load_seconds": "Seconds spent in loads",
         "save_seconds": "Seconds spent in saves",
+        "load_issue_seconds": "Seconds start_load_kv held the forward",
+        "layered_loads": "Steps whose loads ran layer-pipelined",
+        "layer_waits": "Per-layer waits of layer-pipelined loads",
+        "layer_wait_seconds": "Seconds the forward waited for layer loads",
+        "pd_shm_blocks": "P/D blocks pulled over the same-host shared-memory path",
     }
 
     def __init__(self, connector: TpusyncConnector) -> None:
@@ -940,14 +1047,6 @@ class _ConnectorCollector:
         data = dict(self._c.totals.data)
         for key, doc in self._HELP.items():
             yield CounterMetricFamily(f"tpusync_vllm_{key}", doc, value=data.get(key, 0))
-
-
-def _share_salt(**parts: Any) -> bytes:
-    """16 bytes naming what decides a block's bytes (SHARED KEY CONTRACT in store.py)."""
-    h = hashlib.sha256()
-    for k in sorted(parts):
-        h.update(f"{k}={parts[k]!r};".encode())
-    return h.digest()[:16]
 
 
 def _worker_rank() -> int:

@@ -13,15 +13,26 @@ CONSUMER (``kv_consumer``, decode instance): a request carrying ``do_remote_pref
 ``get_finished`` scatters every completed transfer into vLLM's blocks before reporting it done;
 a failed or expired transfer is reported as load errors (``kv_load_failure_policy``).
 
+SAME-HOST PATH (``pd_same_host``, default on): the producer's pool lives in ``/dev/shm`` and it
+also listens on a Unix socket; its kv_transfer_params carry that socket (``tpusync_unix``) and
+the producer's host id (``tpusync_host``: the kernel's boot id). A consumer with the same host id
+pulls through the socket - the native stream then copies straight out of the producer's shared
+pool (no TCP); any other consumer pulls over TCP from ``remote_host``/``remote_port`` as before.
+Rejected alternative: comparing host names or IP addresses - containers on one host have
+different ones, and two hosts may share a name; the boot id names one running kernel.
+
 kv_transfer_params the producer returns (and the consumer expects): ``do_remote_prefill``,
 ``remote_engine_id``, ``remote_host``, ``remote_port``, ``remote_block_ids`` (the producer's vLLM
-block ids, informational), ``tpusync_transfer_id`` and ``tpusync_num_blocks``.
+block ids, informational), ``tpusync_transfer_id``, ``tpusync_num_blocks`` and, for the
+same-host path, ``tpusync_unix`` and ``tpusync_host``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +43,7 @@ import torch
 import tpusync.core as tc
 from tpusync.core.pd import PdConsumer, PdProducer, load_secret
 
-__all__ = ["PdWorker", "transfer_id_for"]
+__all__ = ["PdWorker", "host_id", "transfer_id_for"]
 
 log = logging.getLogger("tpusync.vllm")
 
@@ -41,6 +52,16 @@ def transfer_id_for(engine_id: str, req_id: str) -> int:
     """A 63-bit transfer id from the producer's engine id and the request id."""
     d = hashlib.blake2b(f"{engine_id}/{req_id}".encode(), digest_size=8).digest()
     return int.from_bytes(d, "little") >> 1
+
+
+def host_id() -> str:
+    """This host's identity for the same-host path: the running kernel's boot id (shared by
+    every container on the host; "" where the kernel does not publish one)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 @dataclass
@@ -63,24 +84,54 @@ class PdWorker:
         listen: str = "127.0.0.1:0",
         secret_file: str | None = None,
         timeout_s: float = 60.0,
+        same_host: bool = True,
+        name: str = "",
     ) -> None:
         self.layers = list(layers)
         self._np = [np.asarray(t) for t in self.layers]  # fast row copies (see store.py)
         self.row_bytes = int(self.layers[0].shape[1])
         self.key_bytes = self.row_bytes * len(self.layers)
-        self.pool = tc.HostBlockPool(self.key_bytes, pool_blocks, prefault=False)
         secret = load_secret(secret_file)
+        self.same_host = same_host
+        self.host = host_id() if same_host else ""
+        unix_path = None
+        shm_name = None
+        if producer and same_host and self.host:
+            tag = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:32]
+            tag = f"{tag}-{os.getpid()}"
+            shm_name = f"tpusync-pd-{tag}"  # not persistent: gone with the process
+            unix_path = os.path.join(tempfile.gettempdir(), f"tpusync-pd-{tag}.sock")
+        self.pool = tc.HostBlockPool(self.key_bytes, pool_blocks, prefault=False, shm_name=shm_name)
         self.timeout_s = timeout_s
-        self.producer = PdProducer(self.pool, listen=listen, secret=secret) if producer else None
+        self.producer = (
+            PdProducer(self.pool, listen=listen, secret=secret, unix_path=unix_path)
+            if producer
+            else None
+        )
         self.consumer = None if producer else PdConsumer(self.pool, secret=secret, streams=2)
         self._staging = np.empty((0, self.key_bytes), dtype=np.uint8)
         self._recvs: dict[int, _Recv] = {}
         self.sent = 0
         self.received = 0
+        self.received_shm = 0  # blocks that came over the same-host shared-memory path
 
     @property
     def address(self) -> str:
         return self.producer.address if self.producer is not None else ""
+
+    @property
+    def unix_address(self) -> str:
+        """``unix:PATH`` of a producer serving same-host consumers, else ""."""
+        if self.producer is None:
+            return ""
+        return self.producer.unix_address or ""
+
+    def peer_for(self, tcp_peer: str, unix_peer: str, peer_host: str) -> str:
+        """The address a consumer pulls from: the producer's Unix socket when it runs on this
+        host (same boot id) and the same-host path is on, else its TCP address."""
+        if self.same_host and unix_peer and peer_host and peer_host == self.host:
+            return unix_peer
+        return tcp_peer
 
     def _stage(self, n: int) -> np.ndarray:
         if self._staging.shape[0] < n:
@@ -142,6 +193,8 @@ class PdWorker:
                     self._scatter(rec)
                     done.add(rec.req_id)
                     self.received += len(rec.pool_ids)
+                    if r.shm:
+                        self.received_shm += len(rec.pool_ids)
                 except tc.TpusyncError as exc:
                     log.warning("tpusync P/D copy of %s failed: %s", rec.req_id, exc)
                     failed[rec.req_id] = [b for b in rec.block_ids if b >= 0]

@@ -54,7 +54,16 @@ import zmq
 
 import tpusync.core as tc
 
-__all__ = ["LookupClient", "LookupResult", "LookupServer", "WorkerStore", "lookup_endpoint"]
+__all__ = [
+    "LookupClient",
+    "LookupResult",
+    "LayeredLoad",
+    "LookupServer",
+    "WorkerStore",
+    "lookup_endpoint",
+    "model_fingerprint",
+    "share_salt",
+]
 
 log = logging.getLogger("tpusync.vllm")
 
@@ -141,6 +150,7 @@ class WorkerStore:
         self._staging = np.empty((0, self.key_bytes), dtype=np.uint8)
         self._lock = threading.Lock()  # leases (lookup thread vs. the worker's step thread)
         self._leases: dict[str, tuple[list[bytes], float]] = {}
+        self.lookup_seconds = 0.0  # spent answering lookups (never reset; for the benchmark)
 
     def bind(self, layers: Sequence[torch.Tensor]) -> None:
         """Use ``layers`` as vLLM's row arrays from now on (same geometry)."""
@@ -154,6 +164,13 @@ class WorkerStore:
     def lookup(self, req_id: str, keys: Sequence[bytes], pin_above: int = 0) -> LookupResult:
         """Leading stored run of ``keys``; when it is longer than ``pin_above`` blocks, pin it
         under ``req_id`` (replacing that request's earlier lease)."""
+        t0 = time.perf_counter()
+        try:
+            return self._lookup(req_id, keys, pin_above)
+        finally:
+            self.lookup_seconds += time.perf_counter() - t0
+
+    def _lookup(self, req_id: str, keys: Sequence[bytes], pin_above: int) -> LookupResult:
         with self._lock:
             self._expire_locked()
             self._release_locked(req_id)
@@ -202,6 +219,10 @@ class WorkerStore:
 
     # ---------------------------------------------------------------- bytes
 
+    def abandon_staging(self) -> None:
+        """A load that timed out still owns the staging buffer: later copies use a new one."""
+        self._staging = np.empty((0, self.key_bytes), dtype=np.uint8)
+
     def _stage(self, n: int) -> np.ndarray:
         if self._staging.shape[0] < n:
             self._staging = np.empty(
@@ -237,6 +258,59 @@ class WorkerStore:
         for j, arr in enumerate(self._np):
             arr[dst] = src[:, j * rb : (j + 1) * rb]
         return [int(b) for b in ids[~found]]
+
+    def start_load(
+        self,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int],
+        timeout: float,
+        layer_groups: Sequence[Sequence[int]] | None = None,
+        release: Sequence[str] = (),
+    ) -> LayeredLoad:
+        """:meth:`load`, layer-pipelined: returns at once; a background thread waits for the
+        store's ``get`` and scatters the rows of ``layer_groups[0]`` (indices into the row
+        arrays; default: one group per array), then of group 1, ... signalling each group as it
+        lands, so that vLLM computes layer 0 while later layers are still being copied. The
+        leases of ``release`` end once the ``get`` completed. PIPELINE CONTRACT: the staging
+        buffer belongs to the load until :meth:`LayeredLoad.finish` returned; the caller
+        finishes every load before the next :meth:`save` / :meth:`start_load` (rejected
+        alternative: one store key per layer - it multiplies the index, the pins and the
+        lookups by the layer count for a copy that is a memcpy per block either way)."""
+        groups = [list(g) for g in (layer_groups or [[j] for j in range(len(self._np))])]
+        load = LayeredLoad(len(groups), timeout)
+        if not keys:
+            self.release(release)
+            load._complete([], 0.0)
+            return load
+        salted = self._salted(keys)
+        stage = self._stage(len(salted))
+        t0 = time.perf_counter()
+        fut = self.store.get(salted, stage)
+        ids = np.asarray(block_ids, dtype=np.int64)
+
+        def run() -> None:
+            failed: list[int] = []
+            try:
+                try:
+                    found = fut.mask(timeout).astype(bool)
+                finally:
+                    self.release(release)  # the bytes are in the staging buffer: lease over
+                src = stage if found.all() else stage[found]
+                dst = ids if found.all() else ids[found]
+                failed = [int(b) for b in ids[~found]]
+                rb = self.row_bytes
+                for g, group in enumerate(groups):
+                    for j in group:
+                        self._np[j][dst] = src[:, j * rb : (j + 1) * rb]
+                    load._layer_ready(g)
+            except Exception as exc:  # noqa: BLE001 - reported as load errors, never raised here
+                log.warning("tpusync: layered load of %d blocks failed: %s", len(keys), exc)
+                load.error = exc
+                failed = [int(b) for b in ids]
+            load._complete(failed, time.perf_counter() - t0)
+
+        threading.Thread(target=run, name="tpusync-load", daemon=True).start()
+        return load
 
     def _salted(self, keys: Sequence[bytes]) -> list[bytes]:
         salt = self.key_salt
@@ -313,12 +387,65 @@ class WorkerStore:
         self.store.close()
 
 
-def model_fingerprint(**parts: Any) -> str:
-    """A short digest of everything that decides a block's bytes (model, dtype, layout, rank)."""
+class LayeredLoad:
+    """A layer-pipelined load in flight (:meth:`WorkerStore.start_load`).
+
+    :meth:`wait_layer` returns once that layer group's rows are in vLLM's blocks (or the load
+    ended); :meth:`finish` waits for all of it and returns the block ids that did not load. Every
+    wait has the load's timeout; a load that timed out reports all its blocks failed.
+    """
+
+    def __init__(self, groups: int, timeout: float) -> None:
+        self.timeout = timeout
+        self.error: BaseException | None = None
+        self.load_seconds = 0.0  # get + scatter, measured by the loading thread
+        self._ready = [threading.Event() for _ in range(groups)]
+        self._done = threading.Event()
+        self._failed: list[int] = []
+
+    def _layer_ready(self, group: int) -> None:
+        self._ready[group].set()
+
+    def _complete(self, failed: list[int], seconds: float) -> None:
+        self._failed = failed
+        self.load_seconds = seconds
+        for e in self._ready:
+            e.set()
+        self._done.set()
+
+    def wait_layer(self, group: int) -> bool:
+        """Wait until layer group ``group`` landed; False when the wait timed out."""
+        return self._ready[group].wait(self.timeout)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def finish(self) -> tuple[list[int], bool]:
+        """(block ids not loaded, whether the load completed in time). A load that did not
+        complete keeps the staging buffer's thread running: the caller reports every block
+        failed and must not reuse the buffer until ``done``."""
+        if not self._done.wait(self.timeout):
+            return [], False
+        return list(self._failed), True
+
+
+def _identity_digest(parts: dict[str, Any]) -> bytes:
     h = hashlib.sha256()
     for k in sorted(parts):
         h.update(f"{k}={parts[k]!r};".encode())
-    return h.hexdigest()[:32]
+    return h.digest()
+
+
+def model_fingerprint(**parts: Any) -> str:
+    """A short digest of everything that decides a block's bytes (model, dtype, layout, rank):
+    the local tiers' fingerprint (warm restart re-attaches only an equal one)."""
+    return _identity_digest(parts).hex()[:32]
+
+
+def share_salt(**parts: Any) -> bytes:
+    """16 bytes naming what decides a block's bytes (SHARED KEY CONTRACT): the key salt."""
+    return _identity_digest(parts)[:16]
 
 
 class LookupServer:
