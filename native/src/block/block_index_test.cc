@@ -411,6 +411,15 @@ TEST(BlockIndex, ClockGivesTouchedKeysASecondChance) {
   for (const Victim& x : v) EXPECT_NE(x.key, Key(3));
 }
 
+TEST(BlockIndex, ClockWalkPastAReferencedTailStillReturnsIt) {
+  BlockIndex idx(Recency::kClock);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(idx.Insert(Key(i), Tier::kHost, i).ok());
+  idx.Lookup(Key(3));  // the most recent key, referenced: relinked in place, then returned last
+  auto v = idx.EvictionCandidates(Tier::kHost, 100);
+  ASSERT_EQ(v.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(v[i].key, Key(i));
+}
+
 TEST(BlockIndex, ReserveAndGrowthKeepEveryKey) {
   BlockIndex idx;
   ASSERT_TRUE(idx.Reserve(1000).ok());

@@ -274,6 +274,11 @@ def _lookup(sizes: list[int], calls: int = 300) -> list[dict]:
     * ``us_per_request``: median time of one LOOKUP_REQUEST-key call (what a scheduler pays).
     * ``us_single_key``: median time of a one-key call (no overlap possible; mostly the binding
       call at small sizes, the dependent DRAM misses at large ones).
+    * ``recency``: the index's recency mode (the default, ``BlockIndex.recency``): with CLOCK a
+      touch sets a bit in the key's own entry; with EXACT_LRU it also relinks two neighbours.
+
+    The C++ figure to compare with is ``BlockIndex::LookupPrefix`` called directly on the same
+    32-byte keys, uniformly drawn over the whole set, 1024 per call, median call (docs/tiers.md).
     """
     rng = np.random.default_rng(0)
     results = []
@@ -299,8 +304,8 @@ def _lookup(sizes: list[int], calls: int = 300) -> list[dict]:
 
     def random_read_ns(nbytes: int) -> float:
         """Same-run memory reference: ns per independent random 8-byte read (numpy gather) over
-        an array as large as the index at this size. A lookup touches about four such lines (a
-        bucket, a two-line entry, two LRU neighbours), so flat-in-memory-terms is ~4x this."""
+        an array as large as the index at this size. A lookup touches a bucket and a two-line
+        entry (plus two LRU neighbours with EXACT_LRU), so flat-in-memory-terms is 2-4x this."""
         a = np.ones(max(1, nbytes // 8), np.int64)
         at = rng.integers(0, len(a), 1 << 20)
         best = min(_timed_only(lambda: a.take(at).sum(), lambda: None) for _ in range(3))
@@ -315,6 +320,7 @@ def _lookup(sizes: list[int], calls: int = 300) -> list[dict]:
         results.append(
             {
                 "keys": size,
+                "recency": idx.recency.name.lower(),
                 "batch": LOOKUP_BATCH,
                 "ns_per_key": median_ns(idx, LOOKUP_BATCH, calls) / LOOKUP_BATCH,
                 "us_per_request": median_ns(idx, LOOKUP_REQUEST, calls * 4) / 1e3,
