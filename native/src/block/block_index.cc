@@ -92,9 +92,7 @@ std::optional<Tier> Placement::best() const {
   return std::nullopt;
 }
 
-std::string_view RecencyName(Recency r) {
-  return r == Recency::kClock ? "clock" : "exact_lru";
-}
+std::string_view RecencyName(Recency r) { return r == Recency::kClock ? "clock" : "exact_lru"; }
 
 BlockIndex::BlockIndex(Recency recency) : recency_(recency) {}
 BlockIndex::~BlockIndex() = default;
@@ -240,7 +238,8 @@ void BlockIndex::Touch(uint32_t id) {
   Entry& e = At(id);
   const uint8_t mask = e.tier_mask;
   if (recency_ == Recency::kClock) {
-    if (e.referenced != mask) e.referenced = mask;  // no store when already set: the line stays clean
+    if (e.referenced != mask)
+      e.referenced = mask;  // no store when already set: the line stays clean
     return;
   }
   for (size_t t = 0; t < kNumTiers; ++t) {
@@ -455,7 +454,7 @@ std::vector<Victim> BlockIndex::EvictionCandidates(Tier tier, size_t n) {
     uint32_t next = e.next[t];
     if (e.referenced & bit) {
       Unlink(id, t);
-      Link(id, t);  // clears the bit
+      Link(id, t);                  // clears the bit
       if (next == kNil) next = id;  // it was the tail: it is still next, now unreferenced
     } else {
       if (id == first_kept) break;

@@ -84,8 +84,8 @@ TEST(HostPool, ShmHugePagesAreAlignedAndKeepTheBytes) {
   const std::string name = UniqueName("huge");
   const size_t size = 6 << 20;
   {
-    auto a = HostPool::Create({.size_bytes = size, .shm_name = name, .persist = true,
-                               .huge_pages = true});
+    auto a = HostPool::Create(
+        {.size_bytes = size, .shm_name = name, .persist = true, .huge_pages = true});
     ASSERT_TRUE(a.ok()) << a.status().ToString();
     EXPECT_EQ(reinterpret_cast<uintptr_t>((*a)->data()) % (2 << 20), 0u);
     for (size_t i = 0; i < size; i += 4096) (*a)->data()[i] = static_cast<uint8_t>(i / 4096);

@@ -157,12 +157,8 @@ TEST_P(KVStoreRecency, PinnedStayCapacityHoldsUnderChurn) {
     std::vector<std::string_view> one = {k};
     switch (rng() % 6) {
       case 0:
-      case 1:
-        f.Put({id});
-        break;
-      case 2:
-        f.Get({id, static_cast<int>(rng() % 16)});
-        break;
+      case 1: f.Put({id}); break;
+      case 2: f.Get({id, static_cast<int>(rng() % 16)}); break;
       case 3:
         if (f.store->Pin(one).ok()) ++pins[id];
         break;

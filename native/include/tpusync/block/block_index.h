@@ -119,7 +119,7 @@ class BlockIndex {
   static constexpr size_t kInlineKey = 56;
   struct alignas(64) Entry {
     uint8_t key_len;
-    uint8_t tier_mask;  // 0: the entry is free
+    uint8_t tier_mask;   // 0: the entry is free
     uint8_t referenced;  // kClock: bit t set = used since last linked in tier t
     uint8_t unused;
     uint32_t pins;
