@@ -41,12 +41,26 @@ size_t Home(uint64_t bucket_or_hash_tag, size_t mask) {
 // and 4 KiB pages would add a TLB miss to every random lookup.
 class BlockIndex::Array {
  public:
+  // ALIGNMENT: arrays of 2 MiB and more start on a 2 MiB boundary (mapped 2 MiB larger, the
+  // unaligned head and tail unmapped again), so every 2 MiB of them can be one huge page; an
+  // unaligned 8 MiB chunk would get at most three.
   static std::unique_ptr<Array> Make(size_t bytes) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    constexpr size_t kHuge = size_t{2} << 20;
+    const bool huge = bytes >= kHuge;
+    const size_t span = huge ? bytes + kHuge : bytes;
+    void* p = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return nullptr;
+    if (huge) {
+      const auto at = reinterpret_cast<uintptr_t>(p);
+      const uintptr_t aligned = (at + kHuge - 1) & ~(kHuge - 1);
+      if (aligned > at) munmap(p, aligned - at);
+      const size_t tail = at + span - (aligned + bytes);
+      if (tail > 0) munmap(reinterpret_cast<void*>(aligned + bytes), tail);
+      p = reinterpret_cast<void*>(aligned);
 #ifdef MADV_HUGEPAGE
-    if (bytes >= (size_t{2} << 20)) (void)madvise(p, bytes, MADV_HUGEPAGE);
+      (void)madvise(p, bytes, MADV_HUGEPAGE);
 #endif
+    }
     return std::unique_ptr<Array>(new Array(p, bytes));
   }
   ~Array() { munmap(data_, bytes_); }
@@ -78,7 +92,9 @@ std::optional<Tier> Placement::best() const {
   return std::nullopt;
 }
 
-BlockIndex::BlockIndex() = default;
+std::string_view RecencyName(Recency r) { return r == Recency::kClock ? "clock" : "exact_lru"; }
+
+BlockIndex::BlockIndex(Recency recency) : recency_(recency) {}
 BlockIndex::~BlockIndex() = default;
 
 BlockIndex::Entry& BlockIndex::At(uint32_t id) const {
@@ -193,6 +209,7 @@ void BlockIndex::Link(uint32_t id, size_t tier) {
   Entry& e = At(id);
   e.prev[tier] = l.tail;
   e.next[tier] = kNil;
+  e.referenced &= static_cast<uint8_t>(~(1u << tier));
   if (l.tail != kNil) At(l.tail).next[tier] = id;
   l.tail = id;
   if (l.head == kNil) l.head = id;
@@ -218,7 +235,13 @@ void BlockIndex::Unlink(uint32_t id, size_t tier) {
 }
 
 void BlockIndex::Touch(uint32_t id) {
-  const uint8_t mask = At(id).tier_mask;
+  Entry& e = At(id);
+  const uint8_t mask = e.tier_mask;
+  if (recency_ == Recency::kClock) {
+    if (e.referenced != mask)
+      e.referenced = mask;  // no store when already set: the line stays clean
+    return;
+  }
   for (size_t t = 0; t < kNumTiers; ++t) {
     if (mask & (1u << t) && lists_[t].tail != id) {
       Unlink(id, t);
@@ -241,6 +264,7 @@ Status BlockIndex::Insert(std::string_view key, Tier tier, uint64_t location) {
     TPUSYNC_ASSIGN_OR_RETURN(id, NewEntry());
     Entry& e = At(id);
     e.tier_mask = 0;
+    e.referenced = 0;
     e.pins = 0;
     e.prev.fill(kNil);
     e.next.fill(kNil);
@@ -264,8 +288,9 @@ Status BlockIndex::Insert(std::string_view key, Tier tier, uint64_t location) {
   }
   e.tier_mask |= static_cast<uint8_t>(1u << t);
   e.location[t] = location;
-  Link(id, t);
+  Link(id, t);  // most recent in the new tier (both modes)
   Touch(id);
+  if (recency_ == Recency::kClock) e.referenced &= static_cast<uint8_t>(~(1u << t));
   return Status::OK();
 }
 
@@ -316,7 +341,7 @@ size_t BlockIndex::LookupPrefix(std::span<const std::string_view> keys,
   };
   const auto stage_neighbours = [&](size_t j) {
     const uint32_t id = ids[j & (kRing - 1)];
-    if (id == kNil) return;
+    if (id == kNil || recency_ == Recency::kClock) return;  // kClock touches no neighbour
     const Entry& e = At(id);
     for (size_t t = 0; t < kNumTiers; ++t) {
       if (!(e.tier_mask & (1u << t))) continue;
@@ -406,13 +431,37 @@ Status BlockIndex::Unpin(std::string_view key) {
   return Status::OK();
 }
 
-std::vector<Victim> BlockIndex::EvictionCandidates(Tier tier, size_t n) const {
+std::vector<Victim> BlockIndex::EvictionCandidates(Tier tier, size_t n) {
   const size_t t = static_cast<size_t>(tier);
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Victim> out;
-  for (uint32_t id = lists_[t].head; id != kNil && out.size() < n; id = At(id).next[t]) {
-    const Entry& e = At(id);
-    if (e.pins == 0) out.push_back({KeyOf(id), e.location[t]});
+  if (recency_ == Recency::kExactLru) {
+    for (uint32_t id = lists_[t].head; id != kNil && out.size() < n; id = At(id).next[t]) {
+      const Entry& e = At(id);
+      if (e.pins == 0) out.push_back({KeyOf(id), e.location[t]});
+    }
+    return out;
+  }
+  // kClock: second chance. A referenced key is relinked at the most-recent end with its bit
+  // cleared, so it comes round again only after every key ahead of it; `budget` bounds the walk at
+  // two passes (each key is relinked at most once per walk, then seen at most once more).
+  const uint8_t bit = static_cast<uint8_t>(1u << t);
+  size_t budget = 2 * lists_[t].count;
+  uint32_t id = lists_[t].head;
+  uint32_t first_kept = kNil;  // the first unreferenced key passed over: the walk has wrapped
+  while (id != kNil && out.size() < n && budget-- > 0) {
+    Entry& e = At(id);
+    uint32_t next = e.next[t];
+    if (e.referenced & bit) {
+      Unlink(id, t);
+      Link(id, t);                  // clears the bit
+      if (next == kNil) next = id;  // it was the tail: it is still next, now unreferenced
+    } else {
+      if (id == first_kept) break;
+      if (first_kept == kNil) first_kept = id;
+      if (e.pins == 0) out.push_back({KeyOf(id), e.location[t]});
+    }
+    id = next != kNil ? next : lists_[t].head;
   }
   return out;
 }

@@ -44,7 +44,7 @@ TEST(BlockIndex, KeysAreOpaqueBytes) {
 }
 
 TEST(BlockIndex, LruOrderFollowsTouches) {
-  BlockIndex idx;
+  BlockIndex idx(Recency::kExactLru);
   for (int i = 0; i < 4; ++i) ASSERT_TRUE(idx.Insert(Key(i), Tier::kHost, i).ok());
   idx.Lookup(Key(0));  // 0 becomes most recent
   auto v = idx.EvictionCandidates(Tier::kHost, 4);
@@ -124,7 +124,7 @@ TEST(BlockIndex, ConcurrentInsertRemove) {
 // The open-addressing table against a model (std::map + per-tier recency lists): heavy churn
 // exercises growth, backward-shift deletion and entry reuse; LRU order must match exactly.
 TEST(BlockIndex, MatchesAModelUnderChurn) {
-  BlockIndex idx;
+  BlockIndex idx(Recency::kExactLru);
   std::map<std::string, std::map<int, uint64_t>> model;  // key -> tier -> location
   std::array<std::list<std::string>, kNumTiers> lru;     // least recent first
   std::mt19937_64 rng(7);
@@ -200,7 +200,7 @@ TEST(BlockIndex, MatchesAModelUnderChurn) {
 // pipeline, repeated keys inside a batch (a key's LRU neighbours change under the prefetch), a
 // miss anywhere (nothing after it touched), keys present in one or two tiers.
 TEST(BlockIndex, LookupPrefixMatchesAModelOfExactLru) {
-  BlockIndex idx;
+  BlockIndex idx(Recency::kExactLru);
   std::array<std::list<std::string>, kNumTiers> lru;  // least recent first
   std::map<std::string, std::vector<int>> tiers_of;
   std::mt19937_64 rng(13);
@@ -257,6 +257,167 @@ TEST(BlockIndex, LookupPrefixMatchesAModelOfExactLru) {
     size_t i = 0;
     for (const std::string& k : lru[t]) ASSERT_EQ(v[i++].key, k);
   }
+}
+
+// kClock against a model of the RECENCY CONTRACT's second-chance walk on plain std::lists: the
+// same victims in the same order, under inserts, removes, pins, touching and non-touching
+// lookups, batched LookupPrefix and partial candidate walks; pinned keys never come back.
+TEST(BlockIndex, ClockMatchesASecondChanceModel) {
+  BlockIndex idx(Recency::kClock);
+  ASSERT_EQ(idx.recency(), Recency::kClock);
+  struct Tiered {
+    std::list<std::string> order;  // least recent (next to go) first
+    std::map<std::string, bool> referenced;
+  };
+  std::array<Tiered, kNumTiers> model;
+  std::map<std::string, std::map<int, uint64_t>> where;
+  std::map<std::string, int> pins;
+  std::mt19937_64 rng(21);
+  auto touch = [&](const std::string& k) {
+    for (auto& [t, loc] : where[k]) model[t].referenced[k] = true;
+  };
+  auto walk = [&](int t, size_t n) {  // the contract's walk, on the model
+    Tiered& m = model[t];
+    std::vector<std::string> out;
+    size_t budget = 2 * m.order.size();
+    auto it = m.order.begin();
+    std::string first_kept;
+    bool have_kept = false;
+    while (it != m.order.end() && out.size() < n && budget-- > 0) {
+      const std::string k = *it;
+      auto next = std::next(it);
+      if (m.referenced[k]) {
+        m.referenced[k] = false;
+        m.order.erase(it);
+        m.order.push_back(k);
+        if (next == m.order.end()) next = std::prev(m.order.end());  // k itself, now unreferenced
+      } else {
+        if (have_kept && k == first_kept) break;
+        if (!have_kept) first_kept = k, have_kept = true;
+        if (pins[k] == 0) out.push_back(k);
+      }
+      it = next != m.order.end() ? next : m.order.begin();
+    }
+    return out;
+  };
+  const Tier tiers[] = {Tier::kHost, Tier::kDisk};
+  for (int step = 0; step < 20000; ++step) {
+    const std::string k = Key(static_cast<int>(rng() % 300));
+    const Tier tier = tiers[rng() % 2];
+    const int t = static_cast<int>(tier);
+    const bool present = where.count(k) > 0;
+    switch (rng() % 9) {
+      case 0:
+      case 1: {
+        const Status s = idx.Insert(k, tier, step);
+        if (present && where[k].count(t)) {
+          ASSERT_EQ(s.code(), StatusCode::kAlreadyExists);
+        } else {
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          touch(k);  // a use in the tiers it was already in
+          where[k][t] = step;
+          model[t].order.push_back(k);
+          model[t].referenced[k] = false;
+        }
+        break;
+      }
+      case 2: {
+        auto r = idx.Remove(k, tier);
+        ASSERT_EQ(r.ok(), present && where[k].count(t) > 0);
+        if (r.ok()) {
+          ASSERT_EQ(*r, where[k][t]);
+          where[k].erase(t);
+          model[t].order.remove(k);
+          model[t].referenced.erase(k);
+          if (where[k].empty()) where.erase(k), pins.erase(k);
+        }
+        break;
+      }
+      case 3:
+        if (present && pins[k] < 2) {
+          ASSERT_TRUE(idx.Pin(k).ok());
+          ++pins[k];
+        } else if (present) {
+          ASSERT_TRUE(idx.Unpin(k).ok());
+          --pins[k];
+        }
+        break;
+      case 4: {
+        const bool hit = idx.Lookup(k, /*touch=*/false).has_value();
+        ASSERT_EQ(hit, present);
+        break;
+      }
+      case 5: {  // a batch, stopping at the first miss
+        std::vector<std::string> keys;
+        for (size_t j = 0, n = 1 + rng() % 20; j < n; ++j) keys.push_back(Key(rng() % 300));
+        std::vector<std::string_view> views(keys.begin(), keys.end());
+        const size_t hits = idx.LookupPrefix(views, nullptr);
+        size_t expect = 0;
+        while (expect < keys.size() && where.count(keys[expect])) touch(keys[expect++]);
+        ASSERT_EQ(hits, expect);
+        break;
+      }
+      case 6: {  // a partial walk, as the store's eviction does it
+        const size_t n = 1 + rng() % 8;
+        auto v = idx.EvictionCandidates(tier, n);
+        auto want = walk(t, n);
+        ASSERT_EQ(v.size(), want.size()) << "step " << step;
+        for (size_t j = 0; j < v.size(); ++j) {
+          ASSERT_EQ(v[j].key, want[j]) << "step " << step;
+          ASSERT_EQ(pins[v[j].key], 0);
+          ASSERT_EQ(v[j].location, where[want[j]][t]);
+        }
+        break;
+      }
+      default: {
+        auto p = idx.Lookup(k);
+        ASSERT_EQ(p.has_value(), present);
+        if (p) touch(k);
+      }
+    }
+  }
+  for (Tier tier : tiers) {  // a full walk returns every unpinned key of the tier exactly once
+    const int t = static_cast<int>(tier);
+    auto v = idx.EvictionCandidates(tier, 1u << 20);
+    auto want = walk(t, 1u << 20);
+    size_t unpinned = 0;
+    for (const std::string& k : model[t].order) unpinned += pins[k] == 0;
+    ASSERT_EQ(v.size(), unpinned);
+    ASSERT_EQ(want.size(), unpinned);
+    for (size_t j = 0; j < v.size(); ++j) ASSERT_EQ(v[j].key, want[j]);
+    EXPECT_EQ(idx.Count(tier), model[t].order.size());
+  }
+}
+
+TEST(BlockIndex, ClockGivesTouchedKeysASecondChance) {
+  BlockIndex idx(Recency::kClock);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(idx.Insert(Key(i), Tier::kHost, i).ok());
+  idx.Lookup(Key(0));
+  idx.Lookup(Key(2), /*touch=*/false);  // not a use
+  auto v = idx.EvictionCandidates(Tier::kHost, 2);
+  ASSERT_EQ(v.size(), 2u);
+  EXPECT_EQ(v[0].key, Key(1));
+  EXPECT_EQ(v[1].key, Key(2));
+  // Key 0 was moved behind key 3 by the walk: it goes last.
+  v = idx.EvictionCandidates(Tier::kHost, 4);
+  ASSERT_EQ(v.size(), 4u);
+  EXPECT_EQ(v[2].key, Key(3));
+  EXPECT_EQ(v[3].key, Key(0));
+  // Every key touched and one pinned: one full walk, still every unpinned key, none twice.
+  for (int i = 0; i < 4; ++i) idx.Lookup(Key(i));
+  ASSERT_TRUE(idx.Pin(Key(3)).ok());
+  v = idx.EvictionCandidates(Tier::kHost, 100);
+  ASSERT_EQ(v.size(), 3u);
+  for (const Victim& x : v) EXPECT_NE(x.key, Key(3));
+}
+
+TEST(BlockIndex, ClockWalkPastAReferencedTailStillReturnsIt) {
+  BlockIndex idx(Recency::kClock);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(idx.Insert(Key(i), Tier::kHost, i).ok());
+  idx.Lookup(Key(3));  // the most recent key, referenced: relinked in place, then returned last
+  auto v = idx.EvictionCandidates(Tier::kHost, 100);
+  ASSERT_EQ(v.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(v[i].key, Key(i));
 }
 
 TEST(BlockIndex, ReserveAndGrowthKeepEveryKey) {

@@ -7,6 +7,10 @@
 
 #include <cerrno>
 
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // Linux 6.1 (uapi asm-generic/mman-common.h); older glibc headers lack it
+#endif
+
 namespace tpusync::memory {
 namespace {
 
@@ -105,14 +109,47 @@ Result<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& option
             err, StrCat("sizing /dev/shm/", options.shm_name, " to ", size, " bytes"));
       }
     }
-    addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | populate, fd, 0);
+    // With huge pages asked for, the segment is mapped without MAP_POPULATE: the collapse below
+    // works on the file's pages (fallocated or kept), and the prefault touch comes after it, so
+    // the mapping is built from 2 MiB entries once instead of 4 KiB ones first.
+    // A 2 MiB-aligned address, so file offset 0 (and every 2 MiB after it) can be mapped by one
+    // page-table entry: reserve 2 MiB more, then map the segment over the aligned part of it.
+    void* at = nullptr;
+    void* reserved = MAP_FAILED;
+    size_t reserved_bytes = 0;
+    if (options.huge_pages) {
+      constexpr size_t kHuge = size_t{2} << 20;
+      reserved_bytes = size + kHuge;
+      reserved = mmap(nullptr, reserved_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (reserved != MAP_FAILED) {
+        at = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(reserved) + kHuge - 1) &
+                                     ~uintptr_t{kHuge - 1});
+      }
+    }
+    addr = mmap(at, size, PROT_READ | PROT_WRITE,
+                MAP_SHARED | (at ? MAP_FIXED : 0) | (options.huge_pages ? 0 : populate), fd, 0);
     const int err = errno;
+    if (reserved != MAP_FAILED) {  // give back the parts of the reservation around the segment
+      const auto r = reinterpret_cast<uintptr_t>(reserved);
+      const auto a = reinterpret_cast<uintptr_t>(at);
+      if (addr == MAP_FAILED) {
+        munmap(reserved, reserved_bytes);
+      } else {
+        if (a > r) munmap(reserved, a - r);
+        if (r + reserved_bytes > a + size) {
+          munmap(reinterpret_cast<void*>(a + size), r + reserved_bytes - (a + size));
+        }
+      }
+    }
     close(fd);
     if (addr == MAP_FAILED) {
       if (!pool->attached_) shm_unlink(path.c_str());
       return Status::FromErrno(err, StrCat("mmap of /dev/shm/", options.shm_name));
     }
-    if (options.huge_pages) pool->huge_pages_active_ = madvise(addr, size, MADV_HUGEPAGE) == 0;
+    if (options.huge_pages) {
+      (void)madvise(addr, size, MADV_HUGEPAGE);  // lets later faults use huge pages where allowed
+      pool->huge_pages_active_ = madvise(addr, size, MADV_COLLAPSE) == 0;  // HUGE-PAGE CONTRACT
+    }
   }
 
   pool->data_ = static_cast<uint8_t*>(addr);

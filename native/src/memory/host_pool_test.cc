@@ -78,5 +78,26 @@ TEST(HostPool, HugePagesAndMlockAreBestEffort) {
   std::memset((*pool)->data(), 1, (*pool)->size());
 }
 
+// HUGE-PAGE CONTRACT: a shared segment asked for huge pages is mapped 2 MiB-aligned and the
+// collapse (where the kernel grants it) keeps every byte, so a warm re-attach still sees them.
+TEST(HostPool, ShmHugePagesAreAlignedAndKeepTheBytes) {
+  const std::string name = UniqueName("huge");
+  const size_t size = 6 << 20;
+  {
+    auto a = HostPool::Create(
+        {.size_bytes = size, .shm_name = name, .persist = true, .huge_pages = true});
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>((*a)->data()) % (2 << 20), 0u);
+    for (size_t i = 0; i < size; i += 4096) (*a)->data()[i] = static_cast<uint8_t>(i / 4096);
+  }
+  auto b = HostPool::Create({.size_bytes = size, .shm_name = name, .huge_pages = true});
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_TRUE((*b)->attached());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>((*b)->data()) % (2 << 20), 0u);
+  for (size_t i = 0; i < size; i += 4096) {
+    ASSERT_EQ((*b)->data()[i], static_cast<uint8_t>(i / 4096)) << i;
+  }
+}
+
 }  // namespace
 }  // namespace tpusync::memory

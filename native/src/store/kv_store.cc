@@ -73,6 +73,7 @@ StoreConfig KVStore::ConfigFrom(const KVStoreOptions& o) {
   c.writeback_headroom = o.writeback_headroom;
   c.put_wait_s = o.put_wait_s;
   c.write_through = o.write_through;
+  c.index_recency = o.index_recency;
   return c;
 }
 
@@ -98,7 +99,7 @@ Result<std::unique_ptr<KVStore>> KVStore::Open(std::vector<std::unique_ptr<tier:
       return Status::InvalidArgument("every tier of a KVStore must store the same block size");
     }
   }
-  std::unique_ptr<KVStore> s(new KVStore());
+  std::unique_ptr<KVStore> s(new KVStore(config.index_recency));
   s->block_bytes_ = tiers[0]->block_bytes();
   s->tiers_ = std::move(tiers);
   s->engine_ = std::move(engine);

@@ -29,6 +29,11 @@ void init_block(nb::module_& m) {
       .value("HOST", Tier::kHost)
       .value("DISK", Tier::kDisk)
       .value("REMOTE", Tier::kRemote);
+  nb::enum_<block::Recency>(m, "Recency",
+                            "Recency mode of a BlockIndex: EXACT_LRU relinks on every touch; CLOCK "
+                            "sets a reference bit and relinks at eviction (second chance).")
+      .value("EXACT_LRU", block::Recency::kExactLru)
+      .value("CLOCK", block::Recency::kClock);
 
   nb::class_<Placement>(m, "Placement", "Where one key lives: tiers, their locations, pin count.")
       .def_ro("pins", &Placement::pins)
@@ -45,7 +50,8 @@ void init_block(nb::module_& m) {
 
   nb::class_<BlockIndex>(m, "BlockIndex",
                          "Content-addressed index: engine block hash -> placement per tier.")
-      .def(nb::init<>())
+      .def(nb::init<block::Recency>(), nb::arg("recency") = BlockIndex::kDefaultRecency)
+      .def_prop_ro("recency", &BlockIndex::recency)
       .def(
           "insert",
           [](BlockIndex& idx, nb::bytes key, Tier tier, uint64_t location) {
@@ -125,7 +131,7 @@ void init_block(nb::module_& m) {
           nb::arg("key"))
       .def(
           "eviction_candidates",
-          [](const BlockIndex& idx, Tier tier, size_t n) {
+          [](BlockIndex& idx, Tier tier, size_t n) {
             std::vector<std::pair<nb::bytes, uint64_t>> out;
             for (auto& v : idx.EvictionCandidates(tier, n)) {
               out.emplace_back(nb::bytes(v.key.data(), v.key.size()), v.location);

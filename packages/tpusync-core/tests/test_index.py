@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tpusync.core as tc
-from tpusync.core import Tier
+from tpusync.core import Tier, _native
 
 
 def test_lookup_prefix_and_placement():
@@ -38,11 +38,14 @@ ops = st.lists(
 )
 
 
+@pytest.mark.parametrize("recency", [_native.Recency.EXACT_LRU, _native.Recency.CLOCK])
 @settings(max_examples=200, deadline=None)
-@given(ops)
-def test_pinned_keys_are_never_evicted(script):
-    """Model-based: the index agrees with a dict model; evictions never pick a pinned key."""
-    idx = tc.BlockIndex()
+@given(script=ops)
+def test_pinned_keys_are_never_evicted(recency, script):
+    """Model-based, in both recency modes: the index agrees with a dict model; evictions never
+    pick a pinned key and a full candidate walk returns every unpinned key exactly once."""
+    idx = tc.BlockIndex(recency)
+    assert idx.recency == recency
     pins: dict[bytes, int] = {}
     for op, i in script:
         k = b"key%02d" % i
@@ -65,3 +68,16 @@ def test_pinned_keys_are_never_evicted(script):
     assert len(idx) == len(pins) == idx.count(Tier.HOST)
     for k, p in pins.items():
         assert idx.lookup(k, touch=False).pins == p
+    walk = [k for k, _ in idx.eviction_candidates(Tier.HOST, 1000)]
+    assert sorted(walk) == sorted(k for k, p in pins.items() if p == 0)
+
+
+def test_default_recency_is_clock_and_lru_order_is_kept_in_exact_mode():
+    """The default mode (chosen by measurement, docs/design-decisions.md) and the exact order."""
+    assert tc.BlockIndex().recency == _native.Recency.CLOCK
+    for recency in (_native.Recency.EXACT_LRU, _native.Recency.CLOCK):
+        idx = tc.BlockIndex(recency)
+        for i in range(4):
+            idx.insert(b"k%d" % i, Tier.HOST, i)
+        idx.lookup(b"k0")
+        assert [k for k, _ in idx.eviction_candidates(Tier.HOST, 2)] == [b"k1", b"k2"]

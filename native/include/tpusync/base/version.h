@@ -18,11 +18,13 @@
 //      checksums (PdProducer.register_send(checksums=...), PdStatus.checksums); PdConsumer.recv
 //      (pull on the calling thread) and small_pull_bytes; StoreNode.start(name_space=,
 //      fingerprint=) warm restart, cold_start_reason, recovered_blocks.
+//   5: BlockIndex recency modes (Recency.CLOCK default, Recency.EXACT_LRU; BlockIndex(recency=),
+//      BlockIndex.recency); eviction_candidates may reorder a CLOCK index.
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 4;
+inline constexpr int kApiVersion = 5;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

@@ -4,9 +4,21 @@
 // counted (pin twice, unpin twice). Unpinning an unpinned key is an error, not a no-op, because it
 // means two owners disagree about the block.
 //
-// LRU CONTRACT: each tier keeps its own recency list. Insert and a touching Lookup move the key to
-// the most-recent end of every tier it is in; EvictionCandidates walks one tier from the least
-// recent end. All operations are O(1) per key (EvictionCandidates is O(returned + skipped pins)).
+// RECENCY CONTRACT: each tier keeps its own recency list, in one of two modes (Recency):
+// - kExactLru: Insert and a touching Lookup move the key to the most-recent end of every tier it
+//   is in; EvictionCandidates walks one tier from the least recent end. All operations are O(1)
+//   per key (EvictionCandidates is O(returned + skipped pins)). A touch relinks the key, which
+//   writes its two list neighbours: two more random cache lines per looked-up key.
+// - kClock (second chance): Insert links the key at the most-recent end of its new tier; a
+//   touching Lookup only sets the key's reference bit for every tier it is in (a write to the
+//   key's own entry, which the lookup has already read: no neighbour lines). EvictionCandidates
+//   walks from the least recent end; a key whose reference bit is set has the bit cleared and is
+//   relinked at the most-recent end instead of being returned (it was used since it was linked).
+//   So a victim is always a key not used since its last pass, oldest pass first; the relinks are
+//   paid by the eviction path (amortised O(1): one relink per earlier touch) instead of by
+//   every lookup. A walk visits each key at most twice, so it always terminates.
+// Both modes: pinned keys are never returned; the order within one tier never depends on
+// another tier. The default (kDefaultRecency) is chosen by measurement (docs/design-decisions.md).
 //
 // FLAT LOOKUP CONTRACT: a lookup costs the same number of dependent memory accesses at 10^3 and at
 // 10^7 keys: one 8-byte bucket of an open-addressing table (linear probing, load <= 0.7, a 32-bit
@@ -57,6 +69,9 @@ struct Placement {
   std::optional<Tier> best() const;
 };
 
+enum class Recency : uint8_t { kExactLru = 0, kClock = 1 };
+std::string_view RecencyName(Recency r);
+
 struct Victim {
   BlockKey key;
   uint64_t location;
@@ -64,8 +79,10 @@ struct Victim {
 
 class BlockIndex {
  public:
-  BlockIndex();
+  static constexpr Recency kDefaultRecency = Recency::kClock;
+  explicit BlockIndex(Recency recency = kDefaultRecency);
   ~BlockIndex();
+  Recency recency() const { return recency_; }
   BlockIndex(const BlockIndex&) = delete;
   BlockIndex& operator=(const BlockIndex&) = delete;
 
@@ -84,7 +101,8 @@ class BlockIndex {
   Status Pin(std::string_view key);
   Status Unpin(std::string_view key);
   // Up to n least-recent unpinned keys of `tier` (not removed; the caller moves, then Removes).
-  std::vector<Victim> EvictionCandidates(Tier tier, size_t n) const;
+  // Not const: in kClock mode the walk relinks referenced keys (see RECENCY CONTRACT).
+  std::vector<Victim> EvictionCandidates(Tier tier, size_t n);
   size_t Count(Tier tier) const;
   size_t size() const;
   // Sizes the hash table for `keys` keys so inserts up to that many never rehash (a rehash moves
@@ -101,8 +119,9 @@ class BlockIndex {
   static constexpr size_t kInlineKey = 56;
   struct alignas(64) Entry {
     uint8_t key_len;
-    uint8_t tier_mask;  // 0: the entry is free
-    uint16_t unused;
+    uint8_t tier_mask;   // 0: the entry is free
+    uint8_t referenced;  // kClock: bit t set = used since last linked in tier t
+    uint8_t unused;
     uint32_t pins;
     std::array<uint32_t, kNumTiers> prev;
     std::array<uint32_t, kNumTiers> next;
@@ -131,6 +150,7 @@ class BlockIndex {
   void Unlink(uint32_t id, size_t tier);
   void Touch(uint32_t id);
 
+  const Recency recency_;
   mutable std::mutex mu_;
   std::unique_ptr<Array> buckets_;  // uint64_t: (hash >> 32) << 32 | (id + 1); 0 = empty
   size_t mask_ = 0;                 // bucket count - 1

@@ -82,6 +82,9 @@ struct KVStoreOptions {
   bool prefault = true;
   bool huge_pages = true;      // hugetlbfs pages if reserved, else transparent huge pages (madvise)
   bool write_through = false;  // WRITE-THROUGH CONTRACT: copy every new block to the last tier
+  // Recency mode of the store's index (block/block_index.h, RECENCY CONTRACT): which unpinned
+  // block a full tier gives up first. C++ only for now; Python stores use the default.
+  block::Recency index_recency = block::BlockIndex::kDefaultRecency;
 };
 
 // Knobs of a store built from explicit tiers (tests, or a remote tier added by a caller).
@@ -93,6 +96,7 @@ struct StoreConfig {
   double put_wait_s = 5.0;
   bool write_through = false;
   size_t write_through_queue = size_t{1} << 16;  // queued keys at most (oldest dropped, counted)
+  block::Recency index_recency = block::BlockIndex::kDefaultRecency;
 };
 
 struct LatencyStats {
@@ -199,7 +203,7 @@ class KVStore {
 
  private:
   void Emit(StoreEvent::Kind kind, block::Tier tier, std::string_view key);  // mu_ held
-  KVStore() = default;
+  explicit KVStore(block::Recency recency) : index_(recency) {}
   Status Start();
   // A free location in tier t, dropping clean / refused LRU victims; with `wait`, waits up to
   // put_wait_s for write-back. `lock` holds mu_.

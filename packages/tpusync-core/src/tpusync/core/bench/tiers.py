@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -96,51 +97,72 @@ def run(
 
 
 def _host(block: int, total: int, repeats: int) -> dict:
+    """Host put / get / put into /dev/shm against memcpy of the same bytes, INTERLEAVED.
+
+    REFERENCE CONTRACT: every round runs the memcpy reference and each measured path once, in
+    turn, on the same prefaulted source and destination buffers, and every figure is the median of
+    its rounds (at least 5). A single memcpy timed apart from the paths swung 2-3x between runs on
+    a loaded host (ratios of 0.7 and 1.5 for the same code); interleaving puts the reference and
+    the path under the same load, and the median drops the rounds a neighbour disturbed.
+    """
     n = max(1, total // block)
     nbytes = n * block
+    rounds = max(5, repeats)
     src = aligned(nbytes, 7).reshape(n, block)
     dst = aligned(nbytes, 1).reshape(n, block)
     store = KVStore(block, n)
-    rnd = iter(range(10**9))
-
-    def put() -> None:
-        store.clear()
-        r = next(rnd)
-        store.put([b"h%d-%d" % (r, i) for i in range(n)], src).result(120)
-
-    put_s = measure(lambda: _timed_only(put, store.clear), repeats)
-    store.clear()
-    keys = [b"g%d" % i for i in range(n)]
-    store.put(keys, src).result(120)
-    get_s = measure(lambda: store.get(keys, dst).result(120) and None, repeats)
-    ref_s = measure(lambda: _native.memcpy_seconds(dst.reshape(-1), src.reshape(-1)), repeats)
-    found = store.get(keys[:1], dst[:1]).result(10)
-    if not found[0] or not np.array_equal(dst[0], src[0]):
-        raise RuntimeError("bench tiers: host data check failed")
-    store.close()
     # A /dev/shm tier (namespace=, warm restart) also hashes every put block for the re-attach
     # check; an anonymous one does not need to (see tier/host_tier.h), so it is measured apart.
     ns = f"bench-{os.getpid()}-{block}"
     shm = KVStore(block, n, namespace=ns)
+    rnd = iter(range(10**9))
+    keys = [b"g%d" % i for i in range(n)]
+
+    def put_into(s: KVStore, prefix: bytes) -> float:
+        s.clear()  # not timed
+        r = next(rnd)
+        ks = [b"%s%d-%d" % (prefix, r, i) for i in range(n)]
+        t0 = time.perf_counter()
+        s.put(ks, src).result(120)
+        return time.perf_counter() - t0
+
+    def get() -> float:
+        t0 = time.perf_counter()
+        found = store.get(keys, dst).result(120)
+        t = time.perf_counter() - t0
+        if not all(found):
+            raise RuntimeError("bench tiers: host get missed a stored block")
+        return t
+
+    times: dict[str, list[float]] = {"ref": [], "put": [], "get": [], "put_shm": []}
     try:
-
-        def put_shm() -> None:
-            shm.clear()
-            r = next(rnd)
-            shm.put([b"s%d-%d" % (r, i) for i in range(n)], src).result(120)
-
-        put_shm_s = measure(lambda: _timed_only(put_shm, shm.clear), repeats)
+        _native.memcpy_seconds(dst.reshape(-1), src.reshape(-1))  # warm-up, not counted
+        for _ in range(rounds):
+            times["ref"].append(_native.memcpy_seconds(dst.reshape(-1), src.reshape(-1)))
+            times["put"].append(put_into(store, b"h"))
+            times["put_shm"].append(put_into(shm, b"s"))
+            store.clear()
+            store.put(keys, src).result(120)
+            times["get"].append(get())
+        found = store.get(keys[:1], dst[:1]).result(10)
+        if not found[0] or not np.array_equal(dst[0], src[0]):
+            raise RuntimeError("bench tiers: host data check failed")
     finally:
+        store.close()
         shm.close()
         for suffix in ("host", "host.lock"):
             Path(f"/dev/shm/tpusync-{ns}-{suffix}").unlink(missing_ok=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    how = f"{MEMCPY}, interleaved with the measured paths, median of {rounds} rounds"
     return {
         "block_bytes": block,
         "blocks": n,
         "bytes": nbytes,
-        "put": result_entry(nbytes, put_s, ref_s, MEMCPY),
-        "get": result_entry(nbytes, get_s, ref_s, MEMCPY),
-        "put_shm_checksummed": result_entry(nbytes, put_shm_s, ref_s, MEMCPY),
+        "rounds": rounds,
+        "memcpy_spread": round(max(times["ref"]) / min(times["ref"]), 2),
+        "put": result_entry(nbytes, med["put"], med["ref"], how),
+        "get": result_entry(nbytes, med["get"], med["ref"], how),
+        "put_shm_checksummed": result_entry(nbytes, med["put_shm"], med["ref"], how),
     }
 
 
@@ -252,6 +274,11 @@ def _lookup(sizes: list[int], calls: int = 300) -> list[dict]:
     * ``us_per_request``: median time of one LOOKUP_REQUEST-key call (what a scheduler pays).
     * ``us_single_key``: median time of a one-key call (no overlap possible; mostly the binding
       call at small sizes, the dependent DRAM misses at large ones).
+    * ``recency``: the index's recency mode (the default, ``BlockIndex.recency``): with CLOCK a
+      touch sets a bit in the key's own entry; with EXACT_LRU it also relinks two neighbours.
+
+    The C++ figure to compare with is ``BlockIndex::LookupPrefix`` called directly on the same
+    32-byte keys, uniformly drawn over the whole set, 1024 per call, median call (docs/tiers.md).
     """
     rng = np.random.default_rng(0)
     results = []
@@ -277,8 +304,8 @@ def _lookup(sizes: list[int], calls: int = 300) -> list[dict]:
 
     def random_read_ns(nbytes: int) -> float:
         """Same-run memory reference: ns per independent random 8-byte read (numpy gather) over
-        an array as large as the index at this size. A lookup touches about four such lines (a
-        bucket, a two-line entry, two LRU neighbours), so flat-in-memory-terms is ~4x this."""
+        an array as large as the index at this size. A lookup touches a bucket and a two-line
+        entry (plus two LRU neighbours with EXACT_LRU), so flat-in-memory-terms is 2-4x this."""
         a = np.ones(max(1, nbytes // 8), np.int64)
         at = rng.integers(0, len(a), 1 << 20)
         best = min(_timed_only(lambda: a.take(at).sum(), lambda: None) for _ in range(3))
@@ -293,6 +320,7 @@ def _lookup(sizes: list[int], calls: int = 300) -> list[dict]:
         results.append(
             {
                 "keys": size,
+                "recency": idx.recency.name.lower(),
                 "batch": LOOKUP_BATCH,
                 "ns_per_key": median_ns(idx, LOOKUP_BATCH, calls) / LOOKUP_BATCH,
                 "us_per_request": median_ns(idx, LOOKUP_REQUEST, calls * 4) / 1e3,
