@@ -10,7 +10,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-API_VERSION: int = 4
+API_VERSION: int = 5
 
 @overload
 def checksum64(data: bytes, seed: int = 0) -> int:
@@ -117,6 +117,15 @@ class Tier(enum.Enum):
 
     REMOTE = 3
 
+class Recency(enum.Enum):
+    """
+    Recency mode of a BlockIndex: EXACT_LRU relinks on every touch; CLOCK sets a reference bit and relinks at eviction (second chance).
+    """
+
+    EXACT_LRU = 0
+
+    CLOCK = 1
+
 class Placement:
     """Where one key lives: tiers, their locations, pin count."""
 
@@ -137,7 +146,10 @@ class Placement:
 class BlockIndex:
     """Content-addressed index: engine block hash -> placement per tier."""
 
-    def __init__(self) -> None: ...
+    def __init__(self, recency: Recency = Recency.CLOCK) -> None: ...
+
+    @property
+    def recency(self) -> Recency: ...
 
     def insert(self, key: bytes, tier: Tier, location: int) -> None: ...
 
