@@ -5,7 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <thread>
 
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25  // Linux 6.1 (uapi asm-generic/mman-common.h); older glibc headers lack it
@@ -109,9 +111,9 @@ Result<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& option
             err, StrCat("sizing /dev/shm/", options.shm_name, " to ", size, " bytes"));
       }
     }
-    // With huge pages asked for, the segment is mapped without MAP_POPULATE: the collapse below
-    // works on the file's pages (fallocated or kept), and the prefault touch comes after it, so
-    // the mapping is built from 2 MiB entries once instead of 4 KiB ones first.
+    // With huge pages asked for, the segment is mapped without MAP_POPULATE (the prefault touch
+    // below maps it); the background collapse then rebuilds it from 2 MiB pages (HUGE-PAGE
+    // CONTRACT in host_pool.h).
     // A 2 MiB-aligned address, so file offset 0 (and every 2 MiB after it) can be mapped by one
     // page-table entry: reserve 2 MiB more, then map the segment over the aligned part of it.
     void* at = nullptr;
@@ -148,7 +150,6 @@ Result<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& option
     }
     if (options.huge_pages) {
       (void)madvise(addr, size, MADV_HUGEPAGE);  // lets later faults use huge pages where allowed
-      pool->huge_pages_active_ = madvise(addr, size, MADV_COLLAPSE) == 0;  // HUGE-PAGE CONTRACT
     }
   }
 
@@ -158,7 +159,32 @@ Result<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& option
   pool->shm_name_ = options.shm_name;
   if (options.prefault) TouchPages(pool->data_, size, /*write=*/!pool->attached_);
   if (options.mlock) pool->locked_ = mlock(addr, size) == 0;
+  if (options.huge_pages && !options.shm_name.empty()) pool->StartCollapse();
   return pool;
+}
+
+void HostPool::StartCollapse() {
+  collapsing_.store(true, std::memory_order_release);
+  collapser_ = std::thread([this] {
+    constexpr size_t kStep = size_t{32} << 20;  // a multiple of 2 MiB; data_ is 2 MiB-aligned
+    for (size_t off = 0; off < size_ && !stop_collapse_.load(std::memory_order_acquire);
+         off += kStep) {
+      const size_t n = std::min(kStep, size_ - off);
+      const bool ok = madvise(data_ + off, n, MADV_COLLAPSE) == 0;
+      if (off == 0) huge_pages_active_.store(ok, std::memory_order_release);
+      if (!ok && off == 0) break;  // refused (old kernel, "deny"): no point in trying further
+    }
+    collapsing_.store(false, std::memory_order_release);
+  });
+}
+
+bool HostPool::WaitHugePages(std::chrono::milliseconds timeout) const {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (collapsing_.load(std::memory_order_acquire)) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return true;
 }
 
 Status HostPool::Unlink() {
@@ -171,6 +197,8 @@ Status HostPool::Unlink() {
 }
 
 HostPool::~HostPool() {
+  stop_collapse_.store(true, std::memory_order_release);
+  if (collapser_.joinable()) collapser_.join();  // at most one 32 MiB step
   if (data_ != nullptr) {
     if (locked_) munlock(data_, size_);
     munmap(data_, size_);

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -88,7 +89,10 @@ TEST(HostPool, ShmHugePagesAreAlignedAndKeepTheBytes) {
         {.size_bytes = size, .shm_name = name, .persist = true, .huge_pages = true});
     ASSERT_TRUE(a.ok()) << a.status().ToString();
     EXPECT_EQ(reinterpret_cast<uintptr_t>((*a)->data()) % (2 << 20), 0u);
+    // Written while the background collapse may still run: the bytes must survive it.
     for (size_t i = 0; i < size; i += 4096) (*a)->data()[i] = static_cast<uint8_t>(i / 4096);
+    EXPECT_TRUE((*a)->WaitHugePages(std::chrono::seconds(60)));
+    EXPECT_FALSE((*a)->collapsing());
   }
   auto b = HostPool::Create({.size_bytes = size, .shm_name = name, .huge_pages = true});
   ASSERT_TRUE(b.ok()) << b.status().ToString();
@@ -97,6 +101,30 @@ TEST(HostPool, ShmHugePagesAreAlignedAndKeepTheBytes) {
   for (size_t i = 0; i < size; i += 4096) {
     ASSERT_EQ((*b)->data()[i], static_cast<uint8_t>(i / 4096)) << i;
   }
+}
+
+TEST(HostPool, ShmPoolIsUsableAtOnceAndDestroyedMidCollapse) {
+  // HUGE-PAGE CONTRACT: Create does not wait for the collapse; destruction stops it between
+  // steps. Repeated so that some destructions land while it runs (no crash, no hang).
+  for (int round = 0; round < 3; ++round) {
+    const std::string name = UniqueName("collapse");
+    const size_t size = size_t{96} << 20;
+    auto a = HostPool::Create({.size_bytes = size, .shm_name = name, .huge_pages = true});
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    std::memset((*a)->data(), 0x5a, size);  // usable right away
+    for (size_t i = 0; i < size; i += size_t{1} << 20) ASSERT_EQ((*a)->data()[i], 0x5a) << i;
+    if (round == 2) {
+      ASSERT_TRUE((*a)->WaitHugePages(std::chrono::seconds(60)));
+      for (size_t i = 0; i < size; i += 4096) ASSERT_EQ((*a)->data()[i], 0x5a) << i;
+    }
+  }
+}
+
+TEST(HostPool, AnonymousPoolsStartNoCollapse) {
+  auto a = HostPool::Create({.size_bytes = size_t{4} << 20, .huge_pages = true});
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_FALSE((*a)->collapsing());
+  EXPECT_TRUE((*a)->WaitHugePages(std::chrono::milliseconds(0)));
 }
 
 }  // namespace

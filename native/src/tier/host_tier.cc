@@ -239,6 +239,8 @@ TierStats HostTier::stats() const {
   s.write_ns = write_ns_;
   s.read_ns = read_ns_;
   s.cold_start_reason = cold_start_reason_;
+  const memory::HostPool& pool = blocks_->host_pool();
+  s.huge_pages = pool.collapsing() ? "collapsing" : pool.huge_pages_active() ? "on" : "off";
   return s;
 }
 

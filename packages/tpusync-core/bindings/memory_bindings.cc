@@ -143,6 +143,15 @@ void init_memory(nb::module_& m) {
       .def_prop_ro("huge_pages",
                    [](const BlockAllocator& a) { return a.host_pool().huge_pages_active(); })
       .def_prop_ro("locked", [](const BlockAllocator& a) { return a.host_pool().locked(); })
+      .def(
+          "wait_huge_pages",
+          [](const BlockAllocator& a, double timeout) {
+            return a.host_pool().WaitHugePages(
+                std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
+          },
+          nb::arg("timeout") = 60.0, nb::call_guard<nb::gil_scoped_release>(),
+          "Waits up to `timeout` s for a /dev/shm pool's background huge-page collapse; True "
+          "when none is running.")
       .def_prop_ro(
           "base_address",
           [](const BlockAllocator& a) { return reinterpret_cast<uintptr_t>(a.SlotAddress(0)); })

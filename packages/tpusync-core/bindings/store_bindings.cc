@@ -98,6 +98,7 @@ nb::dict Stats(const store::StoreStats& s) {
     e["read_s"] = t.tier.read_ns / 1e9;
     e["direct_io"] = t.tier.direct_io;
     e["io_backend"] = t.tier.io_backend;
+    e["huge_pages"] = t.tier.huge_pages;
     e["cold_start_reason"] = t.tier.cold_start_reason;
     tiers[nb::str(std::string(block::TierName(t.kind)).c_str())] = e;
   }

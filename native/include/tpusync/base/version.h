@@ -19,7 +19,8 @@
 //      (pull on the calling thread) and small_pull_bytes; StoreNode.start(name_space=,
 //      fingerprint=) warm restart, cold_start_reason, recovered_blocks.
 //   5: BlockIndex recency modes (Recency.CLOCK default, Recency.EXACT_LRU; BlockIndex(recency=),
-//      BlockIndex.recency); eviction_candidates may reorder a CLOCK index.
+//      BlockIndex.recency); eviction_candidates may reorder a CLOCK index; /dev/shm pools collapse
+//      to huge pages in the background (BlockPool.wait_huge_pages, host tier stats "huge_pages").
 #pragma once
 
 namespace tpusync {

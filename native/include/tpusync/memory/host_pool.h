@@ -15,19 +15,26 @@
 //
 // HUGE-PAGE CONTRACT (shared segments): /dev/shm pages are 4 KiB unless the administrator enabled
 // shmem huge pages (shmem_enabled is "never" on many hosts, and /dev/shm is rarely mounted with
-// huge=). With `huge_pages`, a shared segment is asked to be rebuilt from 2 MiB pages with
+// huge=). With `huge_pages`, a shared segment is rebuilt from 2 MiB pages with
 // madvise(MADV_COLLAPSE) (Linux 6.1+, honoured unless shmem huge pages are "deny"), which keeps
 // the bytes (a re-attached warm segment is collapsed in place). Measured on the development VM:
 // copies into a 4 KiB-page segment ran at 0.4-0.5x the speed of copies into huge-page memory,
-// collapsed ones at 1.0x (docs/tiers.md). It costs one pass over the segment at Create. Rejected:
-// leaving the segment on 4 KiB pages and prefetching translations ahead in the copy loops
-// (measured +10%, not 2x).
+// collapsed ones at 1.0x (docs/tiers.md). The collapse costs ~3 s per GiB here, so it runs on a
+// background thread in 32 MiB steps after Create returns: the pool is usable at once (the kernel
+// collapses live memory safely, bytes kept, concurrent copies just wait on the range being
+// rebuilt), copies speed up as it proceeds, destruction stops it between steps.
+// WaitHugePages(timeout) waits for its end (benchmarks, tests). Rejected: collapsing inside Create
+// (a 100 GiB host tier would add minutes to every server start) and leaving the segment on 4 KiB
+// pages with translation prefetch in the copy loops (measured +10%, not 2x).
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "tpusync/base/status.h"
 
@@ -55,7 +62,14 @@ class HostPool {
   const std::string& shm_name() const { return shm_name_; }
   // True when an existing /dev/shm segment was mapped (its previous contents are visible).
   bool attached() const { return attached_; }
-  bool huge_pages_active() const { return huge_pages_active_; }
+  // True when the pool is (being) backed by huge pages: MAP_HUGETLB / THP for anonymous pools;
+  // for shared segments, once the background collapse's first step succeeded.
+  bool huge_pages_active() const { return huge_pages_active_.load(std::memory_order_acquire); }
+  // Waits up to `timeout` for a shared segment's background collapse to finish; true when no
+  // collapse is running (finished, refused, or never started).
+  bool WaitHugePages(std::chrono::milliseconds timeout) const;
+  // True while a shared segment's background collapse runs.
+  bool collapsing() const { return collapsing_.load(std::memory_order_acquire); }
   bool locked() const { return locked_; }
   // Unlinks the /dev/shm segment now (the mapping stays valid until destruction).
   Status Unlink();
@@ -67,9 +81,14 @@ class HostPool {
   std::string shm_name_;
   bool persist_ = false;
   bool attached_ = false;
-  bool huge_pages_active_ = false;
+  std::atomic<bool> huge_pages_active_{false};
   bool locked_ = false;
   bool unlinked_ = false;
+  // Background collapse of a shared segment (HUGE-PAGE CONTRACT).
+  void StartCollapse();
+  std::atomic<bool> stop_collapse_{false};
+  std::atomic<bool> collapsing_{false};
+  std::thread collapser_;
 };
 
 }  // namespace tpusync::memory

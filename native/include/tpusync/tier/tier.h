@@ -69,6 +69,7 @@ struct TierStats {
   uint64_t read_ns = 0;
   bool direct_io = false;         // disk: O_DIRECT in use
   std::string io_backend;         // disk: "io_uring" or "pread"
+  std::string huge_pages;         // host: "on", "collapsing" (HostPool HUGE-PAGE CONTRACT), "off"
   std::string cold_start_reason;  // non-empty when existing storage was discarded at attach
 };
 

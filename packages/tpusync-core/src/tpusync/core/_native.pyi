@@ -68,6 +68,11 @@ class BlockPool:
     @property
     def locked(self) -> bool: ...
 
+    def wait_huge_pages(self, timeout: float = 60.0) -> bool:
+        """
+        Waits up to `timeout` s for a /dev/shm pool's background huge-page collapse; True when none is running.
+        """
+
     @property
     def base_address(self) -> int: ...
 
