@@ -321,6 +321,8 @@ def test_two_instances_share_a_prefix_through_a_store_node(shared):
     assert b["p"]["cached"] == FULL_BLOCKS * BLOCK
     assert b["stats"]["hit_blocks"] == FULL_BLOCKS
     assert b["stats"]["remote_hit_blocks"] == FULL_BLOCKS
+    # B's lookups answered "not yet" (None) first; vLLM asked again and then loaded the hit.
+    assert b["stats"]["lookups_deferred"] >= 1
     assert b["worker"]["loaded_blocks"] == FULL_BLOCKS and b["worker"]["load_failures"] == 0
     assert b["store"]["remote.hits"] == FULL_BLOCKS
     assert b["p"]["tokens"] == a["p"]["tokens"]

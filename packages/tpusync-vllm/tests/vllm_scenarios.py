@@ -489,7 +489,9 @@ def scenario_shared_b(model: str, node: str, secret_file: str) -> dict:
     """Scenario 2, instance B: another fresh process with its own empty host tier (no namespace)
     serves the same prompt: its prefix comes from the store node. Also scrapes metrics_port."""
     port = free_port()
-    llm, sub = _shared_llm(model, [node], secret_file, "pod-b", metrics_port=port)
+    # lookup_wait_ms=0: every lookup answers "not yet" first (ASYNC LOOKUP CONTRACT), so vLLM's
+    # scheduler must ask again on a later step before it loads the node's blocks.
+    llm, sub = _shared_llm(model, [node], secret_file, "pod-b", metrics_port=port, lookup_wait_ms=0)
     sched, worker = connectors(llm)
     r = {"keys_at_start": worker.store.stats()["keys"], "p": generate(llm, prompt(31))}
     r["stats"] = dict(sched.stats)

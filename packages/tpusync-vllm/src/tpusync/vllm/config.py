@@ -35,6 +35,9 @@ class TpusyncVllmConfig:
     disk_bytes: int = 0
     lease_s: float = 60.0  # longest a lookup's pins outlive an unreleased request (backstop)
     lookup_timeout_s: float = 5.0  # scheduler -> worker lookup round trip; no answer = a miss
+    # With store_nodes: how long get_num_new_matched_tokens waits for a lookup (which may go to
+    # the nodes) before answering None, i.e. "ask again next step"; 0: always answer later.
+    lookup_wait_ms: float = 5.0
     # P/D (kv_producer / kv_consumer): where the producer listens, and the shared secret's file
     # (default: $TPUSYNC_AUTH_SECRET).
     pd_listen: str = "127.0.0.1:0"
@@ -123,6 +126,8 @@ class TpusyncVllmConfig:
                 f"replicas must be 1..{len(cfg.store_nodes)} (the number of store_nodes), "
                 f"got {cfg.replicas}"
             )
+        if cfg.lookup_wait_ms < 0:
+            raise ConfigError(f"lookup_wait_ms must be >= 0, got {cfg.lookup_wait_ms}")
         if cfg.store_timeout_s <= 0:
             raise ConfigError(f"store_timeout_s must be positive, got {cfg.store_timeout_s}")
         if not 0 <= cfg.metrics_port <= 65535:

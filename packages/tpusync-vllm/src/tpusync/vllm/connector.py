@@ -42,6 +42,7 @@ with the next step.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
 import time
@@ -60,6 +61,7 @@ from tpusync.vllm.pd import PdWorker, transfer_id_for
 from tpusync.vllm.store import (
     LayeredLoad,
     LookupClient,
+    LookupResult,
     LookupServer,
     WorkerStore,
     lookup_endpoint,
@@ -266,6 +268,15 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         self._saved_upto: dict[str, int] = {}
         self._lookups: dict[str, tuple[int, int, tuple[str, ...]]] = {}
         self._leased: set[str] = set()
+        # ASYNC LOOKUP CONTRACT (store_nodes only): a lookup that may go to the store nodes runs
+        # on one lookup thread; get_num_new_matched_tokens waits lookup_wait_ms for it, else
+        # answers None (vLLM asks again on a later step) and keeps the future here. Lookups and
+        # lease releases of that mode run on the same thread, in submission order, so a release
+        # always follows the lookup whose lease it ends (a request finished with its lookup in
+        # flight gets its release queued behind it). Local-only stores answer synchronously: an
+        # in-process or same-host lookup costs microseconds, a thread hop would cost more.
+        self._lookup_pool: cf.ThreadPoolExecutor | None = None
+        self._inflight: dict[str, tuple[cf.Future, int]] = {}
         self._pending_loads: list[Transfer] = []
         # block id -> (req, block index, key) of the loads of the last two steps (two: with async
         # scheduling, step N+1's metadata is built before step N's output arrives).
@@ -293,6 +304,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
             "hit_tokens": 0,
             "planned_saves": 0,
             "load_errors_seen": 0,
+            "lookups_deferred": 0,
         }
         self._publisher: tev.KVEventPublisher | None = None
         # Worker side.
@@ -320,6 +332,8 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                 [lookup_endpoint(self._engine_key, r) for r in range(self.world_size)],
                 timeout_s=self.config.lookup_timeout_s,
             )
+            if self.config.store_nodes and self.kv_role == "kv_both":
+                self._lookup_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tpusync-lookup")
             if self.config.kv_events_endpoint:
                 self._publisher = tev.KVEventPublisher(
                     self.config.kv_events_endpoint,
@@ -351,14 +365,46 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         keys = list(request.block_hashes[:max_blocks])
         local_blocks = num_computed_tokens // self.block_size
         # The only side effect: a hit longer than vLLM's own is leased (pinned) for the load.
-        r = self.client.lookup(request.request_id, keys, pin_above=local_blocks)
+        answer = self._lookup(request.request_id, keys, local_blocks)
+        if answer is None:
+            self.stats["lookups_deferred"] += 1
+            return None, False
+        r, pinned_above = answer
+        if r.hit > pinned_above:
+            self._leased.add(request.request_id)
         hit_tokens = r.hit * self.block_size
         if hit_tokens <= num_computed_tokens:
             self._lookups.pop(request.request_id, None)
+            self._release(request.request_id)  # a lease taken above an older local hit
             return 0, False
-        self._leased.add(request.request_id)
         self._lookups[request.request_id] = (num_computed_tokens, r.hit, r.tiers)
         return hit_tokens - num_computed_tokens, False
+
+    def _lookup(self, req_id: str, keys: list, local_blocks: int) -> tuple[Any, int] | None:
+        """(result, pin_above it was asked with), or None while it runs (ASYNC LOOKUP CONTRACT)."""
+        assert self.client is not None
+        if self._lookup_pool is None:
+            return self.client.lookup(req_id, keys, pin_above=local_blocks), local_blocks
+        entry = self._inflight.get(req_id)
+        if entry is None:
+            fut = self._lookup_pool.submit(self.client.lookup, req_id, keys, local_blocks)
+            entry = self._inflight[req_id] = (fut, local_blocks)
+            if self.config.lookup_wait_ms <= 0:
+                return None
+            try:
+                fut.result(timeout=self.config.lookup_wait_ms / 1000)
+            except cf.TimeoutError:
+                return None
+            except Exception:  # noqa: BLE001 - reported below, as a miss
+                pass
+        elif not entry[0].done():
+            return None
+        fut, pinned_above = self._inflight.pop(req_id)
+        try:
+            return fut.result(timeout=0), pinned_above
+        except Exception as e:  # noqa: BLE001 - a failed lookup is a miss, never an error
+            log.warning("tpusync: lookup of %s failed (%s): treated as a miss", req_id, e)
+            return LookupResult(0, ()), pinned_above
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -429,7 +475,10 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
     def _release(self, req_id: str) -> None:
         if req_id in self._leased and self.client is not None:
             self._leased.discard(req_id)
-            self.client.release([req_id])
+            if self._lookup_pool is not None:  # after any lookup still queued (ASYNC LOOKUP)
+                self._lookup_pool.submit(self.client.release, [req_id])
+            else:
+                self.client.release([req_id])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = TpusyncMetadata(loads=self._pending_loads, pd_recvs=self._pd_pending_recvs)
@@ -572,6 +621,8 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         self._lookups.pop(req_id, None)
         self._pd_lookups.pop(req_id, None)
         self._pd_tried.discard(req_id)
+        if self._inflight.pop(req_id, None) is not None:
+            self._leased.add(req_id)  # the lookup in flight may lease: end it after the lookup
         self._release(req_id)
 
     def _collect_worker_events(self, events: TpusyncKVEvents) -> None:
@@ -1003,6 +1054,9 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+        if self._lookup_pool is not None:  # queued lookups / releases end within lookup_timeout_s
+            self._lookup_pool.shutdown(wait=True, cancel_futures=False)
+            self._lookup_pool = None
         if self.client is not None:
             self.client.close()
         if self._server is not None:

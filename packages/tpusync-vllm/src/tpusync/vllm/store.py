@@ -520,8 +520,15 @@ class LookupClient:
         self.endpoints = list(endpoints)
         self.timeout_ms = int(timeout_s * 1000)
         self._socks: dict[str, zmq.Socket] = {}
+        # The REQ sockets are used by one thread at a time (the connector's lookup thread and the
+        # scheduler thread may both call): a socket mid-request must not see a second send.
+        self._lock = threading.Lock()
 
     def _call(self, endpoint: str, msg: list[Any]) -> list[Any] | None:
+        with self._lock:
+            return self._call_locked(endpoint, msg)
+
+    def _call_locked(self, endpoint: str, msg: list[Any]) -> list[Any] | None:
         with _LOCAL_LOCK:
             local = _LOCAL.get(endpoint)
         if local is not None:
