@@ -70,6 +70,12 @@ def start_samplers(q, control, layouts_by_engine, replicas, world, updates, per=
     return procs
 
 
+def trainer_rank1(q, **spec):
+    """Rank 1 of a 2-rank trainer in its own process (not started yet)."""
+    spec = {"rank": 1, "world": 2, **spec}
+    return U.ctx().Process(target=U.trainer_rank_main, args=(spec, q), daemon=True)
+
+
 def collect(q, n, timeout=60.0):
     """The next update of ``n`` different samplers (a sampler's later updates wait their turn)."""
     out: dict = {}
@@ -148,22 +154,14 @@ def test_reshard_tp2_trainer_to_tp4_samplers_without_gathering():
     )
     eng = {U.engine_name(n): lay for n, lay in dst.items()}
     procs = start_samplers(q, trainer.control_address, eng, 1, 4, 1, common={"dtype": "float32"})
-    rank1 = U.ctx().Process(
-        target=U.trainer_rank_main,
-        args=(
-            {
-                "rank": 1,
-                "world": 2,
-                "dst_layouts": dst,
-                "src_layouts": src,
-                "control": trainer.control_address,
-                "block_bytes": BB,
-                "pool_bytes": 2 << 20,
-                "versions": [(1, 21)],
-            },
-            q,
-        ),
-        daemon=True,
+    rank1 = trainer_rank1(
+        q,
+        dst_layouts=dst,
+        src_layouts=src,
+        control=trainer.control_address,
+        block_bytes=BB,
+        pool_bytes=2 << 20,
+        versions=[(1, 21)],
     )
     rank1.start()
     try:
@@ -208,21 +206,13 @@ def test_resharded_publish_larger_than_the_trainer_pools_never_waits_for_the_dea
         2,
         common={"dtype": "float32", "block_bytes": bb, "pool_bytes": 4 * bb},
     )
-    rank1 = U.ctx().Process(
-        target=U.trainer_rank_main,
-        args=(
-            {
-                "rank": 1,
-                "world": 2,
-                "dst_layouts": dst,
-                "src_layouts": src,
-                "control": trainer.control_address,
-                "versions": [(1, 41), (2, 42)],
-                **small,
-            },
-            q,
-        ),
-        daemon=True,
+    rank1 = trainer_rank1(
+        q,
+        dst_layouts=dst,
+        src_layouts=src,
+        control=trainer.control_address,
+        versions=[(1, 41), (2, 42)],
+        **small,
     )
     try:
         trainer.wait_for_samplers(2, timeout=30)
