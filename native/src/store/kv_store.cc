@@ -766,12 +766,18 @@ bool KVStore::WriteThroughBatch(std::unique_lock<std::mutex>& lock) {
     uint64_t sequence;
   };
   std::vector<Copy> copies;
+  std::vector<std::string> later;  // being moved by write-back right now: retried after it
   const size_t batch = std::max<size_t>(1, config_.writeback_batch);
   while (!wt_queue_.empty() && copies.size() < batch) {
     std::string key = std::move(wt_queue_.front());
     wt_queue_.pop_front();
-    // Gone, already below, or being moved by write-back: nothing to copy.
-    if (demoting_.count(key)) continue;
+    // Being moved by write-back (to the last tier, or to a middle tier such as disk above store
+    // nodes): copied, or found below, once that move ended. Never dropped silently.
+    if (demoting_.count(key)) {
+      later.push_back(std::move(key));
+      continue;
+    }
+    // Gone or already below: nothing to copy.
     auto p = index_.Lookup(key, /*touch=*/false);
     if (!p || p->in(low_kind)) continue;
     size_t t = 0;
@@ -790,7 +796,13 @@ bool KVStore::WriteThroughBatch(std::unique_lock<std::mutex>& lock) {
     demoting_.insert(key);
     copies.push_back({std::move(key), t, from, *loc, sequence_++});
   }
-  if (copies.empty()) return true;
+  for (auto& key : later) wt_queue_.push_back(std::move(key));
+  if (copies.empty()) {
+    // Only keys write-back is moving: let it finish (it writes without the lock) instead of
+    // spinning over them.
+    if (!later.empty()) wt_cv_.wait_for(lock, std::chrono::milliseconds(2));
+    return true;
+  }
   wt_busy_ = true;
   lock.unlock();
   std::vector<tier::BlockWrite> ops;

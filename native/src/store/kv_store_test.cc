@@ -290,6 +290,60 @@ TEST(KVStore, WriteThroughFailureBacksOffAndPutsStillSucceed) {
   EXPECT_EQ(f.store->stats().write_through, 1u);
 }
 
+TEST(KVStore, WriteThroughRetriesKeysThatWriteBackIsMovingToAMiddleTier) {
+  // host (3 blocks) -> disk -> last tier (where store nodes sit). Write-through meets a key that
+  // write-back is moving host -> disk at that moment; the key must still reach the last tier
+  // (write-back only brings it to the disk), not be skipped uncounted.
+  StoreConfig cfg;
+  cfg.write_through = true;
+  cfg.writeback_batch = 1;
+  cfg.writeback_headroom = 2;  // write-back starts at 2 used blocks and scans the 2 coldest
+  cfg.put_wait_s = 10.0;
+  std::vector<std::unique_ptr<tier::BlockTier>> tiers;
+  tiers.push_back(std::make_unique<MockTier>(Tier::kHost, kBytes, 3));
+  auto disk_owned = std::make_unique<MockTier>(Tier::kDisk, kBytes, 16);
+  auto last_owned = std::make_unique<MockTier>(Tier::kRemote, kBytes, 16);
+  MockTier* disk = disk_owned.get();
+  MockTier* last = last_owned.get();
+  tiers.push_back(std::move(disk_owned));
+  tiers.push_back(std::move(last_owned));
+  auto store = std::move(
+      KVStore::Open(std::move(tiers), cfg, std::make_shared<concurrency::ThreadPool>(2)).value());
+  std::vector<std::vector<uint8_t>> bufs;
+  for (int i = 0; i < 3; ++i) bufs.emplace_back(kBytes, static_cast<uint8_t>(i));
+  auto put = [&](int i) {
+    memory::RowBuffer src{bufs[i].data(), kBytes, 1, {}};
+    return store->Put({Key(i)}, src, std::make_shared<std::vector<uint8_t>>());
+  };
+  auto until = [](auto done) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!done() && std::chrono::steady_clock::now() < end) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return done();
+  };
+  last->HoldWrites(true);
+  disk->HoldWrites(true);
+  ASSERT_TRUE(put(0)->Wait(kWait).ok());
+  ASSERT_TRUE(until([&] { return last->waiting_writes() == 1; }));  // write-through on key 0
+  // Key 1 queues behind key 0 for write-through, and write-back starts moving it to the disk
+  // (key 0, being copied, is not eligible).
+  ASSERT_TRUE(put(1)->Wait(kWait).ok());
+  ASSERT_TRUE(until([&] { return disk->waiting_writes() == 1; }));
+  last->HoldWrites(false);  // write-through finishes key 0 and meets key 1 mid-move
+  ASSERT_TRUE(until([&] { return last->stats().blocks_written == 1; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  disk->HoldWrites(false);
+  ASSERT_TRUE(put(2)->Wait(kWait).ok());
+  ASSERT_TRUE(store->Flush(kWait).ok());
+  const StoreStats s = store->stats();
+  EXPECT_GT(s.tiers[1].demotions_in, 0u);  // write-back did move a key to the disk
+  EXPECT_EQ(s.write_through_dropped + s.write_through_errors, 0u);
+  EXPECT_EQ(s.write_through, 3u);
+  EXPECT_EQ(s.tiers[2].indexed, 3u);
+  EXPECT_EQ(last->stats().blocks_written, 3u);
+}
+
 TEST(KVStore, WriteThroughNeedsALowerTier) {
   StoreConfig cfg;
   cfg.write_through = true;

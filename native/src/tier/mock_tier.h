@@ -2,6 +2,8 @@
 // against, and a tier whose writes can be made to fail (ENOSPC) or whose bytes can be damaged.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -63,6 +65,13 @@ class MockTier final : public BlockTier {
     }
   }
   void WriteBatch(std::span<BlockWrite> ops) override {
+    {
+      // A closed gate holds every write batch here (test hook: a device that stalls), at most 30 s.
+      std::unique_lock<std::mutex> l(mu_);
+      ++waiting_writes_;
+      gate_cv_.wait_for(l, std::chrono::seconds(30), [this] { return !writes_held_; });
+      --waiting_writes_;
+    }
     for (auto& op : ops) {
       std::lock_guard<std::mutex> l(mu_);
       if (fail_writes_ > 0) {
@@ -109,6 +118,18 @@ class MockTier final : public BlockTier {
     std::lock_guard<std::mutex> l(mu_);
     fail_writes_ = n;
   }
+  // Closes (true) or opens (false) the write gate; waiting_writes() counts batches held at it.
+  void HoldWrites(bool hold) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      writes_held_ = hold;
+    }
+    gate_cv_.notify_all();
+  }
+  size_t waiting_writes() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return waiting_writes_;
+  }
   void Damage(uint64_t loc) {
     std::lock_guard<std::mutex> l(mu_);
     if (!slots_[loc].bytes.empty()) slots_[loc].bytes[0] ^= 0xff;
@@ -129,6 +150,9 @@ class MockTier final : public BlockTier {
   std::vector<Slot> slots_;
   std::vector<uint64_t> free_;
   size_t fail_writes_ = 0;
+  bool writes_held_ = false;
+  size_t waiting_writes_ = 0;
+  std::condition_variable gate_cv_;
   TierStats stats_;
 };
 

@@ -357,11 +357,9 @@ def test_dead_store_node_requests_complete_with_a_clear_log(shared):
     assert d["p"]["seconds"] < 60  # bounded: a refused node costs no deadline per request
     assert "store nodes 127.0.0.1:" in d["stderr"] and "do not answer" in d["stderr"]
     assert d["store"]["write_through"] == 0
-    # Every copy meant for the dead node failed and was counted somewhere: by write-through, or
-    # by write-back when it was moving the block down at that moment (write-through then skips
-    # the key without counting it, kv_store.cc WriteThroughBatch).
-    st = d["store"]
-    assert st["write_through_errors"] + st["write_through_dropped"] + st["writeback_errors"] > 0
+    # Every copy meant for the dead node failed and was counted (a key write-back was moving to
+    # the disk tier at that moment is retried after the move, not skipped).
+    assert d["store"]["write_through_errors"] + d["store"]["write_through_dropped"] > 0
     # The local tiers keep serving: the prompt's prefix loads again, identical output.
     assert d["again"]["cached"] == FULL_BLOCKS * BLOCK
     assert d["again"]["tokens"] == ref

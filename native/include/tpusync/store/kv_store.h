@@ -26,7 +26,9 @@
 // for the copy); the copy is best effort: the queue is bounded (`write_through_queue` keys, the
 // oldest dropped and counted), and after a failed batch (a dead node) copies pause for a back-off
 // (1 s doubling to 30 s, queued keys dropped and counted) so a dead tier costs neither a stall nor
-// a retry storm. Flush waits for queued copies too. Copies run on their own thread, so a slow
+// a retry storm. A key that write-back is moving at that moment is retried after the move (from
+// wherever it landed), never skipped uncounted. Flush waits for queued copies too. Copies run on
+// their own thread, so a slow
 // last tier never delays write-back demotions (which keep DRAM free for Puts). Rejected
 // alternatives: a synchronous copy inside Put (a network round trip on vLLM's step), and a
 // write-back headroom of the whole tier (every block would also be written to the disk tier).
