@@ -252,11 +252,19 @@ class WorkerStore:
         stage = self._stage(len(keys))
         found = self.store.get(keys, stage).mask(timeout).astype(bool)
         ids = np.asarray(block_ids, dtype=np.int64)
+        return self._scatter(stage, found, ids, [list(range(len(self._np)))])
+
+    def _scatter(self, stage, found, ids, groups, landed=None) -> list[int]:
+        """Copy the found rows of ``stage`` into vLLM blocks ``ids``, row arrays group by group
+        (``landed(g)`` after group ``g``); returns the block ids that were not found."""
         src = stage if found.all() else stage[found]
         dst = ids if found.all() else ids[found]
         rb = self.row_bytes
-        for j, arr in enumerate(self._np):
-            arr[dst] = src[:, j * rb : (j + 1) * rb]
+        for g, group in enumerate(groups):
+            for j in group:
+                self._np[j][dst] = src[:, j * rb : (j + 1) * rb]
+            if landed is not None:
+                landed(g)
         return [int(b) for b in ids[~found]]
 
     def start_load(
@@ -295,14 +303,7 @@ class WorkerStore:
                     found = fut.mask(timeout).astype(bool)
                 finally:
                     self.release(release)  # the bytes are in the staging buffer: lease over
-                src = stage if found.all() else stage[found]
-                dst = ids if found.all() else ids[found]
-                failed = [int(b) for b in ids[~found]]
-                rb = self.row_bytes
-                for g, group in enumerate(groups):
-                    for j in group:
-                        self._np[j][dst] = src[:, j * rb : (j + 1) * rb]
-                    load._layer_ready(g)
+                failed = self._scatter(stage, found, ids, groups, load._layer_ready)
             except Exception as exc:  # noqa: BLE001 - reported as load errors, never raised here
                 log.warning("tpusync: layered load of %d blocks failed: %s", len(keys), exc)
                 load.error = exc
