@@ -22,12 +22,13 @@ constexpr size_t kMinBuckets = 64;
 // stage runs: far enough that a stage's line has usually arrived when the next stage reads it,
 // close enough that the lines in flight (2 per key with CLOCK: bucket, hot line; 5 with exact
 // LRU) stay within the core's outstanding-miss slots. Measured on the development VM at 10^7
-// keys (two-line entries then): 4/8/12, 6/12/18, 8/16/24 and 12/24/36 all within noise of each
-// other, the shortest best for one-key calls.
+// keys (C++, CLOCK, hot / cold records, alternating runs at load ~12): 12/8 64.9 and 61.1,
+// 20/10 61.9 and 54.5, 28/14 59.1 and 75.9 ns per key; with the two-line entries before, 4/8/12
+// to 12/24/36 were all within noise. The shortest is best for one-key calls (no pipeline there).
 constexpr size_t kNeighbourAhead = 4;
-constexpr size_t kEntryAhead = 8;
-constexpr size_t kBucketAhead = 12;
-constexpr size_t kRing = 16;  // > kBucketAhead, a power of two
+constexpr size_t kEntryAhead = 10;
+constexpr size_t kBucketAhead = 20;
+constexpr size_t kRing = 32;  // > kBucketAhead, a power of two
 static_assert(kRing > kBucketAhead && (kRing & (kRing - 1)) == 0);
 
 uint64_t HashKey(std::string_view key) { return BlockKeyHash()(key); }

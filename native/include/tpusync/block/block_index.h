@@ -36,8 +36,8 @@
 //   CLOCK hit 2 (bucket, hot), CLOCK miss 1 (bucket), exact-LRU hit 3 + 2 per tier, miss 1;
 //   + 1 cold line for keys > 40 bytes, for a key in three or four tiers (the third and fourth
 //   location), and + 1 side-array line for keys > 56 bytes.
-// LookupPrefix runs a software pipeline over the batch (bucket prefetch 12 keys ahead, hot line
-// 8 ahead, cold line and LRU neighbours 4 ahead with exact LRU), so the DRAM misses of a batch
+// LookupPrefix runs a software pipeline over the batch (bucket prefetch 20 keys ahead, hot line
+// 10 ahead, cold line 10 and LRU neighbours 4 ahead with exact LRU), so the DRAM misses of a batch
 // overlap continuously instead of adding up. All arrays are 2 MiB aligned and populated with
 // transparent huge pages (MADV_HUGEPAGE, then MADV_COLLAPSE of what the fault path did not give),
 // so a random lookup does not also pay a page walk: 10^7 keys span ~1.4 GB.
