@@ -52,10 +52,13 @@ size_t Home(uint64_t bucket_or_hash_tag, size_t mask) {
 // populated at once (MADV_POPULATE_WRITE: the fault path allocates huge pages where the kernel
 // can); whatever the fault path left in 4 KiB pages (fragmented memory, "defer" defrag) is
 // collapsed synchronously with MADV_COLLAPSE (Linux 6.1+). Both are best effort: an older kernel
-// or THP "never" leaves 4 KiB pages, slower but correct. Rejected: populating lazily by first
-// touch (what this did before): with THP "madvise" and defrag "madvise" that works when memory is
-// unfragmented, but on a long-running host the faults fall back to 4 KiB pages silently and
-// nothing collapses them before khugepaged gets round to it (minutes to hours).
+// or THP "never" leaves 4 KiB pages, slower but correct. Populating commits the memory when the
+// array is mapped, not as keys arrive: a store reserving 10^8 keys commits its 1 GiB of buckets
+// at open (random hashing would touch every page of it after a fraction of the keys anyway).
+// Rejected: populating lazily by first touch (what this did before): with THP "madvise" and
+// defrag "madvise" that works when memory is unfragmented, but on a long-running host the faults
+// fall back to 4 KiB pages silently and nothing collapses them before khugepaged gets round to
+// it (minutes to hours).
 class BlockIndex::Array {
  public:
   // ALIGNMENT: arrays of 2 MiB and more start on a 2 MiB boundary (mapped 2 MiB larger, the
