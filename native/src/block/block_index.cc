@@ -53,7 +53,7 @@ size_t Home(uint64_t bucket_or_hash_tag, size_t mask) {
 // can); whatever the fault path left in 4 KiB pages (fragmented memory, "defer" defrag) is
 // collapsed synchronously with MADV_COLLAPSE (Linux 6.1+). Both are best effort: an older kernel
 // or THP "never" leaves 4 KiB pages, slower but correct. Populating commits the memory when the
-// array is mapped, not as keys arrive: a store reserving 10^8 keys commits its 1 GiB of buckets
+// array is mapped, not as keys arrive: a store reserving 10^8 keys commits its 2 GiB of buckets
 // at open (random hashing would touch every page of it after a fraction of the keys anyway).
 // Rejected: populating lazily by first touch (what this did before): with THP "madvise" and
 // defrag "madvise" that works when memory is unfragmented, but on a long-running host the faults
