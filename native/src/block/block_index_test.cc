@@ -557,7 +557,14 @@ TEST_P(BlockIndexLayout, MatchesAModelOverFourTiersAndEveryKeyLength) {
 INSTANTIATE_TEST_SUITE_P(HashesAndModes, BlockIndexLayout,
                          ::testing::Combine(::testing::Values(Recency::kExactLru, Recency::kClock),
                                             ::testing::Values(BlockIndex::HashFn{nullptr},
-                                                              &EightHashes, &ConstantHash)));
+                                                              &EightHashes, &ConstantHash)),
+                         [](const auto& info) {  // stable names (not function addresses) for ctest
+                           const BlockIndex::HashFn h = std::get<1>(info.param);
+                           return std::string(RecencyName(std::get<0>(info.param))) + "_" +
+                                  (h == nullptr        ? "xxh3"
+                                   : h == &EightHashes ? "eight_hashes"
+                                                       : "constant_hash");
+                         });
 
 // Growth with every tag colliding: a rehash moves buckets by tag only, and the key compare (not
 // the tag) must still find each key afterwards; deletion by backward shift keeps the chain whole.
