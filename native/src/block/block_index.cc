@@ -5,25 +5,34 @@
 #include <algorithm>
 #include <cstring>
 
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // Linux 6.1 (uapi asm-generic/mman-common.h); older glibc headers lack it
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+
 namespace tpusync::block {
 namespace {
 
-constexpr size_t kChunkShift = 16;  // 65536 entries of 128 bytes: 8 MiB, four 2 MiB huge pages
+constexpr size_t kChunkShift = 16;  // 65536 records of 64 bytes: 4 MiB, two 2 MiB huge pages
 constexpr size_t kChunkEntries = size_t{1} << kChunkShift;
 constexpr size_t kMinBuckets = 64;
 // LookupPrefix's software pipeline (see there): how many keys ahead of the one being touched each
 // stage runs: far enough that a stage's line has usually arrived when the next stage reads it,
-// close enough that the lines in flight (about 5 per key: bucket, two entry lines, two
-// neighbours) stay within the core's outstanding-miss slots. Measured on the development VM at
-// 10^7 keys: 4/8/12, 6/12/18, 8/16/24 and 12/24/36 all within noise of each other (the batch is
-// bound by misses in flight there), the shortest best for one-key calls.
+// close enough that the lines in flight (2 per key with CLOCK: bucket, hot line; 5 with exact
+// LRU) stay within the core's outstanding-miss slots. Measured on the development VM at 10^7
+// keys (C++, CLOCK, hot / cold records, alternating runs at load ~12): 12/8 64.9 and 61.1,
+// 20/10 61.9 and 54.5, 28/14 59.1 and 75.9 ns per key; with the two-line entries before, 4/8/12
+// to 12/24/36 were all within noise. The shortest is best for one-key calls (no pipeline there).
 constexpr size_t kNeighbourAhead = 4;
-constexpr size_t kEntryAhead = 8;
-constexpr size_t kBucketAhead = 12;
-constexpr size_t kRing = 16;  // > kBucketAhead, a power of two
+constexpr size_t kEntryAhead = 10;
+constexpr size_t kBucketAhead = 20;
+constexpr size_t kRing = 32;  // > kBucketAhead, a power of two
 static_assert(kRing > kBucketAhead && (kRing & (kRing - 1)) == 0);
 
 uint64_t HashKey(std::string_view key) { return BlockKeyHash()(key); }
+void PrefetchRead(const void* p) { __builtin_prefetch(p); }
 uint32_t Tag(uint64_t h) { return static_cast<uint32_t>(h >> 32); }
 uint64_t MakeBucket(uint64_t h, uint32_t id) {
   return (static_cast<uint64_t>(Tag(h)) << 32) | (static_cast<uint64_t>(id) + 1);
@@ -37,8 +46,19 @@ size_t Home(uint64_t bucket_or_hash_tag, size_t mask) {
 
 }  // namespace
 
-// Zeroed anonymous memory, asked for transparent huge pages: an index of 10^7 keys spans 1.6 GB,
-// and 4 KiB pages would add a TLB miss to every random lookup.
+// Zeroed anonymous memory, asked for transparent huge pages: an index of 10^7 keys spans 1.4 GB,
+// and 4 KiB pages would add a TLB miss (a page walk) to every random lookup.
+// HUGE PAGE CONTRACT: an array of 2 MiB or more is 2 MiB aligned, madvised MADV_HUGEPAGE and
+// populated at once (MADV_POPULATE_WRITE: the fault path allocates huge pages where the kernel
+// can); whatever the fault path left in 4 KiB pages (fragmented memory, "defer" defrag) is
+// collapsed synchronously with MADV_COLLAPSE (Linux 6.1+). Both are best effort: an older kernel
+// or THP "never" leaves 4 KiB pages, slower but correct. Populating commits the memory when the
+// array is mapped, not as keys arrive: a store reserving 10^8 keys commits its 2 GiB of buckets
+// at open (random hashing would touch every page of it after a fraction of the keys anyway).
+// Rejected: populating lazily by first touch (what this did before): with THP "madvise" and
+// defrag "madvise" that works when memory is unfragmented, but on a long-running host the faults
+// fall back to 4 KiB pages silently and nothing collapses them before khugepaged gets round to
+// it (minutes to hours).
 class BlockIndex::Array {
  public:
   // ALIGNMENT: arrays of 2 MiB and more start on a 2 MiB boundary (mapped 2 MiB larger, the
@@ -60,6 +80,8 @@ class BlockIndex::Array {
 #ifdef MADV_HUGEPAGE
       (void)madvise(p, bytes, MADV_HUGEPAGE);
 #endif
+      (void)madvise(p, bytes, MADV_POPULATE_WRITE);
+      (void)madvise(p, bytes & ~(kHuge - 1), MADV_COLLAPSE);
     }
     return std::unique_ptr<Array>(new Array(p, bytes));
   }
@@ -94,38 +116,69 @@ std::optional<Tier> Placement::best() const {
 
 std::string_view RecencyName(Recency r) { return r == Recency::kClock ? "clock" : "exact_lru"; }
 
-BlockIndex::BlockIndex(Recency recency) : recency_(recency) {}
+BlockIndex::BlockIndex(Recency recency, HashFn hash) : recency_(recency), hash_(hash) {}
 BlockIndex::~BlockIndex() = default;
 
-BlockIndex::Entry& BlockIndex::At(uint32_t id) const {
-  return chunks_[id >> kChunkShift]->as<Entry>()[id & (kChunkEntries - 1)];
+uint64_t BlockIndex::Hash(std::string_view key) const { return hash_ ? hash_(key) : HashKey(key); }
+
+BlockIndex::Hot& BlockIndex::HotAt(uint32_t id) const {
+  return hot_[id >> kChunkShift]->as<Hot>()[id & (kChunkEntries - 1)];
+}
+
+BlockIndex::Cold& BlockIndex::ColdAt(uint32_t id) const {
+  return cold_[id >> kChunkShift]->as<Cold>()[id & (kChunkEntries - 1)];
 }
 
 char* BlockIndex::Tail(uint32_t id) const {
   return tails_[id >> kChunkShift]->as<char>() + (id & (kChunkEntries - 1)) * 8;
 }
 
+uint64_t& BlockIndex::LocationSlot(uint32_t id, size_t rank) const {
+  return rank < kHotLocations ? HotAt(id).location[rank]
+                              : ColdAt(id).location[rank - kHotLocations];
+}
+
+void BlockIndex::StoreLocations(uint32_t id, const Placement& p) {
+  size_t rank = 0;
+  for (size_t t = 0; t < kNumTiers; ++t) {
+    if (p.tier_mask & (1u << t)) LocationSlot(id, rank++) = p.location[t];
+  }
+}
+
 bool BlockIndex::KeyIs(uint32_t id, std::string_view key) const {
-  const Entry& e = At(id);
-  if (e.key_len != key.size()) return false;
-  const size_t inline_len = std::min(key.size(), kInlineKey);
-  if (std::memcmp(e.key, key.data(), inline_len) != 0) return false;
-  return key.size() <= kInlineKey ||
-         std::memcmp(Tail(id), key.data() + kInlineKey, key.size() - kInlineKey) == 0;
+  const Hot& h = HotAt(id);
+  if (h.key_len != key.size()) return false;
+  if (std::memcmp(h.key, key.data(), std::min(key.size(), kHotKey)) != 0) return false;
+  if (key.size() <= kHotKey) return true;  // the common case: the hot line only
+  const size_t cold_len = std::min(key.size(), kHotKey + kColdKey) - kHotKey;
+  if (std::memcmp(ColdAt(id).key, key.data() + kHotKey, cold_len) != 0) return false;
+  return key.size() <= kHotKey + kColdKey || std::memcmp(Tail(id), key.data() + kHotKey + kColdKey,
+                                                         key.size() - kHotKey - kColdKey) == 0;
 }
 
 BlockKey BlockIndex::KeyOf(uint32_t id) const {
-  const Entry& e = At(id);
-  BlockKey k(e.key, std::min<size_t>(e.key_len, kInlineKey));
-  if (e.key_len > kInlineKey) k.append(Tail(id), e.key_len - kInlineKey);
+  const Hot& h = HotAt(id);
+  BlockKey k(h.key, std::min<size_t>(h.key_len, kHotKey));
+  if (h.key_len > kHotKey) {
+    k.append(ColdAt(id).key, std::min<size_t>(h.key_len, kHotKey + kColdKey) - kHotKey);
+  }
+  if (h.key_len > kHotKey + kColdKey) k.append(Tail(id), h.key_len - kHotKey - kColdKey);
   return k;
 }
 
-Placement BlockIndex::PlacementOf(const Entry& e) {
+Placement BlockIndex::PlacementOf(uint32_t id) const {
+  const Hot& h = HotAt(id);
   Placement p;
-  p.tier_mask = e.tier_mask;
-  p.location = e.location;
-  p.pins = e.pins;
+  p.tier_mask = h.tier_mask;
+  p.pins = h.pins;
+  size_t rank = 0;
+  for (size_t t = 0; t < kNumTiers; ++t) {
+    if (!(h.tier_mask & (1u << t))) continue;
+    // Ranks 0 and 1 are in the hot line; the cold line is read only for a third tier.
+    p.location[t] =
+        rank < kHotLocations ? h.location[rank] : ColdAt(id).location[rank - kHotLocations];
+    ++rank;
+  }
   return p;
 }
 
@@ -176,11 +229,15 @@ Result<uint32_t> BlockIndex::NewEntry() {
     return id;
   }
   if (next_id_ == kNil) return Status::PoolExhausted("block index holds 2^32 - 1 keys");
-  if ((next_id_ >> kChunkShift) >= chunks_.size()) {
-    auto chunk = Array::Make(kChunkEntries * sizeof(Entry));
-    auto tail = Array::Make(kChunkEntries * (kMaxKeyBytes - kInlineKey));
-    if (!chunk || !tail) return Status::PoolExhausted("block index: no memory for more entries");
-    chunks_.push_back(std::move(chunk));
+  if ((next_id_ >> kChunkShift) >= hot_.size()) {
+    auto hot = Array::Make(kChunkEntries * sizeof(Hot));
+    auto cold = Array::Make(kChunkEntries * sizeof(Cold));
+    auto tail = Array::Make(kChunkEntries * (kMaxKeyBytes - kHotKey - kColdKey));
+    if (!hot || !cold || !tail) {
+      return Status::PoolExhausted("block index: no memory for more entries");
+    }
+    hot_.push_back(std::move(hot));
+    cold_.push_back(std::move(cold));
     tails_.push_back(std::move(tail));
   }
   return next_id_++;
@@ -199,18 +256,18 @@ void BlockIndex::FreeEntry(size_t pos) {
     }
   }
   b[hole] = 0;
-  At(id).tier_mask = 0;
+  HotAt(id).tier_mask = 0;
   free_ids_.push_back(id);
   --size_;
 }
 
 void BlockIndex::Link(uint32_t id, size_t tier) {
   List& l = lists_[tier];
-  Entry& e = At(id);
+  Cold& e = ColdAt(id);
   e.prev[tier] = l.tail;
   e.next[tier] = kNil;
-  e.referenced &= static_cast<uint8_t>(~(1u << tier));
-  if (l.tail != kNil) At(l.tail).next[tier] = id;
+  HotAt(id).referenced &= static_cast<uint8_t>(~(1u << tier));
+  if (l.tail != kNil) ColdAt(l.tail).next[tier] = id;
   l.tail = id;
   if (l.head == kNil) l.head = id;
   ++l.count;
@@ -218,15 +275,15 @@ void BlockIndex::Link(uint32_t id, size_t tier) {
 
 void BlockIndex::Unlink(uint32_t id, size_t tier) {
   List& l = lists_[tier];
-  Entry& e = At(id);
+  Cold& e = ColdAt(id);
   const uint32_t prev = e.prev[tier], next = e.next[tier];
   if (prev != kNil) {
-    At(prev).next[tier] = next;
+    ColdAt(prev).next[tier] = next;
   } else {
     l.head = next;
   }
   if (next != kNil) {
-    At(next).prev[tier] = prev;
+    ColdAt(next).prev[tier] = prev;
   } else {
     l.tail = prev;
   }
@@ -235,7 +292,7 @@ void BlockIndex::Unlink(uint32_t id, size_t tier) {
 }
 
 void BlockIndex::Touch(uint32_t id) {
-  Entry& e = At(id);
+  Hot& e = HotAt(id);
   const uint8_t mask = e.tier_mask;
   if (recency_ == Recency::kClock) {
     if (e.referenced != mask)
@@ -253,7 +310,7 @@ void BlockIndex::Touch(uint32_t id) {
 Status BlockIndex::Insert(std::string_view key, Tier tier, uint64_t location) {
   TPUSYNC_RETURN_IF_ERROR(ValidateKey(key));
   const size_t t = static_cast<size_t>(tier);
-  const uint64_t h = HashKey(key);
+  const uint64_t h = Hash(key);
   std::lock_guard<std::mutex> lock(mu_);
   size_t pos = Find(key, h);
   uint32_t id;
@@ -262,17 +319,23 @@ Status BlockIndex::Insert(std::string_view key, Tier tier, uint64_t location) {
       TPUSYNC_RETURN_IF_ERROR(Grow(buckets_ ? (mask_ + 1) * 2 : kMinBuckets));
     }
     TPUSYNC_ASSIGN_OR_RETURN(id, NewEntry());
-    Entry& e = At(id);
-    e.tier_mask = 0;
-    e.referenced = 0;
-    e.pins = 0;
-    e.prev.fill(kNil);
-    e.next.fill(kNil);
-    e.location.fill(0);
-    e.key_len = static_cast<uint8_t>(key.size());
-    std::memcpy(e.key, key.data(), std::min(key.size(), kInlineKey));
-    if (key.size() > kInlineKey) {
-      std::memcpy(Tail(id), key.data() + kInlineKey, key.size() - kInlineKey);
+    Hot& hot = HotAt(id);
+    Cold& cold = ColdAt(id);
+    hot.tier_mask = 0;
+    hot.referenced = 0;
+    hot.pins = 0;
+    hot.location.fill(0);
+    cold.location.fill(0);
+    cold.prev.fill(kNil);
+    cold.next.fill(kNil);
+    hot.key_len = static_cast<uint8_t>(key.size());
+    std::memcpy(hot.key, key.data(), std::min(key.size(), kHotKey));
+    if (key.size() > kHotKey) {
+      std::memcpy(cold.key, key.data() + kHotKey,
+                  std::min(key.size(), kHotKey + kColdKey) - kHotKey);
+    }
+    if (key.size() > kHotKey + kColdKey) {
+      std::memcpy(Tail(id), key.data() + kHotKey + kColdKey, key.size() - kHotKey - kColdKey);
     }
     uint64_t* b = buckets_->as<uint64_t>();
     for (pos = Home(h, mask_); b[pos] != 0; pos = (pos + 1) & mask_) {
@@ -282,12 +345,15 @@ Status BlockIndex::Insert(std::string_view key, Tier tier, uint64_t location) {
   } else {
     id = BucketId(buckets_->as<uint64_t>()[pos]);
   }
-  Entry& e = At(id);
+  Hot& e = HotAt(id);
   if (e.tier_mask & (1u << t)) {
     return Status::AlreadyExists(StrCat("block already indexed in the ", TierName(tier), " tier"));
   }
-  e.tier_mask |= static_cast<uint8_t>(1u << t);
-  e.location[t] = location;
+  Placement p = PlacementOf(id);  // re-stored by rank: the new tier may shift the others
+  p.tier_mask |= static_cast<uint8_t>(1u << t);
+  p.location[t] = location;
+  e.tier_mask = p.tier_mask;
+  StoreLocations(id, p);
   Link(id, t);  // most recent in the new tier (both modes)
   Touch(id);
   if (recency_ == Recency::kClock) e.referenced &= static_cast<uint8_t>(~(1u << t));
@@ -295,13 +361,13 @@ Status BlockIndex::Insert(std::string_view key, Tier tier, uint64_t location) {
 }
 
 std::optional<Placement> BlockIndex::Lookup(std::string_view key, bool touch) {
-  const uint64_t h = HashKey(key);
+  const uint64_t h = Hash(key);
   std::lock_guard<std::mutex> lock(mu_);
   const size_t pos = Find(key, h);
   if (pos == static_cast<size_t>(-1)) return std::nullopt;
   const uint32_t id = BucketId(buckets_->as<uint64_t>()[pos]);
   if (touch) Touch(id);
-  return PlacementOf(At(id));
+  return PlacementOf(id);
 }
 
 size_t BlockIndex::LookupPrefix(std::span<const std::string_view> keys,
@@ -321,7 +387,7 @@ size_t BlockIndex::LookupPrefix(std::span<const std::string_view> keys,
   uint64_t hashes[kRing];
   uint32_t ids[kRing];
   const auto stage_bucket = [&](size_t j) {
-    hashes[j & (kRing - 1)] = HashKey(keys[j]);
+    hashes[j & (kRing - 1)] = Hash(keys[j]);
     __builtin_prefetch(&b[Home(hashes[j & (kRing - 1)], mask_)]);
   };
   const auto stage_entry = [&](size_t j) {
@@ -331,9 +397,9 @@ size_t BlockIndex::LookupPrefix(std::span<const std::string_view> keys,
     for (size_t pos = Home(h, mask_); b[pos] != 0; pos = (pos + 1) & mask_) {
       if (static_cast<uint32_t>(b[pos] >> 32) == tag) {
         id = BucketId(b[pos]);
-        const char* e = reinterpret_cast<const char*>(&At(id));
-        __builtin_prefetch(e);
-        __builtin_prefetch(e + 64);
+        PrefetchRead(&HotAt(id));
+        // Exact LRU reads the links too; so does a long key (cold key bytes).
+        if (recency_ == Recency::kExactLru || keys[j].size() > kHotKey) PrefetchRead(&ColdAt(id));
         break;
       }
     }
@@ -342,11 +408,12 @@ size_t BlockIndex::LookupPrefix(std::span<const std::string_view> keys,
   const auto stage_neighbours = [&](size_t j) {
     const uint32_t id = ids[j & (kRing - 1)];
     if (id == kNil || recency_ == Recency::kClock) return;  // kClock touches no neighbour
-    const Entry& e = At(id);
+    const uint8_t mask = HotAt(id).tier_mask;
+    const Cold& e = ColdAt(id);
     for (size_t t = 0; t < kNumTiers; ++t) {
-      if (!(e.tier_mask & (1u << t))) continue;
-      if (e.prev[t] != kNil) __builtin_prefetch(&At(e.prev[t]), 1);
-      if (e.next[t] != kNil) __builtin_prefetch(&At(e.next[t]), 1);
+      if (!(mask & (1u << t))) continue;
+      if (e.prev[t] != kNil) __builtin_prefetch(&ColdAt(e.prev[t]), 1);
+      if (e.next[t] != kNil) __builtin_prefetch(&ColdAt(e.next[t]), 1);
     }
   };
   // Warm-up: fill the three stages for the first keys.
@@ -369,36 +436,41 @@ size_t BlockIndex::LookupPrefix(std::span<const std::string_view> keys,
       id = BucketId(b[pos]);
     }
     Touch(id);
-    if (out) out->push_back(PlacementOf(At(id)));
+    if (out) out->push_back(PlacementOf(id));
   }
   return count;
 }
 
 Result<uint64_t> BlockIndex::Remove(std::string_view key, Tier tier) {
   const size_t t = static_cast<size_t>(tier);
-  const uint64_t h = HashKey(key);
+  const uint64_t h = Hash(key);
   std::lock_guard<std::mutex> lock(mu_);
   const size_t pos = Find(key, h);
   const uint32_t id =
       pos == static_cast<size_t>(-1) ? kNil : BucketId(buckets_->as<uint64_t>()[pos]);
-  if (id == kNil || !(At(id).tier_mask & (1u << t))) {
+  if (id == kNil || !(HotAt(id).tier_mask & (1u << t))) {
     return Status::NotFound(StrCat("block not indexed in the ", TierName(tier), " tier"));
   }
-  Entry& e = At(id);
-  const uint64_t loc = e.location[t];
+  Placement p = PlacementOf(id);
+  const uint64_t loc = p.location[t];
   Unlink(id, t);
-  e.tier_mask &= static_cast<uint8_t>(~(1u << t));
-  if (e.tier_mask == 0) FreeEntry(pos);
+  p.tier_mask &= static_cast<uint8_t>(~(1u << t));
+  HotAt(id).tier_mask = p.tier_mask;
+  if (p.tier_mask == 0) {
+    FreeEntry(pos);
+  } else {
+    StoreLocations(id, p);  // the tiers after t move down one rank
+  }
   return loc;
 }
 
 Result<Placement> BlockIndex::Erase(std::string_view key) {
-  const uint64_t h = HashKey(key);
+  const uint64_t h = Hash(key);
   std::lock_guard<std::mutex> lock(mu_);
   const size_t pos = Find(key, h);
   if (pos == static_cast<size_t>(-1)) return Status::NotFound("block not indexed");
   const uint32_t id = BucketId(buckets_->as<uint64_t>()[pos]);
-  const Placement p = PlacementOf(At(id));
+  const Placement p = PlacementOf(id);
   for (size_t t = 0; t < kNumTiers; ++t) {
     if (p.tier_mask & (1u << t)) Unlink(id, t);
   }
@@ -407,23 +479,25 @@ Result<Placement> BlockIndex::Erase(std::string_view key) {
 }
 
 Status BlockIndex::Pin(std::string_view key) {
-  const uint64_t h = HashKey(key);
+  const uint64_t h = Hash(key);
   std::lock_guard<std::mutex> lock(mu_);
   const size_t pos = Find(key, h);
   if (pos == static_cast<size_t>(-1))
     return Status::NotFound("cannot pin a block that is not indexed");
-  ++At(BucketId(buckets_->as<uint64_t>()[pos])).pins;
+  Hot& e = HotAt(BucketId(buckets_->as<uint64_t>()[pos]));
+  if (e.pins == UINT32_MAX) return Status::FailedPrecondition("pin count overflow");
+  ++e.pins;
   return Status::OK();
 }
 
 Status BlockIndex::Unpin(std::string_view key) {
-  const uint64_t h = HashKey(key);
+  const uint64_t h = Hash(key);
   std::lock_guard<std::mutex> lock(mu_);
   const size_t pos = Find(key, h);
   if (pos == static_cast<size_t>(-1)) {
     return Status::NotFound("cannot unpin a block that is not indexed");
   }
-  Entry& e = At(BucketId(buckets_->as<uint64_t>()[pos]));
+  Hot& e = HotAt(BucketId(buckets_->as<uint64_t>()[pos]));
   if (e.pins == 0) {
     return Status::FailedPrecondition("unpin of a block that is not pinned (unbalanced pin/unpin)");
   }
@@ -436,9 +510,8 @@ std::vector<Victim> BlockIndex::EvictionCandidates(Tier tier, size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Victim> out;
   if (recency_ == Recency::kExactLru) {
-    for (uint32_t id = lists_[t].head; id != kNil && out.size() < n; id = At(id).next[t]) {
-      const Entry& e = At(id);
-      if (e.pins == 0) out.push_back({KeyOf(id), e.location[t]});
+    for (uint32_t id = lists_[t].head; id != kNil && out.size() < n; id = ColdAt(id).next[t]) {
+      if (HotAt(id).pins == 0) out.push_back({KeyOf(id), PlacementOf(id).location[t]});
     }
     return out;
   }
@@ -450,8 +523,8 @@ std::vector<Victim> BlockIndex::EvictionCandidates(Tier tier, size_t n) {
   uint32_t id = lists_[t].head;
   uint32_t first_kept = kNil;  // the first unreferenced key passed over: the walk has wrapped
   while (id != kNil && out.size() < n && budget-- > 0) {
-    Entry& e = At(id);
-    uint32_t next = e.next[t];
+    const Hot& e = HotAt(id);
+    uint32_t next = ColdAt(id).next[t];
     if (e.referenced & bit) {
       Unlink(id, t);
       Link(id, t);                  // clears the bit
@@ -459,7 +532,7 @@ std::vector<Victim> BlockIndex::EvictionCandidates(Tier tier, size_t n) {
     } else {
       if (id == first_kept) break;
       if (first_kept == kNil) first_kept = id;
-      if (e.pins == 0) out.push_back({KeyOf(id), e.location[t]});
+      if (e.pins == 0) out.push_back({KeyOf(id), PlacementOf(id).location[t]});
     }
     id = next != kNil ? next : lists_[t].head;
   }
@@ -481,8 +554,7 @@ std::vector<std::pair<BlockKey, Placement>> BlockIndex::Snapshot() const {
   std::vector<std::pair<BlockKey, Placement>> out;
   out.reserve(size_);
   for (uint32_t id = 0; id < next_id_; ++id) {
-    const Entry& e = At(id);
-    if (e.tier_mask != 0) out.emplace_back(KeyOf(id), PlacementOf(e));
+    if (HotAt(id).tier_mask != 0) out.emplace_back(KeyOf(id), PlacementOf(id));
   }
   return out;
 }
@@ -491,7 +563,7 @@ void BlockIndex::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   // Capacity is kept (a cleared store refills to the same size); entries are reused from id 0.
   if (buckets_) std::memset(buckets_->as<uint64_t>(), 0, (mask_ + 1) * sizeof(uint64_t));
-  for (uint32_t id = 0; id < next_id_; ++id) At(id).tier_mask = 0;
+  for (uint32_t id = 0; id < next_id_; ++id) HotAt(id).tier_mask = 0;
   free_ids_.clear();
   next_id_ = 0;
   size_ = 0;

@@ -1,11 +1,13 @@
 #include "tpusync/block/block_index.h"
 
+#include <algorithm>
 #include <array>
 #include <list>
 #include <map>
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -435,6 +437,169 @@ TEST(BlockIndex, ReserveAndGrowthKeepEveryKey) {
     EXPECT_EQ(out[i].location[static_cast<int>(Tier::kHost)], i * 3);
   }
   EXPECT_EQ(idx.size(), 200000u);
+}
+
+// Degenerate hashes (BlockIndex's test seam): every key the same tag and home bucket (one probe
+// chain holding every key; every tag compare matches and the key compare decides), or eight
+// distinct hashes (colliding tags, interleaved chains, backward-shift deletion moving buckets).
+uint64_t ConstantHash(std::string_view) { return 0x5a5a5a5a00000000ull; }
+uint64_t EightHashes(std::string_view key) {
+  uint64_t h = 0;
+  for (char c : key) h = h * 31 + static_cast<unsigned char>(c);
+  return (h % 8) * 0x9E3779B97F4A7C15ull;
+}
+
+// The hot / cold split (FLAT LOOKUP CONTRACT): locations are stored by rank, two in the hot line
+// and two in the cold one; keys straddle the hot (40 bytes), cold (16) and side (8) arrays. A
+// random model over all four tiers, keys of 1..64 bytes, inserts and removes in every order,
+// under the default hash and both degenerate ones, in both recency modes.
+class BlockIndexLayout : public ::testing::TestWithParam<std::tuple<Recency, BlockIndex::HashFn>> {
+};
+
+TEST_P(BlockIndexLayout, MatchesAModelOverFourTiersAndEveryKeyLength) {
+  BlockIndex idx(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  std::map<std::string, std::map<int, uint64_t>> model;  // key -> tier -> location
+  std::map<std::string, uint32_t> pins;
+  std::mt19937_64 rng(11);
+  auto key_of = [](int id) {
+    // Lengths cover every boundary: 1, 39..41 (hot), 55..57 (cold), 63..64 (side array).
+    static const size_t kLens[] = {1, 8, 32, 39, 40, 41, 55, 56, 57, 63, 64};
+    // Keys of one length differ only in their LAST byte: telling them apart needs the hot line
+    // (<= 40 bytes), the cold line (41..56) or the side array (57..64).
+    std::string k(kLens[id % 11], 'k');
+    k.back() = static_cast<char>('A' + id / 11);
+    return k;
+  };
+  for (int step = 0; step < 6000; ++step) {
+    const std::string k = key_of(static_cast<int>(rng() % 400));
+    const int t = static_cast<int>(rng() % kNumTiers);
+    const Tier tier = static_cast<Tier>(t);
+    switch (rng() % 6) {
+      case 0:
+      case 1: {
+        const Status s = idx.Insert(k, tier, rng());
+        if (model.count(k) && model[k].count(t)) {
+          ASSERT_EQ(s.code(), StatusCode::kAlreadyExists);
+        } else {
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          const auto p = idx.Lookup(k, false);
+          ASSERT_TRUE(p.has_value());
+          model[k][t] = p->location[t];
+        }
+        break;
+      }
+      case 2: {
+        auto r = idx.Remove(k, tier);
+        if (model.count(k) && model[k].count(t)) {
+          ASSERT_TRUE(r.ok());
+          ASSERT_EQ(*r, model[k][t]);
+          model[k].erase(t);
+          if (model[k].empty()) {
+            model.erase(k);
+            pins.erase(k);
+          }
+        } else {
+          ASSERT_EQ(r.status().code(), StatusCode::kNotFound);
+        }
+        break;
+      }
+      case 3: {
+        if (model.count(k)) {
+          ASSERT_TRUE(idx.Pin(k).ok());
+          ++pins[k];
+        } else {
+          ASSERT_EQ(idx.Pin(k).code(), StatusCode::kNotFound);
+        }
+        break;
+      }
+      default: {
+        auto p = idx.Lookup(k);
+        ASSERT_EQ(p.has_value(), model.count(k) > 0) << k.size();
+        if (!p) break;
+        uint8_t mask = 0;
+        for (auto& [mt, loc] : model[k]) {
+          mask |= static_cast<uint8_t>(1u << mt);
+          ASSERT_EQ(p->location[mt], loc) << "tier " << mt << " key length " << k.size();
+        }
+        ASSERT_EQ(p->tier_mask, mask);
+        ASSERT_EQ(p->pins, pins.count(k) ? pins[k] : 0u);
+      }
+    }
+  }
+  ASSERT_EQ(idx.size(), model.size());
+  // Every key, through the batched pipeline too (hits only: the prefix never stops early).
+  std::vector<std::string> keys;
+  for (auto& [k, tiers] : model) keys.push_back(k);
+  std::shuffle(keys.begin(), keys.end(), rng);
+  std::vector<std::string_view> views(keys.begin(), keys.end());
+  std::vector<Placement> out;
+  ASSERT_EQ(idx.LookupPrefix(views, &out), keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    for (auto& [mt, loc] : model[keys[i]]) ASSERT_EQ(out[i].location[mt], loc);
+  }
+  for (size_t t = 0; t < kNumTiers; ++t) {
+    size_t n = 0;
+    for (auto& [k, tiers] : model) n += tiers.count(static_cast<int>(t));
+    ASSERT_EQ(idx.Count(static_cast<Tier>(t)), n);
+    // Candidates carry the right location, whatever the key's rank in that tier.
+    for (const Victim& v : idx.EvictionCandidates(static_cast<Tier>(t), 1u << 20)) {
+      ASSERT_EQ(v.location, model.at(v.key).at(static_cast<int>(t)));
+      ASSERT_EQ(pins.count(v.key) ? pins[v.key] : 0u, 0u);
+    }
+  }
+  const auto snap = idx.Snapshot();
+  ASSERT_EQ(snap.size(), model.size());
+  for (auto& [k, p] : snap) {
+    for (auto& [mt, loc] : model.at(k)) ASSERT_EQ(p.location[mt], loc);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(HashesAndModes, BlockIndexLayout,
+                         ::testing::Combine(::testing::Values(Recency::kExactLru, Recency::kClock),
+                                            ::testing::Values(BlockIndex::HashFn{nullptr},
+                                                              &EightHashes, &ConstantHash)),
+                         [](const auto& info) {  // stable names (not function addresses) for ctest
+                           const BlockIndex::HashFn h = std::get<1>(info.param);
+                           return std::string(RecencyName(std::get<0>(info.param))) + "_" +
+                                  (h == nullptr        ? "xxh3"
+                                   : h == &EightHashes ? "eight_hashes"
+                                                       : "constant_hash");
+                         });
+
+// Growth with every tag colliding: a rehash moves buckets by tag only, and the key compare (not
+// the tag) must still find each key afterwards; deletion by backward shift keeps the chain whole.
+TEST(BlockIndex, GrowthAndDeletionWithCollidingTags) {
+  BlockIndex idx(BlockIndex::kDefaultRecency, &EightHashes);
+  for (int i = 0; i < 3000; ++i) ASSERT_TRUE(idx.Insert(Key(i), Tier::kHost, i).ok());
+  for (int i = 0; i < 3000; i += 2) ASSERT_EQ(*idx.Remove(Key(i), Tier::kHost), uint64_t(i));
+  for (int i = 0; i < 3000; ++i) {
+    const auto p = idx.Lookup(Key(i), false);
+    ASSERT_EQ(p.has_value(), i % 2 == 1) << i;
+    if (p) ASSERT_EQ(p->location[static_cast<int>(Tier::kHost)], uint64_t(i));
+  }
+  EXPECT_EQ(idx.size(), 1500u);
+  EXPECT_FALSE(idx.Lookup("absent").has_value());
+}
+
+// A key in all four tiers: the third and fourth locations live in the cold line; removing the
+// fastest tier moves the others down a rank, and each keeps its own location.
+TEST(BlockIndex, LocationsMoveByRankAsTiersComeAndGo) {
+  BlockIndex idx;
+  const std::string k(64, 'z');
+  ASSERT_TRUE(idx.Insert(k, Tier::kRemote, 40).ok());
+  ASSERT_TRUE(idx.Insert(k, Tier::kDisk, 30).ok());
+  ASSERT_TRUE(idx.Insert(k, Tier::kDevice, 10).ok());
+  ASSERT_TRUE(idx.Insert(k, Tier::kHost, 20).ok());
+  auto p = idx.Lookup(k);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->tier_mask, 0xf);
+  EXPECT_EQ(p->location, (std::array<uint64_t, kNumTiers>{10, 20, 30, 40}));
+  EXPECT_EQ(*idx.Remove(k, Tier::kDevice), 10u);
+  EXPECT_EQ(*idx.Remove(k, Tier::kDisk), 30u);
+  p = idx.Lookup(k);
+  EXPECT_EQ(p->location[static_cast<int>(Tier::kHost)], 20u);
+  EXPECT_EQ(p->location[static_cast<int>(Tier::kRemote)], 40u);
+  EXPECT_EQ(idx.EvictionCandidates(Tier::kRemote, 1)[0].location, 40u);
 }
 
 }  // namespace

@@ -61,7 +61,8 @@ store::KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks,
                                    const std::string& io_backend, size_t io_threads,
                                    const std::string& policy, size_t writeback_batch,
                                    size_t writeback_headroom, double put_wait_s, bool prefault,
-                                   bool huge_pages, bool write_through);
+                                   bool huge_pages, bool write_through,
+                                   block::Recency index_recency);
 
 void init_base(nb::module_& m);
 void init_memory(nb::module_& m);

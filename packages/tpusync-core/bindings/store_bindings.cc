@@ -114,7 +114,7 @@ KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks, const std::s
                             const std::string& io_backend, size_t io_threads,
                             const std::string& policy, size_t writeback_batch,
                             size_t writeback_headroom, double put_wait_s, bool prefault,
-                            bool huge_pages, bool write_through) {
+                            bool huge_pages, bool write_through, block::Recency index_recency) {
   KVStoreOptions o;
   o.block_bytes = block_bytes;
   o.host_blocks = host_blocks;
@@ -133,6 +133,7 @@ KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks, const std::s
   o.prefault = prefault;
   o.huge_pages = huge_pages;
   o.write_through = write_through;
+  o.index_recency = index_recency;
   return o;
 }
 
@@ -146,12 +147,13 @@ void init_store(nb::module_& m) {
              const std::string& disk_dir, size_t disk_blocks, size_t disk_segment_blocks,
              bool disk_direct_io, const std::string& io_backend, size_t io_threads,
              const std::string& policy, size_t writeback_batch, size_t writeback_headroom,
-             double put_wait_s, bool prefault, bool huge_pages, bool write_through) {
+             double put_wait_s, bool prefault, bool huge_pages, bool write_through,
+             block::Recency index_recency) {
             KVStoreOptions o =
                 StoreOptions(block_bytes, host_blocks, name_space, fingerprint, disk_dir,
                              disk_blocks, disk_segment_blocks, disk_direct_io, io_backend,
                              io_threads, policy, writeback_batch, writeback_headroom, put_wait_s,
-                             prefault, huge_pages, write_through);
+                             prefault, huge_pages, write_through, index_recency);
             nb::gil_scoped_release release;
             return Unwrap(KVStore::Open(o, std::move(engine))).release();
           },
@@ -162,8 +164,12 @@ void init_store(nb::module_& m) {
           nb::arg("io_threads") = 4, nb::arg("policy") = "lru", nb::arg("writeback_batch") = 32,
           nb::arg("writeback_headroom") = 0, nb::arg("put_wait_s") = 5.0,
           nb::arg("prefault") = true, nb::arg("huge_pages") = false,
-          nb::arg("write_through") = false, nb::rv_policy::take_ownership)
+          nb::arg("write_through") = false,
+          nb::arg("index_recency") = block::BlockIndex::kDefaultRecency,
+          nb::rv_policy::take_ownership)
       .def_prop_ro("block_bytes", &KVStore::block_bytes)
+      .def_prop_ro("index_recency", &KVStore::index_recency,
+                   "Recency mode of the store's index (CLOCK or EXACT_LRU).")
       .def(
           "put",
           [](KVStore& s, const std::vector<nb::bytes>& keys, ReadArray src,

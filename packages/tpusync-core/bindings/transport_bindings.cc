@@ -293,11 +293,12 @@ void init_transport(nb::module_& m) {
          const std::string& io_backend, size_t io_threads, const std::string& policy,
          size_t writeback_batch, size_t writeback_headroom, double put_wait_s, bool prefault,
          bool huge_pages, const std::string& name_space, const std::string& fingerprint,
-         size_t replicas, size_t remote_blocks, double lease, double timeout, bool write_through) {
+         size_t replicas, size_t remote_blocks, double lease, double timeout, bool write_through,
+         block::Recency index_recency) {
         const store::KVStoreOptions o = StoreOptions(
             block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
             disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy, writeback_batch,
-            writeback_headroom, put_wait_s, prefault, huge_pages, write_through);
+            writeback_headroom, put_wait_s, prefault, huge_pages, write_through, index_recency);
         node::RemoteTierOptions r;
         r.block_bytes = block_bytes;
         r.capacity_blocks = remote_blocks;
@@ -324,7 +325,8 @@ void init_transport(nb::module_& m) {
       nb::arg("put_wait_s") = 5.0, nb::arg("prefault") = true, nb::arg("huge_pages") = false,
       nb::arg("name_space") = "", nb::arg("fingerprint") = "", nb::arg("replicas") = 1,
       nb::arg("remote_blocks") = 1 << 16, nb::arg("lease") = 10.0, nb::arg("timeout") = 10.0,
-      nb::arg("write_through") = false, nb::rv_policy::take_ownership,
+      nb::arg("write_through") = false,
+      nb::arg("index_recency") = block::BlockIndex::kDefaultRecency, nb::rv_policy::take_ownership,
       "A KVStore over host [-> disk] -> store nodes (host demotes to disk first, then remote).");
 }
 

@@ -373,3 +373,42 @@ def test_sigkill_warm_restart_and_fingerprint_cold_start(tmp_path):
     finally:
         tc.KVStore.unlink_namespace(ns)
     assert not Path(f"/dev/shm/tpusync-{ns}-host").exists()
+
+
+@pytest.mark.parametrize(("recency", "survivor"), [("exact_lru", 0), ("clock", 1)])
+def test_recency_mode_is_honoured(recency, survivor):
+    """``recency=`` reaches the index: the two modes evict in different orders.
+
+    Four blocks in a four-block host tier (no disk), then lookups of 1 and then 0. Exact LRU
+    orders them 2, 3, 1, 0, so three new puts evict 2, 3, 1 and keep 0. CLOCK only marks 0 and 1
+    as referenced; the first eviction gives both a second chance (relinked in list order, 0
+    before 1), so three puts evict 2, 3, 0 and keep 1.
+    """
+    s = tc.KVStore(BLOCK, 4, recency=recency)
+    try:
+        assert s.recency == recency
+        for i in range(4):
+            assert s.put(keys([i]), blocks([i])).result(timeout=10) == [True]
+        assert s.lookup(keys([1]))[0] == 1
+        assert s.lookup(keys([0]))[0] == 1
+        for i in range(4, 7):
+            assert s.put(keys([i]), blocks([i])).result(timeout=10) == [True]
+        kept = [i for i in range(4) if s.lookup(keys([i]))[0] == 1]
+        assert kept == [survivor]
+    finally:
+        s.close()
+
+
+def test_recency_accepts_the_enum_and_rejects_unknown_names():
+    s = tc.KVStore(BLOCK, 2, recency=tc._native.Recency.EXACT_LRU)
+    try:
+        assert s.recency == "exact_lru"
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="recency"):
+        tc.KVStore(BLOCK, 2, recency="lfu")
+    s = tc.KVStore(BLOCK, 2)
+    try:
+        assert s.recency == "clock"  # the index default (BlockIndex.kDefaultRecency)
+    finally:
+        s.close()

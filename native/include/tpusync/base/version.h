@@ -21,11 +21,13 @@
 //   5: BlockIndex recency modes (Recency.CLOCK default, Recency.EXACT_LRU; BlockIndex(recency=),
 //      BlockIndex.recency); eviction_candidates may reorder a CLOCK index; /dev/shm pools collapse
 //      to huge pages in the background (BlockPool.wait_huge_pages, host tier stats "huge_pages").
+//   6: KVStore recency from Python (KVStoreNative.open / open_remote_kv_store index_recency=,
+//      KVStoreNative.index_recency; KVStore(recency=), KVStore.recency).
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 5;
+inline constexpr int kApiVersion = 6;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

@@ -20,19 +20,33 @@
 // Both modes: pinned keys are never returned; the order within one tier never depends on
 // another tier. The default (kDefaultRecency) is chosen by measurement (docs/design-decisions.md).
 //
-// FLAT LOOKUP CONTRACT: a lookup costs the same number of dependent memory accesses at 10^3 and at
-// 10^7 keys: one 8-byte bucket of an open-addressing table (linear probing, load <= 0.7, a 32-bit
-// hash tag next to a 32-bit entry id) and one entry in a flat, chunked entry array that holds the
-// key bytes inline. LRU links are 32-bit entry ids inside the entries (touching writes to the
-// neighbours, stores the CPU does not wait for). LookupPrefix runs a software pipeline over the
-// batch (bucket prefetch 12 keys ahead, entry 8 ahead, LRU neighbours 4 ahead of the key being
-// touched), so the DRAM misses of a batch overlap continuously instead of adding up. What stays
-// is the memory system's throughput for ~5 random lines per key (bucket, two entry lines, two
-// neighbours to relink); exact LRU needs the neighbour lines (docs/tiers.md, "Measured").
-// Rejected: std::unordered_map (one heap node per key plus an out-of-line key: three or four
-// dependent misses per lookup once the index outgrows the caches: a 32-key lookup was 10x slower at
-// 10^7 keys than at 10^3) and a lazily-compacted LRU queue (no neighbour writes on a
-// touch, but a compaction pause of O(keys) under the lock).
+// FLAT LOOKUP CONTRACT (what a lookup touches, and why): a CLOCK-mode hit of a key of at most
+// kHotKey (40) bytes held in at most two tiers touches TWO cache lines: one 8-byte bucket of an
+// open-addressing table (linear probing, load <= 0.7, a 32-bit hash tag next to a 32-bit entry
+// id; the probe ends in the home line except when it crosses a line boundary) and the key's HOT
+// line, a 64-byte record with everything a CLOCK lookup reads and writes: key length, tier mask,
+// reference bits, pins, the locations of the two fastest tiers holding the key, and the first 40
+// key bytes. A miss touches the bucket line only (a 32-bit tag matches a foreign key with
+// probability 2^-32 per probed bucket). Everything else lives in a separate COLD array that a
+// CLOCK lookup never reads: the LRU links, locations of a third and fourth tier, key bytes 40..56
+// (and a side array for 56..64). Hot and cold records are separate arrays (not two halves of one
+// 128-byte entry) so the adjacent-line prefetcher does not drag the cold half in on every hit.
+// Exact LRU (kExactLru) reads the key's cold line and writes two neighbours' cold lines per tier
+// on a touch: five lines per hit, the price of exact order. Lines counted per lookup:
+//   CLOCK hit 2 (bucket, hot), CLOCK miss 1 (bucket), exact-LRU hit 3 + 2 per tier, miss 1;
+//   + 1 cold line for keys > 40 bytes, for a key in three or four tiers (the third and fourth
+//   location), and + 1 side-array line for keys > 56 bytes.
+// LookupPrefix runs a software pipeline over the batch (bucket prefetch 20 keys ahead, hot line
+// 10 ahead, cold line 10 and LRU neighbours 4 ahead with exact LRU), so the DRAM misses of a batch
+// overlap continuously instead of adding up. All arrays are 2 MiB aligned and populated with
+// transparent huge pages (MADV_HUGEPAGE, then MADV_COLLAPSE of what the fault path did not give),
+// so a random lookup does not also pay a page walk: 10^7 keys span ~1.4 GB.
+// Rejected: one 128-byte entry per key holding links and key together (the layout before: a
+// CLOCK hit read three lines, bucket + both halves, 82 ns/key batched at 10^7 vs 16 at 10^3);
+// entries stored inline in the probed table (one line per hit, but a miss probes until an empty
+// slot, several lines at load 0.7, and entries would move on deletion, breaking the 32-bit LRU
+// links); std::unordered_map (a heap node per key plus an out-of-line key: three or four dependent
+// misses per lookup; a 32-key lookup was 10x slower at 10^7 keys than at 10^3).
 //
 // The index only records locations; moving bytes and enforcing capacity is the tiers' job (issue:
 // tiered store). Thread-safe: one mutex; callers batch to amortise it.
@@ -80,7 +94,9 @@ struct Victim {
 class BlockIndex {
  public:
   static constexpr Recency kDefaultRecency = Recency::kClock;
-  explicit BlockIndex(Recency recency = kDefaultRecency);
+  // The hash of a key; tests pass a degenerate one to force tag collisions and long probes.
+  using HashFn = uint64_t (*)(std::string_view key);
+  explicit BlockIndex(Recency recency = kDefaultRecency, HashFn hash = nullptr);
   ~BlockIndex();
   Recency recency() const { return recency_; }
   BlockIndex(const BlockIndex&) = delete;
@@ -114,21 +130,30 @@ class BlockIndex {
 
  private:
   static constexpr uint32_t kNil = 0xffffffffu;
-  // One cache-line pair per key: everything a lookup and a touch read, keys up to kInlineKey
-  // bytes inline (longer keys keep their last bytes in a parallel tail array).
-  static constexpr size_t kInlineKey = 56;
-  struct alignas(64) Entry {
+  static constexpr size_t kHotKey = 40;   // key bytes in the hot line
+  static constexpr size_t kColdKey = 16;  // key bytes kHotKey.. in the cold line
+  static constexpr size_t kHotLocations = 2;
+  // HOT CONTRACT: everything a CLOCK lookup of a short key in <= 2 tiers reads or writes.
+  // Locations are stored by RANK: the i-th set bit of tier_mask has its location in slot i
+  // (slots 0, 1 here, 2, 3 in the cold line), so the two fastest tiers are always hot.
+  struct alignas(64) Hot {
     uint8_t key_len;
     uint8_t tier_mask;   // 0: the entry is free
     uint8_t referenced;  // kClock: bit t set = used since last linked in tier t
     uint8_t unused;
     uint32_t pins;
+    std::array<uint64_t, kHotLocations> location;
+    char key[kHotKey];
+  };
+  static_assert(sizeof(Hot) == 64, "a hot record is exactly one cache line");
+  struct alignas(64) Cold {
+    std::array<uint64_t, kNumTiers - kHotLocations> location;  // rank 2 and 3
     std::array<uint32_t, kNumTiers> prev;
     std::array<uint32_t, kNumTiers> next;
-    std::array<uint64_t, kNumTiers> location;
-    char key[kInlineKey];
+    char key[kColdKey];
   };
-  static_assert(sizeof(Entry) == 128, "an index entry is exactly two cache lines");
+  static_assert(sizeof(Cold) == 64, "a cold record is exactly one cache line");
+  static_assert(kHotKey + kColdKey + 8 == kMaxKeyBytes, "the side array holds the last 8 bytes");
   struct List {
     uint32_t head = kNil;  // least recent
     uint32_t tail = kNil;  // most recent
@@ -136,11 +161,15 @@ class BlockIndex {
   };
   class Array;  // anonymous memory (huge pages where the kernel allows), block_index.cc
 
-  Entry& At(uint32_t id) const;
-  char* Tail(uint32_t id) const;  // key bytes past kInlineKey (8 per entry)
+  Hot& HotAt(uint32_t id) const;
+  Cold& ColdAt(uint32_t id) const;
+  char* Tail(uint32_t id) const;  // key bytes past kHotKey + kColdKey (8 per entry)
+  uint64_t& LocationSlot(uint32_t id, size_t rank) const;
+  void StoreLocations(uint32_t id, const Placement& p);  // writes every location by rank
   bool KeyIs(uint32_t id, std::string_view key) const;
   BlockKey KeyOf(uint32_t id) const;
-  static Placement PlacementOf(const Entry& e);
+  Placement PlacementOf(uint32_t id) const;
+  uint64_t Hash(std::string_view key) const;
   // Bucket position of key (with hash h), or npos.
   size_t Find(std::string_view key, uint64_t h) const;
   Status Grow(size_t min_buckets);
@@ -151,12 +180,14 @@ class BlockIndex {
   void Touch(uint32_t id);
 
   const Recency recency_;
+  const HashFn hash_;
   mutable std::mutex mu_;
   std::unique_ptr<Array> buckets_;  // uint64_t: (hash >> 32) << 32 | (id + 1); 0 = empty
   size_t mask_ = 0;                 // bucket count - 1
   size_t size_ = 0;
-  std::vector<std::unique_ptr<Array>> chunks_;  // kChunkEntries entries each
-  std::vector<std::unique_ptr<Array>> tails_;   // kChunkEntries x 8 key bytes each
+  std::vector<std::unique_ptr<Array>> hot_;    // kChunkEntries hot records each
+  std::vector<std::unique_ptr<Array>> cold_;   // kChunkEntries cold records each
+  std::vector<std::unique_ptr<Array>> tails_;  // kChunkEntries x 8 key bytes each
   std::vector<uint32_t> free_ids_;
   uint32_t next_id_ = 0;
   std::array<List, kNumTiers> lists_{};

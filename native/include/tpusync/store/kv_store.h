@@ -85,7 +85,7 @@ struct KVStoreOptions {
   bool huge_pages = true;      // hugetlbfs pages if reserved, else transparent huge pages (madvise)
   bool write_through = false;  // WRITE-THROUGH CONTRACT: copy every new block to the last tier
   // Recency mode of the store's index (block/block_index.h, RECENCY CONTRACT): which unpinned
-  // block a full tier gives up first. C++ only for now; Python stores use the default.
+  // block a full tier gives up first (Python: KVStore(recency=...)).
   block::Recency index_recency = block::BlockIndex::kDefaultRecency;
 };
 
@@ -199,6 +199,8 @@ class KVStore {
 
   // Starts (capacity > 0) or stops (0) recording StoreEvents; stopping drops the queue.
   void EnableEvents(size_t capacity);
+  // The index's recency mode (StoreConfig::index_recency).
+  block::Recency index_recency() const { return index_.recency(); }
   // Removes and returns up to `max` of the oldest recorded events; *dropped (optional) receives
   // and resets the count of events lost to the bound since the last call.
   std::vector<StoreEvent> TakeEvents(size_t max, uint64_t* dropped = nullptr);

@@ -86,6 +86,15 @@ def _rows(rows: Sequence[int] | None) -> list[int] | None:
     return list(rows)
 
 
+def _recency(recency: str | _native.Recency) -> _native.Recency:
+    if isinstance(recency, _native.Recency):
+        return recency
+    names = {r.name.lower(): r for r in _native.Recency}
+    if not isinstance(recency, str) or recency.lower() not in names:
+        raise ValueError(f"recency must be one of {sorted(names)}, got {recency!r}")
+    return names[recency.lower()]
+
+
 class KVStore:
     """A tiered, content-addressed store of fixed-size KV blocks.
 
@@ -120,6 +129,11 @@ class KVStore:
             node - copies pause for a back-off of 1 s doubling to 30 s); ``flush`` waits for
             queued copies. Counters: ``stats()["write_through"]``, ``write_through_dropped``,
             ``write_through_errors``. Needs a tier below the host tier.
+        recency: how the index orders blocks for eviction: ``"clock"`` (the default: a lookup sets
+            a reference bit; eviction gives a referenced block a second chance) or
+            ``"exact_lru"`` (every lookup moves the block to the most-recent end: exact LRU order,
+            more memory traffic per lookup). A ``tpusync.core._native.Recency`` is accepted too.
+            Read it back from :attr:`recency`.
     """
 
     def __init__(
@@ -150,6 +164,7 @@ class KVStore:
         remote_timeout: float = 10.0,
         lease_s: float = 10.0,
         write_through: bool = False,
+        recency: str | _native.Recency = "clock",
     ) -> None:
         self._engine = engine or default_engine()
         self._block_bytes = block_bytes
@@ -169,6 +184,7 @@ class KVStore:
             prefault=prefault,
             huge_pages=huge_pages,
             write_through=write_through,
+            index_recency=_recency(recency),
         )
         if remote:
             from tpusync.core.pd import load_secret
@@ -202,6 +218,11 @@ class KVStore:
     @property
     def block_bytes(self) -> int:
         return self._block_bytes
+
+    @property
+    def recency(self) -> str:
+        """The index's recency mode: ``"clock"`` or ``"exact_lru"`` (see ``recency=``)."""
+        return self.native.index_recency.name.lower()
 
     def put(
         self, keys: Sequence[bytes], src: Any, rows: Sequence[int] | None = None

@@ -313,8 +313,9 @@ def _lookup(sizes: list[int], calls: int = 300) -> list[dict]:
 
     def random_read_ns(nbytes: int) -> float:
         """Same-run memory reference: ns per independent random 8-byte read (numpy gather) over
-        an array as large as the index at this size. A lookup touches a bucket and a two-line
-        entry (plus two LRU neighbours with EXACT_LRU), so flat-in-memory-terms is 2-4x this."""
+        an array as large as the index at this size. A CLOCK hit touches two lines (its bucket
+        and its hot record; block_index.h, FLAT LOOKUP CONTRACT), an EXACT_LRU hit five (plus its
+        cold record and two LRU neighbours), so flat-in-memory-terms is 2x (5x) this."""
         a = np.ones(max(1, nbytes // 8), np.int64)
         at = rng.integers(0, len(a), 1 << 20)
         best = min(_timed_only(lambda: a.take(at).sum(), lambda: None) for _ in range(3))
@@ -335,8 +336,8 @@ def _lookup(sizes: list[int], calls: int = 300) -> list[dict]:
                 "us_per_request": median_ns(idx, LOOKUP_REQUEST, calls * 4) / 1e3,
                 "request_keys": LOOKUP_REQUEST,
                 "us_single_key": median_ns(idx, 1, calls * 4) / 1e3,
-                # 128-byte entries + 8-byte buckets at load <= 0.7 (+ the side array of long keys)
-                "random_read_ns": round(random_read_ns(size * 140), 1),
+                # 64-byte hot + 64-byte cold records + 8-byte buckets at load <= 0.7 + 8-byte tail
+                "random_read_ns": round(random_read_ns(size * 148), 1),
             }
         )
     del idx
