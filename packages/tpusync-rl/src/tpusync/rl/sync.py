@@ -354,6 +354,7 @@ class TrainerSync:
         self._waiters: dict[tuple[int, int, int, int], list] = collections.defaultdict(list)
         self._sharing: int | None = None
         self._quit: set[str] = set()  # readers that reported a failure of the shared version
+        self._released: set[tuple[tuple[int, int, int, int], str]] = set()  # (slot, reader)
         self.metrics = {"versions_published": 0, "bytes_sent": 0, "last_publish_s": 0.0}
         # STAGE TIMES of the last publish (seconds on this rank's publishing thread): waiting for
         # free pool blocks, packing (device -> host copy into the pool + block hash), waiting for
@@ -423,10 +424,21 @@ class TrainerSync:
     def _shared_request(self, op: str, msg: dict, answer: Any) -> dict | None:
         """A shared reader's ``bucket`` long poll or ``release`` (lock held)."""
         version, key = int(msg["version"]), str(msg["key"])
-        for src, dst, bucket in msg.get("release", ()):
-            self._release(version, int(src), int(dst), int(bucket), key)
+        # HOLD CHECK: a released bucket the trainer had already dropped (its deadline passed) may
+        # have been refilled while the reader staged it; the reader is told and rejects the update.
+        lost = [
+            [src, dst, bucket]
+            for src, dst, bucket in msg.get("release", ())
+            if not self._release(version, int(src), int(dst), int(bucket), key)
+        ]
         if op == "release":
-            return {"op": "ok"}
+            return {"op": "ok", "lost": lost}
+        if lost:
+            return {
+                "op": "lost",
+                "reason": f"the trainer dropped buckets {lost} before {key} "
+                "released them (deadline passed): their bytes may have been reused",
+            }
         slot = (version, int(msg["src"]), int(msg["dst"]), int(msg["bucket"]))
         entry = self._shared.get(slot)
         if entry is not None and key in entry["readers"]:
@@ -436,16 +448,19 @@ class TrainerSync:
             return None
         return {"op": "gone", "reason": f"bucket {slot} is not shared with {key} (any more)"}
 
-    def _release(self, version: int, src: int, dst: int, bucket: int, key: str) -> None:
-        """Reader ``key`` is done with a shared bucket; the last one frees its blocks (lock held)."""
+    def _release(self, version: int, src: int, dst: int, bucket: int, key: str) -> bool:
+        """Reader ``key`` is done with a shared bucket; the last one frees its blocks (lock held).
+        False when ``key`` held no such bucket (any more)."""
         slot = (version, src, dst, bucket)
         entry = self._shared.get(slot)
         if entry is None or key not in entry["readers"]:
-            return
+            return (slot, key) in self._released  # a retried request releases twice
+        self._released.add((slot, key))
         entry["readers"].discard(key)
         if not entry["readers"]:
             del self._shared[slot]
             self._ep.pool.free(entry["ids"])
+        return True
 
     def _release_reader(self, version: int, key: str) -> None:
         for v, s, r, b in [k for k in self._shared if k[0] == version]:
@@ -482,6 +497,7 @@ class TrainerSync:
         with self._lock:
             self._sharing = None
             self._quit.clear()
+            self._released.clear()
             left = sorted(
                 {k for s, e in self._shared.items() if s[0] == version for k in e["readers"]}
             )
@@ -1167,6 +1183,15 @@ class SamplerSync:
                             )
                         self._stage_view(version, me, s, streams[s], first + k, arr)
                     stages["stage_s"] += time.monotonic() - t2
+            # HOLD CHECK (see TrainerSync._shared_request): the last bucket too must still have
+            # been held by the trainer when this sampler finished staging it.
+            done, release = release, []
+            reply = ask({"op": "release", "version": version, "key": key, "release": done})
+            if reply.get("op") != "ok" or reply.get("lost"):
+                raise UpdateRejectedError(
+                    f"the trainer did not hold buckets {reply.get('lost') or done} until this "
+                    f"sampler released them: {reply.get('reason', 'deadline passed')}"
+                )
         finally:
             if release:
                 try:
