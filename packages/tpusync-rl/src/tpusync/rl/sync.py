@@ -44,6 +44,7 @@ nothing committed); an announcement that does not follow the sampler's version i
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import mmap
 import os
@@ -81,6 +82,11 @@ from tpusync.rl.pack import TRAILER, StreamPlan, pack_streams
 log = logging.getLogger("tpusync.rl")
 
 __all__ = ["PublishReport", "SamplerSync", "TrainerSync", "UpdateResult", "request_id"]
+
+# Threads that pack and hash a trainer's blocks, and that hash a shared-segment reader's blocks
+# ahead of its staging copy: two keeps both cores of a 2-vCPU host busy while the samplers or the
+# transport wait; more buys nothing once the copies saturate memory bandwidth.
+FILL_THREADS = 2
 
 _VERSION_BITS, _RANK_BITS, _CHILD_BITS, _BUCKET_BITS = 20, 10, 6, 18
 
@@ -337,6 +343,9 @@ class TrainerSync:
         self._dst = dict(dst_layouts)
         self._secret = secret if secret is not None else load_secret()
         self._ep = _Endpoint(self._secret, block_bytes, pool_bytes, listen, same_host, 1)
+        self._fillers = concurrent.futures.ThreadPoolExecutor(
+            FILL_THREADS, thread_name_prefix="tpusync-rl-fill"
+        )
         self._pub = WeightPublisher(rank)
         self._lock = threading.Lock()
         self._members: dict[str, dict] = {}  # rank 0: "replica:rank" -> address
@@ -706,10 +715,21 @@ class TrainerSync:
             t2 = time.monotonic()
             self.stages["pool_wait_s"] += t2 - t1
             try:
-                sums = [
-                    self._fill(ids[k], plan, blk, manifest.version, local[s], boxes[s])
-                    for k, blk in enumerate(range(first, end))
-                ]
+                # FILL CONTRACT: the blocks of a bucket are packed and hashed on FILL_THREADS
+                # threads (the copy and the hash release the GIL), each block by one thread, so
+                # a block's checksum is still taken right after that block was filled.
+                n_blk = end - first
+                sums = list(
+                    self._fillers.map(
+                        self._fill,
+                        ids,
+                        [plan] * n_blk,
+                        range(first, end),
+                        [manifest.version] * n_blk,
+                        [local[s]] * n_blk,
+                        [boxes[s]] * n_blk,
+                    )
+                )
                 self.stages["fill_s"] += time.monotonic() - t2
                 readers = [_key(replica, r) for replica in shared.get(r, [])]
                 if readers:
@@ -806,6 +826,7 @@ class TrainerSync:
             self._server.close()
         if self._client is not None:
             self._client.close()
+        self._fillers.shutdown(wait=True)
         self._ep.close()
 
 
@@ -841,6 +862,9 @@ class SamplerSync:
         self.history: list[UpdateResult] = []
         self._seen = subscriber.version  # newest version attempted (never retried)
         self._segment: tuple[str, np.ndarray, mmap.mmap] | None = None  # the trainer's pool
+        self._hashers = concurrent.futures.ThreadPoolExecutor(
+            FILL_THREADS, thread_name_prefix="tpusync-rl-hash"
+        )
         # STAGE TIMES of the last update (seconds on the pulling thread): waiting for the head
         # bucket to land and verify (wire + transport), registering it for the children, staging
         # it (digest-free copy into the shadow / live weights, dtype cast, name mapping).
@@ -1168,13 +1192,16 @@ class SamplerSync:
                     t2 = time.monotonic()
                     stages["wire_wait_s"] += t2 - t1
                     first, _ = streams[s].buckets[b]
-                    for k, (off, want) in enumerate(
-                        zip(reply["offsets"], reply["sums"], strict=True)
-                    ):
-                        if not 0 <= off <= seg.nbytes - bb:
-                            raise UpdateRejectedError(f"shared offset {off} is outside the segment")
+                    offsets = [int(off) for off in reply["offsets"]]
+                    if any(not 0 <= off <= seg.nbytes - bb for off in offsets):
+                        raise UpdateRejectedError(f"shared offsets {offsets} leave the segment")
+                    # HASH-AHEAD: the checksums of the bucket's blocks run on worker threads
+                    # while the blocks before them are staged; a block is staged only after its
+                    # own checksum matched.
+                    hashes = [self._hashers.submit(checksum64, seg[o : o + bb]) for o in offsets]
+                    for k, (off, want) in enumerate(zip(offsets, reply["sums"], strict=True)):
                         arr = seg[off : off + bb]
-                        if checksum64(arr) != want:
+                        if hashes[k].result() != want:
                             plan = streams[s]
                             names = sorted({p.name for p in plan.blocks[first + k]})
                             raise UpdateRejectedError(
@@ -1235,6 +1262,7 @@ class SamplerSync:
             )
 
     def close(self) -> None:
+        self._hashers.shutdown(wait=True)
         self._unmap()
         self._client.close()
         self._ep.close()
