@@ -127,7 +127,7 @@ def main() -> int:
             want = digest({engine_name(n): t.to(torch.bfloat16) for n, t in state.items()})
             print(
                 f"trainer: step {step} loss {loss.item():.4f} published version {step} "
-                f"({rep.bytes_sent >> 10} KiB sent once) in {(time.monotonic() - t0) * 1e3:.1f} "
+                f"({rep.bytes_sent >> 10} KiB served by the trainer) in {(time.monotonic() - t0) * 1e3:.1f} "
                 f"ms; committed {rep.committed}, failed {rep.failed}; expected digest {want}",
                 flush=True,
             )

@@ -234,6 +234,8 @@ class PublishReport:
     committed: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    # Block bytes the trainer served: sent to its direct tree children, plus read by each
+    # shared-segment reader.
     bytes_sent: int = 0
 
     @property
