@@ -70,8 +70,8 @@ def sampler(replica: int, control: str, secret: bytes, steps: int, same_host: bo
         state = "committed" if res.ok else f"REJECTED ({res.reason})"
         print(
             f"sampler {replica}: version {res.version} {state} in {res.seconds * 1e3:.1f} ms, "
-            f"serving {sub.version}, digest {digest(sub.weights)}, forwarded {res.forwarded_to} "
-            f"buckets",
+            f"serving {sub.version}, digest {digest(sub.weights)}, path {res.path}, forwarded "
+            f"{res.forwarded_to} buckets",
             flush=True,
         )
         q.put((replica, sub.version, digest(sub.weights)))
@@ -81,7 +81,9 @@ def sampler(replica: int, control: str, secret: bytes, steps: int, same_host: bo
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--same-host", action="store_true", help="Unix socket + /dev/shm data path")
+    ap.add_argument(
+        "--same-host", action="store_true", help="samplers read the trainer's /dev/shm pool"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     from tpusync.rl import ShardLayout, TrainerSync
@@ -125,7 +127,7 @@ def main() -> int:
             want = digest({engine_name(n): t.to(torch.bfloat16) for n, t in state.items()})
             print(
                 f"trainer: step {step} loss {loss.item():.4f} published version {step} "
-                f"({rep.bytes_sent >> 10} KiB sent once) in {(time.monotonic() - t0) * 1e3:.1f} "
+                f"({rep.bytes_sent >> 10} KiB served by the trainer) in {(time.monotonic() - t0) * 1e3:.1f} "
                 f"ms; committed {rep.committed}, failed {rep.failed}; expected digest {want}",
                 flush=True,
             )

@@ -86,14 +86,14 @@ def sampler_main(spec: dict, q) -> None:
     )
     die = spec.get("die_at_version")
     if die is not None:  # fault injection: exit hard after staging the first block of `die`
-        stage = sampler._stage
+        stage = sampler._stage_view  # every path stages through it
 
         def dying_stage(version, *a, **kw):
             stage(version, *a, **kw)
             if version == die:
                 os._exit(3)
 
-        sampler._stage = dying_stage
+        sampler._stage_view = dying_stage
     q.put(("joined", spec["replica"], rank, None))
     timeouts = spec.get("timeouts", [spec.get("timeout", 30)] * spec["updates"])
     for i in range(spec["updates"]):
@@ -110,6 +110,7 @@ def sampler_main(spec: dict, q) -> None:
                 "ok": res.ok,
                 "reason": res.reason,
                 "forwarded": res.forwarded_to,
+                "path": res.path,
                 "bytes": res.bytes,
                 "serving": sub.version,
                 "digest": weights_digest(sub.weights),

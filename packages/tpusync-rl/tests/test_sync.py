@@ -529,3 +529,159 @@ def test_multicontroller_jax_2x2_mesh_to_tp4_torch_samplers():
                 )
     finally:
         join_all(procs, timeout=60)
+
+
+# ------------------------------------------------------------------ shared-segment path (same host)
+
+
+def test_same_host_samplers_read_the_trainer_segment_next_to_a_tcp_sampler():
+    """Replicas 0 and 1 (TP=2 each, same host) stage straight out of the trainer's /dev/shm pool
+    (SHARED-SEGMENT CONTRACT), replica 2 pulls over TCP; the trainer's pool holds 4 blocks, far
+    less than a version, so every block is reused only after both readers released it."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {"layers.1.w": 1})
+    trainer = TrainerSync(
+        0,
+        1,
+        dst,
+        secret=U.SECRET,
+        block_bytes=BB,
+        bucket_blocks=1,
+        pool_bytes=4 * BB,
+        same_host=True,
+        deadline=30.0,
+    )
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    local = {"same_host": True}
+    per = {(r, k): local for r in (0, 1) for k in (0, 1)}
+    procs = start_samplers(q, trainer.control_address, eng, 3, 2, 2, per=per)
+    try:
+        trainer.wait_for_samplers(6, timeout=30)
+        for v, seed in ((1, 61), (2, 62)):
+            full = U.full_weights(seed)
+            rep = trainer.publish(v, full)
+            assert rep.ok, rep.failed
+            assert len(rep.committed) == 6
+            got = collect(q, 6)
+            for (replica, rank), info in got.items():
+                assert info["ok"] and info["serving"] == v, (replica, rank, info)
+                assert info["digest"] == U.expected_digest(full, eng, rank, torch.bfloat16)
+                want = "shared-segment" if replica < 2 else "tcp"
+                assert info["path"] == want and info["forwarded"] == 0, (replica, rank, info)
+            assert trainer._ep.pool.num_free == trainer._ep.pool.num_blocks  # all released
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_damaged_block_on_the_shared_segment_rejects_update_others_commit():
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {})
+    trainer = TamperingTrainer(
+        0,
+        1,
+        dst,
+        secret=U.SECRET,
+        block_bytes=BB,
+        pool_bytes=2 << 20,
+        same_host=True,
+        deadline=15.0,
+    )
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    procs = start_samplers(q, trainer.control_address, eng, 1, 2, 2, common={"same_host": True})
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        full1 = U.full_weights(71)
+        assert trainer.publish(1, full1).ok
+        collect(q, 2)
+        rep = trainer.publish(2, U.full_weights(72))
+        assert rep.committed == ["0:0"]
+        assert "failed its checksum on the shared segment" in rep.failed["0:1"]
+        assert "embed" in rep.failed["0:1"]
+        assert rep.seconds < 10.0  # the reader's failure report released its buckets
+        got = collect(q, 2)
+        assert got[(0, 0)]["ok"] and got[(0, 0)]["path"] == "shared-segment"
+        bad = got[(0, 1)]
+        assert not bad["ok"] and bad["serving"] == 1
+        assert bad["digest"] == U.expected_digest(full1, eng, 1, torch.bfloat16)
+        assert trainer._ep.pool.num_free == trainer._ep.pool.num_blocks
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_shared_reader_dying_mid_update_is_reported_and_others_commit(caplog):
+    """Replica 1 dies after staging its first block of version 2 out of the trainer's segment:
+    the trainer frees what it held by the deadline, names it, replica 0 commits."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(1, {})
+    trainer = TrainerSync(
+        0,
+        1,
+        dst,
+        secret=U.SECRET,
+        block_bytes=BB,
+        bucket_blocks=1,
+        pool_bytes=2 << 20,
+        same_host=True,
+        deadline=5.0,
+    )
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    procs = start_samplers(
+        q,
+        trainer.control_address,
+        eng,
+        2,
+        1,
+        3,
+        common={"same_host": True},
+        per={(1, 0): {"same_host": True, "die_at_version": 2}},
+    )
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        assert trainer.publish(1, U.full_weights(81)).ok
+        collect(q, 2)
+        with caplog.at_level(logging.ERROR, logger="tpusync.rl"):
+            rep = trainer.publish(2, U.full_weights(82))
+        assert rep.committed == ["0:0"] and list(rep.failed) == ["1:0"]
+        assert "sampler 1:0 failed version 2" in caplog.text
+        assert get(q, "update")[3]["ok"]
+        assert trainer._ep.pool.num_free == trainer._ep.pool.num_blocks
+        rep3 = trainer.publish(3, U.full_weights(83))
+        assert rep3.ok and rep3.committed == ["0:0"]
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_shared_bucket_hold_check_and_idempotent_release():
+    """HOLD CHECK: a release the trainer can no longer honour (it dropped the bucket at the
+    deadline) is reported as lost, so the reader rejects the update; a retried release (its
+    first request's reply was lost) is not; a bucket is freed only by its last reader."""
+    dst = tp_layouts(1, {})
+    trainer = TrainerSync(
+        0, 1, dst, secret=U.SECRET, block_bytes=BB, pool_bytes=8 * BB, same_host=True
+    )
+    pool = trainer._ep.pool
+    try:
+        with trainer._lock:
+            trainer._sharing = 7
+        ids = pool.alloc(2)
+        trainer._offer((7, 0, 0, 0), ids, [1, 2], ["0:0", "1:0"])
+        pool.free(ids)  # the publishing reference; the sharing one keeps the blocks
+        assert pool.num_free == pool.num_blocks - 2
+        req = {"version": 7, "key": "0:0", "src": 0, "dst": 0, "bucket": 0}
+        got = trainer._shared_request("bucket", req, None)
+        assert got["op"] == "bucket" and got["sums"] == [1, 2] and len(got["offsets"]) == 2
+        rel = {"version": 7, "key": "0:0", "release": [[0, 0, 0]]}
+        assert trainer._shared_request("release", rel, None) == {"op": "ok", "lost": []}
+        assert trainer._shared_request("release", rel, None) == {"op": "ok", "lost": []}
+        assert pool.num_free == pool.num_blocks - 2  # reader 1:0 still holds them
+        assert trainer._end_sharing(7) == ["1:0"]
+        assert pool.num_free == pool.num_blocks
+        late = {"version": 7, "key": "1:0", "release": [[0, 0, 0]]}
+        assert trainer._shared_request("release", late, None)["lost"] == [[0, 0, 0]]
+        gone = trainer._shared_request("bucket", {**req, "bucket": 1}, None)
+        assert gone["op"] == "gone"
+    finally:
+        trainer.close()

@@ -8,7 +8,13 @@ Paths (every process is a real process, every byte crosses a real socket):
   time runs from ``publish`` to both samplers' commit reports. References, same run:
   ``torch.distributed`` gloo ``broadcast`` of the same tensors from rank 0 to two ranks, and
   ``iperf3`` moving the same bytes over loopback with the same parallel streams.
-- ``chain_same_host``: the same with the same-host path (Unix socket + /dev/shm pool copy).
+- ``chain_same_host``: the same chain over the same-host P/D path (Unix socket; each sampler
+  copies its parent's /dev/shm blocks into its own pool, then stages them).
+- ``shared_same_host``: the same-host samplers read the trainer's /dev/shm pool directly
+  (SHARED-SEGMENT CONTRACT in :mod:`tpusync.rl.sync`): no chain, no copy into a sampler pool.
+
+Every row names the path its samplers reported (``UpdateResult.path``) and carries the stage
+times of the last version (trainer rank 0 and each sampler; docs/rl.md explains them).
 - ``resharded`` vs ``plain``: two trainer processes (TP=2, dim 0) to one sampler group of two
   ranks, split on dim 1 (resharded: every piece is a strided box) or on dim 0 (plain: shards map
   one to one); the figure is the time ratio (lower is better).
@@ -75,7 +81,7 @@ def _sampler(spec: dict, q) -> None:
             break
         if not res.ok:
             q.put(f"failed: {res.reason}")
-        q.put(("stages", spec["replica"], rank, res.version, dict(s.stages)))
+        q.put(("stages", spec["replica"], rank, res.version, dict(s.stages), res.path))
     s.close()
 
 
@@ -116,8 +122,10 @@ def _run_sync(
     repeats,
     same_host,
     pool_bytes: int | None = None,
-) -> list[float]:
-    """Seconds per version (median-ready list) of one topology; trainer rank 0 is this process."""
+    share: bool = True,
+) -> tuple[list[float], dict]:
+    """Seconds per version (median-ready list) of one topology, and what the last version did
+    (sampler paths, stage times); trainer rank 0 is this process."""
     from tpusync.rl import TrainerSync
 
     ctx = mp.get_context("spawn")
@@ -126,7 +134,14 @@ def _run_sync(
     pool = pool_bytes or min(max(total // 4, 256 << 20), 512 << 20)
     secret = os.urandom(32)  # children get it through their spec (never a command line)
     t0 = TrainerSync(
-        0, trainers, dst, secret=secret, block_bytes=BLOCK, pool_bytes=pool, same_host=same_host
+        0,
+        trainers,
+        dst,
+        secret=secret,
+        block_bytes=BLOCK,
+        pool_bytes=pool,
+        same_host=same_host,
+        share=share,
     )
     procs = []
     tensors = _local(shapes, src, 0)
@@ -164,6 +179,7 @@ def _run_sync(
                 raise RuntimeError(msg)
         t0.wait_for_samplers(len(samplers), timeout=120)
         times = []
+        info: dict = {}
         for v in range(1, repeats + 2):  # version 1 warms pools, links and staging memory
             rep = t0.publish(v, tensors)
             if not rep.ok:
@@ -171,9 +187,10 @@ def _run_sync(
             if v > 1:
                 times.append(rep.seconds)
                 split = {k: round(x, 3) for k, x in t0.stages.items()}
+                info["trainer_stages"] = split
                 _log(f"version {v}: {rep.seconds:.3f} s; trainer rank 0 stages {split}")
-        _log_sampler_stages(q, repeats + 1, len(samplers))
-        return times
+        info.update(_log_sampler_stages(q, repeats + 1, len(samplers)))
+        return times, info
     finally:
         t0.close()
         started = [p for p in procs if p.pid is not None]
@@ -185,10 +202,12 @@ def _run_sync(
                 p.kill()
 
 
-def _log_sampler_stages(q, last: int, samplers: int) -> None:
-    """Log each sampler's stage split of the last version (reported right after its commit)."""
+def _log_sampler_stages(q, last: int, samplers: int) -> dict:
+    """Log each sampler's stage split of the last version (reported right after its commit);
+    returns them with the paths the samplers took."""
     end = time.monotonic() + 10.0
     seen = 0
+    out: dict = {"sampler_stages": {}, "paths": []}
     while seen < samplers and time.monotonic() < end:
         try:
             msg = q.get(timeout=max(end - time.monotonic(), 0.01))
@@ -197,7 +216,10 @@ def _log_sampler_stages(q, last: int, samplers: int) -> None:
         if isinstance(msg, tuple) and msg[0] == "stages" and msg[3] == last:
             seen += 1
             split = {k: round(x, 3) for k, x in msg[4].items()}
-            _log(f"version {last}: sampler {msg[1]}:{msg[2]} stages {split}")
+            out["sampler_stages"][f"{msg[1]}:{msg[2]}"] = split
+            out["paths"] = sorted({*out["paths"], msg[5]})
+            _log(f"version {last}: sampler {msg[1]}:{msg[2]} path {msg[5]} stages {split}")
+    return out
 
 
 def _gloo_rank(rank: int, port: int, shapes, repeats: int, q) -> None:
@@ -248,19 +270,38 @@ def run(total_bytes: int, repeats: int, show_progress: bool = True) -> dict:
     chain = [(0, 0), (1, 0)]
     result: dict = {"suite": "weights", "bytes": nbytes, "tensors": len(shapes), "goal": GOAL}
 
+    def sync(label: str, *a, **kw) -> tuple[float, dict]:
+        times, info = _run_sync(*a, **kw)
+        _log(f"{label}: {statistics.median(times):.3f} s, paths {info.get('paths')}")
+        return statistics.median(times), info
+
+    def row(seconds: float, ref: float, limit: str, info: dict, path: str) -> dict:
+        entry = result_entry(nbytes, seconds, ref, limit)
+        entry["path"] = f"{path} (samplers reported: {', '.join(info.get('paths', [])) or '?'})"
+        entry["stages"] = {k: info[k] for k in ("trainer_stages", "sampler_stages") if k in info}
+        return entry
+
     _log(f"chain over TCP, {nbytes >> 20} MiB, trainer -> 2 samplers")
-    tcp = statistics.median(_run_sync(shapes, whole, whole, 1, chain, repeats, False))
-    _log(f"chain same-host path ({tcp:.2f} s over TCP)")
-    shm = statistics.median(_run_sync(shapes, whole, whole, 1, chain, repeats, True))
+    tcp, tcp_info = sync("chain over TCP", shapes, whole, whole, 1, chain, repeats, False)
+    _log("chain over the same-host P/D path (Unix socket, copy into each sampler's pool)")
+    shm, shm_info = sync(
+        "chain same-host", shapes, whole, whole, 1, chain, repeats, True, share=False
+    )
+    _log("same-host samplers reading the trainer's shared pool")
+    shared, shared_info = sync("shared segment", shapes, whole, whole, 1, chain, repeats, True)
     _log("gloo broadcast to 2 ranks")
     gloo = statistics.median(_gloo(shapes, repeats))
     iperf = shutil.which("iperf3")
+    gloo_ref = "torch.distributed gloo broadcast to 2 ranks, same tensors, same run"
     paths = {
-        "chain_tcp_vs_gloo": result_entry(
-            nbytes, tcp, gloo, "torch.distributed gloo broadcast to 2 ranks, same tensors, same run"
+        "chain_tcp_vs_gloo": row(
+            tcp, gloo, gloo_ref, tcp_info, "chain trainer -> sampler 0 -> sampler 1, loopback TCP"
         ),
-        "chain_same_host_vs_gloo": result_entry(
-            nbytes, shm, gloo, "torch.distributed gloo broadcast to 2 ranks, same tensors, same run"
+        "chain_same_host_vs_gloo": row(
+            shm, gloo, gloo_ref, shm_info, "chain over the same-host P/D path (Unix socket + shm)"
+        ),
+        "shared_same_host_vs_gloo": row(
+            shared, gloo, gloo_ref, shared_info, "both samplers read the trainer's /dev/shm pool"
         ),
     }
     if iperf:
@@ -268,24 +309,35 @@ def run(total_bytes: int, repeats: int, show_progress: bool = True) -> dict:
 
         _log("iperf3")
         ref = statistics.median(_iperf3(iperf, STREAMS, nbytes) for _ in range(repeats))
-        paths["chain_tcp_vs_iperf3"] = result_entry(
-            nbytes, tcp, ref, f"iperf3 over loopback TCP, {STREAMS} streams, same bytes, same run"
+        paths["chain_tcp_vs_iperf3"] = row(
+            tcp,
+            ref,
+            f"iperf3 over loopback TCP, {STREAMS} streams, same bytes, same run",
+            tcp_info,
+            "chain trainer -> sampler 0 -> sampler 1, loopback TCP",
         )
     _log("resharded vs plain: 2 trainer ranks (dim 0) -> 2 sampler ranks (dim 1 / dim 0)")
     src = {n: ShardLayout.split(s, 0, 2) for n, s in shapes.items()}
     plain_dst = {n: ShardLayout.split(s, 0, 2) for n, s in shapes.items()}
     resh_dst = {n: ShardLayout.split(s, 1, 2) for n, s in shapes.items()}
     group = [(0, 0), (0, 1)]
-    plain = statistics.median(_run_sync(shapes, src, plain_dst, 2, group, repeats, False))
-    resh = statistics.median(_run_sync(shapes, src, resh_dst, 2, group, repeats, False))
+    plain, _ = sync("plain", shapes, src, plain_dst, 2, group, repeats, False)
+    resh, resh_info = sync("resharded", shapes, src, resh_dst, 2, group, repeats, False)
     paths["resharded_vs_plain"] = {
         "seconds": round(resh, 4),
         "limit_seconds": round(plain, 4),
         "limit": "the same bytes, 2 -> 2 ranks with identical shards (plain), same run",
         "ratio": round(resh / plain, 3),
         "better": "lower",
+        "path": f"2 trainer processes -> 2 sampler ranks, loopback TCP (samplers reported: "
+        f"{', '.join(resh_info.get('paths', [])) or '?'})",
     }
     result["paths"] = paths
-    result["seconds"] = {"chain_tcp": tcp, "chain_same_host": shm, "gloo": gloo}
+    result["seconds"] = {
+        "chain_tcp": tcp,
+        "chain_same_host": shm,
+        "shared_same_host": shared,
+        "gloo": gloo,
+    }
     result["iperf3"] = iperf is not None
     return result

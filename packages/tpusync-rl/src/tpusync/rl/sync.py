@@ -20,6 +20,20 @@ RESHARD CONTRACT: trainer rank ``t`` sends sampler rank ``r`` only the intersect
 shards with ``r``'s shards (:class:`tpusync.rl.plan.ReshardPlan`); no process ever holds more of
 a tensor than its own shard plus the buckets in flight.
 
+SHARED-SEGMENT CONTRACT (same host, one trainer process): samplers that run on the trainer's
+host with ``same_host=True`` do not take part in the tree. They map the trainer's ``/dev/shm``
+pool read-only and read every bucket straight out of the trainer's blocks: a long-poll
+``bucket`` request on the control channel returns the bucket's segment offsets and the trainer's
+block checksums once the bucket is filled; the sampler verifies each block's checksum and stages
+its pieces into the shadow (or live) tensors directly from the segment, then ``release``s the
+bucket. The trainer holds one pool reference per shared bucket until every reader released it,
+reported a failure, or the version's deadline passed, so a block is never refilled while a
+reader may still read it. Per byte and sampler this costs one hash pass and one staging copy;
+the chain over the same-host P/D path costs a copy into the sampler's pool, the hash, the staging
+copy and, for the next hop, the same again. Rejected: a chain hop per sampler (each hop copies
+every byte once more and the hops serialize on 2 vCPUs), and a trainer-side push into each
+sampler's pool (the trainer process would do every copy for every sampler).
+
 FAULT CONTRACT: every wait has a deadline. A sampler that dies or fails an update is reported by
 trainer rank 0 (:class:`PublishReport`) and dropped from the next version's tree until it polls
 again; the others commit. When the trainer dies, samplers' pulls fail by their deadline and they
@@ -30,13 +44,17 @@ nothing committed); an announcement that does not follow the sampler's version i
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
+import mmap
 import os
+import re
 import socket
 import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +82,11 @@ from tpusync.rl.pack import TRAILER, StreamPlan, pack_streams
 log = logging.getLogger("tpusync.rl")
 
 __all__ = ["PublishReport", "SamplerSync", "TrainerSync", "UpdateResult", "request_id"]
+
+# Threads that pack and hash a trainer's blocks, and that hash a shared-segment reader's blocks
+# ahead of its staging copy: two keeps both cores of a 2-vCPU host busy while the samplers or the
+# transport wait; more buys nothing once the copies saturate memory bandwidth.
+FILL_THREADS = 2
 
 _VERSION_BITS, _RANK_BITS, _CHILD_BITS, _BUCKET_BITS = 20, 10, 6, 18
 
@@ -147,6 +170,8 @@ class _Endpoint:
             "tcp": self.producer.address,
             "unix": self.producer.unix_address,
             "host": socket.gethostname(),
+            # Same-host peers may map this pool (SHARED-SEGMENT CONTRACT in the module doc).
+            "shm": shm,
         }
         # ACK LEDGER CONTRACT: the producer reports a terminal (done / failed) send once, to
         # whichever caller polls first. Every poll of this endpoint's producer goes through
@@ -209,6 +234,8 @@ class PublishReport:
     committed: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    # Block bytes the trainer served: sent to its direct tree children, plus read by each
+    # shared-segment reader.
     bytes_sent: int = 0
 
     @property
@@ -224,6 +251,9 @@ class UpdateResult:
     seconds: float = 0.0
     bytes: int = 0
     forwarded_to: int = 0
+    # How the bytes came: "shared-segment" (read from the trainer's /dev/shm pool), "unix" (P/D
+    # same-host copy into this sampler's pool) or "tcp"; "" when nothing was pulled.
+    path: str = ""
 
 
 def _normalize(
@@ -290,7 +320,10 @@ class TrainerSync:
         pool_bytes: int = 512 << 20,
         deadline: float = 60.0,
         local_ranks: Sequence[int] | None = None,
+        share: bool = True,
     ) -> None:
+        """``share`` (with ``same_host``): same-host samplers read this process's pool directly
+        (SHARED-SEGMENT CONTRACT) when it holds every trainer rank; False keeps them in the tree."""
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside world {world}")
         if fanout < 1:
@@ -312,6 +345,9 @@ class TrainerSync:
         self._dst = dict(dst_layouts)
         self._secret = secret if secret is not None else load_secret()
         self._ep = _Endpoint(self._secret, block_bytes, pool_bytes, listen, same_host, 1)
+        self._fillers = concurrent.futures.ThreadPoolExecutor(
+            FILL_THREADS, thread_name_prefix="tpusync-rl-fill"
+        )
         self._pub = WeightPublisher(rank)
         self._lock = threading.Lock()
         self._members: dict[str, dict] = {}  # rank 0: "replica:rank" -> address
@@ -321,6 +357,15 @@ class TrainerSync:
         self._reports: dict[int, dict[str, dict]] = collections.defaultdict(dict)
         self._force_full = False
         self._delta_used = False
+        # SHARED-SEGMENT CONTRACT state (rank 0 = the only process when sharing), under _lock:
+        # (version, src, dst, bucket) -> {"ids", "offsets", "sums", "readers": set of keys};
+        # long-polled bucket requests not yet answerable; the version being published.
+        self._share = share and same_host and len(ranks) == world
+        self._shared: dict[tuple[int, int, int, int], dict] = {}
+        self._waiters: dict[tuple[int, int, int, int], list] = collections.defaultdict(list)
+        self._sharing: int | None = None
+        self._quit: set[str] = set()  # readers that reported a failure of the shared version
+        self._released: set[tuple[tuple[int, int, int, int], str]] = set()  # (slot, reader)
         self.metrics = {"versions_published": 0, "bytes_sent": 0, "last_publish_s": 0.0}
         # STAGE TIMES of the last publish (seconds on this rank's publishing thread): waiting for
         # free pool blocks, packing (device -> host copy into the pool + block hash), waiting for
@@ -378,8 +423,106 @@ class TrainerSync:
             if op == "report":
                 key = _key(int(msg["replica"]), int(msg["rank"]))
                 self._reports[int(msg["version"])][key] = msg
+                if not msg.get("ok"):  # a reader that gave up holds no shared bucket any more
+                    self._release_reader(int(msg["version"]), key)
+                    if self._sharing == int(msg["version"]):
+                        self._quit.add(key)  # nor is it offered the buckets still to come
                 return {"op": "ok"}
+            if op in ("bucket", "release"):
+                return self._shared_request(op, msg, _answer)
         return {"op": "error", "reason": f"unknown op {op!r}"}
+
+    def _shared_request(self, op: str, msg: dict, answer: Any) -> dict | None:
+        """A shared reader's ``bucket`` long poll or ``release`` (lock held)."""
+        version, key = int(msg["version"]), str(msg["key"])
+        # HOLD CHECK: a released bucket the trainer had already dropped (its deadline passed) may
+        # have been refilled while the reader staged it; the reader is told and rejects the update.
+        lost = [
+            [src, dst, bucket]
+            for src, dst, bucket in msg.get("release", ())
+            if not self._release(version, int(src), int(dst), int(bucket), key)
+        ]
+        if op == "release":
+            return {"op": "ok", "lost": lost}
+        if lost:
+            return {
+                "op": "lost",
+                "reason": f"the trainer dropped buckets {lost} before {key} "
+                "released them (deadline passed): their bytes may have been reused",
+            }
+        slot = (version, int(msg["src"]), int(msg["dst"]), int(msg["bucket"]))
+        entry = self._shared.get(slot)
+        if entry is not None and key in entry["readers"]:
+            return {"op": "bucket", "offsets": entry["offsets"], "sums": entry["sums"]}
+        if entry is None and self._sharing == version:
+            self._waiters[slot].append((key, answer))  # answered when the bucket is filled
+            return None
+        return {"op": "gone", "reason": f"bucket {slot} is not shared with {key} (any more)"}
+
+    def _release(self, version: int, src: int, dst: int, bucket: int, key: str) -> bool:
+        """Reader ``key`` is done with a shared bucket; the last one frees its blocks (lock held).
+        False when ``key`` held no such bucket (any more)."""
+        slot = (version, src, dst, bucket)
+        entry = self._shared.get(slot)
+        if entry is None or key not in entry["readers"]:
+            return (slot, key) in self._released  # a retried request releases twice
+        self._released.add((slot, key))
+        entry["readers"].discard(key)
+        if not entry["readers"]:
+            del self._shared[slot]
+            self._ep.pool.free(entry["ids"])
+        return True
+
+    def _release_reader(self, version: int, key: str) -> None:
+        for v, s, r, b in [k for k in self._shared if k[0] == version]:
+            self._release(v, s, r, b, key)
+
+    def _offer(
+        self, slot: tuple[int, int, int, int], ids: list[int], sums: list[int], readers: list[str]
+    ) -> None:
+        """Share a filled bucket with its same-host readers (SHARED-SEGMENT CONTRACT)."""
+        pool = self._ep.pool
+        # A HostBlockPool carves its blocks from offset 0 of its segment, one per stride.
+        borrow = pool.borrow(ids)
+        slots = list(borrow.slots)
+        borrow.release()
+        stride = pool.native.block_stride
+        entry = {
+            "ids": ids,
+            "offsets": [slot * stride for slot in slots],
+            "sums": sums,
+            "readers": set(readers),
+        }
+        with self._lock:
+            entry["readers"] -= self._quit
+            waiting = self._waiters.pop(slot, [])
+            if entry["readers"]:
+                pool.retain(ids)  # the sharing reference, dropped by the last release
+                self._shared[slot] = entry
+        reply = {"op": "bucket", "offsets": entry["offsets"], "sums": sums}
+        for key, answer in waiting:
+            answer(reply if key in entry["readers"] else {"op": "gone", "reason": "not a reader"})
+
+    def _end_sharing(self, version: int) -> list[str]:
+        """Drop every shared bucket of ``version``; returns the readers that still held one."""
+        with self._lock:
+            self._sharing = None
+            self._quit.clear()
+            self._released.clear()
+            left = sorted(
+                {k for s, e in self._shared.items() if s[0] == version for k in e["readers"]}
+            )
+            for slot in [s for s in self._shared if s[0] == version]:
+                self._ep.pool.free(self._shared.pop(slot)["ids"])
+            waiting = [a for ws in self._waiters.values() for _k, a in ws]
+            self._waiters.clear()
+        for answer in waiting:
+            answer({"op": "gone", "reason": f"version {version} is over"})
+        return left
+
+    def _holding(self, version: int) -> set[str]:
+        with self._lock:
+            return {k for s, e in self._shared.items() if s[0] == version for k in e["readers"]}
 
     def wait_for_samplers(self, count: int, timeout: float) -> list[str]:
         """Block until ``count`` sampler ranks joined (TimeoutError after ``timeout`` s)."""
@@ -410,10 +553,17 @@ class TrainerSync:
                 if self._have.get(k, 0) >= manifest.version
             }
             members = {k: a for k, a in self._members.items() if k not in skewed}
+            mine = self._ep.address
+            shared = {
+                k
+                for k, a in members.items()
+                if self._share and mine["shm"] and a.get("shm") and a.get("host") == mine["host"]
+            }
             topo: dict[int, list[int]] = collections.defaultdict(list)
+            readers: dict[int, list[int]] = collections.defaultdict(list)
             for key in members:
                 replica, rank = (int(x) for x in key.split(":"))
-                topo[rank].append(replica)
+                (readers if key in shared else topo)[rank].append(replica)
             ann = {
                 "op": "announce",
                 "version": manifest.version,
@@ -427,7 +577,10 @@ class TrainerSync:
                 "members": members,
                 "skewed": skewed,
                 "topo": {r: sorted(v) for r, v in topo.items()},
+                "shared": {r: sorted(v) for r, v in readers.items()},
             }
+            if readers:
+                self._sharing = manifest.version
             self._announced[manifest.version] = ann
             for old in [v for v in self._announced if v < manifest.version - 4]:
                 del self._announced[old]
@@ -463,10 +616,14 @@ class TrainerSync:
                 )
         report = PublishReport(version)
         self.stages = dict.fromkeys(self.stages, 0.0)
-        outstanding = self._send(ann, manifest, tensors, report, t0 + self.deadline)
-        t1 = time.monotonic()
-        self._wait_sent(outstanding, ann, report, t0 + self.deadline)
-        self.stages["ack_wait_s"] = time.monotonic() - t1
+        try:
+            outstanding = self._send(ann, manifest, tensors, report, t0 + self.deadline)
+            t1 = time.monotonic()
+            self._wait_sent(outstanding, ann, report, t0 + self.deadline)
+            self.stages["ack_wait_s"] = time.monotonic() - t1
+        finally:
+            for key in self._end_sharing(version):
+                report.failed.setdefault(key, "did not read every shared bucket by the deadline")
         if self.rank == 0:
             self._collect(ann, report, t0 + self.deadline)
         # Digests of every local tensor are only worth a pass over the model once deltas are used.
@@ -508,6 +665,7 @@ class TrainerSync:
         plans = pack_streams(manifest, dst, ann["block_bytes"], ann["bucket_blocks"])
         mine = {(s, r): p for (s, r), p in plans.items() if s in self.ranks}
         topo = {int(r): v for r, v in ann["topo"].items()}
+        shared = {int(r): v for r, v in ann.get("shared", {}).items()}
         outstanding: dict[int, str] = {}
         self._ep.forget_sends()  # acknowledgements of earlier versions nobody waits for
         # Round-robin over streams so every sampler rank progresses at once.
@@ -529,7 +687,7 @@ class TrainerSync:
             (s, r, b)
             for b in range(max((len(p.buckets) for p in mine.values()), default=0))
             for (s, r) in sorted(mine)
-            if b < len(mine[(s, r)].buckets) and topo.get(r)
+            if b < len(mine[(s, r)].buckets) and (topo.get(r) or shared.get(r))
         ]
         local = {
             s: {n: _as_torch(shards[s]) for n, (shards, _) in tensors.items() if s in shards}
@@ -549,7 +707,9 @@ class TrainerSync:
                 # Children that never acknowledged hold the pool until the deadline: whoever has
                 # not got every bucket by now fails this version (reported), nobody waits longer.
                 for _s2, r2, _b2 in order[n:]:
-                    for replica in _children(topo[r2], None, ann["fanout"]):
+                    for replica in _children(topo.get(r2, []), None, ann["fanout"]) + shared.get(
+                        r2, []
+                    ):
                         report.failed.setdefault(
                             _key(replica, r2), "trainer pool stayed full until the deadline"
                         )
@@ -557,12 +717,27 @@ class TrainerSync:
             t2 = time.monotonic()
             self.stages["pool_wait_s"] += t2 - t1
             try:
-                sums = [
-                    self._fill(ids[k], plan, blk, manifest.version, local[s], boxes[s])
-                    for k, blk in enumerate(range(first, end))
-                ]
+                # FILL CONTRACT: the blocks of a bucket are packed and hashed on FILL_THREADS
+                # threads (the copy and the hash release the GIL), each block by one thread, so
+                # a block's checksum is still taken right after that block was filled.
+                n_blk = end - first
+                sums = list(
+                    self._fillers.map(
+                        self._fill,
+                        ids,
+                        [plan] * n_blk,
+                        range(first, end),
+                        [manifest.version] * n_blk,
+                        [local[s]] * n_blk,
+                        [boxes[s]] * n_blk,
+                    )
+                )
                 self.stages["fill_s"] += time.monotonic() - t2
-                for j, replica in enumerate(_children(topo[r], None, ann["fanout"])):
+                readers = [_key(replica, r) for replica in shared.get(r, [])]
+                if readers:
+                    self._offer((manifest.version, s, r, b), ids, sums, readers)
+                    report.bytes_sent += len(readers) * (end - first) * self.block_bytes
+                for j, replica in enumerate(_children(topo.get(r, []), None, ann["fanout"])):
                     rid = request_id(manifest.version, s, r, j, b)
                     self._ep.producer.register_send(
                         rid, ids, max(deadline - time.monotonic(), 0), checksums=sums
@@ -600,7 +775,7 @@ class TrainerSync:
     ) -> None:
         left = dict(outstanding)
         version = int(ann["version"])
-        while left and time.monotonic() < deadline + 1.0:
+        while (left or self._holding(version)) and time.monotonic() < deadline + 1.0:
             if self._server is not None:  # rank 0: a sampler that reported a failure gave up
                 with self._lock:
                     reps = dict(self._reports.get(version, {}))
@@ -614,7 +789,7 @@ class TrainerSync:
                 key = left.pop(rid)
                 if st.failed and key not in report.failed:
                     report.failed[key] = f"transfer failed: {st.reason}"
-            if left:
+            if left or self._holding(version):
                 time.sleep(0.002)
         for key in left.values():
             report.failed.setdefault(key, "transfer not acknowledged by the deadline")
@@ -653,6 +828,7 @@ class TrainerSync:
             self._server.close()
         if self._client is not None:
             self._client.close()
+        self._fillers.shutdown(wait=True)
         self._ep.close()
 
 
@@ -687,9 +863,15 @@ class SamplerSync:
         self._poll = poll_interval
         self.history: list[UpdateResult] = []
         self._seen = subscriber.version  # newest version attempted (never retried)
+        self._segment: tuple[str, np.ndarray, mmap.mmap] | None = None  # the trainer's pool
+        self._hashers = concurrent.futures.ThreadPoolExecutor(
+            FILL_THREADS, thread_name_prefix="tpusync-rl-hash"
+        )
         # STAGE TIMES of the last update (seconds on the pulling thread): waiting for the head
         # bucket to land and verify (wire + transport), registering it for the children, staging
         # it (digest-free copy into the shadow / live weights, dtype cast, name mapping).
+        # On the shared-segment path wire_wait_s is the wait for the trainer to fill a bucket
+        # and stage_s includes the checksum pass over the trainer's blocks.
         self.stages = {"wire_wait_s": 0.0, "forward_s": 0.0, "stage_s": 0.0}
 
     @property
@@ -768,6 +950,7 @@ class SamplerSync:
             self._report(result)
             return result
         forwarded = 0
+        path = ""
         try:
             dst = {n: _layout_from_wire(raw) for n, raw in ann["dst"].items()}
             mine = self.sub.layouts_by_trainer_name(manifest)
@@ -778,15 +961,20 @@ class SamplerSync:
                     )
             plans = pack_streams(manifest, dst, ann["block_bytes"], ann["bucket_blocks"])
             streams = {s: p for (s, r), p in plans.items() if r == me}
-            topo = [int(x) for x in ann["topo"].get(me, [])]
-            parent, slot = _parent(topo, self.replica, ann["fanout"])
-            children = _children(topo, self.replica, ann["fanout"])
-            if parent is None:
-                peers = {s: self._ep.peer(ann["trainers"][s]) for s in streams}
+            if self.replica in ann.get("shared", {}).get(me, ()):
+                path = "shared-segment"
+                self._pull_shared(version, me, streams, ann["trainers"], deadline)
             else:
-                addr = self._ep.peer(ann["members"][_key(parent, me)])
-                peers = {s: addr for s in streams}
-            forwarded = self._pull(version, me, streams, peers, slot, children, deadline)
+                topo = [int(x) for x in ann["topo"].get(me, [])]
+                parent, slot = _parent(topo, self.replica, ann["fanout"])
+                children = _children(topo, self.replica, ann["fanout"])
+                if parent is None:
+                    peers = {s: self._ep.peer(ann["trainers"][s]) for s in streams}
+                else:
+                    addr = self._ep.peer(ann["members"][_key(parent, me)])
+                    peers = {s: addr for s in streams}
+                path = "unix" if any(p.startswith("unix:") for p in peers.values()) else "tcp"
+                forwarded = self._pull(version, me, streams, peers, slot, children, deadline)
             committed = self.sub.commit()
             result = UpdateResult(
                 committed,
@@ -795,6 +983,7 @@ class SamplerSync:
                 time.monotonic() - t0,
                 sum(p.nbytes for p in streams.values()),
                 forwarded,
+                path,
             )
             log.info(
                 "sampler %d:%d committed version %d in %.3f s",
@@ -806,7 +995,7 @@ class SamplerSync:
         except Exception as e:  # noqa: BLE001 - any failure rejects this update, never the sampler
             self.sub.abort(str(e))
             log.error("sampler %d:%d rejects version %d: %s", self.replica, me, version, e)
-            result = UpdateResult(version, False, str(e), time.monotonic() - t0, 0, forwarded)
+            result = UpdateResult(version, False, str(e), time.monotonic() - t0, 0, forwarded, path)
         self._report(result)
         return result
 
@@ -928,10 +1117,128 @@ class SamplerSync:
                     finished[other.request_id] = other
         return finished.pop(rid)
 
+    def _map_segment(self, name: str) -> np.ndarray:
+        """The trainer's pool segment, mapped read-only once and kept across versions."""
+        if self._segment is not None and self._segment[0] == name:
+            return self._segment[1]
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", name or ""):
+            raise UpdateRejectedError(f"the trainer announced a bad shared segment name {name!r}")
+        fd = os.open(os.path.join("/dev/shm", name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            seg = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._unmap()
+        arr = np.frombuffer(seg, dtype=np.uint8)
+        self._segment = (name, arr, seg)
+        return arr
+
+    def _unmap(self) -> None:
+        if self._segment is not None:
+            _name, arr, seg = self._segment
+            self._segment = None
+            del arr
+            try:
+                seg.close()
+            except BufferError:  # a staged view still points into it: the GC unmaps it later
+                pass
+
+    def _pull_shared(
+        self,
+        version: int,
+        me: int,
+        streams: dict[int, StreamPlan],
+        trainers: Mapping[Any, Mapping[str, Any]],
+        deadline: float,
+    ) -> None:
+        """Stage every bucket straight out of the trainer's pool (SHARED-SEGMENT CONTRACT)."""
+        key = _key(self.replica, me)
+        bb = self._ep.pool.block_bytes
+        stages = self.stages = dict.fromkeys(self.stages, 0.0)
+        items = [
+            (s, b)
+            for b in range(max((len(p.buckets) for p in streams.values()), default=0))
+            for s in sorted(streams)
+            if b < len(streams[s].buckets)
+        ]
+        release: list[list[int]] = []
+
+        def ask(msg: dict) -> dict:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"version {version}: the trainer's buckets did not come in time")
+            return self._client.request(msg, timeout=min(2.0, left))
+
+        try:
+            with warnings.catch_warnings():
+                # The segment is mapped read-only on purpose: staging only reads it.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                for s, b in items:
+                    seg = self._map_segment(str(trainers[s].get("shm") or ""))
+                    t1 = time.monotonic()
+                    msg = {"op": "bucket", "version": version, "key": key, "src": s, "dst": me}
+                    while True:
+                        try:
+                            reply = ask({**msg, "bucket": b, "release": release})
+                        except TimeoutError:
+                            if time.monotonic() >= deadline:
+                                raise
+                            continue  # a long poll outlived its request timeout: ask again
+                        release = []
+                        break
+                    if reply.get("op") != "bucket":
+                        raise UpdateRejectedError(
+                            f"bucket {b} from trainer rank {s}: {reply.get('reason', reply)}"
+                        )
+                    release = [[s, me, b]]
+                    t2 = time.monotonic()
+                    stages["wire_wait_s"] += t2 - t1
+                    first, _ = streams[s].buckets[b]
+                    offsets = [int(off) for off in reply["offsets"]]
+                    if any(not 0 <= off <= seg.nbytes - bb for off in offsets):
+                        raise UpdateRejectedError(f"shared offsets {offsets} leave the segment")
+                    # HASH-AHEAD: the checksums of the bucket's blocks run on worker threads
+                    # while the blocks before them are staged; a block is staged only after its
+                    # own checksum matched.
+                    hashes = [self._hashers.submit(checksum64, seg[o : o + bb]) for o in offsets]
+                    for k, (off, want) in enumerate(zip(offsets, reply["sums"], strict=True)):
+                        arr = seg[off : off + bb]
+                        if hashes[k].result() != want:
+                            plan = streams[s]
+                            names = sorted({p.name for p in plan.blocks[first + k]})
+                            raise UpdateRejectedError(
+                                f"bucket {b} ({', '.join(names)}) from trainer rank {s}: block "
+                                f"{k} failed its checksum on the shared segment"
+                            )
+                        self._stage_view(version, me, s, streams[s], first + k, arr)
+                    stages["stage_s"] += time.monotonic() - t2
+            # HOLD CHECK (see TrainerSync._shared_request): the last bucket too must still have
+            # been held by the trainer when this sampler finished staging it.
+            done, release = release, []
+            reply = ask({"op": "release", "version": version, "key": key, "release": done})
+            if reply.get("op") != "ok" or reply.get("lost"):
+                raise UpdateRejectedError(
+                    f"the trainer did not hold buckets {reply.get('lost') or done} until this "
+                    f"sampler released them: {reply.get('reason', 'deadline passed')}"
+                )
+        finally:
+            if release:
+                try:
+                    self._client.request(
+                        {"op": "release", "version": version, "key": key, "release": release},
+                        timeout=2.0,
+                    )
+                except (TimeoutError, RuntimeError) as e:  # the trainer frees it by the deadline
+                    log.debug("sampler %s: release of version %d lost: %s", key, version, e)
+
     def _stage(
         self, version: int, me: int, src: int, plan: StreamPlan, index: int, block: int
     ) -> None:
-        arr = self._ep.pool.view(block)
+        self._stage_view(version, me, src, plan, index, self._ep.pool.view(block))
+
+    def _stage_view(
+        self, version: int, me: int, src: int, plan: StreamPlan, index: int, arr: np.ndarray
+    ) -> None:
         bb = arr.nbytes
         pieces = plan.blocks[index]
         got_version, count = (int(x) for x in arr[bb - TRAILER :].view(np.uint64))
@@ -957,5 +1264,7 @@ class SamplerSync:
             )
 
     def close(self) -> None:
+        self._hashers.shutdown(wait=True)
+        self._unmap()
         self._client.close()
         self._ep.close()
