@@ -44,8 +44,7 @@ uint64_t CopyWithChecksum64(void* dst, const void* src, size_t bytes, uint64_t s
   return FusedCopyHash(dst, src, bytes, seed);
 }
 
-static_assert(sizeof(XXH3_state_t) <= Checksum64Stream::kStateBytes &&
-              alignof(XXH3_state_t) <= 64);
+static_assert(sizeof(XXH3_state_t) <= Checksum64Stream::kStateBytes && alignof(XXH3_state_t) <= 64);
 
 namespace {
 XXH3_state_t* StateOf(unsigned char* raw) { return reinterpret_cast<XXH3_state_t*>(raw); }

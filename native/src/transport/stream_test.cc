@@ -93,8 +93,8 @@ TEST(SocketStreamRecv, PiecesAreExactAcrossShortReads) {
   struct Case {
     size_t blocks, bytes, chunk;
   };
-  for (const Case c : {Case{3, 3 * kPiece + 5, 100003}, Case{2, kPiece, 4099},
-                       Case{200, 4096, 777}, Case{5, kPiece - 1, 65537}}) {
+  for (const Case c : {Case{3, 3 * kPiece + 5, 100003}, Case{2, kPiece, 4099}, Case{200, 4096, 777},
+                       Case{5, kPiece - 1, 65537}}) {
     Pair p;
     const auto blocks = RandomBlocks(c.blocks, c.bytes, static_cast<uint32_t>(c.chunk));
     std::thread w = Dribble(p, FrameBytes(blocks), c.chunk, false);

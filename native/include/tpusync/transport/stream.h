@@ -3,9 +3,9 @@
 //
 // ZERO-COPY CONTRACT: Send writes header, metadata, checksums and the caller's block memory in one
 // writev-style call, straight from the blocks (no staging buffer); RecvBlocks reads the payload
-// straight into the destinations the caller chose (readv, in pieces), verifying every block checksum
-// piece by piece while the bytes are warm (VERIFY-WHILE-WARM in stream.cc).
-// The caller keeps the block memory valid and unchanged for the duration of the call.
+// straight into the destinations the caller chose (readv, in pieces), verifying every block
+// checksum piece by piece while the bytes are warm (VERIFY-WHILE-WARM in stream.cc). The caller
+// keeps the block memory valid and unchanged for the duration of the call.
 //
 // BROKEN CONTRACT: after any error from Send / RecvHead / RecvBlocks the stream is out of step and
 // is marked broken; every later call fails with kUnavailable. Callers drop broken streams (the
