@@ -14,6 +14,7 @@ namespace tpusync {
 namespace internal {
 uint64_t Checksum64Avx2(const void* data, size_t bytes, uint64_t seed);
 uint64_t CopyWithChecksum64Avx2(void* dst, const void* src, size_t bytes, uint64_t seed);
+void Checksum64UpdateAvx2(void* state, const void* data, size_t bytes);
 }  // namespace internal
 namespace {
 // DISPATCH: the wheel targets baseline x86-64 (SSE2); XXH3 runs about twice as fast with AVX2,
@@ -42,5 +43,31 @@ uint64_t CopyWithChecksum64(void* dst, const void* src, size_t bytes, uint64_t s
 #endif
   return FusedCopyHash(dst, src, bytes, seed);
 }
+
+static_assert(sizeof(XXH3_state_t) <= Checksum64Stream::kStateBytes && alignof(XXH3_state_t) <= 64);
+
+namespace {
+XXH3_state_t* StateOf(unsigned char* raw) { return reinterpret_cast<XXH3_state_t*>(raw); }
+const XXH3_state_t* StateOf(const unsigned char* raw) {
+  return reinterpret_cast<const XXH3_state_t*>(raw);
+}
+}  // namespace
+
+Checksum64Stream::Checksum64Stream(uint64_t seed) {
+  XXH3_INITSTATE(StateOf(state_));
+  Reset(seed);
+}
+
+void Checksum64Stream::Reset(uint64_t seed) { XXH3_64bits_reset_withSeed(StateOf(state_), seed); }
+
+void Checksum64Stream::Update(const void* data, size_t bytes) {
+#if defined(__x86_64__) && defined(TPUSYNC_HAVE_AVX2_CHECKSUM)
+  // Same state layout in both builds (one struct definition); only the stripe loop differs.
+  if (kAvx2 && bytes >= 1024) return internal::Checksum64UpdateAvx2(state_, data, bytes);
+#endif
+  XXH3_64bits_update(StateOf(state_), data, bytes);
+}
+
+uint64_t Checksum64Stream::Digest() const { return XXH3_64bits_digest(StateOf(state_)); }
 
 }  // namespace tpusync

@@ -21,6 +21,10 @@ uint64_t Checksum64Avx2(const void* data, size_t bytes, uint64_t seed) {
   return XXH3_64bits_withSeed(data, bytes, seed);
 }
 
+void Checksum64UpdateAvx2(void* state, const void* data, size_t bytes) {
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state), data, bytes);
+}
+
 namespace {
 #include "fused_copy_hash.inc"  // NOLINT(build/include): the loop, AVX2 build
 }  // namespace

@@ -148,3 +148,44 @@ TEST(StreamCopy, CopiesExactlyAtAnySizeAndAlignment) {
 
 }  // namespace
 }  // namespace tpusync
+
+namespace tpusync {
+namespace {
+
+// DIGEST CONTRACT of Checksum64Stream: any split of the input (empty pieces, pieces that cut
+// XXH3's 64-byte stripes and 1 KiB blocks, pieces around the 1 KiB dispatch threshold, one piece)
+// gives xxHash's one-shot digest, for several seeds; Reset starts over.
+TEST(Checksum, StreamMatchesOneShotForAnySplit) {
+  std::mt19937 rng(5);
+  std::vector<uint8_t> data((2 << 20) + 77);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  Checksum64Stream h;
+  for (size_t total : {size_t{0}, size_t{1}, size_t{240}, size_t{241}, size_t{1023}, size_t{1024},
+                       size_t{4097}, size_t{256 << 10}, data.size()}) {
+    for (uint64_t seed : {uint64_t{0}, uint64_t{42}}) {
+      const uint64_t want = XXH3_64bits_withSeed(data.data(), total, seed);
+      EXPECT_EQ(Checksum64(data.data(), total, seed), want);
+      for (size_t piece : {size_t{1}, size_t{63}, size_t{1000}, size_t{1024}, size_t{65536},
+                           size_t{256 << 10}, total + 1}) {
+        if (piece == 1 && total > 5000) continue;  // byte by byte only for the short inputs
+        h.Reset(seed);
+        h.Update(data.data(), 0);  // an empty piece changes nothing
+        for (size_t off = 0; off < total; off += piece) {
+          h.Update(data.data() + off, std::min(piece, total - off));
+        }
+        EXPECT_EQ(h.Digest(), want) << "total " << total << " piece " << piece << " seed " << seed;
+      }
+      // Random splits.
+      h.Reset(seed);
+      for (size_t off = 0; off < total;) {
+        const size_t n = std::min<size_t>(total - off, rng() % 300000);
+        h.Update(data.data() + off, n);
+        off += n;
+      }
+      EXPECT_EQ(h.Digest(), want) << "random split of " << total;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tpusync

@@ -23,4 +23,26 @@ uint64_t Checksum64(const void* data, size_t bytes, uint64_t seed = 0);
 inline constexpr size_t kFusedChunkBytes = 16 << 10;
 uint64_t CopyWithChecksum64(void* dst, const void* src, size_t bytes, uint64_t seed = 0);
 
+// Checksum64 of bytes that arrive in pieces: Update with consecutive pieces, then Digest.
+// DIGEST CONTRACT: for any split of the input into pieces (empty ones included), Digest() equals
+// Checksum64(whole, seed) (xxHash's streaming XXH3 state; checksum_test.cc proves it). Used to
+// verify a block received in pieces while each piece is still in cache (transport/stream.h,
+// VERIFY-WHILE-WARM). Same DISPATCH as Checksum64: Update runs the AVX2 build where the CPU has it.
+// Not copyable (the state is large and may point into itself); one per thread.
+class Checksum64Stream {
+ public:
+  explicit Checksum64Stream(uint64_t seed = 0);
+  Checksum64Stream(const Checksum64Stream&) = delete;
+  Checksum64Stream& operator=(const Checksum64Stream&) = delete;
+  // Starts over (a new digest with this seed).
+  void Reset(uint64_t seed = 0);
+  void Update(const void* data, size_t bytes);
+  uint64_t Digest() const;
+
+  static constexpr size_t kStateBytes = 640;  // >= sizeof(XXH3_state_t), static_asserted
+
+ private:
+  alignas(64) unsigned char state_[kStateBytes];
+};
+
 }  // namespace tpusync
