@@ -12,6 +12,24 @@ namespace {
 constexpr size_t kStreamSpanBytes = 4096;
 }  // namespace
 
+std::vector<CopySpan> CoalesceSpans(std::vector<CopySpan> spans) {
+  size_t out = 0;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const CopySpan& s = spans[i];
+    if (s.bytes == 0) continue;
+    if (out > 0) {
+      CopySpan& last = spans[out - 1];
+      if (last.dst + last.bytes == s.dst && last.src + last.bytes == s.src) {
+        last.bytes += s.bytes;
+        continue;
+      }
+    }
+    spans[out++] = s;
+  }
+  spans.resize(out);
+  return spans;
+}
+
 std::vector<std::vector<CopySpan>> PartitionCopies(const std::vector<CopySpan>& spans, size_t parts,
                                                    size_t chunk) {
   size_t total = 0;
@@ -41,7 +59,7 @@ std::vector<std::vector<CopySpan>> PartitionCopies(const std::vector<CopySpan>& 
 }
 
 Future CopyAsync(ThreadPool& pool, std::vector<CopySpan> spans) {
-  auto parts = PartitionCopies(spans, pool.num_threads());
+  auto parts = PartitionCopies(CoalesceSpans(std::move(spans)), pool.num_threads());
   std::vector<ThreadPool::Task> tasks;
   tasks.reserve(parts.size());
   for (auto& part : parts) {
