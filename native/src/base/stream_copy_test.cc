@@ -17,8 +17,8 @@ using RunsFn = void (*)(const StreamRun*, size_t);
 // lanes interleave runs and pieces of runs): each run lands exactly, bytes between runs are
 // untouched.
 void CheckScatteredRuns(RunsFn fn) {
-  const size_t lengths[] = {0,    1,    63,   64,   65,   127,  4095, 4096,
-                            4097, 8192, 8191, 12345, 3 * 4096 + 64, 100000};
+  const size_t lengths[] = {0,    1,    63,   64,   65,    127,           4095,
+                            4096, 4097, 8192, 8191, 12345, 3 * 4096 + 64, 100000};
   std::mt19937 rng(7);
   std::vector<uint8_t> src(1 << 20), dst(1 << 21, 0xEE), want(1 << 21, 0xEE);
   for (auto& b : src) b = static_cast<uint8_t>(rng());
@@ -54,8 +54,8 @@ TEST(StreamStoreRuns, GatherOfStridedRunsIntoContiguousRows) {
   std::vector<StreamRun> runs;
   for (size_t b = 0; b < 3; ++b) {
     for (size_t h = 0; h < kHeads; ++h) {
-      runs.push_back({dst.data() + (b * kHeads + h) * kRun, src.data() + (h * kBlocks + 2 * b) * kRun,
-                      kRun});
+      runs.push_back(
+          {dst.data() + (b * kHeads + h) * kRun, src.data() + (h * kBlocks + 2 * b) * kRun, kRun});
     }
   }
   StreamStoreRuns(runs.data(), runs.size());

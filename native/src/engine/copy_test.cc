@@ -36,12 +36,12 @@ TEST(Copy, CoalesceMergesOnlyRunsAdjacentOnBothSides) {
   uint8_t* d = dst.data();
   const uint8_t* s = src.data();
   auto merged = CoalesceSpans({{d, s, 100},
-                               {d + 100, s + 100, 50},   // both sides back to back: merges
-                               {d + 150, s + 150, 0},    // empty: dropped, no break
-                               {d + 150, s + 150, 10},   // merges across the empty one
-                               {d + 160, s + 300, 20},   // destination adjacent only
-                               {d + 400, s + 320, 20},   // source adjacent only
-                               {d + 380, s + 300, 20}}); // adjacent, but before: order is kept
+                               {d + 100, s + 100, 50},    // both sides back to back: merges
+                               {d + 150, s + 150, 0},     // empty: dropped, no break
+                               {d + 150, s + 150, 10},    // merges across the empty one
+                               {d + 160, s + 300, 20},    // destination adjacent only
+                               {d + 400, s + 320, 20},    // source adjacent only
+                               {d + 380, s + 300, 20}});  // adjacent, but before: order is kept
   ASSERT_EQ(merged.size(), 4u);
   EXPECT_EQ(merged[0].dst, d);
   EXPECT_EQ(merged[0].src, s);
@@ -62,8 +62,8 @@ TEST(Copy, CoalesceKeepsStridedRunsApart) {
   std::vector<CopySpan> spans;
   for (size_t b = 0; b < kBlocks; ++b) {
     for (size_t h = 0; h < kHeads; ++h) {
-      spans.push_back({dst.data() + (b * kHeads + h) * kRun, src.data() + (h * kBlocks + b) * kRun,
-                       kRun});
+      spans.push_back(
+          {dst.data() + (b * kHeads + h) * kRun, src.data() + (h * kBlocks + b) * kRun, kRun});
     }
   }
   EXPECT_EQ(CoalesceSpans(spans).size(), spans.size());
