@@ -100,5 +100,59 @@ TEST(SegmentTransfer, ManySmallSegmentsAcrossWorkers) {
   EXPECT_EQ(std::memcmp(src.data(), back.data(), src.size()), 0);
 }
 
+// Runs that coalesce (consecutive rows into consecutive pool slots) next to runs that must not
+// (a repeated source row, a reversed pair): every byte lands where its own segment says.
+TEST(SegmentTransfer, CoalescedAndUnmergeableRunsMoveTheRightBytes) {
+  ThreadPool pool(2);
+  constexpr size_t kBlock = 8192;
+  auto blocks = MakeBlocks(kBlock, 6);
+  auto ids = *blocks->Alloc(6);
+  std::vector<uint8_t> src(6 * kBlock), back(6 * kBlock, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 13 + 5);
+  // Host blocks 0..2 <- rows 0..2 (mergeable when the slots are back to back), block 3 <- row 0
+  // again, blocks 4 and 5 <- rows 5 and 4; each block copied as two half-block segments.
+  const uint64_t rows[6] = {0, 1, 2, 0, 5, 4};
+  SegmentList list{{{src.data(), src.size()}}, {}};
+  for (uint64_t b = 0; b < 6; ++b) {
+    for (uint64_t half = 0; half < 2; ++half) {
+      list.segments.push_back(
+          {b, half * kBlock / 2, 0, rows[b] * kBlock + half * kBlock / 2, kBlock / 2});
+    }
+  }
+  ASSERT_TRUE(PutSegments(pool, blocks, ids, list)->Wait(5s).ok());
+  SegmentList out{{{back.data(), back.size()}}, {}};
+  for (uint64_t b = 0; b < 6; ++b) out.segments.push_back({b, 0, 0, b * kBlock, kBlock});
+  ASSERT_TRUE(GetSegments(pool, blocks, ids, out)->Wait(5s).ok());
+  for (uint64_t b = 0; b < 6; ++b) {
+    EXPECT_EQ(std::memcmp(back.data() + b * kBlock, src.data() + rows[b] * kBlock, kBlock), 0)
+        << "host block " << b;
+  }
+}
+
+// A batch whose valid segments would all coalesce still moves nothing when one segment is out of
+// range: the bounds are checked before any span is built.
+TEST(SegmentTransfer, OutOfRangeSegmentAmongMergeableOnesMovesNothing) {
+  ThreadPool pool(2);
+  constexpr size_t kBlock = 4096;
+  auto blocks = MakeBlocks(kBlock, 4);
+  auto ids = *blocks->Alloc(4);
+  std::vector<uint8_t> src(4 * kBlock, 7), back(4 * kBlock, 1);
+  SegmentList zero{{{back.data(), back.size()}}, {}};
+  std::vector<uint8_t> zeros(4 * kBlock, 0);
+  SegmentList clear{{{zeros.data(), zeros.size()}}, {}};
+  for (uint64_t b = 0; b < 4; ++b) clear.segments.push_back({b, 0, 0, b * kBlock, kBlock});
+  ASSERT_TRUE(PutSegments(pool, blocks, ids, clear)->Wait(5s).ok());
+  SegmentList list{{{src.data(), src.size()}}, {}};
+  for (uint64_t b = 0; b < 4; ++b) list.segments.push_back({b, 0, 0, b * kBlock, kBlock});
+  list.segments.push_back({4, 0, 0, 0, 16});  // block 4 of a batch of 4
+  EXPECT_EQ(PutSegments(pool, blocks, ids, list)->Wait(5s).code(), StatusCode::kInvalidArgument);
+  list.segments.back() = {3, 0, 0, 4 * kBlock - 8, 16};  // past the region's end
+  EXPECT_EQ(PutSegments(pool, blocks, ids, list)->Wait(5s).code(), StatusCode::kInvalidArgument);
+  zero.segments = clear.segments;
+  ASSERT_TRUE(GetSegments(pool, blocks, ids, zero)->Wait(5s).ok());
+  EXPECT_TRUE(std::all_of(back.begin(), back.end(), [](uint8_t v) { return v == 0; }));
+  EXPECT_EQ(blocks->stats().num_borrowed, 0u);
+}
+
 }  // namespace
 }  // namespace tpusync::engine

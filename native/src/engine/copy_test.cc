@@ -31,6 +31,52 @@ TEST(Copy, PartitionBalancesBytesAndCoversEverything) {
   EXPECT_EQ(total, 10u << 20);
 }
 
+TEST(Copy, CoalesceMergesOnlyRunsAdjacentOnBothSides) {
+  std::vector<uint8_t> src(1 << 16), dst(1 << 16);
+  uint8_t* d = dst.data();
+  const uint8_t* s = src.data();
+  auto merged = CoalesceSpans({{d, s, 100},
+                               {d + 100, s + 100, 50},    // both sides back to back: merges
+                               {d + 150, s + 150, 0},     // empty: dropped, no break
+                               {d + 150, s + 150, 10},    // merges across the empty one
+                               {d + 160, s + 300, 20},    // destination adjacent only
+                               {d + 400, s + 320, 20},    // source adjacent only
+                               {d + 380, s + 300, 20}});  // adjacent, but before: order is kept
+  ASSERT_EQ(merged.size(), 4u);
+  EXPECT_EQ(merged[0].dst, d);
+  EXPECT_EQ(merged[0].src, s);
+  EXPECT_EQ(merged[0].bytes, 160u);
+  EXPECT_EQ(merged[1].dst, d + 160);
+  EXPECT_EQ(merged[1].bytes, 20u);
+  EXPECT_EQ(merged[2].dst, d + 400);
+  EXPECT_EQ(merged[3].dst, d + 380);
+  EXPECT_TRUE(CoalesceSpans({}).empty());
+  EXPECT_TRUE(CoalesceSpans({{d, s, 0}}).empty());
+}
+
+TEST(Copy, CoalesceKeepsStridedRunsApart) {
+  // A [heads, blocks, run] source gathered block-major into contiguous host rows: the
+  // destination is back to back, the source jumps a head plane, so nothing merges.
+  constexpr size_t kHeads = 4, kBlocks = 8, kRun = 256;
+  std::vector<uint8_t> src(kHeads * kBlocks * kRun), dst(kHeads * kBlocks * kRun);
+  std::vector<CopySpan> spans;
+  for (size_t b = 0; b < kBlocks; ++b) {
+    for (size_t h = 0; h < kHeads; ++h) {
+      spans.push_back(
+          {dst.data() + (b * kHeads + h) * kRun, src.data() + (h * kBlocks + b) * kRun, kRun});
+    }
+  }
+  EXPECT_EQ(CoalesceSpans(spans).size(), spans.size());
+  // The same runs with one head: consecutive blocks are consecutive on both sides.
+  std::vector<CopySpan> one;
+  for (size_t b = 0; b < kBlocks; ++b) {
+    one.push_back({dst.data() + b * kRun, src.data() + b * kRun, kRun});
+  }
+  auto merged = CoalesceSpans(one);
+  ASSERT_EQ(merged.size(), 1u);
+  EXPECT_EQ(merged[0].bytes, kBlocks * kRun);
+}
+
 TEST(Copy, CopyAsyncCopiesEveryByte) {
   ThreadPool pool(3);
   std::vector<uint8_t> src(3 << 20), dst(3 << 20, 0);

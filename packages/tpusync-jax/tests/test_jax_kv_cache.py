@@ -239,3 +239,34 @@ def test_queued_operations_keep_submission_order(staged):
             arr = np.asarray(arr)
             for s, d in ((2, 0), (9, 5), (2, 3), (9, 7)):
                 np.testing.assert_array_equal(arr[:, d], h[:, s])
+
+
+@pytest.mark.parametrize("name", ["jax_pages", "vllm_cpu"])
+def test_consecutive_blocks_per_layer_batches_and_late_bad_id(name):
+    """One engine call per layer (each passes only its own host ids) over consecutive blocks and
+    slots (runs the native copy coalesces) and reversed slots (runs that must not merge); then a
+    freed id in the last layer's row refuses the whole call before any byte moves."""
+    lay = layouts()[name]
+    host = host_cache(lay, 3)
+    mgr = KVCacheManager(to_device(host), lay, host_blocks=32)
+    mgr.batch_bytes = 0
+    src = [2, 3, 4]
+    fwd = mgr.alloc_host(len(src))
+    mgr.d2h(src, fwd).result(timeout=30)
+    mgr.h2d([5, 6, 7], fwd).result(timeout=30)
+    mgr.h2d([9, 8, 1], fwd[:, ::-1].copy()).result(timeout=30)
+    moved = [[h.copy() for h in parts] for parts in host]
+    for parts in moved:
+        for h in parts:
+            for s, d in zip(src * 2, [5, 6, 7, 1, 8, 9], strict=True):
+                idx = [slice(None)] * h.ndim
+                idx[lay.block_axis] = d
+                h[tuple(idx)] = np.take(h, s, axis=lay.block_axis)
+    check_moved(mgr, moved, lay, [], [])
+    mgr.pool.free([int(fwd[-1][-1])])
+    with pytest.raises(tc.TpusyncError):
+        mgr.h2d([0, 1, 2], fwd)
+    with pytest.raises(tc.TpusyncError):
+        mgr.d2h([0, 1, 2], fwd)
+    check_moved(mgr, moved, lay, [], [])
+    mgr.close()

@@ -432,3 +432,48 @@ def test_cuda_data_path_on_cpu_tensors_matches_native_path(variant, per_host):
             for s, d in zip(src, dst, strict=True):
                 assert torch.equal(block(p, ax, d), block(o, ax, s))
             assert torch.equal(block(p, ax, 5), block(o, ax, 5))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("per_host", [1, 3])
+def test_consecutive_blocks_and_slots_per_layer_batches(variant, per_host):
+    """Consecutive device blocks into consecutive pool slots (runs the native copy coalesces)
+    and the same blocks into reversed slots (runs that must not merge), one engine call per
+    layer (each batch passes only its own group's host ids): every block lands in its own place."""
+    caches, lay = make_cache(variant)
+    mgr = KVCacheManager(caches, lay, host_blocks=64, layers_per_host_block=per_host)
+    mgr.batch_bytes = 0
+    before = [[p.clone() for p in parts] for parts in parts_of(mgr)]
+    src = [3, 4, 5, 6]
+    fwd = mgr.alloc_host(len(src))
+    rev = fwd[:, ::-1].copy()
+    mgr.d2h(src, fwd).result(timeout=10)
+    for dst, ids in (([0, 1, 2, 3], fwd), ([8, 9, 10, 11], rev)):
+        mgr.h2d(dst, ids).result(timeout=10)
+    ax = lay.block_axis
+    for parts, orig in zip(parts_of(mgr), before, strict=True):
+        for p, o in zip(parts, orig, strict=True):
+            for s, d_fwd, d_rev in zip(src, [0, 1, 2, 3], [11, 10, 9, 8], strict=True):
+                assert torch.equal(block(p, ax, d_fwd), block(o, ax, s))
+                assert torch.equal(block(p, ax, d_rev), block(o, ax, s))
+
+
+def test_freed_host_id_in_a_later_batch_refused_before_any_byte_moves():
+    """A bulk call moves in batches that each borrow only their own rows; a freed id in the last
+    layer's row is still refused for the whole call before the first layer moves."""
+    caches, lay = make_cache("block_inside_heads")
+    mgr = KVCacheManager(caches, lay, host_blocks=64)
+    mgr.batch_bytes = 0
+    ids = mgr.alloc_host(2)
+    mgr.d2h([1, 2], ids).result(timeout=10)
+    snap = [mgr.pool.view(int(i)).copy() for i in ids[0]]
+    cache_before = [p.clone() for p in mgr.kv_caches[0]]
+    mgr.pool.free([int(ids[-1][-1])])
+    with pytest.raises(tc.TpusyncError):
+        mgr.d2h([5, 6], ids).result(timeout=10)
+    with pytest.raises(tc.TpusyncError):
+        mgr.h2d([5, 6], ids).result(timeout=10)
+    for i, s in zip(ids[0], snap, strict=True):
+        np.testing.assert_array_equal(mgr.pool.view(int(i)), s)
+    for p, o in zip(mgr.kv_caches[0], cache_before, strict=True):
+        assert torch.equal(p, o)

@@ -23,6 +23,15 @@ struct CopySpan {
 
 inline constexpr size_t kCopyChunkBytes = size_t{4} << 20;
 
+// COALESCE CONTRACT: neighbours in the given order merge only when both their destinations AND
+// their sources are back to back (a.dst + a.bytes == b.dst and a.src + a.bytes == b.src), so the
+// merged span copies exactly the bytes the two did; empty spans are dropped; the order is kept.
+// Used by CopyAsync: a batch over consecutive device blocks and consecutive pool slots (vLLM's
+// CPU layout, a contiguous region) becomes a few long runs instead of one span per block.
+// Rejected: sorting spans by address first (a gather whose runs interleave two regions, e.g.
+// heads of a [heads, blocks, ...] cache, still never merges, and sorting costs n log n).
+std::vector<CopySpan> CoalesceSpans(std::vector<CopySpan> spans);
+
 // Splits spans into at most `parts` groups of about equal bytes, cutting spans at `chunk` bytes.
 std::vector<std::vector<CopySpan>> PartitionCopies(const std::vector<CopySpan>& spans, size_t parts,
                                                    size_t chunk = kCopyChunkBytes);

@@ -341,10 +341,9 @@ class KVCacheManager(KVCacheManagerBase):
 
     # -- the transfer primitive ---------------------------------------------------------------
     def _transfer(self, layers, blocks, host_ids, to_host) -> TransferFuture:
+        # Unknown / stale / freed host ids were refused for the whole call before any byte
+        # moves (KVCacheManagerBase._checked_host_ids).
         name = f"{'d2h' if to_host else 'h2d'} layers {layers[0]}..{layers[-1]}"
-        if not to_host:
-            for i in host_ids.reshape(-1).tolist():
-                self.pool.address(i)  # unknown / stale / freed ids refused before any byte moves
         job = self._d2h_now if to_host else self._h2d_now
         token = getattr(self._request, "token", None) or object()
 
@@ -358,6 +357,7 @@ class KVCacheManager(KVCacheManagerBase):
         """Regions and segment rows of one native call over ``layers``; ``piece_for(layer, k,
         piece)`` returns (region array, Piece geometry to use) for piece k of a layer."""
         n = int(blocks.size)
+        _, pos = self._batch_ids(layers, host_ids)
         regions, segs = [], []
         for layer in layers:
             g, off = self._where(layer)
@@ -367,7 +367,7 @@ class KVCacheManager(KVCacheManagerBase):
                 pieces.append(Piece(len(regions), geom, piece.host_offset))
                 regions.append(region)
             rows = segments_for(np.arange(n) if staged_rows else blocks, pieces, off)
-            rows[:, 0] += np.uint64(g * n)
+            rows[:, 0] += np.uint64(pos[g] * n)
             segs.append(rows)
         return regions, np.ascontiguousarray(np.concatenate(segs))
 
@@ -407,7 +407,8 @@ class KVCacheManager(KVCacheManagerBase):
             return data, piece.geometry
 
         regions, segs = self._segments(layers, blocks, host_ids, piece_for, self.staged)
-        return self._launch(_native.put_segments, host_ids.reshape(-1).tolist(), regions, segs)
+        ids = self._batch_ids(layers, host_ids)[0]
+        return self._launch(_native.put_segments, ids, regions, segs)
 
     # -- load: host -> device ------------------------------------------------------------------
     def _h2d_now(self, layers: list[int], blocks: np.ndarray, host_ids: np.ndarray) -> Any:
@@ -415,7 +416,7 @@ class KVCacheManager(KVCacheManagerBase):
             return self._h2d_in_place(layers, blocks, host_ids)
         ax = self.layout.block_axis
         n = int(blocks.size)
-        ids = host_ids.reshape(-1).tolist()
+        ids = self._batch_ids(layers, host_ids)[0]
         while True:
             pinned = self.host_memory == "pinned_host"
             staging: dict[tuple[int, int], np.ndarray | jax.Array] = {}
@@ -477,6 +478,7 @@ class KVCacheManager(KVCacheManagerBase):
         blocks being loaded must not be read by a computation still running, exactly as on the
         torch CUDA path where the copy stream writes blocks while compute runs."""
         n = int(blocks.size)
+        ids, pos = self._batch_ids(layers, host_ids)
         regions, segs = [], []
         for layer in layers:
             g, off = self._where(layer)
@@ -491,10 +493,10 @@ class KVCacheManager(KVCacheManagerBase):
                     regions.append(s.data)
                 k0 += len(part.keys)
             rows = segments_for(blocks, pieces, off)
-            rows[:, 0] += np.uint64(g * n)
+            rows[:, 0] += np.uint64(pos[g] * n)
             segs.append(rows)
         segs_all = np.ascontiguousarray(np.concatenate(segs))
-        return self._launch(_native.get_segments, host_ids.reshape(-1).tolist(), regions, segs_all)
+        return self._launch(_native.get_segments, ids, regions, segs_all)
 
     # -- staged path: the host side --------------------------------------------------------------
     def _pinned_failed(self, err: Exception) -> None:

@@ -170,10 +170,12 @@ class KVCacheManager(KVCacheManagerBase):
     def _cpu_transfer(self, layers, blocks, host_ids, to_host) -> TransferFuture:
         """One native segment call for the whole batch of layers (engine threads, GIL released).
 
-        The call's id list is every row of ``host_ids`` (group-major); a layer's segments point
-        at its group's row and at its byte offset inside those host blocks.
+        The call's id list is the rows of ``host_ids`` of the batch's groups (group-major, see
+        ``_batch_ids``); a layer's segments point at its group's row and at its byte offset
+        inside those host blocks.
         """
         n = int(blocks.size)
+        ids, pos = self._batch_ids(layers, host_ids)
         regions: list[torch.Tensor] = []
         segs = []
         for layer in layers:
@@ -184,13 +186,13 @@ class KVCacheManager(KVCacheManagerBase):
                 Piece(base + p.region, p.geometry, p.host_offset) for p in self._pieces[layer]
             ]
             rows = segments_for(blocks, pieces, off)
-            rows[:, 0] += np.uint64(g * n)
+            rows[:, 0] += np.uint64(pos[g] * n)
             segs.append(rows)
         call = _native.put_segments if to_host else _native.get_segments
         nf = call(
             self.pool.engine,
             self.pool.native,
-            host_ids.reshape(-1).tolist(),
+            ids,
             regions,
             np.ascontiguousarray(np.concatenate(segs)),
         )

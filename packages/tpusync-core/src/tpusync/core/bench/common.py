@@ -35,6 +35,18 @@ def measure(fn: Callable[[], float | None], repeats: int) -> float:
     return statistics.median(times)
 
 
+def measure_paired(fns: dict[str, Callable[[], float | None]], repeats: int) -> dict[str, float]:
+    """Median seconds of each of ``fns``, run in turn within every repeat (a reference and the
+    paths it bounds see the same moments of a shared machine's load, not consecutive minutes)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            own = fn()
+            times[k].append(own if own is not None else time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def result_entry(nbytes: int, seconds: float, limit_seconds: float, limit: str) -> dict:
     """One measured throughput path against its same-run limit."""
     gbps = nbytes / seconds / 1e9

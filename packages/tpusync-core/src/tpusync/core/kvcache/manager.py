@@ -119,6 +119,25 @@ class KVCacheManagerBase:
             )
         return arr
 
+    def _checked_host_ids(self, host_ids: Any, n: int) -> np.ndarray:
+        """:meth:`_host_ids`, and every id refused (one native borrow check, all or none) unless
+        it is a live block of the pool: a bulk call moves in several batches, each of which
+        borrows only its own rows, so the whole call's ids are checked here before any byte
+        moves."""
+        arr = self._host_ids(host_ids, n)
+        if arr.size:
+            self.pool.borrow(arr.reshape(-1).tolist()).release()
+        return arr
+
+    def _batch_ids(self, layers: Sequence[int], host_ids: np.ndarray) -> tuple[list[int], dict]:
+        """The host ids one batch of ``layers`` touches - the ``host_ids`` rows of their groups,
+        group-major - and each group's row position in that list (a segment of batch position i
+        in group g names block ``pos[g] * n + i``). Rejected: passing every row to every batch,
+        which made each batch convert and borrow all of the call's ids (num_layers times the
+        work on a bulk call with one layer per host block)."""
+        groups = sorted({self._where(x)[0] for x in layers})
+        return host_ids[groups].reshape(-1).tolist(), {g: k for k, g in enumerate(groups)}
+
     def _layers(self, layers: Iterable[int] | None) -> list[int]:
         out = list(range(self.num_layers)) if layers is None else [int(x) for x in layers]
         for x in out:
@@ -163,13 +182,13 @@ class KVCacheManagerBase:
         """Gather ``device_blocks`` of one layer into host blocks (asynchronous)."""
         (layer,) = self._layers([layer])
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "d2h", unique=False)
-        return self._transfer([layer], blocks, self._host_ids(host_ids, blocks.size), True)
+        return self._transfer([layer], blocks, self._checked_host_ids(host_ids, blocks.size), True)
 
     def h2d_layer(self, layer: int, device_blocks: Sequence[int], host_ids: Any) -> TransferFuture:
         """Scatter host blocks into ``device_blocks`` of one layer (asynchronous)."""
         (layer,) = self._layers([layer])
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "h2d", unique=True)
-        return self._transfer([layer], blocks, self._host_ids(host_ids, blocks.size), False)
+        return self._transfer([layer], blocks, self._checked_host_ids(host_ids, blocks.size), False)
 
     def d2h(
         self, device_blocks: Sequence[int], host_ids: Any, layers: Iterable[int] | None = None
@@ -177,7 +196,7 @@ class KVCacheManagerBase:
         """Gather every (or the given) layer into host blocks; per-layer futures."""
         layers = self._layers(layers)
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "d2h", unique=False)
-        return self._bulk(layers, blocks, self._host_ids(host_ids, blocks.size), True)
+        return self._bulk(layers, blocks, self._checked_host_ids(host_ids, blocks.size), True)
 
     def h2d(
         self, device_blocks: Sequence[int], host_ids: Any, layers: Iterable[int] | None = None
@@ -185,7 +204,7 @@ class KVCacheManagerBase:
         """Scatter host blocks into every (or the given) layer; per-layer futures."""
         layers = self._layers(layers)
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "h2d", unique=True)
-        return self._bulk(layers, blocks, self._host_ids(host_ids, blocks.size), False)
+        return self._bulk(layers, blocks, self._checked_host_ids(host_ids, blocks.size), False)
 
     def _bulk(
         self, layers: list[int], blocks: np.ndarray, ids: np.ndarray, to_host: bool
