@@ -10,7 +10,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-API_VERSION: int = 5
+API_VERSION: int = 6
 
 @overload
 def checksum64(data: bytes, seed: int = 0) -> int:
@@ -263,10 +263,14 @@ class KVStoreNative:
     """Tiered KV block store (use tpusync.core.KVStore, the Python face)."""
 
     @staticmethod
-    def open(engine: Engine, block_bytes: int, host_blocks: int, name_space: str = '', fingerprint: str = '', disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False, write_through: bool = False) -> KVStoreNative: ...
+    def open(engine: Engine, block_bytes: int, host_blocks: int, name_space: str = '', fingerprint: str = '', disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False, write_through: bool = False, index_recency: Recency = Recency.CLOCK) -> KVStoreNative: ...
 
     @property
     def block_bytes(self) -> int: ...
+
+    @property
+    def index_recency(self) -> Recency:
+        """Recency mode of the store's index (CLOCK or EXACT_LRU)."""
 
     def put(self, keys: Sequence[bytes], src: Annotated[NDArray, dict(device='cpu', writable=False)], rows: Sequence[int] | None = None) -> tuple[object, object]:
         """
@@ -374,7 +378,7 @@ class StoreClient:
 
     def remove(self, keys: Sequence[str]) -> list[bool]: ...
 
-def open_remote_kv_store(engine: Engine, block_bytes: int, host_blocks: int, nodes: Sequence[str], secret: bytes, disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False, name_space: str = '', fingerprint: str = '', replicas: int = 1, remote_blocks: int = 65536, lease: float = 10.0, timeout: float = 10.0, write_through: bool = False) -> KVStoreNative:
+def open_remote_kv_store(engine: Engine, block_bytes: int, host_blocks: int, nodes: Sequence[str], secret: bytes, disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False, name_space: str = '', fingerprint: str = '', replicas: int = 1, remote_blocks: int = 65536, lease: float = 10.0, timeout: float = 10.0, write_through: bool = False, index_recency: Recency = Recency.CLOCK) -> KVStoreNative:
     """
     A KVStore over host [-> disk] -> store nodes (host demotes to disk first, then remote).
     """
