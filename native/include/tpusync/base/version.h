@@ -22,8 +22,9 @@
 //      BlockIndex.recency); eviction_candidates may reorder a CLOCK index; /dev/shm pools collapse
 //      to huge pages in the background (BlockPool.wait_huge_pages, host tier stats "huge_pages").
 //   6: KVStore recency from Python (KVStoreNative.open / open_remote_kv_store index_recency=,
-//      KVStoreNative.index_recency; KVStore(recency=), KVStore.recency); bench.common.measure_paired;
-//      KVCacheManagerBase checks a whole call's host ids once, up front (_checked_host_ids).
+//      KVStoreNative.index_recency; KVStore(recency=), KVStore.recency);
+//      bench.common.measure_paired; KVCacheManagerBase checks a whole call's host ids once, up
+//      front (_checked_host_ids).
 #pragma once
 
 namespace tpusync {
