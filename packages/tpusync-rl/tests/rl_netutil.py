@@ -94,6 +94,15 @@ def sampler_main(spec: dict, q) -> None:
                 os._exit(3)
 
         sampler._stage_view = dying_stage
+    delay = spec.get("stage_delay")
+    if delay:  # a slow sampler: sleeps after staging each block
+        slow_stage = sampler._stage_view
+
+        def sleepy_stage(*a, **kw):
+            slow_stage(*a, **kw)
+            time.sleep(delay)
+
+        sampler._stage_view = sleepy_stage
     q.put(("joined", spec["replica"], rank, None))
     timeouts = spec.get("timeouts", [spec.get("timeout", 30)] * spec["updates"])
     for i in range(spec["updates"]):

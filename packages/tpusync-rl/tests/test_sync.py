@@ -136,6 +136,34 @@ def test_chain_of_two_samplers_picks_up_each_version_bf16_named():
         trainer.close()
 
 
+def test_forwarding_sampler_that_finishes_first_keeps_serving_its_slow_child():
+    """DRAIN CONTRACT: sampler 0 commits and closes while sampler 1 (slow staging) still pulls
+    the last buckets from it; the close waits for those pulls, so both commit the version."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(1, {})
+    trainer = TrainerSync(
+        0, 1, dst, secret=U.SECRET, block_bytes=BB, bucket_blocks=1, pool_bytes=1 << 20
+    )
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    per = {(1, 0): {"stage_delay": 0.25, "window": 1}}
+    procs = start_samplers(q, trainer.control_address, eng, 2, 1, 1, per=per)
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        full = U.full_weights(21)
+        rep = trainer.publish(1, full)
+        assert rep.ok, rep.failed
+        got = collect(q, 2)
+        want = U.expected_digest(full, eng, 0, torch.bfloat16)
+        for key, info in got.items():
+            assert info["ok"] and info["serving"] == 1 and info["digest"] == want, (key, info)
+        assert got[(0, 0)]["forwarded"] > 0
+        # The slow child staged long after its parent committed (the parent's close waited).
+        assert got[(1, 0)]["waited"] > got[(0, 0)]["waited"] + 1.0, got
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
 def test_reshard_tp2_trainer_to_tp4_samplers_without_gathering():
     """Two trainer processes (TP=2 on dim 0) -> one sampler group of four ranks (TP=4, some
     tensors split on dim 1): every rank ends with exactly its shard and received only it."""

@@ -217,6 +217,16 @@ class _Endpoint:
                 self.poll_sends()  # never drops an acknowledgement (ACK LEDGER CONTRACT)
                 time.sleep(0.002)
 
+    def drain(self, timeout: float) -> int:
+        """Serve registered sends until none is pending or ``timeout`` passes; returns how many
+        are still pending (their consumers then see the producer go away)."""
+        end = time.monotonic() + max(timeout, 0.0)
+        while True:
+            left = len(self.poll_sends())
+            if left == 0 or time.monotonic() >= end:
+                return left
+            time.sleep(0.005)
+
     def close(self) -> None:
         self.producer.close()
         if self._dir:
@@ -1263,7 +1273,20 @@ class SamplerSync:
                 )
             )
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop. DRAIN CONTRACT: buckets this rank forwards to its children stay served until each
+        child acknowledged them or ``timeout`` seconds pass (each send also ends at its version's
+        deadline), so a parent that commits and closes first never cuts off a child still pulling
+        the last buckets. Rejected: closing at once (the child's pull failed with "peer closed the
+        connection" and it rejected a version its parent had committed)."""
+        left = self._ep.drain(timeout)
+        if left:
+            log.warning(
+                "sampler %s:%s: closing with %d forwarded sends unacknowledged",
+                self.replica,
+                self.sub.rank,
+                left,
+            )
         self._hashers.shutdown(wait=True)
         self._unmap()
         self._client.close()
