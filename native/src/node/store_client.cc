@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
+#include <system_error>
+#include <thread>
 
 #include "tpusync/base/checksum.h"
 
@@ -125,21 +127,61 @@ Result<std::vector<uint8_t>> StoreClient::Call(size_t n, Op op,
   return out;
 }
 
+Result<std::vector<uint8_t>> StoreClient::CallRange(size_t n, Op op,
+                                                    const std::vector<std::string>& keys,
+                                                    std::span<const uint8_t* const> payload,
+                                                    std::span<uint8_t* const> dst, size_t lo,
+                                                    size_t hi) {
+  const size_t per = std::max<size_t>(1, kMaxRequestBytes / block_bytes_);
+  std::vector<uint8_t> out;
+  out.reserve(hi - lo);
+  for (size_t a = lo; a < hi; a += per) {
+    const size_t b = std::min(hi, a + per);
+    std::vector<std::string> ks(keys.begin() + a, keys.begin() + b);
+    auto res = Call(n, op, ks, payload.empty() ? payload : payload.subspan(a, b - a),
+                    dst.empty() ? dst : dst.subspan(a, b - a));
+    if (!res.ok()) return res.status();
+    out.insert(out.end(), res->begin(), res->end());
+  }
+  return out;
+}
+
 Result<std::vector<uint8_t>> StoreClient::CallChunked(size_t n, Op op,
                                                       const std::vector<std::string>& keys,
                                                       std::span<const uint8_t* const> payload,
                                                       std::span<uint8_t* const> dst) {
-  const size_t per = std::max<size_t>(1, kMaxRequestBytes / block_bytes_);
-  if (keys.size() <= per) return Call(n, op, keys, payload, dst);
+  const size_t bytes = keys.size() * block_bytes_;
+  const size_t stripes = std::clamp<size_t>(bytes / kStripeMinBytes, 1, kMaxStripes);
+  if (stripes == 1) return CallRange(n, op, keys, payload, dst, 0, keys.size());
+  const size_t part = (keys.size() + stripes - 1) / stripes;
+  std::vector<Status> status(stripes);
+  std::vector<std::vector<uint8_t>> results(stripes);
+  auto run = [&](size_t i) {
+    const size_t lo = i * part;
+    const size_t hi = std::min(keys.size(), lo + part);
+    if (lo >= hi) return;
+    auto res = CallRange(n, op, keys, payload, dst, lo, hi);
+    if (res.ok()) {
+      results[i] = std::move(*res);
+    } else {
+      status[i] = res.status();
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t i = 1; i < stripes; ++i) {
+    try {
+      threads.emplace_back(run, i);
+    } catch (const std::system_error&) {
+      run(i);  // no thread to spare: this part goes on the calling thread
+    }
+  }
+  run(0);
+  for (auto& t : threads) t.join();
   std::vector<uint8_t> out;
   out.reserve(keys.size());
-  for (size_t lo = 0; lo < keys.size(); lo += per) {
-    const size_t hi = std::min(keys.size(), lo + per);
-    std::vector<std::string> ks(keys.begin() + lo, keys.begin() + hi);
-    auto res = Call(n, op, ks, payload.empty() ? payload : payload.subspan(lo, hi - lo),
-                    dst.empty() ? dst : dst.subspan(lo, hi - lo));
-    if (!res.ok()) return res.status();
-    out.insert(out.end(), res->begin(), res->end());
+  for (size_t i = 0; i < stripes; ++i) {
+    if (!status[i].ok()) return status[i];
+    out.insert(out.end(), results[i].begin(), results[i].end());
   }
   return out;
 }

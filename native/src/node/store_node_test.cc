@@ -76,6 +76,41 @@ TEST(StoreNode, PutGetLookupRemoveRoundTrip) {
   EXPECT_EQ(st.blocks_used, 7u);
 }
 
+// STRIPE CONTRACT: a batch of >= 2 x kStripeMinBytes for one node goes over several links at
+// once and every key gets its own block back, in order; a smaller batch uses one link.
+TEST(StoreNode, LargeBatchIsStripedOverSeveralLinksAndKeepsKeyOrder) {
+  constexpr size_t kN = kMaxStripes * kStripeMinBytes / kBlock;
+  auto node = StartNode(kN);
+  auto pool = MakePool(2 * kN);
+  auto client = StoreClient::Create(pool, TestSecret(), {.nodes = {node->address().ToString()}});
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto small = *pool->Alloc(kStripeMinBytes / kBlock);  // 8 MiB: below the striping threshold
+  Fill(*pool, small, 1);
+  ASSERT_TRUE((*client)->Put(Keys(small.size(), "s"), small).ok());
+  EXPECT_EQ(node->stats().links, 1u);
+  ASSERT_TRUE(pool->Free(small).ok());
+  auto src = *pool->Alloc(kN);
+  for (size_t i = 0; i < kN; ++i) {  // the block's index at both ends: a swapped part shows
+    uint8_t* p = *pool->Address(src[i]);
+    std::memset(p, static_cast<int>(i), kBlock);
+    std::memcpy(p, &i, sizeof i);
+    std::memcpy(p + kBlock - sizeof i, &i, sizeof i);
+  }
+  const auto keys = Keys(kN);
+  auto put = (*client)->Put(keys, src);
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  EXPECT_EQ(*put, std::vector<uint32_t>(kN, 1));
+  EXPECT_GE(node->stats().links, 3u);  // the small put's link plus at least two stripes
+  auto dst = *pool->Alloc(kN);
+  auto got = (*client)->Get(keys, dst);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(*got, std::vector<bool>(kN, true));
+  for (size_t i = 0; i < kN; ++i) {
+    ASSERT_EQ(std::memcmp(*pool->Address(dst[i]), *pool->Address(src[i]), kBlock), 0) << i;
+  }
+  EXPECT_EQ(*(*client)->LookupPrefix(keys), kN);
+}
+
 // WARM RESTART CONTRACT: same namespace + fingerprint -> the blocks come back, verified; another
 // fingerprint -> cold start with a reason. (The SIGKILL variant runs real processes in
 // packages/tpusync-core/tests/test_store_node.py.)

@@ -44,6 +44,9 @@ def test_bench_transport_json_schema():
     assert small["block_bytes"] == 16 << 10 and small["better"] == "lower"
     assert small["latency_us"] > 0 and small["limit_us"] > 0
     assert small["async_latency_us"] > 0 and small["store_get_us"] > 0
+    store = data["store_get"]
+    assert store["gbps"] > 0 and store["blocks"] * data["block_bytes"] == 64 << 20
+    assert store["links"] >= 2  # one 64 MiB get went over several links (STRIPE CONTRACT)
     # Mooncake: a measured row, or the reason it was skipped (not importable here, typically).
     moon = data["mooncake"]
     assert moon["limit"].startswith("Mooncake Transfer Engine, TCP protocol, P2PHANDSHAKE")

@@ -39,6 +39,16 @@ struct StoreClientOptions {
 
 // Payload bytes per request (a larger batch for one node is split).
 inline constexpr size_t kMaxRequestBytes = size_t{64} << 20;
+// STRIPE CONTRACT: a batch of at least 2 x kStripeMinBytes for one node is cut into up to
+// kMaxStripes contiguous parts of at least kStripeMinBytes, sent at the same time over separate
+// links of the pool (a node serves each link on its own thread), so one large get or put uses
+// several TCP streams instead of stream 0 of one link. Keys keep their order in the result. The
+// call returns only after every part ended (no part writes into the caller's memory afterwards);
+// when a part fails, the call fails with the first failing part's status, as a sequential split
+// did. Rejected: striping one request's blocks over the streams of one link (a wire change: the
+// node would have to reassemble frames arriving on several streams).
+inline constexpr size_t kStripeMinBytes = size_t{8} << 20;
+inline constexpr size_t kMaxStripes = 4;
 
 class StoreClient {
  public:
@@ -86,11 +96,17 @@ class StoreClient {
                                     std::span<const uint8_t* const> payload,
                                     std::span<uint8_t* const> dst, uint8_t flags = 0,
                                     std::span<const uint8_t> extra_meta = {});
-  // Call, split into requests of at most kMaxRequestBytes of payload / received blocks.
+  // Call, split into requests of at most kMaxRequestBytes of payload / received blocks, striped
+  // over several links (STRIPE CONTRACT).
   Result<std::vector<uint8_t>> CallChunked(size_t n, transport::Op op,
                                            const std::vector<std::string>& keys,
                                            std::span<const uint8_t* const> payload,
                                            std::span<uint8_t* const> dst);
+  // Keys [lo, hi) of a CallChunked batch, one request after another on one link at a time.
+  Result<std::vector<uint8_t>> CallRange(size_t n, transport::Op op,
+                                         const std::vector<std::string>& keys,
+                                         std::span<const uint8_t* const> payload,
+                                         std::span<uint8_t* const> dst, size_t lo, size_t hi);
   Result<size_t> Lookup(const std::vector<std::string>& keys, uint32_t lease_ms);
   std::shared_ptr<BlockAllocator> pool_;
   size_t block_bytes_ = 0;

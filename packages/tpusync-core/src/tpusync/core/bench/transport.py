@@ -14,7 +14,10 @@
    store node with ``StoreClient.get``, each against a plain 16 KiB TCP round trip between two
    Python sockets (median latency). ``async_latency_us`` keeps the start_recv + wait figure (a
    worker thread does the pull).
-4. Mooncake Transfer Engine (optional, when ``mooncake.engine`` imports here): the same number of
+4. A large store get: 64 MiB of blocks read from an in-process store node with one
+   ``StoreClient.get`` (striped over up to 4 links, STRIPE CONTRACT in store_client.h), against
+   iperf3 with 4 streams and the same bytes. ``links`` counts the connections the node accepted.
+5. Mooncake Transfer Engine (optional, when ``mooncake.engine`` imports here): the same number of
    blocks of the same size pulled over its TCP protocol with P2PHANDSHAKE metadata, same run
    (bench/mooncake_ref.py), while the pools are still alive; tpusync's default stream count is
    measured again right after it for the row's ratio. The row says why it was skipped otherwise.
@@ -45,6 +48,8 @@ from tpusync.core.pool import HostBlockPool
 
 STREAMS = [1, 2, 4, 8]
 SMALL = 16 << 10
+STORE_BYTES = 64 << 20  # one store get: the largest single request (kMaxRequestBytes)
+STORE_LIMIT = "iperf3 over loopback TCP, 4 parallel streams, same bytes, same run"
 IPERF_LIMIT = "iperf3 over loopback TCP, same parallel streams and bytes, same run"
 SHM_LIMIT = "one numpy copy out of a mapped /dev/shm file into a prefaulted buffer, same run"
 RTT_LIMIT = "plain 16 KiB TCP round trip between two Python sockets on loopback, same run"
@@ -142,6 +147,7 @@ def run(
 
             # The block size is a property of the pool: a dedicated 16 KiB pair.
             small = _small_latency(secret, repeats=max(20, repeats * 10))
+            store = _store_bulk_get(secret, block_bytes, repeats, iperf)
             bar.advance(task)
         src_pool.free(src)
         dst_pool.free(dst)
@@ -154,6 +160,7 @@ def run(
         "tcp": tcp,
         "shm": shm,
         "small": small,
+        "store_get": store,
         "iperf3": iperf is not None,
         "mooncake": mooncake,
         "loadavg_1m": round(os.getloadavg()[0], 2),
@@ -302,6 +309,47 @@ def _store_get_latency(secret: bytes, repeats: int) -> float:
         return dt
     finally:
         node.stop()
+
+
+def _store_bulk_get(secret: bytes, block_bytes: int, repeats: int, iperf: str | None) -> dict:
+    """One StoreClient.get of STORE_BYTES from an in-process store node (striped over up to 4
+    links, STRIPE CONTRACT in store_client.h) against iperf3 with 4 streams, same bytes."""
+    from tpusync.core.store_node import StoreClient, StoreNode
+
+    n = max(1, STORE_BYTES // block_bytes)
+    nbytes = n * block_bytes
+    node = StoreNode(capacity=2 * nbytes, block_bytes=block_bytes, secret=secret)
+    try:
+        pool = HostBlockPool(block_bytes, 2 * n)
+        src, dst = pool.alloc(n), pool.alloc(n)
+        for i, b in enumerate(src):
+            pool.view(b)[:] = (i * 7) % 251
+        keys = [f"bench-bulk-{i}" for i in range(n)]
+        client = StoreClient(pool, [node.address], secret=secret)
+        if client.put(keys, src) != [1] * n:
+            raise RuntimeError("bench transport: store put failed")
+
+        def once() -> float:
+            t0 = time.perf_counter()
+            found = client.get(keys, dst)
+            dt = time.perf_counter() - t0
+            if found != [True] * n:
+                raise RuntimeError("bench transport: store get missed")
+            return dt
+
+        once()  # warm: links connected and authenticated
+        ours = measure(once, repeats)
+        _check(pool, src, pool, dst)
+        links = node.stats()["links"]
+    finally:
+        node.stop()
+    entry = {"blocks": n, "links": links}
+    if iperf:
+        ref = statistics.median(_iperf3(iperf, 4, nbytes) for _ in range(repeats))
+        entry.update(result_entry(nbytes, ours, ref, STORE_LIMIT))
+    else:
+        entry.update({"gbps": round(nbytes / ours / 1e9, 3), "limit": None})
+    return entry
 
 
 def _tcp_round_trip(repeats: int) -> float:
