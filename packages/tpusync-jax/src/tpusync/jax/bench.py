@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 from tpusync.core import _native
-from tpusync.core.bench.common import measure, measure_paired, progress, result_entry
+from tpusync.core.bench.common import measure, paired_with_memcpy, progress, result_entry
 from tpusync.core.kvcache.layout import KVLayout
 from tpusync.core.pool import default_engine
 from tpusync.jax.kv_cache import KVCacheManager, _has_pinned
@@ -96,18 +96,13 @@ def _one(lay: KVLayout, layers: int, repeats: int, limits, **opts) -> dict:
         # reference, a save and a load back to back (same moments of the machine's load).
         mgr.d2h(blocks, ids).result(timeout=300)
         before = np.array(mgr.kv_caches[0][0], copy=True)  # a copy: a CPU load writes in place
-        a = np.full(nbytes, 3, np.uint8)
-        b = np.full(nbytes, 4, np.uint8)
-        t = measure_paired(
-            {
-                "ref": lambda: _native.memcpy_seconds(b, a),
-                "d2h": _timed(lambda: mgr.d2h(blocks, ids)),
-                "h2d": _timed(lambda: mgr.h2d(blocks, ids)),
-            },
+        d2h, h2d, ref = paired_with_memcpy(
+            nbytes,
+            _timed(lambda: mgr.d2h(blocks, ids)),
+            _timed(lambda: mgr.h2d(blocks, ids)),
             repeats,
         )
-        d2h, h2d = t["d2h"], t["h2d"]
-        limits = (t["ref"], t["ref"], CPU_LIMIT)
+        limits = (ref, ref, CPU_LIMIT)
     else:
         d2h = measure(_timed(lambda: mgr.d2h(blocks, ids)), repeats)
         before = np.array(mgr.kv_caches[0][0], copy=True)  # a copy: a CPU load writes in place

@@ -17,8 +17,7 @@ import time
 import numpy as np
 
 import torch
-from tpusync.core import _native
-from tpusync.core.bench.common import measure, measure_paired, progress, result_entry
+from tpusync.core.bench.common import measure, paired_with_memcpy, progress, result_entry
 from tpusync.core.kvcache.layout import KVLayout
 from tpusync.torch.kv_cache import KVCacheManager
 
@@ -70,17 +69,12 @@ def _one(name, lay, layers, device, repeats):
         # saves read, so the cache must come out unchanged).
         mgr.d2h(blocks, ids).result(timeout=120)
         snapshot = [p.clone() for p in caches[0]]
-        a = np.full(nbytes, 3, np.uint8)
-        b = np.full(nbytes, 4, np.uint8)
-        t = measure_paired(
-            {
-                "ref": lambda: _native.memcpy_seconds(b, a),
-                "d2h": timed(lambda: mgr.d2h(blocks, ids)),
-                "h2d": timed(lambda: mgr.h2d(blocks, ids)),
-            },
+        d2h, h2d, cpu_ref = paired_with_memcpy(
+            nbytes,
+            timed(lambda: mgr.d2h(blocks, ids)),
+            timed(lambda: mgr.h2d(blocks, ids)),
             repeats,
         )
-        d2h, h2d = t["d2h"], t["h2d"]
     else:
         d2h = measure(timed(lambda: mgr.d2h(blocks, ids)), repeats)
         snapshot = [p.clone() for p in caches[0]]
@@ -113,7 +107,7 @@ def _one(name, lay, layers, device, repeats):
         )
         mgr.close()
     else:
-        limit_d2h = limit_h2d = t["ref"]
+        limit_d2h = limit_h2d = cpu_ref
         limit = CPU_LIMIT
     mgr.free_host(ids)
     del ref_host

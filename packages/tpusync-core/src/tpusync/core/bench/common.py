@@ -47,6 +47,23 @@ def measure_paired(fns: dict[str, Callable[[], float | None]], repeats: int) -> 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def paired_with_memcpy(
+    nbytes: int, d2h: Callable[[], float | None], h2d: Callable[[], float | None], repeats: int
+) -> tuple[float, float, float]:
+    """(d2h, h2d, memcpy) median seconds, the memcpy of ``nbytes`` between prefaulted buffers
+    timed in turn with a save and a load in every repeat (:func:`measure_paired`)."""
+    import numpy as np
+
+    from tpusync.core import _native
+
+    a = np.full(nbytes, 3, np.uint8)
+    b = np.full(nbytes, 4, np.uint8)
+    t = measure_paired(
+        {"ref": lambda: _native.memcpy_seconds(b, a), "d2h": d2h, "h2d": h2d}, repeats
+    )
+    return t["d2h"], t["h2d"], t["ref"]
+
+
 def result_entry(nbytes: int, seconds: float, limit_seconds: float, limit: str) -> dict:
     """One measured throughput path against its same-run limit."""
     gbps = nbytes / seconds / 1e9
