@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #ifndef MADV_COLLAPSE
@@ -41,6 +44,42 @@ bool ValidShmName(const std::string& name) {
     if (!ok) return false;
   }
   return name != "." && name != "..";
+}
+
+// EXIT CONTRACT: a non-persistent segment disappears at a normal exit of the process that
+// created or attached it, even when its pool was never destroyed (a Python interpreter that ends
+// with live native objects skips their destructors: every such exit left a /dev/shm file behind).
+// Live non-persistent names are kept here with the pid that owns them; an atexit handler unlinks
+// the ones this pid owns (a forked child that exits normally must not unlink its parent's).
+// Existing mappings, this process's and its peers', stay valid after the unlink. A killed process
+// (SIGKILL, _exit) runs nothing and still leaves its segment; a later pool of the same name
+// attaches to it or refuses it (attach_existing). Rejected: unlinking right after creation (peers
+// on the same host open the segment by name).
+std::mutex& ExitMu() {
+  static auto* mu = new std::mutex;  // never destroyed: used from the atexit handler
+  return *mu;
+}
+std::map<std::string, pid_t>& ExitNames() {
+  static auto* names = new std::map<std::string, pid_t>;
+  return *names;
+}
+void UnlinkLeftSegments() {
+  std::lock_guard lock(ExitMu());
+  const pid_t me = getpid();
+  for (const auto& [name, owner] : ExitNames()) {
+    if (owner == me) shm_unlink(("/" + name).c_str());
+  }
+  ExitNames().clear();
+}
+void UnlinkAtExit(const std::string& name) {
+  static std::once_flag once;
+  std::call_once(once, [] { std::atexit(UnlinkLeftSegments); });
+  std::lock_guard lock(ExitMu());
+  ExitNames()[name] = getpid();
+}
+void ForgetAtExit(const std::string& name) {
+  std::lock_guard lock(ExitMu());
+  ExitNames().erase(name);
 }
 
 }  // namespace
@@ -157,6 +196,7 @@ Result<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& option
   // Only a fully mapped pool owns the segment name: a failed attach must never unlink a segment
   // that another process (or the previous incarnation) still relies on.
   pool->shm_name_ = options.shm_name;
+  if (!pool->persist_ && !pool->shm_name_.empty()) UnlinkAtExit(pool->shm_name_);
   if (options.prefault) TouchPages(pool->data_, size, /*write=*/!pool->attached_);
   if (options.mlock) pool->locked_ = mlock(addr, size) == 0;
   if (options.huge_pages && !options.shm_name.empty()) pool->StartCollapse();
@@ -190,6 +230,7 @@ bool HostPool::WaitHugePages(std::chrono::milliseconds timeout) const {
 Status HostPool::Unlink() {
   if (shm_name_.empty() || unlinked_) return Status::OK();
   unlinked_ = true;
+  ForgetAtExit(shm_name_);
   if (shm_unlink(("/" + shm_name_).c_str()) != 0 && errno != ENOENT) {
     return Status::FromErrno(errno, StrCat("shm_unlink /dev/shm/", shm_name_));
   }

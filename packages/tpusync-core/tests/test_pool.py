@@ -172,3 +172,30 @@ def test_shm_pool_persists_and_reattaches(tmp_path):
         assert list(b.view(claimed)[:4]) == [1, 2, 3, 4]
     finally:
         b.native.unlink()
+
+
+def test_exit_removes_segments_of_pools_never_destroyed():
+    """EXIT CONTRACT (host_pool.cc): a process that exits normally with a non-persistent /dev/shm
+    pool still alive (its destructor never runs) leaves no segment; a persistent one stays."""
+    import os
+    import subprocess
+    import sys
+
+    tag = f"tpusync-pytest-exit-{os.getpid()}-{np.random.default_rng().integers(1 << 30)}"
+    script = (
+        "import ctypes, tpusync.core as tc\n"
+        f"a = tc.HostBlockPool(4096, 4, shm_name='{tag}-temp')\n"
+        f"b = tc.HostBlockPool(4096, 4, shm_name='{tag}-kept', persist=True)\n"
+        # An extra reference nobody drops: the pools outlive the interpreter.
+        "ctypes.pythonapi.Py_IncRef(ctypes.py_object(a))\n"
+        "ctypes.pythonapi.Py_IncRef(ctypes.py_object(b))\n"
+        "import os; assert os.path.exists('/dev/shm/' + a.native.shm_name)\n"
+    )
+    try:
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+        assert not os.path.exists(f"/dev/shm/{tag}-temp")
+        assert os.path.exists(f"/dev/shm/{tag}-kept")
+    finally:
+        for suffix in ("-temp", "-kept"):
+            if os.path.exists(f"/dev/shm/{tag}{suffix}"):
+                os.unlink(f"/dev/shm/{tag}{suffix}")
