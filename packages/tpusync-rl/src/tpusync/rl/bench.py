@@ -57,7 +57,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _sampler(spec: dict, q) -> None:
+def _sampler(spec: dict, q, stop) -> None:
     torch.set_num_threads(1)
     from tpusync.rl import SamplerSync, WeightSubscriber
 
@@ -75,10 +75,12 @@ def _sampler(spec: dict, q) -> None:
         streams=STREAMS,
     )
     q.put("joined")
-    while True:
-        res = s.update(timeout=spec["idle"])
+    # Until the bench sets ``stop`` (every version was reported committed): then a normal exit,
+    # which removes this sampler's /dev/shm pool (a killed process would leave it behind).
+    while not stop.is_set():
+        res = s.update(timeout=0.5)
         if res is None:
-            break
+            continue
         if not res.ok:
             q.put(f"failed: {res.reason}")
         q.put(("stages", spec["replica"], rank, res.version, dict(s.stages), res.path))
@@ -144,6 +146,7 @@ def _run_sync(
         share=share,
     )
     procs = []
+    stop = ctx.Event()
     tensors = _local(shapes, src, 0)
     try:
         for replica, rank in samplers:
@@ -155,9 +158,8 @@ def _run_sync(
                 "secret": secret,
                 "same_host": same_host,
                 "pool_bytes": pool,
-                "idle": 300.0,  # killed once every version was reported committed
             }
-            procs.append(ctx.Process(target=_sampler, args=(spec, q), daemon=True))
+            procs.append(ctx.Process(target=_sampler, args=(spec, q, stop), daemon=True))
         for r in range(1, trainers):
             spec = {
                 "rank": r,
@@ -193,9 +195,8 @@ def _run_sync(
         return times, info
     finally:
         t0.close()
+        stop.set()  # idle samplers: every version was reported committed
         started = [p for p in procs if p.pid is not None]
-        for p in started[: len(samplers)]:  # idle samplers: every version was reported committed
-            p.kill()
         for p in started:
             p.join(30)
             if p.is_alive():
