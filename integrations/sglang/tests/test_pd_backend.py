@@ -110,8 +110,9 @@ def test_prefill_dies_mid_transfer_decode_fails_with_reason():
 
 
 def test_decode_dies_after_metadata_prefill_fails_with_reason():
-    p, d, dec, _ = _run_pair("decode_dies")
+    p, d, dec, p_err = _run_pair("decode_dies")
     assert d == {"event": "exiting"}
+    assert "rooms" in p, f"prefill gave no report: {p}\n{p_err[-4000:]}"
     room = p["rooms"]["21"]
     assert room["final"] == FAILED, room
     assert "tpusync" in room["reason"] or "Abort" in room["reason"], room

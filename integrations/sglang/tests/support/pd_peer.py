@@ -9,7 +9,8 @@ a JSON report (states seen per room, failure reasons, SHA-256 digests of the pag
 
 Scenarios: ``ok`` (room 11: two chunks, then room 12 which the decode aborts after sending its
 metadata), ``prefill_dies`` (the prefill offers the first chunk and exits), ``decode_dies`` (the
-decode sends its metadata and exits; the prefill's offer must expire into Failed).
+decode sends its metadata, sees the first chunk offered without pulling it, and exits; the
+prefill's offer must expire into Failed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -186,10 +188,20 @@ def decode(port: int, scenario: str) -> None:
         receiver.init(0)
         s = wait_for(receiver, {KVPoll.WaitingForInput}, states)
         dst = DST_PAGES_ABORTED if room == 12 else DST_PAGES
+        if scenario == "decode_dies":
+            offered = threading.Event()
+            mgr._start_fetch = lambda msg, seen=offered: seen.set()  # no pull: about to die
         receiver.send_metadata(
             torch.tensor(dst, dtype=torch.int32).numpy(), aux_index=DST_AUX + (room == 12)
         )
         if scenario == "decode_dies":
+            # Die only once the metadata reached the prefill, and before any byte is pulled: ZMQ
+            # sends from a background thread, so os._exit right after send_metadata can drop the
+            # message (the prefill would then sit in Bootstrapping until SGLang's bootstrap
+            # timeout). The prefill's first chunk offer shows it has the metadata; this decode
+            # never pulls it (its fetch is replaced above), then dies.
+            if not offered.wait(timeout=60.0):
+                say(event="no chunk offered")
             say(event="exiting")
             os._exit(3)
         if room == 12:
