@@ -25,11 +25,12 @@
 //      KVStoreNative.index_recency; KVStore(recency=), KVStore.recency);
 //      bench.common.measure_paired; KVCacheManagerBase checks a whole call's host ids once, up
 //      front (_checked_host_ids).
+//   7: kvcache.weights.HostWeights (one class for the torch and jax weight-sync device sides).
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 6;
+inline constexpr int kApiVersion = 7;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

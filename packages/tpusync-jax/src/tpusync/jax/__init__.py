@@ -10,7 +10,7 @@
 
 from tpusync.core import require_api
 
-MIN_CORE_API = 6  # bench.common.measure_paired, whole-call host-id check (kvcache.manager)
+MIN_CORE_API = 7  # kvcache.weights.HostWeights
 require_api(MIN_CORE_API, "tpusync-jax")
 
 from tpusync.core.kvcache import (  # noqa: E402 - after the API gate on purpose

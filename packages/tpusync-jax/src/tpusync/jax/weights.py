@@ -7,7 +7,6 @@ arrays placed exactly like the given ones (same sharding, same devices); the cal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,22 +14,10 @@ import numpy as np
 import jax
 from tpusync.core import _native, dtype_name
 from tpusync.core.kvcache.futures import TransferFuture, from_native, gather
-from tpusync.core.kvcache.weights import WeightManifest, plan_weights, weight_segments
+from tpusync.core.kvcache.weights import HostWeights, plan_weights, weight_segments
 from tpusync.core.pool import HostBlockPool
 
 __all__ = ["HostWeights", "flatten_weights", "restore_weights"]
-
-
-@dataclass
-class HostWeights:
-    pool: HostBlockPool
-    manifest: WeightManifest
-    bucket_ids: list[list[int]]
-
-    def free(self) -> None:
-        for ids in self.bucket_ids:
-            self.pool.free(ids)
-        self.bucket_ids = []
 
 
 def _leaves(tree: Any) -> list[tuple[str, Any]]:

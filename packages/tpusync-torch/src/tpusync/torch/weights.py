@@ -8,30 +8,20 @@ through the pinned host pool on a dedicated copy stream (see tpusync.torch.kv_ca
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from tpusync.core import InvalidArgumentError, _native, dtype_name
 from tpusync.core.kvcache.futures import TransferFuture, from_native, gather, watch
-from tpusync.core.kvcache.weights import WeightManifest, plan_weights, weight_segments
+from tpusync.core.kvcache.weights import (
+    HostWeights,
+    WeightManifest,
+    plan_weights,
+    weight_segments,
+)
 from tpusync.core.pool import HostBlockPool
 from tpusync.torch import _regions as R
 
 __all__ = ["HostWeights", "flatten_weights", "restore_weights"]
-
-
-@dataclass
-class HostWeights:
-    """Weights in host blocks: the manifest and the pool block ids of each bucket."""
-
-    pool: HostBlockPool
-    manifest: WeightManifest
-    bucket_ids: list[list[int]]
-
-    def free(self) -> None:
-        for ids in self.bucket_ids:
-            self.pool.free(ids)
-        self.bucket_ids = []
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

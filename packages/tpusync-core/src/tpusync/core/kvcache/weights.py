@@ -13,12 +13,16 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tpusync.core.errors import InvalidArgumentError
 
-__all__ = ["WeightEntry", "WeightManifest", "plan_weights", "weight_segments"]
+if TYPE_CHECKING:
+    from tpusync.core.pool import HostBlockPool
+
+__all__ = ["HostWeights", "WeightEntry", "WeightManifest", "plan_weights", "weight_segments"]
 
 ALIGN = 64
 
@@ -87,6 +91,22 @@ class WeightManifest:
                     f"weight {name!r}: field 'shape' is {tuple(shape)} here, {e.shape} in the "
                     f"manifest"
                 )
+
+
+@dataclass
+class HostWeights:
+    """Weights in host blocks: the manifest and the pool block ids of each bucket (what
+    ``flatten_weights`` of tpusync-torch and tpusync-jax return). ``free`` gives the blocks back
+    to the pool; the object holds no blocks after it."""
+
+    pool: HostBlockPool
+    manifest: WeightManifest
+    bucket_ids: list[list[int]]
+
+    def free(self) -> None:
+        for ids in self.bucket_ids:
+            self.pool.free(ids)
+        self.bucket_ids = []
 
 
 def plan_weights(
