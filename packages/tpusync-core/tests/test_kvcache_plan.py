@@ -114,6 +114,19 @@ def test_format_fingerprint_and_mismatch_message():
         check_format(a, {"dtype": "x"}, "peer p")
 
 
+def test_format_of_layout_groups_layers_and_refuses_a_group_outside_the_layer_count():
+    lay = KVLayout.vllm_cpu(4, 2, 16, 8, "bfloat16")
+    order = (("kv", "head", "token", "dim"),)
+    f = BlockFormat.of_layout(lay, order, num_layers=6, layers_per_host_block=4)
+    assert (f.layer_block_bytes, f.host_block_bytes, f.num_groups) == (1024, 4096, 2)
+    assert (f.dtype, f.block_size, f.num_kv_heads, f.head_dim, f.shards) == (
+        "bfloat16", 16, 2, 8, ()
+    )  # fmt: skip
+    for bad in (0, 7):
+        with pytest.raises(tc.InvalidArgumentError, match=rf"in \[1, 6\], got {bad}"):
+            BlockFormat.of_layout(lay, order, num_layers=6, layers_per_host_block=bad)
+
+
 def test_weight_plan_buckets_never_split_tensors():
     items = [("a", "float32", (100,), 400), ("b", "uint8", (5000,), 5000), ("c", "int64", (1,), 8)]
     m = plan_weights(items, 1024, 2048)

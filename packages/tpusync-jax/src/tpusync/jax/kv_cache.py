@@ -228,27 +228,14 @@ class KVCacheManager(KVCacheManagerBase):
             kv_caches, layout, lambda e: isinstance(e, jax.Array), "array"
         )
         entries = self._arrays
-        if not 1 <= layers_per_host_block <= len(entries):
-            raise InvalidArgumentError(
-                f"layers_per_host_block must be in [1, {len(entries)}], got {layers_per_host_block}"
-            )
         self._parts = [[_Part(a, layout) for a in parts] for parts in self._arrays]
         shard_descs = {tuple(d for p in parts for d in p.shard_desc) for parts in self._parts}
         orders = {tuple(p.geometry.memory_order for p in parts) for parts in self._parts}
         if len(shard_descs) != 1 or len(orders) != 1:
             raise InvalidArgumentError("layers differ in sharding (field 'shards')")
-        fmt = BlockFormat(
-            dtype=layout.dtype,
-            block_size=layout.block_size,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            kv=layout.kv,
-            memory_order=orders.pop(),
-            num_layers=len(entries),
-            layers_per_host_block=layers_per_host_block,
-            layer_block_bytes=layout.layer_block_bytes,
-            host_block_bytes=layout.layer_block_bytes * layers_per_host_block,
-            shards=shard_descs.pop() if any(len(p.keys) > 1 for p in self._parts[0]) else (),
+        shards = shard_descs.pop() if any(len(p.keys) > 1 for p in self._parts[0]) else ()
+        fmt = BlockFormat.of_layout(
+            layout, orders.pop(), len(entries), layers_per_host_block, shards
         )
         super().__init__(
             layout,

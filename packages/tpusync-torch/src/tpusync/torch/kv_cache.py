@@ -83,27 +83,12 @@ class KVCacheManager(KVCacheManagerBase):
                 f"KV tensors live on several devices: {sorted(map(str, devices))}"
             )
         self.device = devices.pop()
-        if not 1 <= layers_per_host_block <= len(entries):
-            raise InvalidArgumentError(
-                f"layers_per_host_block must be in [1, {len(entries)}], got {layers_per_host_block}"
-            )
         ax = layout.block_axis
         self._geoms = [[R.geometry(p, ax, layout.axes) for p in parts] for parts in self._parts]
         orders = {tuple(g.memory_order for g in gs) for gs in self._geoms}
         if len(orders) != 1:
             raise InvalidArgumentError("layers differ in memory order (field 'memory_order')")
-        fmt = BlockFormat(
-            dtype=layout.dtype,
-            block_size=layout.block_size,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            kv=layout.kv,
-            memory_order=orders.pop(),
-            num_layers=len(entries),
-            layers_per_host_block=layers_per_host_block,
-            layer_block_bytes=layout.layer_block_bytes,
-            host_block_bytes=layout.layer_block_bytes * layers_per_host_block,
-        )
+        fmt = BlockFormat.of_layout(layout, orders.pop(), len(entries), layers_per_host_block)
         super().__init__(
             layout,
             len(entries),

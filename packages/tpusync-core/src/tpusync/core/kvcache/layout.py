@@ -331,6 +331,36 @@ class BlockFormat:
     shards: tuple[str, ...] = ()
     version: int = FORMAT_VERSION
 
+    @classmethod
+    def of_layout(
+        cls,
+        layout: KVLayout,
+        memory_order: tuple[tuple[str, ...], ...],
+        num_layers: int,
+        layers_per_host_block: int,
+        shards: tuple[str, ...] = (),
+    ) -> BlockFormat:
+        """The format of host blocks that pack ``layers_per_host_block`` layers of ``layout`` (of
+        ``num_layers``, each part in ``memory_order``); refuses a group size outside
+        [1, num_layers]."""
+        if not 1 <= layers_per_host_block <= num_layers:
+            raise InvalidArgumentError(
+                f"layers_per_host_block must be in [1, {num_layers}], got {layers_per_host_block}"
+            )
+        return cls(
+            dtype=layout.dtype,
+            block_size=layout.block_size,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            kv=layout.kv,
+            memory_order=memory_order,
+            num_layers=num_layers,
+            layers_per_host_block=layers_per_host_block,
+            layer_block_bytes=layout.layer_block_bytes,
+            host_block_bytes=layout.layer_block_bytes * layers_per_host_block,
+            shards=shards,
+        )
+
     @property
     def num_groups(self) -> int:
         """Host blocks per device block (one per group of ``layers_per_host_block`` layers)."""
