@@ -449,8 +449,8 @@ uint64_t EightHashes(std::string_view key) {
   return (h % 8) * 0x9E3779B97F4A7C15ull;
 }
 
-// The hot / cold split (FLAT LOOKUP CONTRACT): locations are stored by rank, two in the hot record
-// and two in the cold one; keys straddle the hot (32 bytes), cold (12) and side (20) arrays. A
+// The hot / cold split (FLAT LOOKUP CONTRACT): locations are stored by rank, two in the hot line
+// and two in the cold one; keys straddle the hot (40 bytes), cold (16) and side (8) arrays. A
 // random model over all four tiers, keys of 1..64 bytes, inserts and removes in every order,
 // under the default hash and both degenerate ones, in both recency modes.
 class BlockIndexLayout : public ::testing::TestWithParam<std::tuple<Recency, BlockIndex::HashFn>> {
@@ -462,12 +462,12 @@ TEST_P(BlockIndexLayout, MatchesAModelOverFourTiersAndEveryKeyLength) {
   std::map<std::string, uint32_t> pins;
   std::mt19937_64 rng(11);
   auto key_of = [](int id) {
-    // Lengths cover every boundary: 1, 31..33 (hot), 43..45 (cold), 63..64 (side array).
-    static const size_t kLens[] = {1, 8, 31, 32, 33, 40, 43, 44, 45, 56, 63, 64};
-    // Keys of one length differ only in their LAST byte: telling them apart needs the hot record
-    // (<= 32 bytes), the cold record (33..44) or the side array (45..64).
-    std::string k(kLens[id % 12], 'k');
-    k.back() = static_cast<char>('A' + id / 12);
+    // Lengths cover every boundary: 1, 39..41 (hot), 55..57 (cold), 63..64 (side array).
+    static const size_t kLens[] = {1, 8, 32, 39, 40, 41, 55, 56, 57, 63, 64};
+    // Keys of one length differ only in their LAST byte: telling them apart needs the hot line
+    // (<= 40 bytes), the cold line (41..56) or the side array (57..64).
+    std::string k(kLens[id % 11], 'k');
+    k.back() = static_cast<char>('A' + id / 11);
     return k;
   };
   for (int step = 0; step < 6000; ++step) {
@@ -581,12 +581,13 @@ TEST(BlockIndex, GrowthAndDeletionWithCollidingTags) {
   EXPECT_FALSE(idx.Lookup("absent").has_value());
 }
 
-// MOVE CONTRACT: hot records move on growth (every rehash) and on backward-shift deletion, while
-// LRU links, pins and locations must follow them. Exact LRU, so the eviction order is a checkable
-// list: keys are inserted without Reserve (many rehashes), some into a second tier, some pinned,
-// some touched (moved to the most recent end), some removed (the records behind them shift back),
-// then more inserted (freed ids reused, more rehashes). Under each degenerate hash as well: with
-// one chain holding every key, every deletion moves records.
+// Growth (every rehash moves buckets) and backward-shift deletion (moves the buckets behind the
+// hole) must leave every key findable with its locations, pins and LRU position; freed entry ids
+// are reused. Exact LRU, so the eviction order is a checkable list: keys are inserted without
+// Reserve (many rehashes), some into a second tier, some pinned, some touched (moved to the most
+// recent end), some removed, then more inserted. Under each degenerate hash as well: with one
+// chain holding every key, every deletion moves buckets. (Also what the rejected one-line table,
+// docs/tiers.md, needed: its records themselves moved.)
 class BlockIndexMoves : public ::testing::TestWithParam<BlockIndex::HashFn> {};
 
 TEST_P(BlockIndexMoves, GrowthAndDeletionKeepLocationsPinsAndLruOrder) {
@@ -616,8 +617,45 @@ TEST_P(BlockIndexMoves, GrowthAndDeletionKeepLocationsPinsAndLruOrder) {
       ++pins[Key(i)];
     }
   }
-  for (int i = kN - 1; i >= 0; i -= 3) touch(Key(i));
-  for (int i = 0; i < kN; i += 4) {
+  // Every key findable with its locations and pins, every tier's eviction order the model's, the
+  // batched pipeline too; checked after each phase (a later rehash would hide a stale position).
+  auto verify = [&](const char* phase) {
+    SCOPED_TRACE(phase);
+    ASSERT_EQ(idx.size(), model.size());
+    for (int i = 0; i < 2 * kN; ++i) {
+      const auto p = idx.Lookup(Key(i), false);
+      ASSERT_EQ(p.has_value(), model.count(Key(i)) > 0) << i;
+      if (!p) continue;
+      for (auto& [t, loc] : model[Key(i)]) ASSERT_EQ(p->location[t], loc) << i;
+      ASSERT_EQ(p->pins, pins.count(Key(i)) ? pins[Key(i)] : 0u) << i;
+    }
+    for (int t : {host, disk}) {
+      ASSERT_EQ(idx.Count(static_cast<Tier>(t)), order[t].size());
+      std::vector<std::string> want;
+      for (const std::string& k : order[t]) {
+        if (!pins.count(k)) want.push_back(k);
+      }
+      std::vector<std::string> got;
+      for (const Victim& v : idx.EvictionCandidates(static_cast<Tier>(t), 1u << 20)) {
+        got.emplace_back(v.key);
+        ASSERT_EQ(v.location, model.at(v.key).at(t));
+      }
+      ASSERT_EQ(got, want) << "tier " << t;
+    }
+    std::vector<std::string> keys;
+    for (auto& [k, tiers] : model) keys.push_back(k);
+    std::vector<std::string_view> views(keys.begin(), keys.end());
+    std::vector<Placement> out;
+    ASSERT_EQ(idx.LookupPrefix(views, &out), keys.size());  // a touching lookup: relinks
+    for (size_t i = 0; i < keys.size(); ++i) {
+      for (auto& [t, loc] : model[keys[i]]) ASSERT_EQ(out[i].location[t], loc);
+      for (auto& [t, loc] : model[keys[i]]) {  // ... so the model relinks too, in batch order
+        order[t].remove(keys[i]);
+        order[t].push_back(keys[i]);
+      }
+    }
+  };
+  auto remove_host = [&](int i) {
     ASSERT_EQ(*idx.Remove(Key(i), Tier::kHost), static_cast<uint64_t>(i));
     model[Key(i)].erase(host);
     order[host].remove(Key(i));
@@ -625,40 +663,16 @@ TEST_P(BlockIndexMoves, GrowthAndDeletionKeepLocationsPinsAndLruOrder) {
       model.erase(Key(i));
       pins.erase(Key(i));
     }
-  }
+  };
+  for (int i = kN - 1; i >= 0; i -= 3) touch(Key(i));
+  ASSERT_NO_FATAL_FAILURE(verify("after growth"));
+  for (int i = 0; i < kN; i += 4) remove_host(i);
+  ASSERT_NO_FATAL_FAILURE(verify("after deletion"));
   for (int i = kN; i < 2 * kN; ++i) insert(Key(i), host, i);
   for (int i = kN; i < 2 * kN; i += 5) touch(Key(i));
-
-  ASSERT_EQ(idx.size(), model.size());
-  for (int i = 0; i < 2 * kN; ++i) {
-    const auto p = idx.Lookup(Key(i), false);
-    ASSERT_EQ(p.has_value(), model.count(Key(i)) > 0) << i;
-    if (!p) continue;
-    for (auto& [t, loc] : model[Key(i)]) ASSERT_EQ(p->location[t], loc) << i;
-    ASSERT_EQ(p->pins, pins.count(Key(i)) ? pins[Key(i)] : 0u) << i;
-  }
-  for (int t : {host, disk}) {
-    ASSERT_EQ(idx.Count(static_cast<Tier>(t)), order[t].size());
-    std::vector<std::string> want;
-    for (const std::string& k : order[t]) {
-      if (!pins.count(k)) want.push_back(k);
-    }
-    std::vector<std::string> got;
-    for (const Victim& v : idx.EvictionCandidates(static_cast<Tier>(t), 1u << 20)) {
-      got.emplace_back(v.key);
-      ASSERT_EQ(v.location, model.at(std::string(v.key)).at(t));
-    }
-    ASSERT_EQ(got, want) << "tier " << t;
-  }
-  // The batched pipeline finds the moved records too.
-  std::vector<std::string> keys;
-  for (auto& [k, tiers] : model) keys.push_back(k);
-  std::vector<std::string_view> views(keys.begin(), keys.end());
-  std::vector<Placement> out;
-  ASSERT_EQ(idx.LookupPrefix(views, &out), keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) {
-    for (auto& [t, loc] : model[keys[i]]) ASSERT_EQ(out[i].location[t], loc);
-  }
+  ASSERT_NO_FATAL_FAILURE(verify("after reinsertion and more growth"));
+  for (int i = kN + 1; i < 2 * kN; i += 3) remove_host(i);
+  ASSERT_NO_FATAL_FAILURE(verify("after a second deletion"));
   // Clear empties every slot; the index refills from id 0 with the same table.
   idx.Clear();
   EXPECT_EQ(idx.size(), 0u);

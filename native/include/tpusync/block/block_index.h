@@ -20,37 +20,33 @@
 // Both modes: pinned keys are never returned; the order within one tier never depends on
 // another tier. The default (kDefaultRecency) is chosen by measurement (docs/design-decisions.md).
 //
-// FLAT LOOKUP CONTRACT (what a lookup touches, and why): the open-addressing table IS the array
-// of HOT records (linear probing over 64-byte slots, load <= 0.7, backward-shift deletion). A
-// hot record holds everything a CLOCK lookup reads and writes: key length, tier mask, reference
-// bits, pins, a 32-bit hash tag, the locations of the two fastest tiers holding the key, and the
-// first 32 key bytes. So a CLOCK-mode hit of a key of at most kHotKey (32) bytes held in at most
-// two tiers touches ONE line, the record at its home slot, plus the next slot's line when the
-// key was displaced (mean displacement ~0.75 slots at load 0.6: the following line, which the
-// adjacent-line prefetcher usually brings with it). Probes past foreign records compare the tag
-// first (a foreign key matches with probability 2^-32). A miss probes to the first empty slot:
-// 2-6 adjacent lines at load 0.5-0.7, one DRAM round trip. Everything else lives in a COLD
-// record per entry that a CLOCK lookup never reads: the LRU links, locations of a third and
-// fourth tier, key bytes 32..44 and the slot the entry's hot record is in now (a side array holds
-// key bytes 44..64). The cold record's index is the entry's STABLE id: hot records move (MOVE
-// CONTRACT, below), cold ones never do, so LRU links and the free list hold ids and survive
-// growth and deletion. Lines counted per lookup:
-//   CLOCK hit 1 (+ the next slot's line when displaced), CLOCK miss 1-2 (adjacent), exact-LRU hit
-//   2 + 2 per tier (hot, cold, two neighbours' cold); + 1 cold line for keys > 32 bytes or a key in
-//   three or four tiers, + 1 side-array line for keys > 44 bytes.
-// LookupPrefix runs a software pipeline over the batch (home slot prefetched 20 keys ahead; with
-// exact LRU or a long key the cold record 10 ahead, the LRU neighbours 4 ahead), so the DRAM
-// misses of a batch overlap continuously instead of adding up. All arrays are 2 MiB aligned and
-// populated with transparent huge pages (MADV_HUGEPAGE, then MADV_COLLAPSE of what the fault path
-// did not give), so a random lookup does not also pay a page walk. Memory: 64 bytes per slot
-// (a power of two >= keys / 0.7) + 64 cold + 20 side bytes per entry: 1.93 GB at 10^7 keys
-// (2^24 slots), against 1.46 GB with the separate 8-byte bucket array this replaced.
-// Rejected: a bucket array of 8-byte (tag, entry id) pairs over hot records that never move (the
-// layout before: a CLOCK hit read two random lines, bucket and hot record); tombstones instead of
-// backward-shift deletion (no moves on deletion, but misses and inserts probe past tombstones
-// until a rehash, and the store deletes as often as it inserts); one 128-byte entry per key
-// (three lines per hit); std::unordered_map (a heap node per key plus an out-of-line key: three
-// or four dependent misses per lookup).
+// FLAT LOOKUP CONTRACT (what a lookup touches, and why): a CLOCK-mode hit of a key of at most
+// kHotKey (40) bytes held in at most two tiers touches TWO cache lines: one 8-byte bucket of an
+// open-addressing table (linear probing, load <= 0.7, a 32-bit hash tag next to a 32-bit entry
+// id; the probe ends in the home line except when it crosses a line boundary) and the key's HOT
+// line, a 64-byte record with everything a CLOCK lookup reads and writes: key length, tier mask,
+// reference bits, pins, the locations of the two fastest tiers holding the key, and the first 40
+// key bytes. A miss touches the bucket line only (a 32-bit tag matches a foreign key with
+// probability 2^-32 per probed bucket). Everything else lives in a separate COLD array that a
+// CLOCK lookup never reads: the LRU links, locations of a third and fourth tier, key bytes 40..56
+// (and a side array for 56..64). Hot and cold records are separate arrays (not two halves of one
+// 128-byte entry) so the adjacent-line prefetcher does not drag the cold half in on every hit.
+// Exact LRU (kExactLru) reads the key's cold line and writes two neighbours' cold lines per tier
+// on a touch: five lines per hit, the price of exact order. Lines counted per lookup:
+//   CLOCK hit 2 (bucket, hot), CLOCK miss 1 (bucket), exact-LRU hit 3 + 2 per tier, miss 1;
+//   + 1 cold line for keys > 40 bytes, for a key in three or four tiers (the third and fourth
+//   location), and + 1 side-array line for keys > 56 bytes.
+// LookupPrefix runs a software pipeline over the batch (bucket prefetch 20 keys ahead, hot line
+// 10 ahead, cold line 10 and LRU neighbours 4 ahead with exact LRU), so the DRAM misses of a batch
+// overlap continuously instead of adding up. All arrays are 2 MiB aligned and populated with
+// transparent huge pages (MADV_HUGEPAGE, then MADV_COLLAPSE of what the fault path did not give),
+// so a random lookup does not also pay a page walk: 10^7 keys span ~1.4 GB.
+// Rejected: one 128-byte entry per key holding links and key together (the layout before: a
+// CLOCK hit read three lines, bucket + both halves, 82 ns/key batched at 10^7 vs 16 at 10^3);
+// entries stored inline in the probed table (one line per hit, but a miss probes until an empty
+// slot, several lines at load 0.7, and entries would move on deletion, breaking the 32-bit LRU
+// links); std::unordered_map (a heap node per key plus an out-of-line key: three or four dependent
+// misses per lookup; a 32-key lookup was 10x slower at 10^7 keys than at 10^3).
 //
 // The index only records locations; moving bytes and enforcing capacity is the tiers' job (issue:
 // tiered store). Thread-safe: one mutex; callers batch to amortise it.
@@ -126,7 +122,7 @@ class BlockIndex {
   size_t Count(Tier tier) const;
   size_t size() const;
   // Sizes the hash table for `keys` keys so inserts up to that many never rehash (a rehash moves
-  // every 64-byte hot record and patches its cold record: O(keys) under the lock).
+  // only the 8-byte buckets, never entries, but is O(keys) under the lock).
   Status Reserve(size_t keys);
   // Every key and its placement (O(size); for clearing or checkpointing a store, not hot paths).
   std::vector<std::pair<BlockKey, Placement>> Snapshot() const;
@@ -134,39 +130,30 @@ class BlockIndex {
 
  private:
   static constexpr uint32_t kNil = 0xffffffffu;
-  static constexpr size_t kHotKey = 32;   // key bytes in the hot record (the table slot)
-  static constexpr size_t kColdKey = 12;  // key bytes kHotKey.. in the cold record
-  static constexpr size_t kTailKey = kMaxKeyBytes - kHotKey - kColdKey;  // side array, 20
+  static constexpr size_t kHotKey = 40;   // key bytes in the hot line
+  static constexpr size_t kColdKey = 16;  // key bytes kHotKey.. in the cold line
   static constexpr size_t kHotLocations = 2;
-  // HOT CONTRACT: a slot of the open-addressing table, and everything a CLOCK lookup of a short
-  // key in <= 2 tiers reads or writes. Locations are stored by RANK: the i-th set bit of
-  // tier_mask has its location in slot i (0, 1 here, 2, 3 in the cold record), so the two
-  // fastest tiers are always hot. tier_mask == 0 marks an empty slot.
-  // MOVE CONTRACT: hot records move (growth, backward-shift deletion); `tag` gives a record's home
-  // position, so a move never reads or rehashes its key, and every move rewrites the cold
-  // record's `slot`. Everything that outlives one call (LRU links, the free list, Snapshot's
-  // order) uses the STABLE entry id, the index of the cold record, which never moves.
+  // HOT CONTRACT: everything a CLOCK lookup of a short key in <= 2 tiers reads or writes.
+  // Locations are stored by RANK: the i-th set bit of tier_mask has its location in slot i
+  // (slots 0, 1 here, 2, 3 in the cold line), so the two fastest tiers are always hot.
   struct alignas(64) Hot {
     uint8_t key_len;
-    uint8_t tier_mask;   // 0: the slot is empty
+    uint8_t tier_mask;   // 0: the entry is free
     uint8_t referenced;  // kClock: bit t set = used since last linked in tier t
     uint8_t unused;
-    uint32_t tag;   // hash >> 32: pre-compare (a foreign key matches with p = 2^-32) and home
     uint32_t pins;
-    uint32_t id;    // the stable entry id: index of the cold record
     std::array<uint64_t, kHotLocations> location;
     char key[kHotKey];
   };
   static_assert(sizeof(Hot) == 64, "a hot record is exactly one cache line");
   struct alignas(64) Cold {
     std::array<uint64_t, kNumTiers - kHotLocations> location;  // rank 2 and 3
-    std::array<uint32_t, kNumTiers> prev;                      // LRU links: entry ids
+    std::array<uint32_t, kNumTiers> prev;
     std::array<uint32_t, kNumTiers> next;
-    uint32_t slot;  // current table position of the entry's hot record; kNil: id is free
     char key[kColdKey];
   };
   static_assert(sizeof(Cold) == 64, "a cold record is exactly one cache line");
-  static_assert(kHotKey + kColdKey + kTailKey == kMaxKeyBytes, "the side array holds the rest");
+  static_assert(kHotKey + kColdKey + 8 == kMaxKeyBytes, "the side array holds the last 8 bytes");
   struct List {
     uint32_t head = kNil;  // least recent
     uint32_t tail = kNil;  // most recent
@@ -174,34 +161,33 @@ class BlockIndex {
   };
   class Array;  // anonymous memory (huge pages where the kernel allows), block_index.cc
 
-  // `pos` is a table position (valid until the next move); `id` a stable entry id.
-  Hot& HotAt(size_t pos) const;
-  Hot& HotOf(uint32_t id) const;  // the hot record of entry `id`, wherever it is now
+  Hot& HotAt(uint32_t id) const;
   Cold& ColdAt(uint32_t id) const;
-  char* Tail(uint32_t id) const;  // key bytes past kHotKey + kColdKey (kTailKey per entry)
-  uint64_t& LocationSlot(size_t pos, size_t rank) const;
-  void StoreLocations(size_t pos, const Placement& p);  // writes every location by rank
-  bool KeyIs(size_t pos, std::string_view key) const;
-  BlockKey KeyOf(size_t pos) const;
-  Placement PlacementOf(size_t pos) const;
+  char* Tail(uint32_t id) const;  // key bytes past kHotKey + kColdKey (8 per entry)
+  uint64_t& LocationSlot(uint32_t id, size_t rank) const;
+  void StoreLocations(uint32_t id, const Placement& p);  // writes every location by rank
+  bool KeyIs(uint32_t id, std::string_view key) const;
+  BlockKey KeyOf(uint32_t id) const;
+  Placement PlacementOf(uint32_t id) const;
   uint64_t Hash(std::string_view key) const;
-  // Table position of key (with hash h), or npos.
+  // Bucket position of key (with hash h), or npos.
   size_t Find(std::string_view key, uint64_t h) const;
-  Status Grow(size_t min_slots);
+  Status Grow(size_t min_buckets);
   Result<uint32_t> NewEntry();
-  void FreeEntry(size_t pos);  // empties slot `pos` (backward shift) and frees its entry id
+  void FreeEntry(size_t pos);  // removes bucket `pos` (backward shift) and frees its entry
   void Link(uint32_t id, size_t tier);
   void Unlink(uint32_t id, size_t tier);
-  void Touch(size_t pos);
+  void Touch(uint32_t id);
 
   const Recency recency_;
   const HashFn hash_;
   mutable std::mutex mu_;
-  std::unique_ptr<Array> table_;  // Hot records, (mask_ + 1) slots
-  size_t mask_ = 0;               // slot count - 1
+  std::unique_ptr<Array> buckets_;  // uint64_t: (hash >> 32) << 32 | (id + 1); 0 = empty
+  size_t mask_ = 0;                 // bucket count - 1
   size_t size_ = 0;
+  std::vector<std::unique_ptr<Array>> hot_;    // kChunkEntries hot records each
   std::vector<std::unique_ptr<Array>> cold_;   // kChunkEntries cold records each
-  std::vector<std::unique_ptr<Array>> tails_;  // kChunkEntries x kTailKey key bytes each
+  std::vector<std::unique_ptr<Array>> tails_;  // kChunkEntries x 8 key bytes each
   std::vector<uint32_t> free_ids_;
   uint32_t next_id_ = 0;
   std::array<List, kNumTiers> lists_{};
