@@ -581,6 +581,116 @@ TEST(BlockIndex, GrowthAndDeletionWithCollidingTags) {
   EXPECT_FALSE(idx.Lookup("absent").has_value());
 }
 
+// Growth (every rehash moves buckets) and backward-shift deletion (moves the buckets behind the
+// hole) must leave every key findable with its locations, pins and LRU position; freed entry ids
+// are reused. Exact LRU, so the eviction order is a checkable list: keys are inserted without
+// Reserve (many rehashes), some into a second tier, some pinned, some touched (moved to the most
+// recent end), some removed, then more inserted. Under each degenerate hash as well: with one
+// chain holding every key, every deletion moves buckets. (Also what the rejected one-line table,
+// docs/tiers.md, needed: its records themselves moved.)
+class BlockIndexMoves : public ::testing::TestWithParam<BlockIndex::HashFn> {};
+
+TEST_P(BlockIndexMoves, GrowthAndDeletionKeepLocationsPinsAndLruOrder) {
+  BlockIndex idx(Recency::kExactLru, GetParam());
+  std::map<std::string, std::map<int, uint64_t>> model;  // key -> tier -> location
+  std::map<std::string, uint32_t> pins;
+  std::array<std::list<std::string>, kNumTiers> order;  // least recent first
+  const int host = static_cast<int>(Tier::kHost), disk = static_cast<int>(Tier::kDisk);
+  auto insert = [&](const std::string& k, int t, uint64_t loc) {
+    ASSERT_TRUE(idx.Insert(k, static_cast<Tier>(t), loc).ok());
+    model[k][t] = loc;
+    order[t].push_back(k);
+  };
+  auto touch = [&](const std::string& k) {
+    ASSERT_TRUE(idx.Lookup(k).has_value());
+    for (auto& [t, loc] : model[k]) {
+      order[t].remove(k);
+      order[t].push_back(k);
+    }
+  };
+  constexpr int kN = 1200;
+  for (int i = 0; i < kN; ++i) {
+    insert(Key(i), host, i);
+    if (i % 5 == 0) insert(Key(i), disk, 100000 + i);
+    if (i % 7 == 0) {
+      ASSERT_TRUE(idx.Pin(Key(i)).ok());
+      ++pins[Key(i)];
+    }
+  }
+  // Every key findable with its locations and pins, every tier's eviction order the model's, the
+  // batched pipeline too; checked after each phase (a later rehash would hide a stale position).
+  auto verify = [&](const char* phase) {
+    SCOPED_TRACE(phase);
+    ASSERT_EQ(idx.size(), model.size());
+    for (int i = 0; i < 2 * kN; ++i) {
+      const auto p = idx.Lookup(Key(i), false);
+      ASSERT_EQ(p.has_value(), model.count(Key(i)) > 0) << i;
+      if (!p) continue;
+      for (auto& [t, loc] : model[Key(i)]) ASSERT_EQ(p->location[t], loc) << i;
+      ASSERT_EQ(p->pins, pins.count(Key(i)) ? pins[Key(i)] : 0u) << i;
+    }
+    for (int t : {host, disk}) {
+      ASSERT_EQ(idx.Count(static_cast<Tier>(t)), order[t].size());
+      std::vector<std::string> want;
+      for (const std::string& k : order[t]) {
+        if (!pins.count(k)) want.push_back(k);
+      }
+      std::vector<std::string> got;
+      for (const Victim& v : idx.EvictionCandidates(static_cast<Tier>(t), 1u << 20)) {
+        got.emplace_back(v.key);
+        ASSERT_EQ(v.location, model.at(v.key).at(t));
+      }
+      ASSERT_EQ(got, want) << "tier " << t;
+    }
+    std::vector<std::string> keys;
+    for (auto& [k, tiers] : model) keys.push_back(k);
+    std::vector<std::string_view> views(keys.begin(), keys.end());
+    std::vector<Placement> out;
+    ASSERT_EQ(idx.LookupPrefix(views, &out), keys.size());  // a touching lookup: relinks
+    for (size_t i = 0; i < keys.size(); ++i) {
+      for (auto& [t, loc] : model[keys[i]]) ASSERT_EQ(out[i].location[t], loc);
+      for (auto& [t, loc] : model[keys[i]]) {  // ... so the model relinks too, in batch order
+        order[t].remove(keys[i]);
+        order[t].push_back(keys[i]);
+      }
+    }
+  };
+  auto remove_host = [&](int i) {
+    ASSERT_EQ(*idx.Remove(Key(i), Tier::kHost), static_cast<uint64_t>(i));
+    model[Key(i)].erase(host);
+    order[host].remove(Key(i));
+    if (model[Key(i)].empty()) {
+      model.erase(Key(i));
+      pins.erase(Key(i));
+    }
+  };
+  for (int i = kN - 1; i >= 0; i -= 3) touch(Key(i));
+  ASSERT_NO_FATAL_FAILURE(verify("after growth"));
+  for (int i = 0; i < kN; i += 4) remove_host(i);
+  ASSERT_NO_FATAL_FAILURE(verify("after deletion"));
+  for (int i = kN; i < 2 * kN; ++i) insert(Key(i), host, i);
+  for (int i = kN; i < 2 * kN; i += 5) touch(Key(i));
+  ASSERT_NO_FATAL_FAILURE(verify("after reinsertion and more growth"));
+  for (int i = kN + 1; i < 2 * kN; i += 3) remove_host(i);
+  ASSERT_NO_FATAL_FAILURE(verify("after a second deletion"));
+  // Clear empties every slot; the index refills from id 0 with the same table.
+  idx.Clear();
+  EXPECT_EQ(idx.size(), 0u);
+  for (int i = 0; i < 2 * kN; i += 97) EXPECT_FALSE(idx.Lookup(Key(i), false).has_value());
+  ASSERT_TRUE(idx.Insert(Key(3), Tier::kHost, 3).ok());
+  EXPECT_EQ(idx.Snapshot().size(), 1u);
+  EXPECT_EQ(idx.Lookup(Key(3))->location[host], 3u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Hashes, BlockIndexMoves,
+                         ::testing::Values(BlockIndex::HashFn{nullptr}, &EightHashes,
+                                           &ConstantHash),
+                         [](const auto& info) {
+                           return info.param == nullptr        ? std::string("xxh3")
+                                  : info.param == &EightHashes ? std::string("eight_hashes")
+                                                               : std::string("constant_hash");
+                         });
+
 // A key in all four tiers: the third and fourth locations live in the cold line; removing the
 // fastest tier moves the others down a rank, and each keeps its own location.
 TEST(BlockIndex, LocationsMoveByRankAsTiersComeAndGo) {

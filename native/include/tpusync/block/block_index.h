@@ -43,9 +43,15 @@
 // so a random lookup does not also pay a page walk: 10^7 keys span ~1.4 GB.
 // Rejected: one 128-byte entry per key holding links and key together (the layout before: a
 // CLOCK hit read three lines, bucket + both halves, 82 ns/key batched at 10^7 vs 16 at 10^3);
-// entries stored inline in the probed table (one line per hit, but a miss probes until an empty
-// slot, several lines at load 0.7, and entries would move on deletion, breaking the 32-bit LRU
-// links); std::unordered_map (a heap node per key plus an out-of-line key: three or four dependent
+// the table itself as the array of hot records (built, tested and measured in branch tiers5,
+// docs/tiers.md "One-line table": one line per CLOCK hit unless displaced, LRU links on stable
+// cold-record ids patched on every move; cachegrind 1.20 lines per hit against 1.86, single-key
+// latency 0.23 us against 0.40 at 10^7, but the batched lookup, what the store uses, was
+// 1.13-1.34x SLOWER at 10^5 and 10^7: 30% of hits at load 0.6 are displaced into a second
+// line, which costs almost a random line's time on the development VM, and the 1 GiB table of
+// 2^24 64-byte slots spreads the DRAM lines over more memory than the 128 MiB bucket array,
+// which its 480 MiB L3 holds; 1.72 GB at 10^7 keys against 1.42); std::unordered_map (a heap
+// node per key plus an out-of-line key: three or four dependent
 // misses per lookup; a 32-key lookup was 10x slower at 10^7 keys than at 10^3).
 //
 // The index only records locations; moving bytes and enforcing capacity is the tiers' job (issue:
