@@ -640,7 +640,8 @@ def test_damaged_block_on_the_shared_segment_rejects_update_others_commit():
 
 def test_shared_reader_dying_mid_update_is_reported_and_others_commit(caplog):
     """Replica 1 dies after staging its first block of version 2 out of the trainer's segment:
-    the trainer frees what it held by the deadline, names it, replica 0 commits."""
+    the trainer sees its process exit (EXIT WATCH CONTRACT), frees what it held at once instead
+    of at the 60 s deadline, names it, and replica 0 commits."""
     q = U.ctx().Queue()
     dst = tp_layouts(1, {})
     trainer = TrainerSync(
@@ -652,7 +653,7 @@ def test_shared_reader_dying_mid_update_is_reported_and_others_commit(caplog):
         bucket_blocks=1,
         pool_bytes=2 << 20,
         same_host=True,
-        deadline=5.0,
+        deadline=60.0,
     )
     eng = {U.engine_name(n): lay for n, lay in dst.items()}
     procs = start_samplers(
@@ -672,6 +673,8 @@ def test_shared_reader_dying_mid_update_is_reported_and_others_commit(caplog):
         with caplog.at_level(logging.ERROR, logger="tpusync.rl"):
             rep = trainer.publish(2, U.full_weights(82))
         assert rep.committed == ["0:0"] and list(rep.failed) == ["1:0"]
+        assert "exited during the update" in rep.failed["1:0"], rep.failed
+        assert rep.seconds < 30.0, f"waited {rep.seconds:.1f} s for a dead reader"
         assert "sampler 1:0 failed version 2" in caplog.text
         assert get(q, "update")[3]["ok"]
         assert trainer._ep.pool.num_free == trainer._ep.pool.num_blocks

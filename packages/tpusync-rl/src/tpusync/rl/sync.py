@@ -133,6 +133,31 @@ def _key(replica: int, rank: int) -> str:
     return f"{replica}:{rank}"
 
 
+def _process_identity() -> dict[str, Any]:
+    """This process as a same-host peer can check it: pid, pid namespace and start time (clock
+    ticks since boot, so a reused pid is told apart). Empty where /proc is not readable."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {"pid": os.getpid(), "pidns": ns, "started": started}
+
+
+def _process_gone(ident: Mapping[str, Any]) -> bool:
+    """True when the process ``ident`` (from :func:`_process_identity` in this pid namespace)
+    has exited: no such pid, a zombie, or the pid now names a younger process."""
+    try:
+        with open(f"/proc/{int(ident['pid'])}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, KeyError):
+        return False  # cannot tell: the deadline decides, as for a remote sampler
+    return fields[0] in ("Z", "X") or int(fields[19]) != int(ident.get("started", -1))
+
+
 def _children(topo: list[int], replica: int | None, fanout: int) -> list[int]:
     """Replicas pulling from ``replica`` (None: the trainer) in a tree of degree ``fanout``."""
     first = 0 if replica is None else fanout * (topo.index(replica) + 1)
@@ -172,6 +197,8 @@ class _Endpoint:
             "host": socket.gethostname(),
             # Same-host peers may map this pool (SHARED-SEGMENT CONTRACT in the module doc).
             "shm": shm,
+            # ...and notice at once when this process exits (EXIT WATCH CONTRACT, TrainerSync).
+            "proc": _process_identity(),
         }
         # ACK LEDGER CONTRACT: the producer reports a terminal (done / failed) send once, to
         # whichever caller polls first. Every poll of this endpoint's producer goes through
@@ -206,8 +233,9 @@ class _Endpoint:
         self.poll_sends()
         self._sent.clear()
 
-    def alloc(self, n: int, deadline: float) -> list[int]:
-        """``n`` blocks, waiting for in-flight ones to be released until ``deadline``."""
+    def alloc(self, n: int, deadline: float, on_wait: Any = None) -> list[int]:
+        """``n`` blocks, waiting for in-flight ones to be released until ``deadline``
+        (``on_wait()`` runs in every round of the wait)."""
         while True:
             try:
                 return self.pool.alloc(n)
@@ -215,6 +243,8 @@ class _Endpoint:
                 if time.monotonic() >= deadline:
                     raise
                 self.poll_sends()  # never drops an acknowledgement (ACK LEDGER CONTRACT)
+                if on_wait is not None:
+                    on_wait()
                 time.sleep(0.002)
 
     def drain(self, timeout: float) -> int:
@@ -375,6 +405,7 @@ class TrainerSync:
         self._waiters: dict[tuple[int, int, int, int], list] = collections.defaultdict(list)
         self._sharing: int | None = None
         self._quit: set[str] = set()  # readers that reported a failure of the shared version
+        self._next_watch = 0.0  # EXIT WATCH CONTRACT: when to look at same-host samplers again
         self._released: set[tuple[tuple[int, int, int, int], str]] = set()  # (slot, reader)
         self.metrics = {"versions_published": 0, "bytes_sent": 0, "last_publish_s": 0.0}
         # STAGE TIMES of the last publish (seconds on this rank's publishing thread): waiting for
@@ -432,15 +463,53 @@ class TrainerSync:
                 return ann if ann is not None else {"op": "none"}
             if op == "report":
                 key = _key(int(msg["replica"]), int(msg["rank"]))
-                self._reports[int(msg["version"])][key] = msg
-                if not msg.get("ok"):  # a reader that gave up holds no shared bucket any more
-                    self._release_reader(int(msg["version"]), key)
-                    if self._sharing == int(msg["version"]):
-                        self._quit.add(key)  # nor is it offered the buckets still to come
+                self._record_report(int(msg["version"]), key, msg)
                 return {"op": "ok"}
             if op in ("bucket", "release"):
                 return self._shared_request(op, msg, _answer)
         return {"op": "error", "reason": f"unknown op {op!r}"}
+
+    def _record_report(self, version: int, key: str, msg: dict) -> None:
+        """Sampler ``key``'s outcome of ``version`` (lock held)."""
+        self._reports[version][key] = msg
+        if not msg.get("ok"):  # a reader that gave up holds no shared bucket any more
+            self._release_reader(version, key)
+            if self._sharing == version:
+                self._quit.add(key)  # nor is it offered the buckets still to come
+
+    def _watch_exits(self, ann: dict) -> None:
+        """EXIT WATCH CONTRACT (rank 0): while a version is in flight, a shared-segment reader
+        (same host and pid namespace) that has not reported is checked about every 50 ms; once
+        its process has exited (gone, a zombie, or its pid reused: :func:`_process_gone`) it
+        counts as having reported a failure at once, so the buckets it held are freed and the
+        version ends without waiting for its deadline. Only shared readers: a dead tree member's
+        buckets stay registered with the transport until the deadline whatever the trainer
+        knows, so ending the version early would only start the next one on a pool still held
+        for the dead peer (it is found out by the deadline, as before). Rejected: heartbeats on
+        the control channel (a timeout either fires on a slow, live sampler or waits seconds for
+        a dead one; the kernel knows exactly)."""
+        now = time.monotonic()
+        if self._server is None or not ann.get("shared") or now < self._next_watch:
+            return
+        self._next_watch = now + 0.05
+        mine = self._ep.address
+        version = int(ann["version"])
+        readers = {_key(replica, int(r)) for r, reps in ann["shared"].items() for replica in reps}
+        with self._lock:
+            got = self._reports[version]
+            for key, addr in ann["members"].items():
+                proc = addr.get("proc") or {}
+                if (
+                    key not in readers
+                    or key in got
+                    or addr.get("host") != mine["host"]
+                    or not proc
+                    or proc.get("pidns") != mine["proc"].get("pidns")
+                    or not _process_gone(proc)
+                ):
+                    continue
+                why = f"sampler process {proc['pid']} exited during the update"
+                self._record_report(version, key, {"ok": False, "reason": why})
 
     def _shared_request(self, op: str, msg: dict, answer: Any) -> dict | None:
         """A shared reader's ``bucket`` long poll or ``release`` (lock held)."""
@@ -712,7 +781,7 @@ class TrainerSync:
             first, end = plan.buckets[b]
             t1 = time.monotonic()
             try:
-                ids = self._ep.alloc(end - first, deadline)
+                ids = self._ep.alloc(end - first, deadline, lambda: self._watch_exits(ann))
             except PoolExhaustedError:
                 # Children that never acknowledged hold the pool until the deadline: whoever has
                 # not got every bucket by now fails this version (reported), nobody waits longer.
@@ -790,7 +859,8 @@ class TrainerSync:
                 with self._lock:
                     reps = dict(self._reports.get(version, {}))
                 for rid in [r for r, k in left.items() if k in reps and not reps[k].get("ok")]:
-                    report.failed.setdefault(left.pop(rid), "rejected by the sampler")
+                    why = reps[left[rid]].get("reason") or "rejected by the sampler"
+                    report.failed.setdefault(left.pop(rid), why)
             self._ep.poll_sends()
             for rid in list(left):
                 st = self._ep.take_send(rid)
@@ -800,6 +870,7 @@ class TrainerSync:
                 if st.failed and key not in report.failed:
                     report.failed[key] = f"transfer failed: {st.reason}"
             if left or self._holding(version):
+                self._watch_exits(ann)
                 time.sleep(0.002)
         for key in left.values():
             report.failed.setdefault(key, "transfer not acknowledged by the deadline")
@@ -812,6 +883,7 @@ class TrainerSync:
                 got = set(self._reports[version])
             if expected <= got:
                 break
+            self._watch_exits(ann)
             time.sleep(0.005)
         for key, have in ann.get("skewed", {}).items():
             report.failed[key] = (
