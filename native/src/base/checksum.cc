@@ -68,6 +68,24 @@ void Checksum64Stream::Update(const void* data, size_t bytes) {
   XXH3_64bits_update(StateOf(state_), data, bytes);
 }
 
+void Checksum64Stream::CopyUpdate(void* dst, const void* src, size_t bytes) {
+  auto* d = static_cast<uint8_t*>(dst);
+  const auto* s = static_cast<const uint8_t*>(src);
+  // Same loop as FusedCopyHash (fused_copy_hash.inc), over this object's streaming state.
+  const bool stream = bytes >= kStreamMinBytes;
+  for (size_t off = 0; off < bytes; off += kFusedChunkBytes) {
+    const size_t n = std::min(kFusedChunkBytes, bytes - off);
+    if (stream) {
+      Update(s + off, n);
+      StreamStore(d + off, s + off, n);
+    } else {
+      std::memcpy(d + off, s + off, n);
+      Update(d + off, n);
+    }
+  }
+  if (stream) StreamFence();
+}
+
 uint64_t Checksum64Stream::Digest() const { return XXH3_64bits_digest(StateOf(state_)); }
 
 }  // namespace tpusync

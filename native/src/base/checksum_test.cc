@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <vector>
 
@@ -183,6 +184,49 @@ TEST(Checksum, StreamMatchesOneShotForAnySplit) {
         off += n;
       }
       EXPECT_EQ(h.Digest(), want) << "random split of " << total;
+    }
+  }
+}
+
+// CopyUpdate: the pieces land byte for byte (nothing written outside them) and a block made of
+// copied pieces and hashed-only gaps digests exactly like the one-shot hash of the whole block,
+// at sizes around the fused chunk and the non-temporal threshold and at odd alignments.
+TEST(Checksum, StreamCopyUpdateMatchesOneShotOverMixedPieces) {
+  std::mt19937 rng(11);
+  std::vector<uint8_t> block((1 << 20) + 123);
+  for (auto& b : block) b = static_cast<uint8_t>(rng());
+  const size_t cuts[] = {0,
+                         1,
+                         240,
+                         kFusedChunkBytes - 3,
+                         kFusedChunkBytes + 5,
+                         kStreamMinBytes - 1,
+                         kStreamMinBytes + 9,
+                         (512 << 10) + 1,
+                         block.size()};
+  for (size_t doff : {size_t{0}, size_t{5}}) {
+    for (uint64_t seed : {uint64_t{0}, uint64_t{7}}) {
+      std::vector<uint8_t> out(block.size() + 16, 0xEE);
+      Checksum64Stream h(seed);
+      for (size_t i = 0; i + 1 < std::size(cuts); ++i) {
+        const size_t lo = cuts[i], hi = cuts[i + 1];
+        if (i % 2 == 0) {  // a piece copied out while hashed
+          h.CopyUpdate(out.data() + doff + lo, block.data() + lo, hi - lo);
+        } else {  // a gap (padding, trailer) hashed only
+          h.Update(block.data() + lo, hi - lo);
+        }
+      }
+      ASSERT_EQ(h.Digest(), XXH3_64bits_withSeed(block.data(), block.size(), seed));
+      for (size_t i = 0; i + 1 < std::size(cuts); ++i) {
+        const size_t lo = cuts[i], hi = cuts[i + 1];
+        if (i % 2 == 0) {
+          ASSERT_EQ(std::memcmp(out.data() + doff + lo, block.data() + lo, hi - lo), 0) << lo;
+        } else {
+          for (size_t k = lo; k < hi; ++k) ASSERT_EQ(out[doff + k], 0xEE) << "gap written " << k;
+        }
+      }
+      if (doff > 0) ASSERT_EQ(out[doff - 1], 0xEE);
+      ASSERT_EQ(out[doff + block.size()], 0xEE);
     }
   }
 }

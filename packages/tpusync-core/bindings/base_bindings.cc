@@ -2,11 +2,53 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
+#include <memory>
+
 #include "bindings.h"
 #include "tpusync/base/checksum.h"
+#include "tpusync/base/status.h"
 #include "tpusync/base/version.h"
 
 namespace tpusync::bindings {
+
+namespace {
+
+// A copy source or destination: C-contiguous host memory of any dtype (dims of extent 1 may
+// carry any stride). Checked here, never converted: nanobind would otherwise copy a strided
+// destination into a temporary and the bytes would land there.
+template <typename Array>
+size_t DenseBytes(const Array& a, const char* what) {
+  int64_t expect = 1;
+  for (size_t d = a.ndim(); d-- > 0;) {
+    if (a.shape(d) != 1 && a.stride(d) != expect) {
+      throw StatusError(Status::InvalidArgument(
+          StrCat(what,
+                 " must be a C-contiguous host array (copy strided data with the "
+                 "framework's copy, then hash it with checksum64)")));
+    }
+    expect *= static_cast<int64_t>(a.shape(d));
+  }
+  return a.nbytes();
+}
+
+size_t SameBytes(const nb::ndarray<nb::device::cpu>& dst,
+                 const nb::ndarray<nb::ro, nb::device::cpu>& src) {
+  const size_t n = DenseBytes(src, "src");
+  if (DenseBytes(dst, "dst") != n) {
+    throw StatusError(Status::InvalidArgument(
+        StrCat("copy from ", n, " source bytes into a ", dst.nbytes(), "-byte destination")));
+  }
+  return n;
+}
+
+// The Python face of Checksum64Stream, held through a pointer so its 64-byte aligned state never
+// depends on the Python allocator's alignment.
+struct PyChecksumStream {
+  explicit PyChecksumStream(uint64_t seed) : h(std::make_unique<Checksum64Stream>(seed)) {}
+  std::unique_ptr<Checksum64Stream> h;
+};
+
+}  // namespace
 
 void init_base(nb::module_& m) {
   m.attr("__version__") = kVersionString;
@@ -38,6 +80,54 @@ void init_base(nb::module_& m) {
       },
       nb::arg("data"), nb::arg("seed") = 0,
       "XXH3-64 checksum of a C-contiguous host array's bytes, without a copy.");
+  m.def(
+      "copy_checksum64",
+      [](nb::ndarray<nb::device::cpu> dst, nb::ndarray<nb::ro, nb::device::cpu> src,
+         uint64_t seed) {
+        const size_t n = SameBytes(dst, src);
+        void* d = dst.data();
+        const void* s = src.data();
+        nb::gil_scoped_release release;
+        return CopyWithChecksum64(d, s, n, seed);
+      },
+      nb::arg("dst").noconvert(), nb::arg("src").noconvert(), nb::arg("seed") = 0,
+      "Copy src's bytes into dst and return their XXH3-64 (== checksum64(src, seed)) in one pass "
+      "over memory. Both C-contiguous host arrays of the same byte size, any dtypes; "
+      "InvalidArgumentError otherwise.");
+
+  nb::class_<PyChecksumStream>(
+      m, "Checksum64Stream",
+      "XXH3-64 of bytes that come in pieces: update / copy_update with consecutive pieces, then "
+      "digest() == checksum64(all pieces joined, seed). Not thread-safe: one per thread.")
+      .def(nb::init<uint64_t>(), nb::arg("seed") = 0)
+      .def(
+          "reset", [](PyChecksumStream& s, uint64_t seed) { s.h->Reset(seed); },
+          nb::arg("seed") = 0, "Start a new digest with this seed.")
+      .def(
+          "update",
+          [](PyChecksumStream& s, nb::ndarray<nb::ro, nb::device::cpu> data) {
+            const size_t n = DenseBytes(data, "data");
+            const void* p = data.data();
+            nb::gil_scoped_release release;
+            s.h->Update(p, n);
+          },
+          nb::arg("data").noconvert(), "Hash the next piece (a C-contiguous host array's bytes).")
+      .def(
+          "copy_update",
+          [](PyChecksumStream& s, nb::ndarray<nb::device::cpu> dst,
+             nb::ndarray<nb::ro, nb::device::cpu> src) {
+            const size_t n = SameBytes(dst, src);
+            void* d = dst.data();
+            const void* p = src.data();
+            nb::gil_scoped_release release;
+            s.h->CopyUpdate(d, p, n);
+          },
+          nb::arg("dst").noconvert(), nb::arg("src").noconvert(),
+          "Copy the next piece from src into dst and hash it in the same pass (rules of "
+          "copy_checksum64).")
+      .def(
+          "digest", [](const PyChecksumStream& s) { return s.h->Digest(); },
+          "The digest of every piece so far (the state stays usable).");
 }
 
 }  // namespace tpusync::bindings

@@ -37,6 +37,14 @@ class Checksum64Stream {
   // Starts over (a new digest with this seed).
   void Reset(uint64_t seed = 0);
   void Update(const void* data, size_t bytes);
+  // Copies `bytes` from src to dst and Updates with them in the same pass, like
+  // CopyWithChecksum64 (kFusedChunkBytes chunks hashed while in L1; from kStreamMinBytes up the
+  // stores are non-temporal and fenced before return). Used to verify a block that is scattered
+  // into several destinations piece by piece (tpusync-rl's staging copy, its trainer's fill):
+  // the digest covers the whole block while each piece is read from memory once.
+  // Rejected: copy then Update (two passes), and a one-shot fused copy per piece (the block's
+  // digest is one XXH3 over all its pieces, padding and trailer, not a digest per piece).
+  void CopyUpdate(void* dst, const void* src, size_t bytes);
   uint64_t Digest() const;
 
   static constexpr size_t kStateBytes = 640;  // >= sizeof(XXH3_state_t), static_asserted
