@@ -14,10 +14,13 @@ namespace tpusync::bindings {
 namespace {
 
 // A copy source or destination: C-contiguous host memory of any dtype (dims of extent 1 may
-// carry any stride). Checked here, never converted: nanobind would otherwise copy a strided
-// destination into a temporary and the bytes would land there.
+// carry any stride; empty arrays are fine). Checked here, never converted: nanobind would otherwise
+// copy a strided destination into a temporary and the bytes would land there.
 template <typename Array>
 size_t DenseBytes(const Array& a, const char* what) {
+  for (size_t d = 0; d < a.ndim(); ++d) {
+    if (a.shape(d) == 0) return 0;  // empty: its strides mean nothing
+  }
   int64_t expect = 1;
   for (size_t d = a.ndim(); d-- > 0;) {
     if (a.shape(d) != 1 && a.stride(d) != expect) {
