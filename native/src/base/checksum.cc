@@ -68,11 +68,11 @@ void Checksum64Stream::Update(const void* data, size_t bytes) {
   XXH3_64bits_update(StateOf(state_), data, bytes);
 }
 
-void Checksum64Stream::CopyUpdate(void* dst, const void* src, size_t bytes) {
+void Checksum64Stream::CopyUpdate(void* dst, const void* src, size_t bytes, bool keep_in_cache) {
   auto* d = static_cast<uint8_t*>(dst);
   const auto* s = static_cast<const uint8_t*>(src);
   // Same loop as FusedCopyHash (fused_copy_hash.inc), over this object's streaming state.
-  const bool stream = bytes >= kStreamMinBytes;
+  const bool stream = !keep_in_cache && bytes >= kStreamMinBytes;
   for (size_t off = 0; off < bytes; off += kFusedChunkBytes) {
     const size_t n = std::min(kFusedChunkBytes, bytes - off);
     if (stream) {

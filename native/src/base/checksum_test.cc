@@ -210,8 +210,8 @@ TEST(Checksum, StreamCopyUpdateMatchesOneShotOverMixedPieces) {
       Checksum64Stream h(seed);
       for (size_t i = 0; i + 1 < std::size(cuts); ++i) {
         const size_t lo = cuts[i], hi = cuts[i + 1];
-        if (i % 2 == 0) {  // a piece copied out while hashed
-          h.CopyUpdate(out.data() + doff + lo, block.data() + lo, hi - lo);
+        if (i % 2 == 0) {  // a piece copied out while hashed (both store kinds)
+          h.CopyUpdate(out.data() + doff + lo, block.data() + lo, hi - lo, i % 4 == 2);
         } else {  // a gap (padding, trailer) hashed only
           h.Update(block.data() + lo, hi - lo);
         }

@@ -118,16 +118,18 @@ void init_base(nb::module_& m) {
       .def(
           "copy_update",
           [](PyChecksumStream& s, nb::ndarray<nb::device::cpu> dst,
-             nb::ndarray<nb::ro, nb::device::cpu> src) {
+             nb::ndarray<nb::ro, nb::device::cpu> src, bool keep_in_cache) {
             const size_t n = SameBytes(dst, src);
             void* d = dst.data();
             const void* p = src.data();
             nb::gil_scoped_release release;
-            s.h->CopyUpdate(d, p, n);
+            s.h->CopyUpdate(d, p, n, keep_in_cache);
           },
-          nb::arg("dst").noconvert(), nb::arg("src").noconvert(),
+          nb::arg("dst").noconvert(), nb::arg("src").noconvert(), nb::kw_only(),
+          nb::arg("keep_in_cache") = false,
           "Copy the next piece from src into dst and hash it in the same pass (rules of "
-          "copy_checksum64).")
+          "copy_checksum64). Large copies bypass the cache (non-temporal stores) unless "
+          "keep_in_cache: then dst stays cached for a reader that comes right after.")
       .def(
           "digest", [](const PyChecksumStream& s) { return s.h->Digest(); },
           "The digest of every piece so far (the state stays usable).");

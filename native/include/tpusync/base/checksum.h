@@ -44,7 +44,12 @@ class Checksum64Stream {
   // the digest covers the whole block while each piece is read from memory once.
   // Rejected: copy then Update (two passes), and a one-shot fused copy per piece (the block's
   // digest is one XXH3 over all its pieces, padding and trailer, not a digest per piece).
-  void CopyUpdate(void* dst, const void* src, size_t bytes);
+  // KEEP-IN-CACHE: `keep_in_cache` uses ordinary stores at every size, for a destination that
+  // is read again right away (a trainer's pool block that same-host readers or the transport
+  // read next): it stays in the cache hierarchy instead of going to DRAM. Measured on the 2-vCPU
+  // VM (32 MiB blocks, one fill then two fused reads of each): fill 0.11-0.13 s vs 0.13-0.15 s
+  // non-temporal, the two reads 0.13-0.15 s vs 0.22 s.
+  void CopyUpdate(void* dst, const void* src, size_t bytes, bool keep_in_cache = false);
   uint64_t Digest() const;
 
   static constexpr size_t kStateBytes = 640;  // >= sizeof(XXH3_state_t), static_asserted

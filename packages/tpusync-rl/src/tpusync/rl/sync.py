@@ -789,7 +789,8 @@ class TrainerSync:
             src = local[p.name][boxes[p.name].local_slices(p.box)].detach()
             end = p.offset + p.nbytes
             if src.device.type == "cpu" and src.is_contiguous():
-                h.copy_update(arr[p.offset : end], src)
+                # KEEP-IN-CACHE: the readers (shared segment, transport) read it right after.
+                h.copy_update(arr[p.offset : end], src, keep_in_cache=True)
             else:
                 out = u8[p.offset : end].view(_torch_dtype(p.dtype)).view(p.box.shape)
                 out.copy_(src)  # device -> host for accelerator tensors, gather for strided ones
