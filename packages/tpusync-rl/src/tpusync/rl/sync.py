@@ -788,11 +788,17 @@ class TrainerSync:
                 h.update(arr[pos : p.offset])  # padding between pieces: whatever the block held
             src = local[p.name][boxes[p.name].local_slices(p.box)].detach()
             end = p.offset + p.nbytes
-            if src.device.type == "cpu" and src.is_contiguous():
+            dtype = _torch_dtype(p.dtype)
+            if (
+                src.device.type == "cpu"
+                and src.dtype == dtype
+                and src.is_contiguous()
+                and not (src.is_conj() or src.is_neg())  # lazy views: torch must resolve them
+            ):
                 # KEEP-IN-CACHE: the readers (shared segment, transport) read it right after.
                 h.copy_update(arr[p.offset : end], src, keep_in_cache=True)
             else:
-                out = u8[p.offset : end].view(_torch_dtype(p.dtype)).view(p.box.shape)
+                out = u8[p.offset : end].view(dtype).view(p.box.shape)
                 out.copy_(src)  # device -> host for accelerator tensors, gather for strided ones
                 h.update(arr[p.offset : end])
             pos = end
