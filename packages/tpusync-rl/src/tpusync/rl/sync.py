@@ -28,9 +28,11 @@ block checksums once the bucket is filled; the sampler verifies each block's che
 its pieces into the shadow (or live) tensors directly from the segment, then ``release``s the
 bucket. The trainer holds one pool reference per shared bucket until every reader released it,
 reported a failure, or the version's deadline passed, so a block is never refilled while a
-reader may still read it. Per byte and sampler this costs one hash pass and one staging copy;
-the chain over the same-host P/D path costs a copy into the sampler's pool, the hash, the staging
-copy and, for the next hop, the same again. Rejected: a chain hop per sampler (each hop copies
+reader may still read it. Per byte and sampler this costs one pass in shadow mode (the staging
+copy hashes the block as it goes, FUSED STAGING in :meth:`SamplerSync._pull_shared`) and a hash
+pass plus the staging copy in in-place mode (verified before written); the chain over the
+same-host P/D path costs a fused copy into the sampler's pool, the staging copy and, for the next
+hop, the same again. Rejected: a chain hop per sampler (each hop copies
 every byte once more and the hops serialize on 2 vCPUs), and a trainer-side push into each
 sampler's pool (the trainer process would do every copy for every sampler).
 
@@ -83,8 +85,8 @@ log = logging.getLogger("tpusync.rl")
 
 __all__ = ["PublishReport", "SamplerSync", "TrainerSync", "UpdateResult", "request_id"]
 
-# Threads that pack and hash a trainer's blocks, and that hash a shared-segment reader's blocks
-# ahead of its staging copy: two keeps both cores of a 2-vCPU host busy while the samplers or the
+# Threads that pack and hash a trainer's blocks, and that hash an in-place shared-segment reader's
+# blocks ahead of its staging copy: two keeps both cores of a 2-vCPU host busy while the samplers or the
 # transport wait; more buys nothing once the copies saturate memory bandwidth.
 FILL_THREADS = 2
 
@@ -907,7 +909,7 @@ class SamplerSync:
         # bucket to land and verify (wire + transport), registering it for the children, staging
         # it (digest-free copy into the shadow / live weights, dtype cast, name mapping).
         # On the shared-segment path wire_wait_s is the wait for the trainer to fill a bucket
-        # and stage_s includes the checksum pass over the trainer's blocks.
+        # and stage_s includes verifying the trainer's blocks (shadow mode: in the staging pass).
         self.stages = {"wire_wait_s": 0.0, "forward_s": 0.0, "stage_s": 0.0}
 
     @property
