@@ -86,6 +86,10 @@ void Checksum64Stream::CopyUpdate(void* dst, const void* src, size_t bytes, bool
   if (stream) StreamFence();
 }
 
+void Checksum64Stream::CopyUpdateRuns(const StreamRun* runs, size_t n, bool keep_in_cache) {
+  for (size_t i = 0; i < n; ++i) CopyUpdate(runs[i].dst, runs[i].src, runs[i].bytes, keep_in_cache);
+}
+
 uint64_t Checksum64Stream::Digest() const { return XXH3_64bits_digest(StateOf(state_)); }
 
 }  // namespace tpusync

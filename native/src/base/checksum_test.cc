@@ -231,5 +231,26 @@ TEST(Checksum, StreamCopyUpdateMatchesOneShotOverMixedPieces) {
   }
 }
 
+// CopyUpdateRuns: a gather of rows at a stride into one packed range digests like the packed
+// bytes, for both store kinds, and copies exactly the rows.
+TEST(Checksum, StreamCopyUpdateRunsGathersRowsInOrder) {
+  std::mt19937 rng(13);
+  const size_t rows = 37, row = 2052, stride = 4100;
+  std::vector<uint8_t> src(rows * stride);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  std::vector<uint8_t> packed(rows * row);
+  for (size_t r = 0; r < rows; ++r) std::memcpy(&packed[r * row], &src[r * stride], row);
+  for (bool keep : {false, true}) {
+    std::vector<uint8_t> out(rows * row + 1, 0xEE);
+    std::vector<StreamRun> runs;
+    for (size_t r = 0; r < rows; ++r) runs.push_back({&out[r * row], &src[r * stride], row});
+    Checksum64Stream h(3);
+    h.CopyUpdateRuns(runs.data(), runs.size(), keep);
+    EXPECT_EQ(h.Digest(), XXH3_64bits_withSeed(packed.data(), packed.size(), 3));
+    EXPECT_EQ(std::memcmp(out.data(), packed.data(), packed.size()), 0);
+    EXPECT_EQ(out.back(), 0xEE);
+  }
+}
+
 }  // namespace
 }  // namespace tpusync

@@ -104,3 +104,35 @@ def test_stream_any_split_equals_the_one_shot_digest(data, splits, copy, seed):
         else:
             h.update(src[lo:hi])
     assert h.digest() == tc.checksum64(data, seed)
+
+
+def test_stream_copy_update_gathers_and_scatters_rows_at_a_stride():
+    """One side may be a strided box with contiguous rows (a resharded tensor piece): the copy is
+    a gather into / scatter out of the packed side, the hash covers the packed bytes in C order."""
+    rng = np.random.default_rng(2)
+    full = rng.standard_normal((64, 100)).astype(np.float32)
+    box = full[10:40, 20:70]  # rows of 200 bytes, 400 apart
+    packed = np.ascontiguousarray(box)
+    out = np.zeros(packed.nbytes, dtype=np.uint8)
+    h = tc.Checksum64Stream()
+    h.copy_update(out, box)
+    assert h.digest() == tc.checksum64(packed)
+    assert np.array_equal(out.view(np.float32).reshape(box.shape), packed)
+    target = np.zeros_like(full)
+    h = tc.Checksum64Stream(seed=1)
+    h.copy_update(target[10:40, 20:70], packed.view(np.uint8).reshape(-1), keep_in_cache=True)
+    assert h.digest() == tc.checksum64(packed, seed=1)
+    assert np.array_equal(target[10:40, 20:70], packed)
+    target[10:40, 20:70] = 0
+    assert not target.any()  # nothing written outside the box
+    cube = rng.standard_normal((4, 6, 8, 10)).astype(np.float32)[1:3, :, 2:5]  # 30-float runs
+    out = np.zeros(cube.nbytes, dtype=np.uint8)
+    h = tc.Checksum64Stream()
+    h.copy_update(out, cube)
+    assert h.digest() == tc.checksum64(np.ascontiguousarray(cube))
+    with pytest.raises(tc.InvalidArgumentError, match="innermost dimension is strided"):
+        tc.Checksum64Stream().copy_update(np.zeros(30 * 50 * 4, np.uint8), full.T[:30, :50])
+    with pytest.raises(tc.InvalidArgumentError, match="both are strided"):
+        tc.Checksum64Stream().copy_update(target[:30, :50], full[10:40, 20:70])
+    with pytest.raises(tc.InvalidArgumentError, match="into a 100-byte destination"):
+        tc.Checksum64Stream().copy_update(np.zeros(100, np.uint8), box)

@@ -37,8 +37,9 @@ def engine_name(trainer_name):
     return "model." + trainer_name
 
 
-def make_samplers(world=4, dtype=torch.bfloat16, mode="shadow"):
-    """TP=world sampler group with engine names; the bias is replicated on every rank."""
+def make_samplers(world=4, dtype=torch.bfloat16, mode="shadow", column_major=()):
+    """TP=world sampler group with engine names; the bias is replicated on every rank. Tensors
+    named in ``column_major`` (2-D) are stored transposed in memory (innermost dim strided)."""
     layouts = {}
     for name, shape in SHAPES.items():
         layouts[engine_name(name)] = (
@@ -49,6 +50,8 @@ def make_samplers(world=4, dtype=torch.bfloat16, mode="shadow"):
     subs = []
     for r in range(world):
         weights = {n: torch.zeros(lay.box_of(r).shape, dtype=dtype) for n, lay in layouts.items()}
+        for n in column_major:
+            weights[n] = torch.zeros(weights[n].shape[::-1], dtype=dtype).t()
         subs.append(WeightSubscriber(r, weights, layouts, name_map=engine_name, mode=mode))
     return subs
 
@@ -242,10 +245,11 @@ def _fused_push(version, full, subs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_receive_stages_and_hashes_every_byte_once(dtype):
-    """fp32 -> fp32 pieces whose target is contiguous go through the fused copy + hash; the
-    column blocks of layers.0.w (strided targets) and every fp32 -> bf16 cast take the fallback
-    (hash, then copy): same weights either way, and the hash covers each chunk exactly once."""
-    subs = make_samplers(dtype=dtype)
+    """fp32 -> fp32 pieces go through the fused copy + hash, also into the column blocks of
+    layers.0.w (a scatter into rows at a stride); a target whose innermost dim is strided (embed
+    stored column-major) and every fp32 -> bf16 cast take the fallback (hash, then copy): the
+    same weights either way, and the hash covers each chunk exactly once."""
+    subs = make_samplers(world=2, dtype=dtype, column_major=("model.embed",))
     full = full_weights(5)
     _fused_push(1, full, subs)
     for s in subs:
@@ -254,7 +258,7 @@ def test_fused_receive_stages_and_hashes_every_byte_once(dtype):
     fused = sum(s.metrics["bytes_fused"] for s in subs)
     received = sum(s.metrics["bytes_received"] for s in subs)
     if dtype == torch.float32:
-        assert 0 < fused < received  # the strided boxes of layers.0.w were not fused
+        assert fused == received - 12 * 4 * 4  # all but embed's 192 bytes
     else:
         assert fused == 0
 

@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "tpusync/base/stream_copy.h"
+
 namespace tpusync {
 
 uint64_t Checksum64(const void* data, size_t bytes, uint64_t seed = 0);
@@ -50,6 +52,11 @@ class Checksum64Stream {
   // VM (32 MiB blocks, one fill then two fused reads of each): fill 0.11-0.13 s vs 0.13-0.15 s
   // non-temporal, the two reads 0.13-0.15 s vs 0.22 s.
   void CopyUpdate(void* dst, const void* src, size_t bytes, bool keep_in_cache = false);
+  // CopyUpdate of each run in turn: a gather of a strided tensor box (contiguous rows) into one
+  // packed range, or a scatter of a packed range into such a box. The digest covers the runs'
+  // bytes in the order given, i.e. the packed bytes. Rejected: a torch gather / scatter copy plus
+  // an Update of the packed range (a second pass; tpusync-rl's resharded pieces are such boxes).
+  void CopyUpdateRuns(const StreamRun* runs, size_t n, bool keep_in_cache = false);
   uint64_t Digest() const;
 
   static constexpr size_t kStateBytes = 640;  // >= sizeof(XXH3_state_t), static_asserted

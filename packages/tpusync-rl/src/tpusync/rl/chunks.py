@@ -313,9 +313,9 @@ class WeightSubscriber:
         FUSED STAGING CONTRACT (``hasher``, shadow mode only): the chunk's bytes are part of a
         block not verified yet. They are fed to ``hasher`` exactly once, whatever happens here
         (staged, refused, or the update already failed), so the caller's block digest stays
-        whole; where the staging copy needs no cast and lands in a contiguous target it is the
-        same pass as the hash (``copy_update``), otherwise the bytes are hashed, then cast and
-        copied. The caller compares the digest at the block's end and aborts the update on a
+        whole; where the staging copy needs no cast and the target has contiguous rows (a whole
+        shard, or a resharded box of it: a scatter) it is the same pass as the hash
+        (``copy_update``), otherwise the bytes are hashed, then cast and copied. The caller compares the digest at the block's end and aborts the update on a
         mismatch: the bytes only ever reached shadow buffers that are never committed. In-place
         mode refuses a ``hasher`` (live weights take verified bytes only).
         """
@@ -375,7 +375,7 @@ class WeightSubscriber:
                 hasher is not None
                 and dst.dtype == dtype
                 and dst.device.type == "cpu"
-                and dst.is_contiguous()
+                and (dst.dim() == 0 or dst.stride(-1) == 1 or dst.shape[-1] == 1)
             )
             if fused:
                 hasher.copy_update(dst, chunk.data)  # one pass: staging copy + block hash

@@ -773,9 +773,10 @@ class TrainerSync:
 
         BLOCK CHECKSUM CONTRACT: the one hash of the whole block (pieces, the padding between
         them and the trailer), checked at every hop. FUSED FILL: it is one streaming XXH3 fed in
-        block order, and a piece whose source is a contiguous CPU tensor is copied into the block
-        and hashed in the same pass (``Checksum64Stream.copy_update``); strided boxes (resharded
-        pieces) and accelerator tensors are copied by torch, then hashed from the block.
+        block order, and a piece whose source is a CPU tensor with contiguous rows (a whole
+        tensor, or a resharded box: a gather) is copied into the block and hashed in the same
+        pass (``Checksum64Stream.copy_update``); other sources (accelerator tensors, a strided
+        innermost dimension) are copied by torch, then hashed from the block.
         Rejected: copy every piece, then ``checksum64`` of the block (a second read of every byte,
         a third of the trainer's CPU time on the shared same-host path).
         """
@@ -794,7 +795,7 @@ class TrainerSync:
             if (
                 src.device.type == "cpu"
                 and src.dtype == dtype
-                and src.is_contiguous()
+                and (src.dim() == 0 or src.stride(-1) == 1 or src.shape[-1] == 1)
                 and not (src.is_conj() or src.is_neg())  # lazy views: torch must resolve them
             ):
                 # KEEP-IN-CACHE: the readers (shared segment, transport) read it right after.
