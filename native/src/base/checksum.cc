@@ -87,7 +87,31 @@ void Checksum64Stream::CopyUpdate(void* dst, const void* src, size_t bytes, bool
 }
 
 void Checksum64Stream::CopyUpdateRuns(const StreamRun* runs, size_t n, bool keep_in_cache) {
-  for (size_t i = 0; i < n; ++i) CopyUpdate(runs[i].dst, runs[i].src, runs[i].bytes, keep_in_cache);
+  // Short runs (rows of a resharded box, a few KiB): one Update per run costs more than the copy,
+  // so runs are copied in windows of up to kFusedChunkBytes of their packed side and each window
+  // is hashed with one Update while it is in L1 - the destination window of a gather, the source
+  // window of a scatter. Long runs, or runs packed on neither side, go one by one.
+  size_t i = 0;
+  while (i < n) {
+    const bool gather = i + 1 < n && runs[i + 1].dst == runs[i].dst + runs[i].bytes;
+    const bool scatter = i + 1 < n && runs[i + 1].src == runs[i].src + runs[i].bytes;
+    if (runs[i].bytes >= kFusedChunkBytes || !(gather || scatter)) {
+      CopyUpdate(runs[i].dst, runs[i].src, runs[i].bytes, keep_in_cache);
+      ++i;
+      continue;
+    }
+    const uint8_t* start = gather ? runs[i].dst : runs[i].src;
+    size_t bytes = 0;
+    size_t j = i;
+    while (j < n && bytes + runs[j].bytes <= kFusedChunkBytes &&
+           (gather ? runs[j].dst : runs[j].src) == start + bytes) {
+      std::memcpy(runs[j].dst, runs[j].src, runs[j].bytes);
+      bytes += runs[j].bytes;
+      ++j;
+    }
+    Update(start, bytes);
+    i = j;
+  }
 }
 
 uint64_t Checksum64Stream::Digest() const { return XXH3_64bits_digest(StateOf(state_)); }

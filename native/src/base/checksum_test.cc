@@ -235,7 +235,7 @@ TEST(Checksum, StreamCopyUpdateMatchesOneShotOverMixedPieces) {
 // bytes, for both store kinds, and copies exactly the rows.
 TEST(Checksum, StreamCopyUpdateRunsGathersRowsInOrder) {
   std::mt19937 rng(13);
-  const size_t rows = 37, row = 2052, stride = 4100;
+  const size_t rows = 37, row = 2052, stride = 4100;  // windows of 7 rows, and a short last one
   std::vector<uint8_t> src(rows * stride);
   for (auto& b : src) b = static_cast<uint8_t>(rng());
   std::vector<uint8_t> packed(rows * row);
@@ -249,6 +249,27 @@ TEST(Checksum, StreamCopyUpdateRunsGathersRowsInOrder) {
     EXPECT_EQ(h.Digest(), XXH3_64bits_withSeed(packed.data(), packed.size(), 3));
     EXPECT_EQ(std::memcmp(out.data(), packed.data(), packed.size()), 0);
     EXPECT_EQ(out.back(), 0xEE);
+  }
+}
+
+// The scatter direction: packed bytes out into rows at a stride (short rows in windows, and rows
+// longer than a window one by one), the digest of the packed bytes, nothing written between rows.
+TEST(Checksum, StreamCopyUpdateRunsScattersRowsInOrder) {
+  std::mt19937 rng(17);
+  for (size_t row : {size_t{100}, size_t{3000}, size_t{kFusedChunkBytes + 5}}) {
+    const size_t rows = 19, stride = row + 77;
+    std::vector<uint8_t> packed(rows * row);
+    for (auto& b : packed) b = static_cast<uint8_t>(rng());
+    std::vector<uint8_t> out(rows * stride, 0xEE);
+    std::vector<StreamRun> runs;
+    for (size_t r = 0; r < rows; ++r) runs.push_back({&out[r * stride], &packed[r * row], row});
+    Checksum64Stream h;
+    h.CopyUpdateRuns(runs.data(), runs.size());
+    EXPECT_EQ(h.Digest(), XXH3_64bits(packed.data(), packed.size())) << row;
+    for (size_t r = 0; r < rows; ++r) {
+      ASSERT_EQ(std::memcmp(&out[r * stride], &packed[r * row], row), 0) << row << " row " << r;
+      for (size_t k = row; k < stride; ++k) ASSERT_EQ(out[r * stride + k], 0xEE) << row;
+    }
   }
 }
 
