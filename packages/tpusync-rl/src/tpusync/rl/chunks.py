@@ -315,9 +315,10 @@ class WeightSubscriber:
         (staged, refused, or the update already failed), so the caller's block digest stays
         whole; where the staging copy needs no cast and the target has contiguous rows (a whole
         shard, or a resharded box of it: a scatter) it is the same pass as the hash
-        (``copy_update``), otherwise the bytes are hashed, then cast and copied. The caller compares the digest at the block's end and aborts the update on a
-        mismatch: the bytes only ever reached shadow buffers that are never committed. In-place
-        mode refuses a ``hasher`` (live weights take verified bytes only).
+        (``copy_update``), otherwise the bytes are hashed, then cast and copied. The caller
+        compares the digest at the block's end and aborts the update on a mismatch: the bytes
+        only ever reached shadow buffers that are never committed. In-place mode refuses a
+        ``hasher`` (live weights take verified bytes only).
         """
         if hasher is not None and self.mode != "shadow":
             raise UpdateRejectedError(

@@ -85,9 +85,9 @@ log = logging.getLogger("tpusync.rl")
 
 __all__ = ["PublishReport", "SamplerSync", "TrainerSync", "UpdateResult", "request_id"]
 
-# Threads that pack and hash a trainer's blocks, and that hash an in-place shared-segment reader's
-# blocks ahead of its staging copy: two keeps both cores of a 2-vCPU host busy while the samplers or the
-# transport wait; more buys nothing once the copies saturate memory bandwidth.
+# Threads that pack and hash a trainer's blocks, and that hash an in-place shared-segment
+# reader's blocks ahead of its staging copy: two keeps both cores of a 2-vCPU host busy while the
+# samplers or the transport wait; more buys nothing once the copies saturate memory bandwidth.
 FILL_THREADS = 2
 
 _VERSION_BITS, _RANK_BITS, _CHILD_BITS, _BUCKET_BITS = 20, 10, 6, 18
