@@ -68,6 +68,52 @@ void Checksum64Stream::Update(const void* data, size_t bytes) {
   XXH3_64bits_update(StateOf(state_), data, bytes);
 }
 
+void Checksum64Stream::CopyUpdate(void* dst, const void* src, size_t bytes, bool keep_in_cache) {
+  auto* d = static_cast<uint8_t*>(dst);
+  const auto* s = static_cast<const uint8_t*>(src);
+  // Same loop as FusedCopyHash (fused_copy_hash.inc), over this object's streaming state.
+  const bool stream = !keep_in_cache && bytes >= kStreamMinBytes;
+  for (size_t off = 0; off < bytes; off += kFusedChunkBytes) {
+    const size_t n = std::min(kFusedChunkBytes, bytes - off);
+    if (stream) {
+      Update(s + off, n);
+      StreamStore(d + off, s + off, n);
+    } else {
+      std::memcpy(d + off, s + off, n);
+      Update(d + off, n);
+    }
+  }
+  if (stream) StreamFence();
+}
+
+void Checksum64Stream::CopyUpdateRuns(const StreamRun* runs, size_t n, bool keep_in_cache) {
+  // Short runs (rows of a resharded box, a few KiB): one Update per run costs more than the copy,
+  // so runs are copied in windows of up to kFusedChunkBytes of their packed side and each window
+  // is hashed with one Update while it is in L1 - the destination window of a gather, the source
+  // window of a scatter. Long runs, or runs packed on neither side, go one by one.
+  size_t i = 0;
+  while (i < n) {
+    const bool gather = i + 1 < n && runs[i + 1].dst == runs[i].dst + runs[i].bytes;
+    const bool scatter = i + 1 < n && runs[i + 1].src == runs[i].src + runs[i].bytes;
+    if (runs[i].bytes >= kFusedChunkBytes || !(gather || scatter)) {
+      CopyUpdate(runs[i].dst, runs[i].src, runs[i].bytes, keep_in_cache);
+      ++i;
+      continue;
+    }
+    const uint8_t* start = gather ? runs[i].dst : runs[i].src;
+    size_t bytes = 0;
+    size_t j = i;
+    while (j < n && bytes + runs[j].bytes <= kFusedChunkBytes &&
+           (gather ? runs[j].dst : runs[j].src) == start + bytes) {
+      std::memcpy(runs[j].dst, runs[j].src, runs[j].bytes);
+      bytes += runs[j].bytes;
+      ++j;
+    }
+    Update(start, bytes);
+    i = j;
+  }
+}
+
 uint64_t Checksum64Stream::Digest() const { return XXH3_64bits_digest(StateOf(state_)); }
 
 }  // namespace tpusync

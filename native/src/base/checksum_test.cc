@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <vector>
 
@@ -183,6 +184,91 @@ TEST(Checksum, StreamMatchesOneShotForAnySplit) {
         off += n;
       }
       EXPECT_EQ(h.Digest(), want) << "random split of " << total;
+    }
+  }
+}
+
+// CopyUpdate: the pieces land byte for byte (nothing written outside them) and a block made of
+// copied pieces and hashed-only gaps digests exactly like the one-shot hash of the whole block,
+// at sizes around the fused chunk and the non-temporal threshold and at odd alignments.
+TEST(Checksum, StreamCopyUpdateMatchesOneShotOverMixedPieces) {
+  std::mt19937 rng(11);
+  std::vector<uint8_t> block((1 << 20) + 123);
+  for (auto& b : block) b = static_cast<uint8_t>(rng());
+  const size_t cuts[] = {0,
+                         1,
+                         240,
+                         kFusedChunkBytes - 3,
+                         kFusedChunkBytes + 5,
+                         kStreamMinBytes - 1,
+                         kStreamMinBytes + 9,
+                         (512 << 10) + 1,
+                         block.size()};
+  for (size_t doff : {size_t{0}, size_t{5}}) {
+    for (uint64_t seed : {uint64_t{0}, uint64_t{7}}) {
+      std::vector<uint8_t> out(block.size() + 16, 0xEE);
+      Checksum64Stream h(seed);
+      for (size_t i = 0; i + 1 < std::size(cuts); ++i) {
+        const size_t lo = cuts[i], hi = cuts[i + 1];
+        if (i % 2 == 0) {  // a piece copied out while hashed (both store kinds)
+          h.CopyUpdate(out.data() + doff + lo, block.data() + lo, hi - lo, i % 4 == 2);
+        } else {  // a gap (padding, trailer) hashed only
+          h.Update(block.data() + lo, hi - lo);
+        }
+      }
+      ASSERT_EQ(h.Digest(), XXH3_64bits_withSeed(block.data(), block.size(), seed));
+      for (size_t i = 0; i + 1 < std::size(cuts); ++i) {
+        const size_t lo = cuts[i], hi = cuts[i + 1];
+        if (i % 2 == 0) {
+          ASSERT_EQ(std::memcmp(out.data() + doff + lo, block.data() + lo, hi - lo), 0) << lo;
+        } else {
+          for (size_t k = lo; k < hi; ++k) ASSERT_EQ(out[doff + k], 0xEE) << "gap written " << k;
+        }
+      }
+      if (doff > 0) ASSERT_EQ(out[doff - 1], 0xEE);
+      ASSERT_EQ(out[doff + block.size()], 0xEE);
+    }
+  }
+}
+
+// CopyUpdateRuns: a gather of rows at a stride into one packed range digests like the packed
+// bytes, for both store kinds, and copies exactly the rows.
+TEST(Checksum, StreamCopyUpdateRunsGathersRowsInOrder) {
+  std::mt19937 rng(13);
+  const size_t rows = 37, row = 2052, stride = 4100;  // windows of 7 rows, and a short last one
+  std::vector<uint8_t> src(rows * stride);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  std::vector<uint8_t> packed(rows * row);
+  for (size_t r = 0; r < rows; ++r) std::memcpy(&packed[r * row], &src[r * stride], row);
+  for (bool keep : {false, true}) {
+    std::vector<uint8_t> out(rows * row + 1, 0xEE);
+    std::vector<StreamRun> runs;
+    for (size_t r = 0; r < rows; ++r) runs.push_back({&out[r * row], &src[r * stride], row});
+    Checksum64Stream h(3);
+    h.CopyUpdateRuns(runs.data(), runs.size(), keep);
+    EXPECT_EQ(h.Digest(), XXH3_64bits_withSeed(packed.data(), packed.size(), 3));
+    EXPECT_EQ(std::memcmp(out.data(), packed.data(), packed.size()), 0);
+    EXPECT_EQ(out.back(), 0xEE);
+  }
+}
+
+// The scatter direction: packed bytes out into rows at a stride (short rows in windows, and rows
+// longer than a window one by one), the digest of the packed bytes, nothing written between rows.
+TEST(Checksum, StreamCopyUpdateRunsScattersRowsInOrder) {
+  std::mt19937 rng(17);
+  for (size_t row : {size_t{100}, size_t{3000}, size_t{kFusedChunkBytes + 5}}) {
+    const size_t rows = 19, stride = row + 77;
+    std::vector<uint8_t> packed(rows * row);
+    for (auto& b : packed) b = static_cast<uint8_t>(rng());
+    std::vector<uint8_t> out(rows * stride, 0xEE);
+    std::vector<StreamRun> runs;
+    for (size_t r = 0; r < rows; ++r) runs.push_back({&out[r * stride], &packed[r * row], row});
+    Checksum64Stream h;
+    h.CopyUpdateRuns(runs.data(), runs.size());
+    EXPECT_EQ(h.Digest(), XXH3_64bits(packed.data(), packed.size())) << row;
+    for (size_t r = 0; r < rows; ++r) {
+      ASSERT_EQ(std::memcmp(&out[r * stride], &packed[r * row], row), 0) << row << " row " << r;
+      for (size_t k = row; k < stride; ++k) ASSERT_EQ(out[r * stride + k], 0xEE) << row;
     }
   }
 }

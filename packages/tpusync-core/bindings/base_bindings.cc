@@ -2,11 +2,125 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
+#include <memory>
+#include <vector>
+
 #include "bindings.h"
 #include "tpusync/base/checksum.h"
+#include "tpusync/base/status.h"
 #include "tpusync/base/version.h"
 
 namespace tpusync::bindings {
+
+namespace {
+
+// A copy source or destination: C-contiguous host memory of any dtype (dims of extent 1 may
+// carry any stride; empty arrays are fine). Checked here, never converted: nanobind would otherwise
+// copy a strided destination into a temporary and the bytes would land there.
+template <typename Array>
+bool Dense(const Array& a) {
+  if (a.nbytes() == 0) return true;  // empty: its strides mean nothing
+  int64_t expect = 1;
+  for (size_t d = a.ndim(); d-- > 0;) {
+    if (a.shape(d) != 1 && a.stride(d) != expect) return false;
+    expect *= static_cast<int64_t>(a.shape(d));
+  }
+  return true;
+}
+
+template <typename Array>
+size_t DenseBytes(const Array& a, const char* what) {
+  if (!Dense(a)) {
+    throw StatusError(Status::InvalidArgument(
+        StrCat(what,
+               " must be a C-contiguous host array (copy strided data with the "
+               "framework's copy, then hash it with checksum64)")));
+  }
+  return a.nbytes();
+}
+
+size_t SameBytes(const nb::ndarray<nb::device::cpu>& dst,
+                 const nb::ndarray<nb::ro, nb::device::cpu>& src) {
+  const size_t n = DenseBytes(src, "src");
+  if (DenseBytes(dst, "dst") != n) {
+    throw StatusError(Status::InvalidArgument(
+        StrCat("copy from ", n, " source bytes into a ", dst.nbytes(), "-byte destination")));
+  }
+  return n;
+}
+
+// The contiguous runs of a strided array in C order: byte offsets from data() and the run length
+// (its longest C-contiguous suffix of dims). The innermost dim must be contiguous.
+template <typename Array>
+size_t RowRuns(const Array& a, const char* what, std::vector<int64_t>* starts) {
+  const size_t nd = a.ndim();
+  const auto item = static_cast<int64_t>(a.itemsize());
+  size_t k = nd;
+  int64_t run = 1;
+  while (k > 0 && (a.shape(k - 1) == 1 || a.stride(k - 1) == run)) {
+    run *= static_cast<int64_t>(a.shape(k - 1));
+    --k;
+  }
+  if (k == nd) {
+    throw StatusError(Status::InvalidArgument(
+        StrCat(what,
+               ": its innermost dimension is strided (copy it with the framework's copy, "
+               "then hash it with update)")));
+  }
+  size_t count = 1;
+  for (size_t d = 0; d < k; ++d) count *= a.shape(d);
+  std::vector<int64_t> idx(k, 0);
+  starts->reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    int64_t off = 0;
+    for (size_t d = 0; d < k; ++d) off += idx[d] * a.stride(d);
+    starts->push_back(off * item);
+    for (size_t d = k; d-- > 0;) {
+      if (++idx[d] < static_cast<int64_t>(a.shape(d))) break;
+      idx[d] = 0;
+    }
+  }
+  return static_cast<size_t>(run * item);
+}
+
+// copy_update's runs: one for two dense arrays; a gather (strided src) or a scatter (strided dst)
+// with rows otherwise. The packed side advances contiguously.
+std::vector<StreamRun> CopyRuns(const nb::ndarray<nb::device::cpu>& dst,
+                                const nb::ndarray<nb::ro, nb::device::cpu>& src) {
+  auto* d = static_cast<uint8_t*>(dst.data());
+  const auto* s = static_cast<const uint8_t*>(src.data());
+  const bool dd = Dense(dst), sd = Dense(src);
+  if (dd && sd) return {{d, s, SameBytes(dst, src)}};
+  if (!dd && !sd) {
+    throw StatusError(
+        Status::InvalidArgument("copy_update: dst or src must be C-contiguous (both are strided)"));
+  }
+  if (dst.nbytes() != src.nbytes()) {
+    throw StatusError(Status::InvalidArgument(StrCat(
+        "copy from ", src.nbytes(), " source bytes into a ", dst.nbytes(), "-byte destination")));
+  }
+  std::vector<int64_t> starts;
+  const size_t run = dd ? RowRuns(src, "src", &starts) : RowRuns(dst, "dst", &starts);
+  std::vector<StreamRun> runs;
+  runs.reserve(starts.size());
+  for (size_t i = 0; i < starts.size(); ++i) {
+    if (dd) {
+      runs.push_back({d + i * run, s + starts[i], run});
+    } else {
+      runs.push_back({d + starts[i], s + i * run, run});
+    }
+  }
+  return runs;
+}
+
+// The Python face of Checksum64Stream, held through a pointer so its 64-byte aligned state never
+// depends on the Python allocator's alignment.
+struct PyChecksumStream {
+  explicit PyChecksumStream(uint64_t seed) : h(std::make_unique<Checksum64Stream>(seed)) {}
+  std::unique_ptr<Checksum64Stream> h;
+};
+
+}  // namespace
 
 void init_base(nb::module_& m) {
   m.attr("__version__") = kVersionString;
@@ -38,6 +152,57 @@ void init_base(nb::module_& m) {
       },
       nb::arg("data"), nb::arg("seed") = 0,
       "XXH3-64 checksum of a C-contiguous host array's bytes, without a copy.");
+  m.def(
+      "copy_checksum64",
+      [](nb::ndarray<nb::device::cpu> dst, nb::ndarray<nb::ro, nb::device::cpu> src,
+         uint64_t seed) {
+        const size_t n = SameBytes(dst, src);
+        void* d = dst.data();
+        const void* s = src.data();
+        nb::gil_scoped_release release;
+        return CopyWithChecksum64(d, s, n, seed);
+      },
+      nb::arg("dst").noconvert(), nb::arg("src").noconvert(), nb::arg("seed") = 0,
+      "Copy src's bytes into dst and return their XXH3-64 (== checksum64(src, seed)) in one pass "
+      "over memory. Both C-contiguous host arrays of the same byte size, any dtypes; "
+      "InvalidArgumentError otherwise.");
+
+  nb::class_<PyChecksumStream>(
+      m, "Checksum64Stream",
+      "XXH3-64 of bytes that come in pieces: update / copy_update with consecutive pieces, then "
+      "digest() == checksum64(all pieces joined, seed). Not thread-safe: one per thread.")
+      .def(nb::init<uint64_t>(), nb::arg("seed") = 0)
+      .def(
+          "reset", [](PyChecksumStream& s, uint64_t seed) { s.h->Reset(seed); },
+          nb::arg("seed") = 0, "Start a new digest with this seed.")
+      .def(
+          "update",
+          [](PyChecksumStream& s, nb::ndarray<nb::ro, nb::device::cpu> data) {
+            const size_t n = DenseBytes(data, "data");
+            const void* p = data.data();
+            nb::gil_scoped_release release;
+            s.h->Update(p, n);
+          },
+          nb::arg("data").noconvert(), "Hash the next piece (a C-contiguous host array's bytes).")
+      .def(
+          "copy_update",
+          [](PyChecksumStream& s, nb::ndarray<nb::device::cpu> dst,
+             nb::ndarray<nb::ro, nb::device::cpu> src, bool keep_in_cache) {
+            const std::vector<StreamRun> runs = CopyRuns(dst, src);
+            nb::gil_scoped_release release;
+            s.h->CopyUpdateRuns(runs.data(), runs.size(), keep_in_cache);
+          },
+          nb::arg("dst").noconvert(), nb::arg("src").noconvert(), nb::kw_only(),
+          nb::arg("keep_in_cache") = false,
+          "Copy the next piece from src into dst and hash its bytes (in C order) in the same "
+          "pass. Host arrays of the same byte size, any dtypes; both C-contiguous, or one of them "
+          "strided with a contiguous innermost dimension (a gather into / scatter out of the "
+          "other); InvalidArgumentError otherwise. Large copies bypass the cache (non-temporal "
+          "stores) unless keep_in_cache: then dst stays cached for a reader that comes right "
+          "after.")
+      .def(
+          "digest", [](const PyChecksumStream& s) { return s.h->Digest(); },
+          "The digest of every piece so far (the state stays usable).");
 }
 
 }  // namespace tpusync::bindings

@@ -123,6 +123,7 @@ def sampler_main(spec: dict, q) -> None:
                 "bytes": res.bytes,
                 "serving": sub.version,
                 "digest": weights_digest(sub.weights),
+                "fused": sub.metrics["bytes_fused"],
                 "waited": time.monotonic() - t0,
             }
         q.put(("update", spec["replica"], rank, info))

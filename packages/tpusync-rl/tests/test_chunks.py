@@ -20,14 +20,16 @@ def full_weights(seed):
     return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
 
 
-def trainer_shards(full, world=2):
-    """TP=world trainer: every tensor split on dim 0; returns per-rank {name: (local, layout)}."""
+def trainer_shards(full, world=2, dims=None):
+    """TP=world trainer: every tensor split on dim 0 (or ``dims[name]``); returns per-rank
+    {name: (local, layout)}."""
     out = {r: {} for r in range(world)}
     for name, t in full.items():
-        layout = ShardLayout.split(t.shape, 0, world)
+        layout = ShardLayout.split(t.shape, (dims or {}).get(name, 0), world)
         for r in range(world):
             box = layout.box_of(r)
-            out[r][name] = (t[box.lo[0] : box.hi[0]].clone(), layout)
+            index = tuple(slice(a, b) for a, b in zip(box.lo, box.hi, strict=True))
+            out[r][name] = (t[index].clone(), layout)
     return out
 
 
@@ -35,8 +37,9 @@ def engine_name(trainer_name):
     return "model." + trainer_name
 
 
-def make_samplers(world=4, dtype=torch.bfloat16, mode="shadow"):
-    """TP=world sampler group with engine names; the bias is replicated on every rank."""
+def make_samplers(world=4, dtype=torch.bfloat16, mode="shadow", column_major=()):
+    """TP=world sampler group with engine names; the bias is replicated on every rank. Tensors
+    named in ``column_major`` (2-D) are stored transposed in memory (innermost dim strided)."""
     layouts = {}
     for name, shape in SHAPES.items():
         layouts[engine_name(name)] = (
@@ -47,6 +50,8 @@ def make_samplers(world=4, dtype=torch.bfloat16, mode="shadow"):
     subs = []
     for r in range(world):
         weights = {n: torch.zeros(lay.box_of(r).shape, dtype=dtype) for n, lay in layouts.items()}
+        for n in column_major:
+            weights[n] = torch.zeros(weights[n].shape[::-1], dtype=dtype).t()
         subs.append(WeightSubscriber(r, weights, layouts, name_map=engine_name, mode=mode))
     return subs
 
@@ -216,3 +221,86 @@ def test_recycle_reuses_the_replaced_tensors_as_shadow_buffers():
     sub.begin(m)
     sub.abort("test")
     assert sub.version == 3 and torch.equal(sub.weights["w"], torch.full((4, 3), 3.0))
+
+
+def _fused_push(version, full, subs):
+    """Push like the shared-segment reader does: digest-free chunks, each fed through a fresh
+    Checksum64Stream that must end up equal to the chunk's own XXH3 (FUSED STAGING CONTRACT)."""
+    from tpusync.core import Checksum64Stream, checksum64
+
+    # layers.0.w split on dim 1 by the trainer, dim 0 by the samplers: strided targets.
+    shards = trainer_shards(full, dims={"layers.0.w": 1})
+    pubs = [WeightPublisher(r) for r in shards]
+    manifest = [p.prepare(version, shards[p.rank]) for p in pubs][0]
+    for s in subs:
+        s.begin(manifest)
+    dst = subs[0].layouts_by_trainer_name(manifest)
+    for p in pubs:
+        for chunk in p.chunks(manifest, shards[p.rank], dst):
+            h = Checksum64Stream()
+            subs[chunk.dst_rank].receive(dataclasses.replace(chunk, digest=None), hasher=h)
+            assert h.digest() == checksum64(chunk.data), (chunk.name, chunk.box)
+    return manifest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_receive_stages_and_hashes_every_byte_once(dtype):
+    """fp32 -> fp32 pieces go through the fused copy + hash, also into the column blocks of
+    layers.0.w (a scatter into rows at a stride); a target whose innermost dim is strided (embed
+    stored column-major) and every fp32 -> bf16 cast take the fallback (hash, then copy): the
+    same weights either way, and the hash covers each chunk exactly once."""
+    subs = make_samplers(world=2, dtype=dtype, column_major=("model.embed",))
+    full = full_weights(5)
+    _fused_push(1, full, subs)
+    for s in subs:
+        assert s.commit() == 1
+    expect_equal(subs, full, dtype)
+    fused = sum(s.metrics["bytes_fused"] for s in subs)
+    received = sum(s.metrics["bytes_received"] for s in subs)
+    if dtype == torch.float32:
+        assert fused == received - 12 * 4 * 4  # all but embed's 192 bytes
+    else:
+        assert fused == 0
+
+
+def test_fused_receive_feeds_a_refused_chunk_to_the_hasher_too():
+    """A duplicate chunk is refused (the update fails) but its bytes still reach the block hash,
+    so the caller's digest names the real bytes of the block rather than a partial one."""
+    from tpusync.core import Checksum64Stream, checksum64
+
+    subs = make_samplers(dtype=torch.float32)
+    full = full_weights(6)
+    shards = trainer_shards(full)
+    pub = WeightPublisher(0)
+    manifest = pub.prepare(1, shards[0])
+    subs[0].begin(manifest)
+    dst = subs[0].layouts_by_trainer_name(manifest)
+    chunk = next(c for c in pub.chunks(manifest, shards[0], dst) if c.dst_rank == 0)
+    chunk = dataclasses.replace(chunk, digest=None)
+    subs[0].receive(chunk, hasher=Checksum64Stream())
+    h = Checksum64Stream()
+    subs[0].receive(chunk, hasher=h)  # duplicate
+    assert h.digest() == checksum64(chunk.data)
+    with pytest.raises(UpdateRejectedError, match="duplicate"):
+        subs[0].commit()
+
+
+def test_inplace_refuses_unverified_chunks():
+    """In-place mode writes live weights: a chunk whose block is not verified yet (a hasher) is
+    refused before a byte is written."""
+    from tpusync.core import Checksum64Stream
+
+    subs = make_samplers(dtype=torch.float32, mode="inplace")
+    full = full_weights(7)
+    shards = trainer_shards(full)
+    pub = WeightPublisher(0)
+    manifest = pub.prepare(1, shards[0])
+    before = {n: t.clone() for n, t in subs[0].weights.items()}
+    with subs[0].paused():
+        subs[0].begin(manifest)
+        dst = subs[0].layouts_by_trainer_name(manifest)
+        chunk = next(c for c in pub.chunks(manifest, shards[0], dst) if c.dst_rank == 0)
+        with pytest.raises(UpdateRejectedError, match="verified blocks only"):
+            subs[0].receive(dataclasses.replace(chunk, digest=None), hasher=Checksum64Stream())
+    for n, t in before.items():
+        assert torch.equal(subs[0].weights[n], t)

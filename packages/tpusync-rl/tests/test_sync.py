@@ -16,7 +16,7 @@ import torch
 
 from tpusync.rl import ShardLayout, TrainerSync
 from tpusync.rl.manifest import Manifest, TensorMeta
-from tpusync.rl.pack import pack_streams
+from tpusync.rl.pack import TRAILER, pack_streams
 
 BB = 64 << 10
 
@@ -635,6 +635,149 @@ def test_damaged_block_on_the_shared_segment_rejects_update_others_commit():
         assert trainer._ep.pool.num_free == trainer._ep.pool.num_blocks
     finally:
         join_all(procs)
+        trainer.close()
+
+
+class BlockTamperingTrainer(TrainerSync):
+    """Flips one byte of stream (0 -> rank 1) of version 2 after the block's checksum was taken:
+    byte 0 of block 0 (``where="piece"``), or the last byte before the trailer of the first block
+    whose pieces end before it (``where="padding"``: a byte no piece covers)."""
+
+    where = "piece"
+
+    def _fill(self, block, plan, index, version, *a):
+        checksum = super()._fill(block, plan, index, version, *a)
+        if version == 2 and plan.dst == 1:
+            arr = self._ep.pool.view(block)
+            if self.where == "piece" and index == 0:
+                arr[0] ^= 0xFF
+            padded = next(
+                i
+                for i, blk in enumerate(plan.blocks)
+                if blk[-1].offset + blk[-1].nbytes < BB - TRAILER
+            )
+            if self.where == "padding" and index == padded:
+                arr[BB - TRAILER - 1] ^= 0xFF
+        return checksum
+
+
+def _shared_fp32_group(trainer_cls, mode: str, where: str = "piece"):
+    """A same-host TP=2 fp32 sampler group reading ``trainer_cls``'s segment; versions 1 (seed
+    91) and 2 (seed 92, damaged for rank 1 by a tampering trainer). Returns both versions'
+    reports and the samplers' update infos."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {"layers.1.w": 1})
+    trainer = trainer_cls(
+        0,
+        1,
+        dst,
+        secret=U.SECRET,
+        block_bytes=BB,
+        bucket_blocks=2,
+        pool_bytes=2 << 20,
+        same_host=True,
+        deadline=15.0,
+    )
+    trainer.where = where
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    common = {"same_host": True, "dtype": "float32", "mode": mode, "paused": mode == "inplace"}
+    procs = start_samplers(q, trainer.control_address, eng, 1, 2, 2, common=common)
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        full1, full2 = U.full_weights(91), U.full_weights(92)
+        rep1 = trainer.publish(1, full1)
+        got1 = collect(q, 2)
+        rep2 = trainer.publish(2, full2)
+        got2 = collect(q, 2)
+        assert trainer._ep.pool.num_free == trainer._ep.pool.num_blocks
+        return eng, (full1, full2), (rep1, rep2), (got1, got2)
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+@pytest.mark.parametrize("where", ["piece", "padding"])
+def test_fused_shadow_staging_rejects_a_damaged_shared_block_before_commit(where):
+    """Shadow mode stages each shared block in one pass (staging copy + streaming hash of the
+    whole block, FUSED STAGING in sync.py): a byte flipped on the trainer's segment after the
+    checksum was taken, in a piece or in padding no piece covers, still rejects the update before
+    commit, and the sampler keeps serving exactly the previous version."""
+    eng, (full1, full2), (rep1, rep2), (got1, got2) = _shared_fp32_group(
+        BlockTamperingTrainer, "shadow", where
+    )
+    assert rep1.ok, rep1.failed
+    for rank in (0, 1):
+        info = got1[(0, rank)]
+        assert info["ok"] and info["path"] == "shared-segment"
+        assert info["digest"] == U.expected_digest(full1, eng, rank, torch.float32)
+        assert info["fused"] > 0, "fp32 -> fp32 shadow staging must take the fused path"
+    assert rep2.committed == ["0:0"]
+    assert "failed its checksum on the shared segment" in rep2.failed["0:1"]
+    assert got2[(0, 0)]["ok"]
+    assert got2[(0, 0)]["digest"] == U.expected_digest(full2, eng, 0, torch.float32)
+    bad = got2[(0, 1)]
+    assert not bad["ok"] and bad["serving"] == 1
+    assert bad["digest"] == U.expected_digest(full1, eng, 1, torch.float32)
+
+
+def test_inplace_shared_reader_never_writes_an_unverified_block():
+    """In-place mode writes the live weights, so each shared block is verified before any of its
+    bytes is written (HASH-AHEAD, not the fused pass): the damaged first block of rank 1's
+    stream is refused before rank 1 wrote a byte of version 2, so its weights still equal
+    version 1 exactly (dirty, but nothing of the damaged block or after it landed)."""
+    eng, (full1, full2), (rep1, rep2), (got1, got2) = _shared_fp32_group(
+        BlockTamperingTrainer, "inplace"
+    )
+    assert rep1.ok, rep1.failed
+    for rank in (0, 1):
+        info = got1[(0, rank)]
+        assert info["ok"] and info["path"] == "shared-segment" and info["fused"] == 0
+        assert info["digest"] == U.expected_digest(full1, eng, rank, torch.float32)
+    assert rep2.committed == ["0:0"]
+    assert got2[(0, 0)]["digest"] == U.expected_digest(full2, eng, 0, torch.float32)
+    bad = got2[(0, 1)]
+    assert not bad["ok"] and "failed its checksum on the shared segment" in bad["reason"]
+    assert bad["digest"] == U.expected_digest(full1, eng, 1, torch.float32)
+
+
+def test_fused_fill_checksum_is_the_whole_block_hash_for_plain_and_strided_pieces():
+    """BLOCK CHECKSUM CONTRACT with the fused fill: whether a piece is copied and hashed in one
+    pass (contiguous source) or gathered by torch then hashed (a strided resharded box), the
+    returned checksum is checksum64 of the whole block, padding and trailer included."""
+    from tpusync.core import checksum64
+    from tpusync.rl.layout import ShardLayout as SL
+
+    shapes = {"a": (96, 80), "b": (33, 70), "c": ()}
+    src = {n: SL.replicated(s, [0]) for n, s in shapes.items()}
+    trainer = TrainerSync(0, 1, {}, secret=U.SECRET, block_bytes=BB, pool_bytes=8 * BB)
+    try:
+        g = torch.Generator().manual_seed(3)
+        local = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+        local["a"] = local["a"].t().contiguous().t()  # a non-contiguous (strided) source
+        boxes = {n: lay.box_of(0) for n, lay in src.items()}
+        metas = tuple(TensorMeta(n, "float32", src[n]) for n in shapes)
+        for dst in (
+            {n: SL.replicated(s, [0]) for n, s in shapes.items()},
+            {n: SL.split(s, 1, 2) if s else SL.replicated(s, [0, 1]) for n, s in shapes.items()},
+        ):
+            plans = pack_streams(Manifest(5, metas), dst, BB, 2)
+            for plan in plans.values():
+                for index in range(len(plan.blocks)):
+                    (block,) = trainer._ep.pool.alloc(1)
+                    try:
+                        trainer._ep.pool.view(block)[:] = 0xA5  # stale bytes in the padding
+                        got = trainer._fill(block, plan, index, 5, local, boxes)
+                        arr = trainer._ep.pool.view(block)
+                        assert got == checksum64(arr), (plan.dst, index)
+                        for p in plan.blocks[index]:
+                            want = local[p.name][boxes[p.name].local_slices(p.box)]
+                            piece = arr[p.offset : p.offset + p.nbytes].view("float32")
+                            assert torch.equal(
+                                torch.from_numpy(piece.copy()).view(p.box.shape), want
+                            )
+                    finally:
+                        trainer._ep.pool.free([block])
+    finally:
         trainer.close()
 
 

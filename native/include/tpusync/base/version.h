@@ -25,7 +25,8 @@
 //      KVStoreNative.index_recency; KVStore(recency=), KVStore.recency);
 //      bench.common.measure_paired; KVCacheManagerBase checks a whole call's host ids once, up
 //      front (_checked_host_ids).
-//   7: kvcache.weights.HostWeights (one class for the torch and jax weight-sync device sides).
+//   7: kvcache.weights.HostWeights (one class for the torch and jax weight-sync device sides);
+//      copy_checksum64 and Checksum64Stream (update, copy_update with keep_in_cache, digest).
 #pragma once
 
 namespace tpusync {

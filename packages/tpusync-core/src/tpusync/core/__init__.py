@@ -9,11 +9,13 @@ from tpusync.core._compat import require_api
 from tpusync.core._native import (
     API_VERSION,
     BlockIndex,
+    Checksum64Stream,
     Engine,
     Future,
     Placement,
     Tier,
     checksum64,
+    copy_checksum64,
 )
 from tpusync.core.errors import (
     AlreadyExistsError,
@@ -43,6 +45,7 @@ __all__ = [
     "AuthError",
     "BlockIndex",
     "CancelledError",
+    "Checksum64Stream",
     "CorruptionError",
     "Engine",
     "Future",
@@ -64,6 +67,7 @@ __all__ = [
     "VersionMismatchError",
     "__version__",
     "checksum64",
+    "copy_checksum64",
     "default_engine",
     "dtype_name",
     "require_api",

@@ -26,7 +26,7 @@ whole tensors on every worker. Tracked in the project's issues.
 
 from tpusync.core import require_api
 
-MIN_CORE_API = 4  # P/D origin checksums
+MIN_CORE_API = 7  # Checksum64Stream (fused fill and staging)
 require_api(MIN_CORE_API, "tpusync-rl")
 
 from tpusync.rl.chunks import (  # noqa: E402 - after the API gate on purpose

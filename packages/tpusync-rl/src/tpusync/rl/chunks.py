@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpusync.core import checksum64
+from tpusync.core import Checksum64Stream, checksum64
 from tpusync.rl.layout import Box, ShardLayout
 from tpusync.rl.manifest import Manifest, TensorMeta
 from tpusync.rl.plan import ReshardPlan, Transfer
@@ -222,6 +222,8 @@ class WeightSubscriber:
             "updates_rejected": 0,
             "bytes_received": 0,
             "last_update_s": 0.0,
+            # Bytes staged by a fused copy + verify pass (FUSED STAGING CONTRACT in receive).
+            "bytes_fused": 0,
         }
 
     @property
@@ -301,13 +303,37 @@ class WeightSubscriber:
                 by_name.setdefault(name, []).append(t)
             self._pending = _Pending(manifest, expected, staging, by_name)
 
-    def receive(self, chunk: Chunk) -> None:
+    def receive(self, chunk: Chunk, hasher: Checksum64Stream | None = None) -> None:
         """Verify and stage one chunk; a bad chunk rejects the whole update.
 
         PIECE CONTRACT: a chunk carries either a whole planned transfer box or a piece of one (a
         sub-box, as the network path cuts transfers to fit host blocks); pieces of one transfer
         must not overlap and must cover it exactly once before :meth:`commit` accepts the update.
+
+        FUSED STAGING CONTRACT (``hasher``, shadow mode only): the chunk's bytes are part of a
+        block not verified yet. They are fed to ``hasher`` exactly once, whatever happens here
+        (staged, refused, or the update already failed), so the caller's block digest stays
+        whole; where the staging copy needs no cast and the target has contiguous rows (a whole
+        shard, or a resharded box of it: a scatter) it is the same pass as the hash
+        (``copy_update``), otherwise the bytes are hashed, then cast and copied. The caller
+        compares the digest at the block's end and aborts the update on a mismatch: the bytes
+        only ever reached shadow buffers that are never committed. In-place mode refuses a
+        ``hasher`` (live weights take verified bytes only).
         """
+        if hasher is not None and self.mode != "shadow":
+            raise UpdateRejectedError(
+                f"rank {self.rank}: in-place updates stage verified blocks only (fused staging "
+                "writes bytes before their block is verified)"
+            )
+        fed = False
+        try:
+            fed = self._receive(chunk, hasher)
+        finally:
+            if hasher is not None and not fed:
+                hasher.update(chunk.data)
+
+    def _receive(self, chunk: Chunk, hasher: Checksum64Stream | None) -> bool:
+        """:meth:`receive`; True when the copy already fed ``hasher``."""
         with self._lock:
             p = self._pending
             if p is None or chunk.version != p.manifest.version:
@@ -316,7 +342,7 @@ class WeightSubscriber:
                     f"{None if p is None else p.manifest.version}"
                 )
             if p.error:
-                return
+                return False
             transfer = self._transfer_of(p, chunk)
             key = None if transfer is None else (chunk.name, transfer.box)
             if (
@@ -328,31 +354,42 @@ class WeightSubscriber:
                     f"unexpected or duplicate chunk {chunk.name} {chunk.box} from {chunk.src_rank}"
                 )
                 log.error("rank %d rejects update %d: %s", self.rank, chunk.version, p.error)
-                return
+                return False
             itemsize = _torch_dtype(chunk.dtype).itemsize
             if chunk.data.nbytes != chunk.box.size * itemsize:
                 p.error = f"chunk {chunk.name} {chunk.box} carries {chunk.data.nbytes} bytes"
                 log.error("rank %d rejects update %d: %s", self.rank, chunk.version, p.error)
-                return
+                return False
             if chunk.digest is not None and checksum64(chunk.data) != chunk.digest:
                 p.error = f"digest mismatch in {chunk.name} {chunk.box} from rank {chunk.src_rank}"
                 log.error("rank %d rejects update %d: %s", self.rank, chunk.version, p.error)
-                return
+                return False
             engine = self._name_map(chunk.name)
-            src = (
-                torch.from_numpy(chunk.data)
-                .view(_torch_dtype(chunk.dtype))
-                .reshape(chunk.box.shape)
-            )
+            dtype = _torch_dtype(chunk.dtype)
             target = p.staging[engine]
             if chunk.box == transfer.box:
                 index = transfer.dst_index
             else:
                 index = self._layouts[engine].box_of(self.rank).local_slices(chunk.box)
-            target[index].copy_(src)  # dtype cast happens here
+            dst = target[index]
+            fused = (
+                hasher is not None
+                and dst.dtype == dtype
+                and dst.device.type == "cpu"
+                and (dst.dim() == 0 or dst.stride(-1) == 1 or dst.shape[-1] == 1)
+            )
+            if fused:
+                hasher.copy_update(dst, chunk.data)  # one pass: staging copy + block hash
+                self.metrics["bytes_fused"] += chunk.data.nbytes
+            else:
+                if hasher is not None:
+                    hasher.update(chunk.data)
+                src = torch.from_numpy(chunk.data).view(dtype).reshape(chunk.box.shape)
+                dst.copy_(src)  # dtype cast happens here
             p.pieces.setdefault(key, []).append(chunk.box)
             p.covered[key] = p.covered.get(key, 0) + chunk.box.size
             p.bytes += chunk.data.nbytes
+            return hasher is not None
 
     @staticmethod
     def _transfer_of(p: _Pending, chunk: Chunk) -> Transfer | None:

@@ -28,9 +28,11 @@ block checksums once the bucket is filled; the sampler verifies each block's che
 its pieces into the shadow (or live) tensors directly from the segment, then ``release``s the
 bucket. The trainer holds one pool reference per shared bucket until every reader released it,
 reported a failure, or the version's deadline passed, so a block is never refilled while a
-reader may still read it. Per byte and sampler this costs one hash pass and one staging copy;
-the chain over the same-host P/D path costs a copy into the sampler's pool, the hash, the staging
-copy and, for the next hop, the same again. Rejected: a chain hop per sampler (each hop copies
+reader may still read it. Per byte and sampler this costs one pass in shadow mode (the staging
+copy hashes the block as it goes, FUSED STAGING in :meth:`SamplerSync._pull_shared`) and a hash
+pass plus the staging copy in in-place mode (verified before written); the chain over the
+same-host P/D path costs a fused copy into the sampler's pool, the staging copy and, for the next
+hop, the same again. Rejected: a chain hop per sampler (each hop copies
 every byte once more and the hops serialize on 2 vCPUs), and a trainer-side push into each
 sampler's pool (the trainer process would do every copy for every sampler).
 
@@ -62,7 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpusync.core import NotFoundError, PoolExhaustedError, checksum64
+from tpusync.core import Checksum64Stream, NotFoundError, PoolExhaustedError, checksum64
 from tpusync.core.pd import PdConsumer, PdProducer, load_secret
 from tpusync.core.pool import HostBlockPool
 from tpusync.rl.chunks import (
@@ -83,9 +85,9 @@ log = logging.getLogger("tpusync.rl")
 
 __all__ = ["PublishReport", "SamplerSync", "TrainerSync", "UpdateResult", "request_id"]
 
-# Threads that pack and hash a trainer's blocks, and that hash a shared-segment reader's blocks
-# ahead of its staging copy: two keeps both cores of a 2-vCPU host busy while the samplers or the
-# transport wait; more buys nothing once the copies saturate memory bandwidth.
+# Threads that pack and hash a trainer's blocks, and that hash an in-place shared-segment
+# reader's blocks ahead of its staging copy: two keeps both cores of a 2-vCPU host busy while the
+# samplers or the transport wait; more buys nothing once the copies saturate memory bandwidth.
 FILL_THREADS = 2
 
 _VERSION_BITS, _RANK_BITS, _CHILD_BITS, _BUCKET_BITS = 20, 10, 6, 18
@@ -836,18 +838,45 @@ class TrainerSync:
         local: Mapping[str, torch.Tensor],
         boxes: Mapping[str, Box],
     ) -> int:
-        """Pack block ``index`` of ``plan`` into pool block ``block``; returns its checksum."""
+        """Pack block ``index`` of ``plan`` into pool block ``block``; returns its checksum.
+
+        BLOCK CHECKSUM CONTRACT: the one hash of the whole block (pieces, the padding between
+        them and the trailer), checked at every hop. FUSED FILL: it is one streaming XXH3 fed in
+        block order, and a piece whose source is a CPU tensor with contiguous rows (a whole
+        tensor, or a resharded box: a gather) is copied into the block and hashed in the same
+        pass (``Checksum64Stream.copy_update``); other sources (accelerator tensors, a strided
+        innermost dimension) are copied by torch, then hashed from the block.
+        Rejected: copy every piece, then ``checksum64`` of the block (a second read of every byte,
+        a third of the trainer's CPU time on the shared same-host path).
+        """
         bb = self.block_bytes
         arr = self._ep.pool.view(block)
         u8 = torch.from_numpy(arr)
         pieces = plan.blocks[index]
+        h = Checksum64Stream()
+        pos = 0
         for p in pieces:
-            src = local[p.name][boxes[p.name].local_slices(p.box)]
-            out = u8[p.offset : p.offset + p.nbytes].view(_torch_dtype(p.dtype)).view(p.box.shape)
-            out.copy_(src)  # device -> host for accelerator tensors
+            if p.offset > pos:
+                h.update(arr[pos : p.offset])  # padding between pieces: whatever the block held
+            src = local[p.name][boxes[p.name].local_slices(p.box)].detach()
+            end = p.offset + p.nbytes
+            dtype = _torch_dtype(p.dtype)
+            if (
+                src.device.type == "cpu"
+                and src.dtype == dtype
+                and (src.dim() == 0 or src.stride(-1) == 1 or src.shape[-1] == 1)
+                and not (src.is_conj() or src.is_neg())  # lazy views: torch must resolve them
+            ):
+                # KEEP-IN-CACHE: the readers (shared segment, transport) read it right after.
+                h.copy_update(arr[p.offset : end], src, keep_in_cache=True)
+            else:
+                out = u8[p.offset : end].view(dtype).view(p.box.shape)
+                out.copy_(src)  # device -> host for accelerator tensors, gather for strided ones
+                h.update(arr[p.offset : end])
+            pos = end
         arr[bb - TRAILER :].view(np.uint64)[:] = (version, len(pieces))
-        # BLOCK CHECKSUM CONTRACT: the one hash of these bytes, checked at every hop.
-        return checksum64(arr)
+        h.update(arr[pos:])
+        return h.digest()
 
     def _wait_sent(
         self, outstanding: dict[int, str], ann: dict, report: PublishReport, deadline: float
@@ -953,7 +982,7 @@ class SamplerSync:
         # bucket to land and verify (wire + transport), registering it for the children, staging
         # it (digest-free copy into the shadow / live weights, dtype cast, name mapping).
         # On the shared-segment path wire_wait_s is the wait for the trainer to fill a bucket
-        # and stage_s includes the checksum pass over the trainer's blocks.
+        # and stage_s includes verifying the trainer's blocks (shadow mode: in the staging pass).
         self.stages = {"wire_wait_s": 0.0, "forward_s": 0.0, "stage_s": 0.0}
 
     @property
@@ -1279,20 +1308,38 @@ class SamplerSync:
                     offsets = [int(off) for off in reply["offsets"]]
                     if any(not 0 <= off <= seg.nbytes - bb for off in offsets):
                         raise UpdateRejectedError(f"shared offsets {offsets} leave the segment")
-                    # HASH-AHEAD: the checksums of the bucket's blocks run on worker threads
-                    # while the blocks before them are staged; a block is staged only after its
-                    # own checksum matched.
-                    hashes = [self._hashers.submit(checksum64, seg[o : o + bb]) for o in offsets]
+                    # VERIFY CONTRACT of the shared segment. Shadow mode (staged bytes are not
+                    # live before commit): FUSED STAGING, each block is staged and hashed in one
+                    # pass (the staging copy feeds a streaming XXH3 of the whole block) and
+                    # compared at the block's end; a mismatch raises and the update is aborted
+                    # before commit, so unverified bytes only ever sit in shadow buffers.
+                    # In-place mode (live weights): HASH-AHEAD, the bucket's blocks are hashed
+                    # on worker threads while the blocks before them are staged, and a block is
+                    # staged only after its own checksum matched. Rejected for shadow mode: the
+                    # hash-ahead order (two reads of every byte per sampler).
+                    fused = self.sub.mode == "shadow"
+                    hashes = (
+                        []
+                        if fused
+                        else [self._hashers.submit(checksum64, seg[o : o + bb]) for o in offsets]
+                    )
                     for k, (off, want) in enumerate(zip(offsets, reply["sums"], strict=True)):
                         arr = seg[off : off + bb]
-                        if hashes[k].result() != want:
+                        if fused:
+                            h = Checksum64Stream()
+                            self._stage_view(version, me, s, streams[s], first + k, arr, hasher=h)
+                            ok = h.digest() == want
+                        else:
+                            ok = hashes[k].result() == want
+                            if ok:
+                                self._stage_view(version, me, s, streams[s], first + k, arr)
+                        if not ok:
                             plan = streams[s]
                             names = sorted({p.name for p in plan.blocks[first + k]})
                             raise UpdateRejectedError(
                                 f"bucket {b} ({', '.join(names)}) from trainer rank {s}: block "
                                 f"{k} failed its checksum on the shared segment"
                             )
-                        self._stage_view(version, me, s, streams[s], first + k, arr)
                     stages["stage_s"] += time.monotonic() - t2
             # HOLD CHECK (see TrainerSync._shared_request): the last bucket too must still have
             # been held by the trainer when this sampler finished staging it.
@@ -1319,8 +1366,23 @@ class SamplerSync:
         self._stage_view(version, me, src, plan, index, self._ep.pool.view(block))
 
     def _stage_view(
-        self, version: int, me: int, src: int, plan: StreamPlan, index: int, arr: np.ndarray
+        self,
+        version: int,
+        me: int,
+        src: int,
+        plan: StreamPlan,
+        index: int,
+        arr: np.ndarray,
+        hasher: Checksum64Stream | None = None,
     ) -> None:
+        """Stage the pieces of block ``index`` (the whole block ``arr``).
+
+        Without ``hasher`` the block was verified already (transport, or hash-ahead). With it
+        (shadow mode only) every byte of the block, pieces, padding and trailer, is fed to
+        ``hasher`` in block order, each piece in the same pass as its staging copy where the
+        subscriber can (see :meth:`WeightSubscriber.receive`); the caller compares the digest
+        with the trainer's checksum and rejects the update on a mismatch.
+        """
         bb = arr.nbytes
         pieces = plan.blocks[index]
         got_version, count = (int(x) for x in arr[bb - TRAILER :].view(np.uint64))
@@ -1329,8 +1391,15 @@ class SamplerSync:
                 f"block {index} from trainer rank {src} carries version {got_version} with {count} "
                 f"pieces, expected version {version} with {len(pieces)} (stale or foreign data)"
             )
+        pos = 0
         for p in pieces:
+            data = arr[p.offset : p.offset + p.nbytes]
+            if hasher is not None and p.offset > pos:
+                hasher.update(arr[pos : p.offset])
+            pos = p.offset + p.nbytes
             if not self.sub.expects(p.name):
+                if hasher is not None:
+                    hasher.update(data)
                 continue
             self.sub.receive(
                 Chunk(
@@ -1340,10 +1409,13 @@ class SamplerSync:
                     me,
                     p.box,
                     p.dtype,
-                    arr[p.offset : p.offset + p.nbytes],
-                    None,  # the transport verified the whole block against the trainer's checksum
-                )
+                    data,
+                    None,  # verified as a whole block: by the transport, or through `hasher`
+                ),
+                hasher=hasher,
             )
+        if hasher is not None:
+            hasher.update(arr[pos:])
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop. DRAIN CONTRACT: buckets this rank forwards to its children stay served until each
