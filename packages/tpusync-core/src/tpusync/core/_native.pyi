@@ -20,6 +20,32 @@ def checksum64(data: bytes, seed: int = 0) -> int:
 def checksum64(data: Annotated[NDArray, dict(order='C', device='cpu', writable=False)], seed: int = 0) -> int:
     """XXH3-64 checksum of a C-contiguous host array's bytes, without a copy."""
 
+def copy_checksum64(dst: Annotated[NDArray, dict(device='cpu')], src: Annotated[NDArray, dict(device='cpu', writable=False)], seed: int = 0) -> int:
+    """
+    Copy src's bytes into dst and return their XXH3-64 (== checksum64(src, seed)) in one pass over memory. Both C-contiguous host arrays of the same byte size, any dtypes; InvalidArgumentError otherwise.
+    """
+
+class Checksum64Stream:
+    """
+    XXH3-64 of bytes that come in pieces: update / copy_update with consecutive pieces, then digest() == checksum64(all pieces joined, seed). Not thread-safe: one per thread.
+    """
+
+    def __init__(self, seed: int = 0) -> None: ...
+
+    def reset(self, seed: int = 0) -> None:
+        """Start a new digest with this seed."""
+
+    def update(self, data: Annotated[NDArray, dict(device='cpu', writable=False)]) -> None:
+        """Hash the next piece (a C-contiguous host array's bytes)."""
+
+    def copy_update(self, dst: Annotated[NDArray, dict(device='cpu')], src: Annotated[NDArray, dict(device='cpu', writable=False)], *, keep_in_cache: bool = False) -> None:
+        """
+        Copy the next piece from src into dst and hash its bytes (in C order) in the same pass. Host arrays of the same byte size, any dtypes; both C-contiguous, or one of them strided with a contiguous innermost dimension (a gather into / scatter out of the other); InvalidArgumentError otherwise. Large copies bypass the cache (non-temporal stores) unless keep_in_cache: then dst stays cached for a reader that comes right after.
+        """
+
+    def digest(self) -> int:
+        """The digest of every piece so far (the state stays usable)."""
+
 class BlockBorrow:
     """Borrows of a batch of blocks (memory kept valid until release())."""
 
