@@ -33,6 +33,14 @@ def tp_layouts(world: int, dims: dict[str, int], names=None) -> dict[str, ShardL
     return out
 
 
+def rank0(dst, world=1, cls=TrainerSync, **kw):
+    """Trainer rank 0 of a ``world``-rank trainer with the tests' secret (and block size unless
+    given), plus ``dst`` keyed by engine names, as the samplers are started with."""
+    kw.setdefault("block_bytes", BB)
+    trainer = cls(0, world, dst, secret=U.SECRET, **kw)
+    return trainer, {U.engine_name(n): lay for n, lay in dst.items()}
+
+
 def get(q, kind, timeout=60.0):
     """The next item of ``kind`` from ``q``; items of other kinds wait for their own get."""
     if not hasattr(q, "tpusync_stash"):
@@ -103,17 +111,7 @@ def test_chain_of_two_samplers_picks_up_each_version_bf16_named():
     engine names; the trainer sends each byte once (sampler 0 forwards to sampler 1)."""
     q = U.ctx().Queue()
     dst = tp_layouts(1, {})
-    trainer = TrainerSync(
-        0,
-        1,
-        dst,
-        secret=U.SECRET,
-        block_bytes=BB,
-        bucket_blocks=2,
-        pool_bytes=1 << 20,
-        deadline=30.0,
-    )
-    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    trainer, eng = rank0(dst, bucket_blocks=2, pool_bytes=1 << 20, deadline=30.0)
     procs = start_samplers(q, trainer.control_address, eng, 2, 1, 2)
     try:
         trainer.wait_for_samplers(2, timeout=30)
@@ -141,10 +139,7 @@ def test_forwarding_sampler_that_finishes_first_keeps_serving_its_slow_child():
     the last buckets from it; the close waits for those pulls, so both commit the version."""
     q = U.ctx().Queue()
     dst = tp_layouts(1, {})
-    trainer = TrainerSync(
-        0, 1, dst, secret=U.SECRET, block_bytes=BB, bucket_blocks=1, pool_bytes=1 << 20
-    )
-    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    trainer, eng = rank0(dst, bucket_blocks=1, pool_bytes=1 << 20)
     per = {(1, 0): {"stage_delay": 0.25, "window": 1}}
     procs = start_samplers(q, trainer.control_address, eng, 2, 1, 1, per=per)
     try:
@@ -170,17 +165,7 @@ def test_reshard_tp2_trainer_to_tp4_samplers_without_gathering():
     q = U.ctx().Queue()
     src = tp_layouts(2, {})
     dst = tp_layouts(4, {"embed": 1, "layers.1.w": 1})
-    trainer = TrainerSync(
-        0,
-        2,
-        dst,
-        secret=U.SECRET,
-        block_bytes=BB,
-        bucket_blocks=2,
-        pool_bytes=2 << 20,
-        deadline=30.0,
-    )
-    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    trainer, eng = rank0(dst, 2, bucket_blocks=2, pool_bytes=2 << 20, deadline=30.0)
     procs = start_samplers(q, trainer.control_address, eng, 1, 4, 1, common={"dtype": "float32"})
     rank1 = trainer_rank1(
         q,
@@ -223,8 +208,7 @@ def test_resharded_publish_larger_than_the_trainer_pools_never_waits_for_the_dea
     small = {"block_bytes": bb, "bucket_blocks": 1, "pool_bytes": 4 * bb, "deadline": deadline}
     per_trainer = sum(4 * src[n].box_of(0).size for n in U.SHAPES)
     assert per_trainer > 3 * small["pool_bytes"]  # the premise: a version outgrows the pools
-    trainer = TrainerSync(0, 2, dst, secret=U.SECRET, **small)
-    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    trainer, eng = rank0(dst, 2, **small)
     procs = start_samplers(
         q,
         trainer.control_address,
@@ -273,8 +257,7 @@ def test_resharded_publish_larger_than_the_trainer_pools_never_waits_for_the_dea
 def test_inplace_update_while_paused():
     q = U.ctx().Queue()
     dst = tp_layouts(1, {})
-    trainer = TrainerSync(0, 1, dst, secret=U.SECRET, block_bytes=BB, pool_bytes=1 << 20)
-    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    trainer, eng = rank0(dst, pool_bytes=1 << 20)
     procs = start_samplers(
         q,
         trainer.control_address,
@@ -301,18 +284,7 @@ def test_sampler_dying_mid_update_is_reported_and_others_commit(caplog):
     to the survivors only."""
     q = U.ctx().Queue()
     dst = tp_layouts(1, {})
-    trainer = TrainerSync(
-        0,
-        1,
-        dst,
-        secret=U.SECRET,
-        block_bytes=BB,
-        bucket_blocks=1,
-        fanout=3,
-        pool_bytes=2 << 20,
-        deadline=10.0,
-    )
-    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    trainer, eng = rank0(dst, bucket_blocks=1, fanout=3, pool_bytes=2 << 20, deadline=10.0)
     procs = start_samplers(
         q, trainer.control_address, eng, 3, 1, 3, per={(2, 0): {"die_at_version": 2}}
     )
@@ -386,10 +358,7 @@ class TamperingTrainer(TrainerSync):
 def test_damaged_block_rejects_update_others_commit(caplog):
     q = U.ctx().Queue()
     dst = tp_layouts(2, {})
-    trainer = TamperingTrainer(
-        0, 1, dst, secret=U.SECRET, block_bytes=BB, pool_bytes=2 << 20, deadline=15.0
-    )
-    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    trainer, eng = rank0(dst, cls=TamperingTrainer, pool_bytes=2 << 20, deadline=15.0)
     procs = start_samplers(q, trainer.control_address, eng, 1, 2, 2)
     try:
         trainer.wait_for_samplers(2, timeout=30)
@@ -416,10 +385,7 @@ def test_version_skew_is_refused():
     """A sampler already at version 5 refuses version 3 and keeps serving 5."""
     q = U.ctx().Queue()
     dst = tp_layouts(1, {})
-    trainer = TrainerSync(
-        0, 1, dst, secret=U.SECRET, block_bytes=BB, pool_bytes=1 << 20, deadline=5.0
-    )
-    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    trainer, eng = rank0(dst, pool_bytes=1 << 20, deadline=5.0)
     procs = start_samplers(
         q, trainer.control_address, eng, 1, 1, 1, common={"start_version": 5, "timeout": 4}
     )
@@ -568,18 +534,7 @@ def test_same_host_samplers_read_the_trainer_segment_next_to_a_tcp_sampler():
     less than a version, so every block is reused only after both readers released it."""
     q = U.ctx().Queue()
     dst = tp_layouts(2, {"layers.1.w": 1})
-    trainer = TrainerSync(
-        0,
-        1,
-        dst,
-        secret=U.SECRET,
-        block_bytes=BB,
-        bucket_blocks=1,
-        pool_bytes=4 * BB,
-        same_host=True,
-        deadline=30.0,
-    )
-    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    trainer, eng = rank0(dst, bucket_blocks=1, pool_bytes=4 * BB, same_host=True, deadline=30.0)
     local = {"same_host": True}
     per = {(r, k): local for r in (0, 1) for k in (0, 1)}
     procs = start_samplers(q, trainer.control_address, eng, 3, 2, 2, per=per)
@@ -605,17 +560,9 @@ def test_same_host_samplers_read_the_trainer_segment_next_to_a_tcp_sampler():
 def test_damaged_block_on_the_shared_segment_rejects_update_others_commit():
     q = U.ctx().Queue()
     dst = tp_layouts(2, {})
-    trainer = TamperingTrainer(
-        0,
-        1,
-        dst,
-        secret=U.SECRET,
-        block_bytes=BB,
-        pool_bytes=2 << 20,
-        same_host=True,
-        deadline=15.0,
+    trainer, eng = rank0(
+        dst, cls=TamperingTrainer, pool_bytes=2 << 20, same_host=True, deadline=15.0
     )
-    eng = {U.engine_name(n): lay for n, lay in dst.items()}
     procs = start_samplers(q, trainer.control_address, eng, 1, 2, 2, common={"same_host": True})
     try:
         trainer.wait_for_samplers(2, timeout=30)
@@ -667,19 +614,10 @@ def _shared_fp32_group(trainer_cls, mode: str, where: str = "piece"):
     reports and the samplers' update infos."""
     q = U.ctx().Queue()
     dst = tp_layouts(2, {"layers.1.w": 1})
-    trainer = trainer_cls(
-        0,
-        1,
-        dst,
-        secret=U.SECRET,
-        block_bytes=BB,
-        bucket_blocks=2,
-        pool_bytes=2 << 20,
-        same_host=True,
-        deadline=15.0,
+    trainer, eng = rank0(
+        dst, cls=trainer_cls, bucket_blocks=2, pool_bytes=2 << 20, same_host=True, deadline=15.0
     )
     trainer.where = where
-    eng = {U.engine_name(n): lay for n, lay in dst.items()}
     common = {"same_host": True, "dtype": "float32", "mode": mode, "paused": mode == "inplace"}
     procs = start_samplers(q, trainer.control_address, eng, 1, 2, 2, common=common)
     try:
@@ -787,18 +725,7 @@ def test_shared_reader_dying_mid_update_is_reported_and_others_commit(caplog):
     of at the 60 s deadline, names it, and replica 0 commits."""
     q = U.ctx().Queue()
     dst = tp_layouts(1, {})
-    trainer = TrainerSync(
-        0,
-        1,
-        dst,
-        secret=U.SECRET,
-        block_bytes=BB,
-        bucket_blocks=1,
-        pool_bytes=2 << 20,
-        same_host=True,
-        deadline=60.0,
-    )
-    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    trainer, eng = rank0(dst, bucket_blocks=1, pool_bytes=2 << 20, same_host=True, deadline=60.0)
     procs = start_samplers(
         q,
         trainer.control_address,
