@@ -13,13 +13,13 @@ namespace tpusync {
 #if defined(__x86_64__) && defined(TPUSYNC_HAVE_AVX2_CHECKSUM)
 namespace internal {
 uint64_t Checksum64Avx2(const void* data, size_t bytes, uint64_t seed);
-uint64_t CopyWithChecksum64Avx2(void* dst, const void* src, size_t bytes, uint64_t seed);
 void Checksum64UpdateAvx2(void* state, const void* data, size_t bytes);
 }  // namespace internal
 namespace {
 // DISPATCH: the wheel targets baseline x86-64 (SSE2); XXH3 runs about twice as fast with AVX2,
 // and checksums are on every transferred and stored byte, so pick the AVX2 build at run time:
-// for the one-shot hash and for the fused copy + hash of a /dev/shm put or a disk bounce.
+// for the one-shot hash and for every streaming update (the fused copy + hash of a /dev/shm put,
+// a disk bounce or a weight-sync staging copy updates 16 KiB at a time).
 const bool kAvx2 = __builtin_cpu_supports("avx2");
 }  // namespace
 #endif
@@ -32,16 +32,10 @@ uint64_t Checksum64(const void* data, size_t bytes, uint64_t seed) {
   return XXH3_64bits_withSeed(data, bytes, seed);
 }
 
-namespace {
-#include "fused_copy_hash.inc"  // NOLINT(build/include): the loop, baseline build
-}  // namespace
-
 uint64_t CopyWithChecksum64(void* dst, const void* src, size_t bytes, uint64_t seed) {
-#if defined(__x86_64__) && defined(TPUSYNC_HAVE_AVX2_CHECKSUM)
-  // Same threshold as Checksum64: below it the hash is a short-input path either way.
-  if (kAvx2 && bytes >= 1024) return internal::CopyWithChecksum64Avx2(dst, src, bytes, seed);
-#endif
-  return FusedCopyHash(dst, src, bytes, seed);
+  Checksum64Stream h(seed);
+  h.CopyUpdate(dst, src, bytes);
+  return h.Digest();
 }
 
 static_assert(sizeof(XXH3_state_t) <= Checksum64Stream::kStateBytes && alignof(XXH3_state_t) <= 64);
@@ -71,7 +65,9 @@ void Checksum64Stream::Update(const void* data, size_t bytes) {
 void Checksum64Stream::CopyUpdate(void* dst, const void* src, size_t bytes, bool keep_in_cache) {
   auto* d = static_cast<uint8_t*>(dst);
   const auto* s = static_cast<const uint8_t*>(src);
-  // Same loop as FusedCopyHash (fused_copy_hash.inc), over this object's streaming state.
+  // Large copies: hash the source chunk (which brings it into L1), then stream it out from there
+  // with non-temporal stores (base/stream_copy.h), so DRAM sees one read and one write per byte.
+  // Small ones, or keep_in_cache: copy, then hash the destination chunk while it is in L1.
   const bool stream = !keep_in_cache && bytes >= kStreamMinBytes;
   for (size_t off = 0; off < bytes; off += kFusedChunkBytes) {
     const size_t n = std::min(kFusedChunkBytes, bytes - off);

@@ -1,15 +1,12 @@
-// XXH3 compiled for AVX2, called by Checksum64 and CopyWithChecksum64 only on CPUs that have it
+// XXH3 compiled for AVX2, called by Checksum64 and Checksum64Stream only on CPUs that have it
 // (checksum.cc). XXH3's output does not depend on the vector unit, so both builds compute the
 // same checksums.
 // XXH_INLINE_ALL gives every xxhash function internal linkage, so this translation unit's AVX2
 // copies never collide with the baseline ones.
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 
 #include "tpusync/base/checksum.h"
-#include "tpusync/base/stream_copy.h"
 
 #if defined(__x86_64__) && defined(__AVX2__)
 #define XXH_INLINE_ALL
@@ -23,14 +20,6 @@ uint64_t Checksum64Avx2(const void* data, size_t bytes, uint64_t seed) {
 
 void Checksum64UpdateAvx2(void* state, const void* data, size_t bytes) {
   XXH3_64bits_update(static_cast<XXH3_state_t*>(state), data, bytes);
-}
-
-namespace {
-#include "fused_copy_hash.inc"  // NOLINT(build/include): the loop, AVX2 build
-}  // namespace
-
-uint64_t CopyWithChecksum64Avx2(void* dst, const void* src, size_t bytes, uint64_t seed) {
-  return FusedCopyHash(dst, src, bytes, seed);
 }
 }  // namespace tpusync::internal
 #endif

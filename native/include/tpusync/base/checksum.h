@@ -20,8 +20,9 @@ uint64_t Checksum64(const void* data, size_t bytes, uint64_t seed = 0);
 // each kFusedChunkBytes chunk is hashed (XXH3 streaming, the same digest as the one-shot call)
 // right after it is copied, while it is still in L1. Rejected: memcpy then Checksum64, which
 // reads every block a second time from L2/DRAM (a quarter of the put time at 256 KiB blocks).
-// DISPATCH: like Checksum64, from 1 KiB up an AVX2 build of the same loop runs on CPUs with AVX2
-// (src/base/fused_copy_hash.inc, compiled by checksum.cc and checksum_avx2.cc); same digest.
+// It is Checksum64Stream::CopyUpdate (below) over a fresh state: one fused loop in the project,
+// whose hash updates take the AVX2 build of XXH3 from 1 KiB up on CPUs with AVX2 (DISPATCH in
+// checksum.cc); same digest.
 inline constexpr size_t kFusedChunkBytes = 16 << 10;
 uint64_t CopyWithChecksum64(void* dst, const void* src, size_t bytes, uint64_t seed = 0);
 
