@@ -145,6 +145,7 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
     unlink(probe.c_str());
   }
   TPUSYNC_ASSIGN_OR_RETURN(t->io_, MakeIoBackend(o.io_backend, o.io_threads));
+  if (o.wrap_io) t->io_ = o.wrap_io(std::move(t->io_));
 
   DiskMeta want;
   FillMeta(&want, o, t->slot_bytes_, t->segment_blocks_, t->fingerprint_);
@@ -192,6 +193,12 @@ Status DiskTier::OpenSegments(bool cold) {
   // the first open the filesystem refuses with EINVAL (tmpfs before Linux 6.6, ramfs, some FUSE
   // filesystems) turns it off and reopens the earlier segments buffered, so the I/O path never
   // mixes O_DIRECT descriptors with unaligned buffers. stats().direct_io reports the outcome.
+  // A filesystem can also accept O_DIRECT at open and refuse it per I/O (EINVAL from read /
+  // write: some FUSE and network filesystems): RunIo then turns every segment buffered at once
+  // (DropDirectIo) and runs the refused I/O again, so those blocks are written, not counted as
+  // errors. Rejected: treating that EINVAL as a write error (the tier silently stores nothing on
+  // such a filesystem) and reopening the segments (other threads may have I/O in flight on the
+  // old descriptors; clearing O_DIRECT with fcntl keeps every descriptor valid).
   const size_t n = (num_blocks_ + segment_blocks_ - 1) / segment_blocks_;
   for (size_t s = 0; s < n; ++s) {
     char name[32];
@@ -207,6 +214,7 @@ Status DiskTier::OpenSegments(bool cold) {
     }
     segments_.push_back(std::move(seg));
   }
+  opened_direct_ = direct_;
   (void)cold;
   return Status::OK();
 }
@@ -223,7 +231,7 @@ void DiskTier::Scan() {
       ops[i].offset = SlotOffset(first + i);
       ops[i].iov = {{buf.get() + i * kSlotHeaderBytes, kSlotHeaderBytes}};
     }
-    io_->Run(ops);
+    RunIo(ops);
     for (size_t i = 0; i < n; ++i) {
       if (ops[i].result != static_cast<int64_t>(kSlotHeaderBytes)) continue;
       const auto* h = reinterpret_cast<const SlotHeader*>(buf.get() + i * kSlotHeaderBytes);
@@ -357,7 +365,7 @@ void DiskTier::RunCoalesced(std::vector<IoOp>& ops) {
     merged.push_back(op);
     members.push_back({i});
   }
-  io_->Run(merged);
+  RunIo(merged);
   for (size_t m = 0; m < merged.size(); ++m) {
     int64_t left = merged[m].result;
     for (size_t i : members[m]) {
@@ -370,6 +378,42 @@ void DiskTier::RunCoalesced(std::vector<IoOp>& ops) {
       }
     }
   }
+}
+
+void DiskTier::RunIo(std::span<IoOp> ops) {
+  io_->Run(ops);
+  // Not direct_: a batch started while direct_ was set may see EINVAL after another thread
+  // already dropped O_DIRECT; it must be run again all the same.
+  if (!opened_direct_) return;
+  std::vector<IoOp> again;
+  std::vector<size_t> where;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].result == -EINVAL) {
+      again.push_back(ops[i]);
+      where.push_back(i);
+    }
+  }
+  if (again.empty()) return;
+  DropDirectIo();
+  for (IoOp& op : again) op.result = 0;
+  io_->Run(again);
+  for (size_t j = 0; j < again.size(); ++j) ops[where[j]].result = again[j].result;
+}
+
+void DiskTier::DropDirectIo() {
+  std::lock_guard<std::mutex> lock(direct_mu_);
+  if (!direct_.load(std::memory_order_acquire)) return;
+  for (SegmentFile& seg : segments_) {
+    const Status s = seg.DropDirect();
+    if (!s.ok()) {
+      std::fprintf(stderr, "tpusync: disk tier %s: %s\n", dir_.c_str(), s.ToString().c_str());
+    }
+  }
+  direct_.store(false, std::memory_order_release);
+  std::fprintf(stderr,
+               "tpusync: disk tier %s: the filesystem refuses O_DIRECT reads / writes (EINVAL); "
+               "using buffered I/O from now on\n",
+               dir_.c_str());
 }
 
 void DiskTier::WriteBatch(std::span<BlockWrite> ops) {

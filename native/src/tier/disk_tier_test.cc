@@ -3,10 +3,16 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <random>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -197,6 +203,117 @@ TEST_F(DiskTierTest, AdjacentSlotsAcrossSegmentsRoundTripInOneBatch) {
   EXPECT_EQ(r[0].status.code(), StatusCode::kCorrupted);
   EXPECT_EQ(r[1].status.code(), StatusCode::kCorrupted);
   EXPECT_TRUE(r[2].status.ok());
+}
+
+// A filesystem that accepts O_DIRECT at open and refuses it per I/O (some FUSE and network
+// filesystems): every op on a descriptor that has O_DIRECT set fails with EINVAL, the others run.
+class RefusesDirectIo final : public IoBackend {
+ public:
+  explicit RefusesDirectIo(std::unique_ptr<IoBackend> inner) : inner_(std::move(inner)) {}
+  std::string_view name() const override { return inner_->name(); }
+  void Run(std::span<IoOp> ops) override {
+    std::vector<IoOp> pass;
+    std::vector<size_t> where;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (fcntl(ops[i].fd, F_GETFL) & O_DIRECT) {
+        ops[i].result = -EINVAL;
+        ++refused;
+      } else {
+        pass.push_back(ops[i]);
+        where.push_back(i);
+      }
+    }
+    inner_->Run(pass);
+    for (size_t j = 0; j < pass.size(); ++j) ops[where[j]].result = pass[j].result;
+  }
+  std::atomic<int> refused{0};
+
+ private:
+  std::unique_ptr<IoBackend> inner_;
+};
+
+TEST_F(DiskTierTest, DirectIoRefusedPerIoFallsBackToBufferedWithoutLosingBlocks) {
+  DiskTierOptions o = Options();
+  RefusesDirectIo* wrapper = nullptr;
+  o.wrap_io = [&](std::unique_ptr<IoBackend> inner) -> std::unique_ptr<IoBackend> {
+    auto w = std::make_unique<RefusesDirectIo>(std::move(inner));
+    wrapper = w.get();
+    return w;
+  };
+  auto t = std::move(DiskTier::Open(o).value());
+  if (!t->stats().direct_io) GTEST_SKIP() << "the test directory's filesystem refuses O_DIRECT";
+  ASSERT_NE(wrapper, nullptr);
+  // Open's header scan already hit the refusal (fresh tier: every slot reads as empty either way).
+  const auto a = Data(1), b = Data(2), c = Data(3);
+  std::vector<uint8_t> unaligned(kBytes + 1);
+  std::copy(c.begin(), c.end(), unaligned.begin() + 1);
+  BlockWrite w[3] = {{"a", a.data(), *t->Reserve(), 1, {}},
+                     {"b", b.data(), *t->Reserve(), 1, {}},
+                     {"c", unaligned.data() + 1, *t->Reserve(), 1, {}}};
+  t->WriteBatch(w);
+  for (const BlockWrite& x : w) EXPECT_TRUE(x.status.ok()) << x.status.ToString();
+  EXPECT_GT(wrapper->refused.load(), 0);
+  EXPECT_FALSE(t->stats().direct_io);
+  EXPECT_EQ(t->stats().write_errors, 0u);
+  std::vector<uint8_t> out;
+  ASSERT_TRUE(ReadOne(*t, "a", w[0].location, &out).ok());
+  EXPECT_EQ(out, a);
+  ASSERT_TRUE(ReadOne(*t, "c", w[2].location, &out).ok());
+  EXPECT_EQ(out, c);
+  const uint64_t locs[3] = {w[0].location, w[1].location, w[2].location};
+  t.reset();
+  // A restart on the same filesystem: the scan refuses again, falls back, and recovers all three.
+  auto again = std::move(DiskTier::Open(o).value());
+  auto rec = again->TakeRecovered();
+  ASSERT_EQ(rec.size(), 3u);
+  ASSERT_TRUE(ReadOne(*again, "b", locs[1], &out).ok());
+  EXPECT_EQ(out, b);
+  EXPECT_EQ(again->stats().read_errors, 0u);
+}
+
+TEST_F(DiskTierTest, BatchRefusedBeforeAnotherThreadDroppedDirectIoIsRunAgain) {
+  // Thread A's batch is refused while O_DIRECT is still set, but A only looks at its results
+  // after thread B has dropped O_DIRECT: A's batch must be run again, not counted as errors.
+  DiskTierOptions o = Options();
+  std::atomic<int> calls{0};
+  o.wrap_io = [&](std::unique_ptr<IoBackend> inner) -> std::unique_ptr<IoBackend> {
+    class HoldFirstRefusal final : public IoBackend {
+     public:
+      HoldFirstRefusal(std::unique_ptr<IoBackend> in, std::atomic<int>* c)
+          : inner_(std::move(in)), calls_(c) {}
+      std::string_view name() const override { return inner_.name(); }
+      void Run(std::span<IoOp> ops) override {
+        const bool refused = !ops.empty() && (fcntl(ops[0].fd, F_GETFL) & O_DIRECT);
+        inner_.Run(ops);
+        if (!refused || calls_->fetch_add(1) != 0) return;
+        // The first refused batch: wait (at most 5 s) until another batch dropped O_DIRECT.
+        for (int i = 0; i < 500 && (fcntl(ops[0].fd, F_GETFL) & O_DIRECT); ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      }
+
+     private:
+      RefusesDirectIo inner_;
+      std::atomic<int>* calls_;
+    };
+    return std::make_unique<HoldFirstRefusal>(std::move(inner), &calls);
+  };
+  auto t = std::move(DiskTier::Open(o).value());
+  if (!t->stats().direct_io) GTEST_SKIP() << "the test directory's filesystem refuses O_DIRECT";
+  ASSERT_EQ(calls.load(), 0);  // a fresh tier (cold start) reads no headers at open
+  const auto a = Data(1), b = Data(2);
+  const uint64_t la = *t->Reserve(), lb = *t->Reserve();
+  BlockWrite wa{"a", a.data(), la, 1, {}}, wb{"b", b.data(), lb, 1, {}};
+  std::thread ta([&] { t->WriteBatch({&wa, 1}); });
+  while (calls.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  t->WriteBatch({&wb, 1});  // refused, drops O_DIRECT, runs again
+  ta.join();
+  EXPECT_TRUE(wa.status.ok()) << wa.status.ToString();
+  EXPECT_TRUE(wb.status.ok()) << wb.status.ToString();
+  EXPECT_EQ(t->stats().write_errors, 0u);
+  std::vector<uint8_t> out;
+  ASSERT_TRUE(ReadOne(*t, "a", la, &out).ok());
+  EXPECT_EQ(out, a);
 }
 
 TEST_F(DiskTierTest, UnknownBackendIsRefused) {

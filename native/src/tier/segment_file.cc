@@ -31,6 +31,16 @@ Result<SegmentFile> SegmentFile::Open(const std::string& path, uint64_t size_byt
   return f;
 }
 
+Status SegmentFile::DropDirect() {
+  const int flags = fcntl(fd_, F_GETFL);
+  if (flags < 0) return Status::FromErrno(errno, StrCat("fcntl F_GETFL ", path_));
+  if ((flags & O_DIRECT) && fcntl(fd_, F_SETFL, flags & ~O_DIRECT) != 0) {
+    return Status::FromErrno(errno, StrCat("clearing O_DIRECT on ", path_));
+  }
+  direct_ = false;
+  return Status::OK();
+}
+
 SegmentFile& SegmentFile::operator=(SegmentFile&& o) noexcept {
   if (this != &o) {
     if (fd_ >= 0) close(fd_);

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -42,6 +43,8 @@ struct DiskTierOptions {
   bool direct_io = true;            // try O_DIRECT, fall back to buffered where refused
   std::string io_backend = "auto";  // auto | io_uring | pread
   size_t io_threads = 4;            // pread backend threads / io_uring depth hint
+  // Tests only: wraps the chosen backend (to inject I/O faults). Empty: the backend as is.
+  std::function<std::unique_ptr<IoBackend>(std::unique_ptr<IoBackend>)> wrap_io;
 };
 
 inline constexpr uint32_t kDiskMetaMagic = 0x4d445354;  // "TSDM"
@@ -92,13 +95,17 @@ class DiskTier final : public BlockTier {
   void Scan();
   void Free(uint64_t slot);  // mu_ held
   void RunCoalesced(std::vector<IoOp>& ops);
+  void RunIo(std::span<IoOp> ops);  // io_->Run, then the DIRECT I/O CONTRACT's per-I/O fallback
+  void DropDirectIo();
   const SegmentFile& SegmentOf(uint64_t location) const;
 
   std::string dir_;
   size_t block_bytes_ = 0, payload_bytes_ = 0, slot_bytes_ = 0, segment_blocks_ = 0,
          num_blocks_ = 0;
   uint64_t fingerprint_ = 0;
-  bool direct_ = false;
+  std::atomic<bool> direct_{false};
+  bool opened_direct_ = false;  // segments were opened with O_DIRECT (set once, in Open)
+  std::mutex direct_mu_;        // serialises DropDirectIo
   int lock_fd_ = -1;
   std::unique_ptr<IoBackend> io_;
   std::vector<SegmentFile> segments_;

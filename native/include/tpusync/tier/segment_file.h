@@ -2,7 +2,11 @@
 //
 // DIRECT-IO CONTRACT: Open tries O_DIRECT first (no page-cache double buffering, predictable SSD
 // throughput); a filesystem that refuses it (EINVAL: some tmpfs / FUSE / NFS setups) gets a
-// buffered descriptor instead and direct() says so - never an error. Files are sized with
+// buffered descriptor instead and direct() says so - never an error. A filesystem that accepts
+// O_DIRECT at open but refuses it per I/O (EINVAL on read / write: some FUSE and network
+// filesystems) is handled by the owner with DropDirect(), which clears O_DIRECT on the open
+// descriptor (fcntl F_SETFL; no reopen, so I/O already in flight on other threads keeps a valid
+// descriptor). Files are sized with
 // ftruncate (sparse): space is consumed as slots are written, so a full filesystem shows up as
 // ENOSPC on a block write (counted, the store keeps serving) rather than at start.
 #pragma once
@@ -27,6 +31,8 @@ class SegmentFile {
 
   int fd() const { return fd_; }
   bool direct() const { return direct_; }
+  // Turns this descriptor buffered (clears O_DIRECT). Idempotent.
+  Status DropDirect();
   const std::string& path() const { return path_; }
 
  private:
