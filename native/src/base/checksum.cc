@@ -1,5 +1,6 @@
 #include "tpusync/base/checksum.h"
 
+#include "tpusync/base/bf16.h"
 #include "tpusync/base/stream_copy.h"
 
 #define XXH_INLINE_ALL
@@ -106,6 +107,35 @@ void Checksum64Stream::CopyUpdateRuns(const StreamRun* runs, size_t n, bool keep
       ++j;
     }
     Update(start, bytes);
+    i = j;
+  }
+}
+
+void Checksum64Stream::CastF32ToBf16UpdateRuns(const StreamRun* runs, size_t n) {
+  size_t i = 0;
+  while (i < n) {
+    const StreamRun& r = runs[i];
+    if (r.bytes >= kFusedChunkBytes) {
+      auto* d = reinterpret_cast<uint16_t*>(r.dst);
+      for (size_t off = 0; off < r.bytes; off += kFusedChunkBytes) {
+        const size_t c = std::min(kFusedChunkBytes, r.bytes - off);
+        Update(r.src + off, c);
+        F32ToBf16(d + off / 4, r.src + off, c / 4);
+      }
+      ++i;
+      continue;
+    }
+    size_t bytes = 0;
+    size_t j = i;
+    while (j < n && runs[j].bytes < kFusedChunkBytes && bytes + runs[j].bytes <= kFusedChunkBytes &&
+           runs[j].src == r.src + bytes) {
+      bytes += runs[j].bytes;
+      ++j;
+    }
+    Update(r.src, bytes);
+    for (size_t k = i; k < j; ++k) {
+      F32ToBf16(reinterpret_cast<uint16_t*>(runs[k].dst), runs[k].src, runs[k].bytes / 4);
+    }
     i = j;
   }
 }

@@ -2,6 +2,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -113,6 +114,54 @@ std::vector<StreamRun> CopyRuns(const nb::ndarray<nb::device::cpu>& dst,
   return runs;
 }
 
+// cast_update's runs (float32 source -> bfloat16 destination): like CopyRuns, counted in source
+// bytes (Checksum64Stream::CastF32ToBf16UpdateRuns); the two sides hold the same number of values.
+std::vector<StreamRun> CastRuns(const nb::ndarray<nb::device::cpu>& dst,
+                                const nb::ndarray<nb::ro, nb::device::cpu>& src) {
+  if (src.dtype() != nb::dtype<float>()) {
+    throw StatusError(Status::InvalidArgument(
+        StrCat("cast_update: src must be float32, not a ", src.itemsize() * 8, "-bit dtype")));
+  }
+  const nb::dlpack::dtype dt = dst.dtype();
+  const bool bf16 = (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) &&
+                     dt.bits == 16 && dt.lanes == 1) ||
+                    dt == nb::dtype<uint16_t>();
+  if (!bf16) {
+    throw StatusError(Status::InvalidArgument(
+        "cast_update: dst must be bfloat16 (or uint16 holding bfloat16 bits)"));
+  }
+  if (dst.size() != src.size()) {
+    throw StatusError(Status::InvalidArgument(StrCat(
+        "cast_update: ", src.size(), " source values into ", dst.size(), " destination values")));
+  }
+  auto* d = static_cast<uint8_t*>(dst.data());
+  const auto* s = static_cast<const uint8_t*>(src.data());
+  if (reinterpret_cast<uintptr_t>(d) % 2 != 0) {
+    throw StatusError(Status::InvalidArgument("cast_update: dst is not 2-byte aligned"));
+  }
+  const bool dd = Dense(dst), sd = Dense(src);
+  if (dd && sd) return {{d, s, src.nbytes()}};
+  if (!dd && !sd) {
+    throw StatusError(
+        Status::InvalidArgument("cast_update: dst or src must be C-contiguous (both are strided)"));
+  }
+  std::vector<int64_t> starts;
+  std::vector<StreamRun> runs;
+  if (dd) {  // gather: strided float32 rows into packed bfloat16
+    const size_t run = RowRuns(src, "src", &starts);
+    runs.reserve(starts.size());
+    for (size_t i = 0; i < starts.size(); ++i)
+      runs.push_back({d + i * run / 2, s + starts[i], run});
+  } else {  // scatter: packed float32 into strided bfloat16 rows
+    const size_t run = RowRuns(dst, "dst", &starts);
+    runs.reserve(starts.size());
+    for (size_t i = 0; i < starts.size(); ++i) {
+      runs.push_back({d + starts[i], s + i * run * 2, run * 2});
+    }
+  }
+  return runs;
+}
+
 // The Python face of Checksum64Stream, held through a pointer so its 64-byte aligned state never
 // depends on the Python allocator's alignment.
 struct PyChecksumStream {
@@ -200,6 +249,20 @@ void init_base(nb::module_& m) {
           "other); InvalidArgumentError otherwise. Large copies bypass the cache (non-temporal "
           "stores) unless keep_in_cache: then dst stays cached for a reader that comes right "
           "after.")
+      .def(
+          "cast_update",
+          [](PyChecksumStream& s, nb::ndarray<nb::device::cpu> dst,
+             nb::ndarray<nb::ro, nb::device::cpu> src) {
+            const std::vector<StreamRun> runs = CastRuns(dst, src);
+            nb::gil_scoped_release release;
+            s.h->CastF32ToBf16UpdateRuns(runs.data(), runs.size());
+          },
+          nb::arg("dst").noconvert(), nb::arg("src").noconvert(),
+          "Hash the next piece (src: float32 host values, its bytes in C order) and write it into "
+          "dst as bfloat16 in the same pass: round to nearest even like torch's "
+          "tensor.to(torch.bfloat16) for every non-NaN value; NaN becomes 0x7FC0. dst is a "
+          "bfloat16 (or uint16) host array with as many values; both C-contiguous, or one of "
+          "them strided with a contiguous innermost dimension; InvalidArgumentError otherwise.")
       .def(
           "digest", [](const PyChecksumStream& s) { return s.h->Digest(); },
           "The digest of every piece so far (the state stays usable).");

@@ -136,3 +136,75 @@ def test_stream_copy_update_gathers_and_scatters_rows_at_a_stride():
         tc.Checksum64Stream().copy_update(target[:30, :50], full[10:40, 20:70])
     with pytest.raises(tc.InvalidArgumentError, match="into a 100-byte destination"):
         tc.Checksum64Stream().copy_update(np.zeros(100, np.uint8), box)
+
+
+def _bf16_by_value(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even by VALUE (float64 arithmetic, not the bit trick under test): the two
+    bf16 neighbours of each float, the nearer, the even one on a tie; NaN -> 0x7FC0."""
+    u = x.view(np.uint32).astype(np.uint64)
+    lo = u & 0xFFFF0000
+    hi = lo + 0x10000
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN lanes: replaced at the end
+        f = np.abs(x.astype(np.float64))
+        flo = np.abs(lo.astype(np.uint32).view(np.float32).astype(np.float64))
+        fhi = np.abs(hi.astype(np.uint32).view(np.float32).astype(np.float64))
+        fhi[np.isinf(fhi)] = 2.0**128  # past the largest bf16: overflow to infinity
+        dlo, dhi = f - flo, fhi - f
+    up = (dhi < dlo) | ((dhi == dlo) & ((lo >> 16) & 1 == 1))
+    out = np.where(up, hi, lo) >> 16
+    out = np.where(u == lo, u >> 16, out)  # exact (infinities and zeros included)
+    out = np.where(np.isnan(x), 0x7FC0, out)
+    return out.astype(np.uint16)
+
+
+def test_stream_cast_update_hashes_fp32_and_writes_bf16_rounded_to_nearest_even():
+    rng = np.random.default_rng(4)
+    tops = np.arange(1 << 16, dtype=np.uint32) << 16
+    lows = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.uint32)
+    bits = (tops[:, None] | lows[None, :]).ravel()
+    bits = np.concatenate([bits, rng.integers(0, 2**32, 5000, dtype=np.uint32)])
+    x = bits.view(np.float32)
+    dst = np.full(len(x) + 2, 0xABCD, np.uint16)
+    h = tc.Checksum64Stream(seed=3)
+    h.cast_update(dst[1:-1], x)
+    assert h.digest() == tc.checksum64(x.view(np.uint8), seed=3)
+    assert np.array_equal(dst[1:-1], _bf16_by_value(x))
+    assert dst[0] == 0xABCD and dst[-1] == 0xABCD
+
+
+def test_stream_cast_update_scatters_and_gathers_rows_at_a_stride():
+    rng = np.random.default_rng(5)
+    src = rng.standard_normal((40, 64)).astype(np.float32)
+    big = np.zeros((64, 128), np.uint16)
+    h = tc.Checksum64Stream()
+    h.cast_update(big[8:48, 16:80], src)  # scatter: packed fp32 rows into a strided bf16 box
+    assert h.digest() == tc.checksum64(src)
+    assert np.array_equal(big[8:48, 16:80], _bf16_by_value(src))
+    assert not big[:8].any() and not big[:, :16].any() and not big[:, 80:].any()
+    packed = np.zeros((20, 32), np.uint16)
+    h = tc.Checksum64Stream()
+    h.cast_update(packed, src[::2, 16:48])  # gather: strided fp32 rows into packed bf16
+    assert h.digest() == tc.checksum64(np.ascontiguousarray(src[::2, 16:48]))
+    assert np.array_equal(packed, _bf16_by_value(np.ascontiguousarray(src[::2, 16:48])))
+
+
+def test_stream_cast_update_refuses_wrong_dtypes_and_sizes_and_writes_nothing():
+    src = np.ones(8, np.float32)
+    h = tc.Checksum64Stream()
+    cases = [
+        (np.zeros(8, np.uint16), np.ones(8, np.float64), "src must be float32"),
+        (np.zeros(8, np.float32), src, "dst must be bfloat16"),
+        (np.zeros(7, np.uint16), src, "8 source values into 7"),
+        (np.zeros((8, 2), np.uint16)[:, 0], src, "innermost dimension is strided"),
+        (
+            np.zeros((4, 4), np.uint16)[:, :2],
+            np.ones((4, 4), np.float32)[:, :2],
+            "both are strided",
+        ),
+    ]
+    for dst, s, why in cases:
+        before = dst.copy()
+        with pytest.raises(tc.errors.InvalidArgumentError, match=why):
+            h.cast_update(dst, s)
+        assert np.array_equal(dst, before)
+    assert h.digest() == tc.Checksum64Stream().digest()  # nothing was hashed

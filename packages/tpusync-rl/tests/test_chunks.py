@@ -245,10 +245,11 @@ def _fused_push(version, full, subs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_receive_stages_and_hashes_every_byte_once(dtype):
-    """fp32 -> fp32 pieces go through the fused copy + hash, also into the column blocks of
-    layers.0.w (a scatter into rows at a stride); a target whose innermost dim is strided (embed
-    stored column-major) and every fp32 -> bf16 cast take the fallback (hash, then copy): the
-    same weights either way, and the hash covers each chunk exactly once."""
+    """fp32 -> fp32 pieces go through the fused copy + hash and fp32 -> bf16 pieces through the
+    fused hash + cast, also into the column blocks of layers.0.w (a scatter into rows at a
+    stride); a target whose innermost dim is strided (embed stored column-major) takes the
+    fallback (hash, then copy): the same weights either way (torch's own cast for bf16), and the
+    hash covers each chunk exactly once."""
     subs = make_samplers(world=2, dtype=dtype, column_major=("model.embed",))
     full = full_weights(5)
     _fused_push(1, full, subs)
@@ -257,10 +258,55 @@ def test_fused_receive_stages_and_hashes_every_byte_once(dtype):
     expect_equal(subs, full, dtype)
     fused = sum(s.metrics["bytes_fused"] for s in subs)
     received = sum(s.metrics["bytes_received"] for s in subs)
-    if dtype == torch.float32:
-        assert fused == received - 12 * 4 * 4  # all but embed's 192 bytes
-    else:
-        assert fused == 0
+    assert fused == received - 12 * 4 * 4  # all but embed's 192 bytes (fp32 on the wire)
+
+
+def test_fused_cast_rounds_like_torch_at_ties_overflow_and_subnormals():
+    """The fused fp32 -> bf16 staging cast gives torch's bits for the values where rounding is
+    decided: exact ties (both ways), just past a tie, the largest floats (overflow to inf),
+    subnormals, signed zeros and infinities; a NaN stays a NaN."""
+    from tpusync.core import Checksum64Stream, checksum64
+
+    bits = [
+        0x3F808000,
+        0x3F818000,
+        0x3F808001,
+        0x3F807FFF,
+        0x7F7FFFFF,
+        0x7F7F7FFF,
+        0xFF7FFFFF,
+        0x00000001,
+        0x00008000,
+        0x00018000,
+        0x807FFFFF,
+        0x00000000,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+        0xFFA00001,
+    ]
+    rng = np.random.default_rng(3)
+    raw = np.concatenate([np.array(bits, np.uint32), rng.integers(0, 2**32, 4096, np.uint32)])
+    values = raw.view(np.float32).reshape(-1, 1)
+    layouts = {"w": ShardLayout.replicated((len(raw), 1), [0])}
+    sub = WeightSubscriber(0, {"w": torch.zeros(len(raw), 1, dtype=torch.bfloat16)}, layouts)
+    pub = WeightPublisher(0)
+    t = {"w": (torch.from_numpy(values.copy()), layouts["w"])}
+    m = pub.prepare(1, t)
+    sub.begin(m)
+    for c in pub.chunks(m, t, layouts):
+        h = Checksum64Stream()
+        sub.receive(dataclasses.replace(c, digest=None), hasher=h)
+        assert h.digest() == checksum64(c.data)
+    sub.commit()
+    assert sub.metrics["bytes_fused"] == raw.nbytes
+    got = sub.weights["w"].view(torch.int16).numpy().ravel()
+    want_t = torch.from_numpy(values.copy()).to(torch.bfloat16)
+    want = want_t.view(torch.int16).numpy().ravel()
+    nan = np.isnan(values.ravel())
+    assert (got[~nan] == want[~nan]).all()
+    assert torch.isnan(sub.weights["w"].ravel()[torch.from_numpy(nan)]).all()
 
 
 def test_fused_receive_feeds_a_refused_chunk_to_the_hasher_too():

@@ -27,11 +27,12 @@
 //      front (_checked_host_ids).
 //   7: kvcache.weights.HostWeights (one class for the torch and jax weight-sync device sides);
 //      copy_checksum64 and Checksum64Stream (update, copy_update with keep_in_cache, digest).
+//   8: Checksum64Stream.cast_update (float32 -> bfloat16 staging in the hash pass).
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 7;
+inline constexpr int kApiVersion = 8;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

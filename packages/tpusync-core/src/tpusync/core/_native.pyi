@@ -10,7 +10,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-API_VERSION: int = 7
+API_VERSION: int = 8
 
 @overload
 def checksum64(data: bytes, seed: int = 0) -> int:
@@ -41,6 +41,11 @@ class Checksum64Stream:
     def copy_update(self, dst: Annotated[NDArray, dict(device='cpu')], src: Annotated[NDArray, dict(device='cpu', writable=False)], *, keep_in_cache: bool = False) -> None:
         """
         Copy the next piece from src into dst and hash its bytes (in C order) in the same pass. Host arrays of the same byte size, any dtypes; both C-contiguous, or one of them strided with a contiguous innermost dimension (a gather into / scatter out of the other); InvalidArgumentError otherwise. Large copies bypass the cache (non-temporal stores) unless keep_in_cache: then dst stays cached for a reader that comes right after.
+        """
+
+    def cast_update(self, dst: Annotated[NDArray, dict(device='cpu')], src: Annotated[NDArray, dict(device='cpu', writable=False)]) -> None:
+        """
+        Hash the next piece (src: float32 host values, its bytes in C order) and write it into dst as bfloat16 in the same pass: round to nearest even like torch's tensor.to(torch.bfloat16) for every non-NaN value; NaN becomes 0x7FC0. dst is a bfloat16 (or uint16) host array with as many values; both C-contiguous, or one of them strided with a contiguous innermost dimension; InvalidArgumentError otherwise.
         """
 
     def digest(self) -> int:

@@ -26,7 +26,7 @@ whole tensors on every worker. Tracked in the project's issues.
 
 from tpusync.core import require_api
 
-MIN_CORE_API = 7  # Checksum64Stream (fused fill and staging)
+MIN_CORE_API = 8  # Checksum64Stream.cast_update (fused fp32 -> bf16 staging)
 require_api(MIN_CORE_API, "tpusync-rl")
 
 from tpusync.rl.chunks import (  # noqa: E402 - after the API gate on purpose

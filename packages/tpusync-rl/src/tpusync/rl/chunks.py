@@ -313,9 +313,10 @@ class WeightSubscriber:
         FUSED STAGING CONTRACT (``hasher``, shadow mode only): the chunk's bytes are part of a
         block not verified yet. They are fed to ``hasher`` exactly once, whatever happens here
         (staged, refused, or the update already failed), so the caller's block digest stays
-        whole; where the staging copy needs no cast and the target has contiguous rows (a whole
-        shard, or a resharded box of it: a scatter) it is the same pass as the hash
-        (``copy_update``), otherwise the bytes are hashed, then cast and copied. The caller
+        whole; where the target has contiguous rows (a whole shard, or a resharded box of it: a
+        scatter) and the staging copy needs no cast (``copy_update``) or casts float32 to
+        bfloat16 (``cast_update``, torch's rounding), it is the same pass as the hash; otherwise
+        (other casts, a strided innermost dimension) the bytes are hashed, then cast and copied. The caller
         compares the digest at the block's end and aborts the update on a mismatch: the bytes
         only ever reached shadow buffers that are never committed. In-place mode refuses a
         ``hasher`` (live weights take verified bytes only).
@@ -372,14 +373,17 @@ class WeightSubscriber:
             else:
                 index = self._layouts[engine].box_of(self.rank).local_slices(chunk.box)
             dst = target[index]
-            fused = (
+            fusable = (
                 hasher is not None
-                and dst.dtype == dtype
                 and dst.device.type == "cpu"
                 and (dst.dim() == 0 or dst.stride(-1) == 1 or dst.shape[-1] == 1)
             )
-            if fused:
+            if fusable and dst.dtype == dtype:
                 hasher.copy_update(dst, chunk.data)  # one pass: staging copy + block hash
+                self.metrics["bytes_fused"] += chunk.data.nbytes
+            elif fusable and dtype == torch.float32 and dst.dtype == torch.bfloat16:
+                # one pass: block hash of the fp32 bytes + cast into the bf16 staging buffer
+                hasher.cast_update(dst, chunk.data.view(np.float32))
                 self.metrics["bytes_fused"] += chunk.data.nbytes
             else:
                 if hasher is not None:
