@@ -525,6 +525,180 @@ def test_multicontroller_jax_2x2_mesh_to_tp4_torch_samplers():
         join_all(procs, timeout=60)
 
 
+# ------------------------------------------------------- delta updates from a multi-rank trainer
+
+
+def own_bytes(eng, rank, names):
+    """Bytes of sampler ``rank``'s shards of trainer tensors ``names`` (fp32)."""
+    return sum(eng[U.engine_name(n)].box_of(rank).size * 4 for n in names)
+
+
+def tp2_delta_group(q, dst, versions, rank1_deadline=30.0, **rank0_kw):
+    """Trainer rank 0 here and rank 1 in its own process (TP=2 on dim 0), two fp32 sampler
+    ranks; rank 1 publishes ``versions`` ((v, seed, {"delta", "bumps"}) each) once it joined."""
+    src = tp_layouts(2, {})
+    rank0_kw.setdefault("deadline", 30.0)
+    trainer, eng = rank0(dst, 2, bucket_blocks=2, pool_bytes=2 << 20, **rank0_kw)
+    return src, trainer, eng, trainer_rank1(
+        q,
+        dst_layouts=dst,
+        src_layouts=src,
+        control=trainer.control_address,
+        block_bytes=BB,
+        pool_bytes=2 << 20,
+        deadline=rank1_deadline,
+        versions=versions,
+    )
+
+
+def start_rank1(trainer, rank1):
+    """Start trainer rank 1 once the samplers are up and wait until it joined (it waits only its
+    deadline for rank 0, and a loaded host spawns processes slowly)."""
+    rank1.start()
+    end = time.monotonic() + 60
+    while len(trainer._trainers) < 2 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert len(trainer._trainers) == 2
+
+
+def rank0_shards(src, full):
+    return {n: (U.shard(t, src[n].box_of(0)).clone(), src[n]) for n, t in full.items()}
+
+
+# Rank 1 of the TP=2 trainer holds rows 96..191 of layers.0.w and 128..255 of embed.
+ONLY_RANK1 = [("layers.0.w", (150, 3), 1.0)]
+ONLY_RANK0 = [("embed", (5, 7), -2.0)]
+
+
+def test_tp2_trainer_delta_sends_the_union_of_the_ranks_changed_sets():
+    """AGREEMENT CONTRACT: only rank 1's shard of layers.0.w changes, yet both trainer ranks send
+    their pieces of layers.0.w (rank 0's shard unchanged) and nothing else; then only rank 0's
+    shard of embed; then nothing (an empty delta). The samplers end bit-equal to a full update
+    of each version, and received only the agreed tensors."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {"embed": 1})  # embed resharded: each sampler pulls from both trainers
+    seed = 71
+    steps = [  # version, rank 0's bumps = rank 1's bumps, tensors expected in the delta
+        (1, [], sorted(U.SHAPES)),  # no published base yet: full
+        (2, ONLY_RANK1, ["layers.0.w"]),
+        (3, ONLY_RANK1 + ONLY_RANK0, ["embed"]),
+        (4, ONLY_RANK1 + ONLY_RANK0, []),
+    ]
+    versions = [(v, seed, {"delta": True, "bumps": bumps}) for v, bumps, _ in steps]
+    src, trainer, eng, rank1 = tp2_delta_group(q, dst, versions)
+    procs = start_samplers(q, trainer.control_address, eng, 1, 2, 4, common={"dtype": "float32"})
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        start_rank1(trainer, rank1)
+        sent = {}
+        for v, bumps, names in steps:
+            full = U.full_weights(seed, bumps)
+            rep = trainer.publish(v, rank0_shards(src, full), delta=True)
+            assert rep.ok, rep.failed
+            sent[v] = rep.bytes_sent
+            got = collect(q, 2)
+            for (_replica, rank), info in got.items():
+                assert info["ok"] and info["serving"] == v, (v, info)
+                want = U.expected_digest(full, eng, rank, torch.float32)
+                assert info["digest"] == want, (v, rank)
+                assert info["bytes"] == own_bytes(eng, rank, names), (v, rank, names)
+            pub = get(q, "published")
+            assert pub[1] == v and pub[2]["failed"] == {}, pub
+        # Rank 0's shard of layers.0.w did not change, but rank 0 sent it (the union): sampler 0
+        # holds rows 0..95 and gets them only from trainer rank 0.
+        assert 0 < sent[2] < sent[1] and sent[4] == 0, sent
+    finally:
+        join_all(procs + ([rank1] if rank1.pid is not None else []))
+        trainer.close()
+
+
+def test_failed_version_forces_the_next_one_full_on_every_trainer_rank():
+    """Sampler rank 1 pulls all of delta version 2, then rejects it: trainer rank 1 saw every
+    acknowledgement (no failure of its own), only rank 0 knows. Version 3 (a one-element change)
+    still goes out full from BOTH ranks and the lagging sampler catches up bit-equal; version 4
+    is a delta again."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {"embed": 1})
+    seed = 72
+    bumps3 = ONLY_RANK1 + [("layers.1.w", (200, 1), 0.5)]
+    bumps4 = bumps3 + ONLY_RANK0
+    steps = [
+        (1, [], sorted(U.SHAPES)),
+        (2, ONLY_RANK1, ["layers.0.w"]),
+        (3, bumps3, sorted(U.SHAPES)),  # forced full
+        (4, bumps4, ["embed"]),
+    ]
+    versions = [(v, seed, {"delta": True, "bumps": b}) for v, b, _ in steps]
+    src, trainer, eng, rank1 = tp2_delta_group(q, dst, versions)
+    per = {(0, 1): {"reject_at_version": 2}}
+    procs = start_samplers(
+        q, trainer.control_address, eng, 1, 2, 4, per=per, common={"dtype": "float32"}
+    )
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        start_rank1(trainer, rank1)
+        for v, bumps, names in steps:
+            # The sampler that failed version 2 is back in the group once it polled again.
+            end = time.monotonic() + 30
+            while len(trainer.samplers) < 2 and time.monotonic() < end:
+                time.sleep(0.01)
+            full = U.full_weights(seed, bumps)
+            rep = trainer.publish(v, rank0_shards(src, full), delta=True)
+            got = collect(q, 2)
+            pub = get(q, "published")
+            assert pub[1] == v and pub[2]["failed"] == {}, pub  # rank 1 saw no failure, ever
+            if v == 2:
+                assert list(rep.failed) == ["0:1"] and "on purpose" in rep.failed["0:1"], rep
+                assert got[(0, 1)]["serving"] == 1 and not got[(0, 1)]["ok"]
+                got = {(0, 0): got[(0, 0)]}
+            else:
+                assert rep.ok, rep.failed
+            for (_replica, rank), info in got.items():
+                assert info["ok"] and info["serving"] == v, (v, info)
+                want = U.expected_digest(full, eng, rank, torch.float32)
+                assert info["digest"] == want, (v, rank)
+                assert info["bytes"] == own_bytes(eng, rank, names), (v, rank, names)
+    finally:
+        join_all(procs + ([rank1] if rank1.pid is not None else []))
+        trainer.close()
+
+
+def test_trainer_rank_missing_from_the_delta_agreement_fails_the_version_in_time():
+    """Rank 1 publishes version 2 without delta (it never reports a changed set): rank 0 gives
+    up at its deadline naming rank 1, rank 1 is told at once (not at its own, longer deadline),
+    and no sampler is offered version 2."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {"embed": 1})
+    versions = [(1, 73, {"delta": True}), (2, 74, {"delta": False})]
+    src, trainer, eng, rank1 = tp2_delta_group(q, dst, versions, rank1_deadline=60.0)
+    procs = start_samplers(
+        q,
+        trainer.control_address,
+        eng,
+        1,
+        2,
+        2,
+        common={"dtype": "float32", "timeouts": [60, 12]},
+    )
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        start_rank1(trainer, rank1)
+        assert trainer.publish(1, rank0_shards(src, U.full_weights(73)), delta=True).ok
+        assert all(i["ok"] for i in collect(q, 2).values())
+        assert get(q, "published")[1] == 1
+        trainer.deadline = 4.0
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"trainer ranks \[1\] did not report"):
+            trainer.publish(2, rank0_shards(src, U.full_weights(74)), delta=True)
+        assert time.monotonic() - t0 < 4.0 + 2.0
+        err = get(q, "publish_error", timeout=30)
+        assert err[1] == 2 and "gave up on version 2" in err[2], err
+        assert all(info is None for info in collect(q, 2, timeout=30).values())
+    finally:
+        join_all(procs + ([rank1] if rank1.pid is not None else []))
+        trainer.close()
+
+
 # ------------------------------------------------------------------ shared-segment path (same host)
 
 
