@@ -217,9 +217,9 @@ def jax_trainer_main(spec: dict, q) -> None:
     mesh = Mesh(devices, ("x", "y"))
     specs = {2: PartitionSpec("x", "y"), 1: PartitionSpec("y"), 0: PartitionSpec()}
 
-    def tree(seed: int) -> dict:
+    def tree(seed: int, bumps=()) -> dict:
         out = {}
-        for name, t in full_weights(seed).items():
+        for name, t in full_weights(seed, bumps).items():
             host = t.numpy()
             sharding = NamedSharding(mesh, specs[t.dim()])
             out[name] = jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i])
@@ -247,10 +247,11 @@ def jax_trainer_main(spec: dict, q) -> None:
     from tpusync.rl.jaxsync import pytree_shards
 
     held = sorted(t.sync.ranks)
-    for v, seed in spec["versions"]:
-        params = tree(seed)
+    for v, seed, *opts in spec["versions"]:
+        opt = opts[0] if opts else {}  # {"delta": bool, "bumps": [...]}
+        params = tree(seed, opt.get("bumps", ()))
         layouts = {n: lay for n, (_, lay) in pytree_shards(params).items()}
-        rep = t.publish(v, params)
+        rep = t.publish(v, params, delta=opt.get("delta", False))
         q.put(
             (
                 "published",

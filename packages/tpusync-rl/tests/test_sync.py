@@ -539,15 +539,20 @@ def tp2_delta_group(q, dst, versions, rank1_deadline=30.0, **rank0_kw):
     src = tp_layouts(2, {})
     rank0_kw.setdefault("deadline", 30.0)
     trainer, eng = rank0(dst, 2, bucket_blocks=2, pool_bytes=2 << 20, **rank0_kw)
-    return src, trainer, eng, trainer_rank1(
-        q,
-        dst_layouts=dst,
-        src_layouts=src,
-        control=trainer.control_address,
-        block_bytes=BB,
-        pool_bytes=2 << 20,
-        deadline=rank1_deadline,
-        versions=versions,
+    return (
+        src,
+        trainer,
+        eng,
+        trainer_rank1(
+            q,
+            dst_layouts=dst,
+            src_layouts=src,
+            control=trainer.control_address,
+            block_bytes=BB,
+            pool_bytes=2 << 20,
+            deadline=rank1_deadline,
+            versions=versions,
+        ),
     )
 
 
@@ -697,6 +702,116 @@ def test_trainer_rank_missing_from_the_delta_agreement_fails_the_version_in_time
     finally:
         join_all(procs + ([rank1] if rank1.pid is not None else []))
         trainer.close()
+
+
+def test_delta_agreement_decisions_for_stale_reset_and_racing_ranks():
+    """Rank 0's side of the AGREEMENT CONTRACT against a scripted rank 1 (a control client; no
+    sampler, so nothing moves): the announced manifest is the union against the shared base,
+    and a full update whenever a rank's base differs (its state was reset or is stale) or it
+    asks for one; reports of versions already decided are refused, a repeated one is not; a
+    report naming an unknown tensor fails the version on both sides."""
+    from tpusync.rl.control import ControlClient
+
+    src = tp_layouts(2, {})
+    trainer, _eng = rank0(tp_layouts(2, {}), 2, pool_bytes=1 << 20, deadline=5.0)
+    fake = ControlClient(U.SECRET, trainer.control_address)
+    try:
+        fake.request({"op": "join", "kind": "trainer", "rank": 1, "addr": {}}, 5.0)
+        full = U.full_weights(81)
+
+        def step(version, base, changed=(), wants_full=False, bumps=()):
+            report = {"op": "delta", "version": version, "rank": 1, "ranks": [1]}
+            report |= {"changed": list(changed), "base": base, "full": wants_full}
+            assert fake.request(report, 5.0) == {"op": "ok"}
+            mine = rank0_shards(src, U.full_weights(81, bumps))
+            assert trainer.publish(version, mine, delta=True).ok
+            ann = fake.request({"op": "get", "version": version}, 5.0)
+            m = Manifest.from_bytes(ann["manifest"])
+            return m.base_version, sorted(t.name for t in m.tensors)
+
+        every = sorted(full)
+        assert step(1, None, every) == (None, every)  # nothing published yet: full
+        assert step(2, 1, ["layers.1.w"]) == (1, ["layers.1.w"])  # rank 0 changed nothing
+        assert step(3, 2, [], bumps=ONLY_RANK0) == (2, ["embed"])  # rank 1 changed nothing
+        row10 = ONLY_RANK0 + [("layers.0.w", (10, 3), 1.0)]  # rank 0's rows of layers.0.w
+        assert step(4, 3, ["layers.1.w"], bumps=row10) == (3, ["layers.0.w", "layers.1.w"])
+        assert step(5, None, []) == (None, every)  # rank 1 was reset (no base): full
+        assert step(6, 4, []) == (None, every)  # rank 1 is stale (missed version 5): full
+        assert step(7, 6, [], wants_full=True) == (None, every)  # rank 1 saw a failure: full
+        assert step(8, 7, []) == (7, [])  # nothing changed anywhere: an empty delta
+        # Racing versions: a retry of a decided report is fine, a new one for it is refused.
+        again = {"op": "delta", "version": 8, "rank": 1, "ranks": [1], "changed": [], "base": 7}
+        assert fake.request(again, 5.0) == {"op": "ok"}
+        with pytest.raises(RuntimeError, match="already decided version 8"):
+            fake.request({**again, "rank": 3, "ranks": [3]}, 5.0)
+        with pytest.raises(RuntimeError, match="already decided version 7"):
+            fake.request({**again, "version": 7, "rank": 3, "ranks": [3]}, 5.0)
+        # A report naming a tensor rank 0 does not publish fails the version on both sides.
+        bad = {**again, "version": 9, "changed": ["nope"], "base": 8}
+        assert fake.request(bad, 5.0) == {"op": "ok"}
+        with pytest.raises(ValueError, match=r"rank 0 does not publish: \['nope'\]"):
+            trainer.publish(9, rank0_shards(src, full), delta=True)
+        reply = fake.request({"op": "get", "version": 9}, 5.0)
+        assert reply["op"] == "abort" and "nope" in reply["reason"], reply
+        with pytest.raises(RuntimeError, match="gave up on version 9"):
+            fake.request({**bad, "rank": 3, "ranks": [3]}, 5.0)
+    finally:
+        fake.close()
+        trainer.close()
+
+
+def test_multicontroller_jax_delta_sees_a_change_on_any_local_device():
+    """Two JAX processes, 2 x 2 mesh: version 2 changes one element held by device 3 only (the
+    second local device of process 1; its first device's shards are unchanged), version 3 one
+    element of device 0. Each delta carries just that leaf from both processes (AGREEMENT
+    CONTRACT over every local shard), and the four torch samplers end bit-equal."""
+    pytest.importorskip("jax")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = U.ctx().Queue()
+    dst = tp_layouts(4, {n: 1 for n, shape in U.SHAPES.items() if len(shape) == 2})
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    dev3 = [("layers.0.w", (150, 200), 1.0)]  # mesh (x=1, y=1): rows 96.., columns 128..
+    dev0 = dev3 + [("embed", (3, 4), -1.0)]  # mesh (0, 0)
+    steps = [(1, [], sorted(U.SHAPES)), (2, dev3, ["layers.0.w"]), (3, dev0, ["embed"])]
+    base = {
+        "coordinator": f"127.0.0.1:{port}",
+        "processes": 2,
+        "dst_layouts": dst,
+        "block_bytes": BB,
+        "samplers": 4,
+        "versions": [(v, 63, {"delta": True, "bumps": b}) for v, b, _ in steps],
+    }
+    control_q = U.ctx().Queue()
+    procs = [
+        U.ctx().Process(
+            target=U.jax_trainer_main,
+            args=({**base, "process": i, "control_q": control_q}, q),
+            daemon=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        control = get(q, "control", timeout=180)[1]
+        control_q.put(control)
+        procs += start_samplers(q, control, eng, 1, 4, 3, common={"dtype": "float32"})
+        control_q.put("go")
+        for v, bumps, names in steps:
+            got = collect(q, 4, timeout=120)
+            full = U.full_weights(63, bumps)
+            for (_replica, rank), info in got.items():
+                assert info["ok"] and info["version"] == v, info
+                assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32), rank
+                assert info["bytes"] == own_bytes(eng, rank, names), (v, rank, names)
+            pubs = [get(q, "published", timeout=60) for _ in range(2)]
+            assert all(p[2]["failed"] == {} for p in pubs), pubs
+    finally:
+        join_all(procs, timeout=60)
 
 
 # ------------------------------------------------------------------ shared-segment path (same host)

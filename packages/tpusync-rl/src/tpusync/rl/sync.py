@@ -519,7 +519,9 @@ class TrainerSync:
         self._agreement[version][rank] = msg
         return {"op": "ok"}
 
-    def _agree(self, version: int, mine: set[str], names: set[str], deadline: float) -> set[str] | None:
+    def _agree(
+        self, version: int, mine: set[str], names: set[str], deadline: float
+    ) -> set[str] | None:
         """Rank 0: the union of every process's changed set, or None for a full update
         (AGREEMENT CONTRACT). Raises TimeoutError when a process did not report by ``deadline``."""
         want = set(range(self.world)) - set(self.ranks)
@@ -817,11 +819,13 @@ class TrainerSync:
         if not agree:
             # One process holds every rank: its own changed set, over all of its shards.
             use = delta and not self._force_full
-            changed = self._pub.changed(tensors) if use and self._pub.base_version is not None else None
+            changed = (
+                self._pub.changed(tensors) if use and self._pub.base_version is not None else None
+            )
             manifest = self._pub.prepare(version, view, delta=use, changed=changed)
         elif self.rank == 0:
+            self._pub.check_next(version)  # before the agreement: an old version stays decided
             try:
-                self._pub.check_next(version)
                 mine = self._pub.changed(tensors)
                 union = self._agree(version, mine, set(tensors), t0 + self.deadline)
                 manifest = self._pub.prepare(version, view, delta=union is not None, changed=union)
