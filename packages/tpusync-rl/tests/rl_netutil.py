@@ -22,9 +22,14 @@ SHAPES = {
 }
 
 
-def full_weights(seed: int) -> dict[str, torch.Tensor]:
+def full_weights(seed: int, bumps=()) -> dict[str, torch.Tensor]:
+    """The model of ``seed``; ``bumps``: ``(name, index, amount)`` added to single elements (a
+    change confined to the trainer shard that holds ``index``)."""
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    out = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    for name, index, amount in bumps:
+        out[name][tuple(index)] += amount
+    return out
 
 
 def engine_name(name: str) -> str:
@@ -60,7 +65,7 @@ def expected_digest(full, layouts, rank, dtype) -> dict[str, int]:
 def sampler_main(spec: dict, q) -> None:
     """One sampler rank: apply ``spec['updates']`` updates, reporting each on ``q``."""
     torch.set_num_threads(1)
-    from tpusync.rl import SamplerSync, WeightSubscriber
+    from tpusync.rl import SamplerSync, UpdateRejectedError, WeightSubscriber
 
     dtype = getattr(torch, spec.get("dtype", "bfloat16"))
     layouts = spec["layouts"]  # by engine name
@@ -84,6 +89,17 @@ def sampler_main(spec: dict, q) -> None:
         same_host=spec.get("same_host", False),
         window=spec.get("window", 3),
     )
+    reject = spec.get("reject_at_version")
+    if reject is not None:  # fault injection: pull all of `reject`, then refuse to commit it
+        commit = sub.commit
+
+        def rejecting_commit():
+            if sub._pending is not None and sub._pending.manifest.version == reject:
+                sub.abort("test: injected rejection")
+                raise UpdateRejectedError(f"test: version {reject} rejected on purpose")
+            return commit()
+
+        sub.commit = rejecting_commit
     die = spec.get("die_at_version")
     if die is not None:  # fault injection: exit hard after staging the first block of `die`
         stage = sampler._stage_view  # every path stages through it
@@ -162,14 +178,20 @@ def trainer_rank_main(spec: dict, q) -> None:
     if spec["rank"] == 0:
         q.put(("control", t.control_address))
         t.wait_for_samplers(spec["samplers"], timeout=60)
-    for v, seed in spec["versions"]:
-        full = full_weights(seed)
+    for v, seed, *opts in spec["versions"]:
+        opt = opts[0] if opts else {}  # {"delta": bool, "bumps": [...]}
+        full = full_weights(seed, opt.get("bumps", ()))
         tensors = {}
         for name, tensor in full.items():
             lay = spec["src_layouts"][name]
             tensors[name] = (shard(tensor, lay.box_of(spec["rank"])).clone(), lay)
-        rep = t.publish(v, tensors)
-        q.put(("published", v, {"failed": rep.failed, "committed": rep.committed}))
+        try:
+            rep = t.publish(v, tensors, delta=opt.get("delta", False))
+        except Exception as e:  # noqa: BLE001 - the test checks what went wrong
+            q.put(("publish_error", v, f"{type(e).__name__}: {e}"))
+            continue
+        info = {"failed": rep.failed, "committed": rep.committed, "bytes": rep.bytes_sent}
+        q.put(("published", v, info))
     t.close()
 
 
@@ -195,9 +217,9 @@ def jax_trainer_main(spec: dict, q) -> None:
     mesh = Mesh(devices, ("x", "y"))
     specs = {2: PartitionSpec("x", "y"), 1: PartitionSpec("y"), 0: PartitionSpec()}
 
-    def tree(seed: int) -> dict:
+    def tree(seed: int, bumps=()) -> dict:
         out = {}
-        for name, t in full_weights(seed).items():
+        for name, t in full_weights(seed, bumps).items():
             host = t.numpy()
             sharding = NamedSharding(mesh, specs[t.dim()])
             out[name] = jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i])
@@ -225,10 +247,11 @@ def jax_trainer_main(spec: dict, q) -> None:
     from tpusync.rl.jaxsync import pytree_shards
 
     held = sorted(t.sync.ranks)
-    for v, seed in spec["versions"]:
-        params = tree(seed)
+    for v, seed, *opts in spec["versions"]:
+        opt = opts[0] if opts else {}  # {"delta": bool, "bumps": [...]}
+        params = tree(seed, opt.get("bumps", ()))
         layouts = {n: lay for n, (_, lay) in pytree_shards(params).items()}
-        rep = t.publish(v, params)
+        rep = t.publish(v, params, delta=opt.get("delta", False))
         q.put(
             (
                 "published",

@@ -167,6 +167,47 @@ def test_delta_update_sends_only_changed_tensors():
         lagging[0].begin(m2)
 
 
+def test_multi_rank_delta_sends_the_union_of_the_changed_sets():
+    """DELTA CONTRACT with two trainer ranks: only rank 1's shard of embed changed. Rank 0's own
+    set is empty, the union is {embed}; with it both ranks build the same manifest and the
+    samplers end bit-equal. A process holding several ranks digests every one of its shards."""
+    subs = make_samplers(dtype=torch.float32)
+    full = full_weights(1)
+    m1, pubs, shards = push(1, full, subs)
+    for p in pubs:
+        p.published(m1, shards[p.rank])
+    for s in subs:
+        s.commit()
+    full2 = dict(full)
+    full2["embed"] = full["embed"].clone()
+    full2["embed"][10, 2] += 1  # rows 6..11: rank 1's shard
+    shards2 = trainer_shards(full2)
+    own = [p.changed(shards2[p.rank]) for p in pubs]
+    assert own == [set(), {"embed"}]
+    union = set().union(*own)
+    manifests = [p.prepare(2, shards2[p.rank], delta=True, changed=union) for p in pubs]
+    assert manifests[0].to_bytes() == manifests[1].to_bytes()
+    assert [t.name for t in manifests[0].tensors] == ["embed"] and manifests[0].base_version == 1
+    for s in subs:
+        s.begin(manifests[0])
+    dst = subs[0].layouts_by_trainer_name(manifests[0])
+    for p in pubs:
+        for chunk in p.chunks(manifests[0], shards2[p.rank], dst):
+            subs[chunk.dst_rank].receive(chunk)
+    for s in subs:
+        assert s.commit() == 2
+    expect_equal(subs, full2, torch.float32)
+    with pytest.raises(ValueError, match=r"does not publish: \['nope'\]"):
+        pubs[0].prepare(3, shards2[0], delta=True, changed={"nope"})
+    # One process, both ranks: {rank: shard} per tensor; a change in the second shard counts.
+    both = WeightPublisher(0)
+    held = {n: ({r: shards[r][n][0] for r in (0, 1)}, shards[0][n][1]) for n in SHAPES}
+    both.published(both.prepare(1, held), held)
+    assert both.changed(held) == set()
+    moved = {n: ({r: shards2[r][n][0] for r in (0, 1)}, shards2[0][n][1]) for n in SHAPES}
+    assert both.changed(moved) == {"embed"}
+
+
 def test_inplace_requires_pause_and_writes_live_tensors():
     subs = make_samplers(mode="inplace")
     live = subs[0].weights["model.embed"]

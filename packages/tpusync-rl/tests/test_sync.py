@@ -525,6 +525,295 @@ def test_multicontroller_jax_2x2_mesh_to_tp4_torch_samplers():
         join_all(procs, timeout=60)
 
 
+# ------------------------------------------------------- delta updates from a multi-rank trainer
+
+
+def own_bytes(eng, rank, names):
+    """Bytes of sampler ``rank``'s shards of trainer tensors ``names`` (fp32)."""
+    return sum(eng[U.engine_name(n)].box_of(rank).size * 4 for n in names)
+
+
+def tp2_delta_group(q, dst, versions, rank1_deadline=30.0, **rank0_kw):
+    """Trainer rank 0 here and rank 1 in its own process (TP=2 on dim 0), two fp32 sampler
+    ranks; rank 1 publishes ``versions`` ((v, seed, {"delta", "bumps"}) each) once it joined."""
+    src = tp_layouts(2, {})
+    rank0_kw.setdefault("deadline", 30.0)
+    trainer, eng = rank0(dst, 2, bucket_blocks=2, pool_bytes=2 << 20, **rank0_kw)
+    return (
+        src,
+        trainer,
+        eng,
+        trainer_rank1(
+            q,
+            dst_layouts=dst,
+            src_layouts=src,
+            control=trainer.control_address,
+            block_bytes=BB,
+            pool_bytes=2 << 20,
+            deadline=rank1_deadline,
+            versions=versions,
+        ),
+    )
+
+
+def start_rank1(trainer, rank1):
+    """Start trainer rank 1 once the samplers are up and wait until it joined (it waits only its
+    deadline for rank 0, and a loaded host spawns processes slowly)."""
+    rank1.start()
+    end = time.monotonic() + 60
+    while len(trainer._trainers) < 2 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert len(trainer._trainers) == 2
+
+
+def rank0_shards(src, full):
+    return {n: (U.shard(t, src[n].box_of(0)).clone(), src[n]) for n, t in full.items()}
+
+
+# Rank 1 of the TP=2 trainer holds rows 96..191 of layers.0.w and 128..255 of embed.
+ONLY_RANK1 = [("layers.0.w", (150, 3), 1.0)]
+ONLY_RANK0 = [("embed", (5, 7), -2.0)]
+
+
+def test_tp2_trainer_delta_sends_the_union_of_the_ranks_changed_sets():
+    """AGREEMENT CONTRACT: only rank 1's shard of layers.0.w changes, yet both trainer ranks send
+    their pieces of layers.0.w (rank 0's shard unchanged) and nothing else; then only rank 0's
+    shard of embed; then nothing (an empty delta). The samplers end bit-equal to a full update
+    of each version, and received only the agreed tensors."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {"embed": 1})  # embed resharded: each sampler pulls from both trainers
+    seed = 71
+    steps = [  # version, rank 0's bumps = rank 1's bumps, tensors expected in the delta
+        (1, [], sorted(U.SHAPES)),  # no published base yet: full
+        (2, ONLY_RANK1, ["layers.0.w"]),
+        (3, ONLY_RANK1 + ONLY_RANK0, ["embed"]),
+        (4, ONLY_RANK1 + ONLY_RANK0, []),
+    ]
+    versions = [(v, seed, {"delta": True, "bumps": bumps}) for v, bumps, _ in steps]
+    src, trainer, eng, rank1 = tp2_delta_group(q, dst, versions)
+    procs = start_samplers(q, trainer.control_address, eng, 1, 2, 4, common={"dtype": "float32"})
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        start_rank1(trainer, rank1)
+        sent = {}
+        for v, bumps, names in steps:
+            full = U.full_weights(seed, bumps)
+            rep = trainer.publish(v, rank0_shards(src, full), delta=True)
+            assert rep.ok, rep.failed
+            sent[v] = rep.bytes_sent
+            got = collect(q, 2)
+            for (_replica, rank), info in got.items():
+                assert info["ok"] and info["serving"] == v, (v, info)
+                want = U.expected_digest(full, eng, rank, torch.float32)
+                assert info["digest"] == want, (v, rank)
+                assert info["bytes"] == own_bytes(eng, rank, names), (v, rank, names)
+            pub = get(q, "published")
+            assert pub[1] == v and pub[2]["failed"] == {}, pub
+        # Rank 0's shard of layers.0.w did not change, but rank 0 sent it (the union): sampler 0
+        # holds rows 0..95 and gets them only from trainer rank 0.
+        assert 0 < sent[2] < sent[1] and sent[4] == 0, sent
+    finally:
+        join_all(procs + ([rank1] if rank1.pid is not None else []))
+        trainer.close()
+
+
+def test_failed_version_forces_the_next_one_full_on_every_trainer_rank():
+    """Sampler rank 1 pulls all of delta version 2, then rejects it: trainer rank 1 saw every
+    acknowledgement (no failure of its own), only rank 0 knows. Version 3 (a one-element change)
+    still goes out full from BOTH ranks and the lagging sampler catches up bit-equal; version 4
+    is a delta again."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {"embed": 1})
+    seed = 72
+    bumps3 = ONLY_RANK1 + [("layers.1.w", (200, 1), 0.5)]
+    bumps4 = bumps3 + ONLY_RANK0
+    steps = [
+        (1, [], sorted(U.SHAPES)),
+        (2, ONLY_RANK1, ["layers.0.w"]),
+        (3, bumps3, sorted(U.SHAPES)),  # forced full
+        (4, bumps4, ["embed"]),
+    ]
+    versions = [(v, seed, {"delta": True, "bumps": b}) for v, b, _ in steps]
+    src, trainer, eng, rank1 = tp2_delta_group(q, dst, versions)
+    per = {(0, 1): {"reject_at_version": 2}}
+    procs = start_samplers(
+        q, trainer.control_address, eng, 1, 2, 4, per=per, common={"dtype": "float32"}
+    )
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        start_rank1(trainer, rank1)
+        for v, bumps, names in steps:
+            # The sampler that failed version 2 is back in the group once it polled again.
+            end = time.monotonic() + 30
+            while len(trainer.samplers) < 2 and time.monotonic() < end:
+                time.sleep(0.01)
+            full = U.full_weights(seed, bumps)
+            rep = trainer.publish(v, rank0_shards(src, full), delta=True)
+            got = collect(q, 2)
+            pub = get(q, "published")
+            assert pub[1] == v and pub[2]["failed"] == {}, pub  # rank 1 saw no failure, ever
+            if v == 2:
+                assert list(rep.failed) == ["0:1"] and "on purpose" in rep.failed["0:1"], rep
+                assert got[(0, 1)]["serving"] == 1 and not got[(0, 1)]["ok"]
+                got = {(0, 0): got[(0, 0)]}
+            else:
+                assert rep.ok, rep.failed
+            for (_replica, rank), info in got.items():
+                assert info["ok"] and info["serving"] == v, (v, info)
+                want = U.expected_digest(full, eng, rank, torch.float32)
+                assert info["digest"] == want, (v, rank)
+                assert info["bytes"] == own_bytes(eng, rank, names), (v, rank, names)
+    finally:
+        join_all(procs + ([rank1] if rank1.pid is not None else []))
+        trainer.close()
+
+
+def test_trainer_rank_missing_from_the_delta_agreement_fails_the_version_in_time():
+    """Rank 1 publishes version 2 without delta (it never reports a changed set): rank 0 gives
+    up at its deadline naming rank 1, rank 1 is told at once (not at its own, longer deadline),
+    and no sampler is offered version 2."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {"embed": 1})
+    versions = [(1, 73, {"delta": True}), (2, 74, {"delta": False})]
+    src, trainer, eng, rank1 = tp2_delta_group(q, dst, versions, rank1_deadline=60.0)
+    procs = start_samplers(
+        q,
+        trainer.control_address,
+        eng,
+        1,
+        2,
+        2,
+        common={"dtype": "float32", "timeouts": [60, 8]},  # 8 s: past rank 0's 4 s
+    )
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        start_rank1(trainer, rank1)
+        assert trainer.publish(1, rank0_shards(src, U.full_weights(73)), delta=True).ok
+        assert all(i["ok"] for i in collect(q, 2).values())
+        assert get(q, "published")[1] == 1
+        trainer.deadline = 4.0
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"trainer ranks \[1\] did not report"):
+            trainer.publish(2, rank0_shards(src, U.full_weights(74)), delta=True)
+        assert time.monotonic() - t0 < 4.0 + 2.0
+        err = get(q, "publish_error", timeout=30)
+        assert err[1] == 2 and "gave up on version 2" in err[2], err
+        assert all(info is None for info in collect(q, 2, timeout=30).values())
+    finally:
+        join_all(procs + ([rank1] if rank1.pid is not None else []))
+        trainer.close()
+
+
+def test_delta_agreement_decisions_for_stale_reset_and_racing_ranks():
+    """Rank 0's side of the AGREEMENT CONTRACT against a scripted rank 1 (a control client; no
+    sampler, so nothing moves): the announced manifest is the union against the shared base,
+    and a full update whenever a rank's base differs (its state was reset or is stale) or it
+    asks for one; reports of versions already decided are refused, a repeated one is not; a
+    report naming an unknown tensor fails the version on both sides."""
+    from tpusync.rl.control import ControlClient
+
+    src = tp_layouts(2, {})
+    trainer, _eng = rank0(tp_layouts(2, {}), 2, pool_bytes=1 << 20, deadline=5.0)
+    fake = ControlClient(U.SECRET, trainer.control_address)
+    try:
+        fake.request({"op": "join", "kind": "trainer", "rank": 1, "addr": {}}, 5.0)
+        full = U.full_weights(81)
+
+        def step(version, base, changed=(), wants_full=False, bumps=()):
+            report = {"op": "delta", "version": version, "rank": 1, "ranks": [1]}
+            report |= {"changed": list(changed), "base": base, "full": wants_full}
+            assert fake.request(report, 5.0) == {"op": "ok"}
+            mine = rank0_shards(src, U.full_weights(81, bumps))
+            assert trainer.publish(version, mine, delta=True).ok
+            ann = fake.request({"op": "get", "version": version}, 5.0)
+            m = Manifest.from_bytes(ann["manifest"])
+            return m.base_version, sorted(t.name for t in m.tensors)
+
+        every = sorted(full)
+        assert step(1, None, every) == (None, every)  # nothing published yet: full
+        assert step(2, 1, ["layers.1.w"]) == (1, ["layers.1.w"])  # rank 0 changed nothing
+        assert step(3, 2, [], bumps=ONLY_RANK0) == (2, ["embed"])  # rank 1 changed nothing
+        row10 = ONLY_RANK0 + [("layers.0.w", (10, 3), 1.0)]  # rank 0's rows of layers.0.w
+        assert step(4, 3, ["layers.1.w"], bumps=row10) == (3, ["layers.0.w", "layers.1.w"])
+        assert step(5, None, []) == (None, every)  # rank 1 was reset (no base): full
+        assert step(6, 4, []) == (None, every)  # rank 1 is stale (missed version 5): full
+        assert step(7, 6, [], wants_full=True) == (None, every)  # rank 1 saw a failure: full
+        assert step(8, 7, []) == (7, [])  # nothing changed anywhere: an empty delta
+        # Racing versions: a retry of a decided report is fine, a new one for it is refused.
+        again = {"op": "delta", "version": 8, "rank": 1, "ranks": [1], "changed": [], "base": 7}
+        assert fake.request(again, 5.0) == {"op": "ok"}
+        with pytest.raises(RuntimeError, match="already decided version 8"):
+            fake.request({**again, "rank": 3, "ranks": [3]}, 5.0)
+        with pytest.raises(RuntimeError, match="already decided version 7"):
+            fake.request({**again, "version": 7, "rank": 3, "ranks": [3]}, 5.0)
+        # A report naming a tensor rank 0 does not publish fails the version on both sides.
+        bad = {**again, "version": 9, "changed": ["nope"], "base": 8}
+        assert fake.request(bad, 5.0) == {"op": "ok"}
+        with pytest.raises(ValueError, match=r"rank 0 does not publish: \['nope'\]"):
+            trainer.publish(9, rank0_shards(src, full), delta=True)
+        reply = fake.request({"op": "get", "version": 9}, 5.0)
+        assert reply["op"] == "abort" and "nope" in reply["reason"], reply
+        with pytest.raises(RuntimeError, match="gave up on version 9"):
+            fake.request({**bad, "rank": 3, "ranks": [3]}, 5.0)
+    finally:
+        fake.close()
+        trainer.close()
+
+
+def test_multicontroller_jax_delta_sees_a_change_on_any_local_device():
+    """Two JAX processes, 2 x 2 mesh: version 2 changes one element held by device 3 only (the
+    second local device of process 1; its first device's shards are unchanged), version 3 one
+    element of device 0. Each delta carries just that leaf from both processes (AGREEMENT
+    CONTRACT over every local shard), and the four torch samplers end bit-equal."""
+    pytest.importorskip("jax")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = U.ctx().Queue()
+    dst = tp_layouts(4, {n: 1 for n, shape in U.SHAPES.items() if len(shape) == 2})
+    eng = {U.engine_name(n): lay for n, lay in dst.items()}
+    dev3 = [("layers.0.w", (150, 200), 1.0)]  # mesh (x=1, y=1): rows 96.., columns 128..
+    dev0 = dev3 + [("embed", (3, 4), -1.0)]  # mesh (0, 0)
+    steps = [(1, [], sorted(U.SHAPES)), (2, dev3, ["layers.0.w"]), (3, dev0, ["embed"])]
+    base = {
+        "coordinator": f"127.0.0.1:{port}",
+        "processes": 2,
+        "dst_layouts": dst,
+        "block_bytes": BB,
+        "samplers": 4,
+        "versions": [(v, 63, {"delta": True, "bumps": b}) for v, b, _ in steps],
+    }
+    control_q = U.ctx().Queue()
+    procs = [
+        U.ctx().Process(
+            target=U.jax_trainer_main,
+            args=({**base, "process": i, "control_q": control_q}, q),
+            daemon=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        control = get(q, "control", timeout=180)[1]
+        control_q.put(control)
+        procs += start_samplers(q, control, eng, 1, 4, 3, common={"dtype": "float32"})
+        control_q.put("go")
+        for v, bumps, names in steps:
+            got = collect(q, 4, timeout=120)
+            full = U.full_weights(63, bumps)
+            for (_replica, rank), info in got.items():
+                assert info["ok"] and info["version"] == v, info
+                assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32), rank
+                assert info["bytes"] == own_bytes(eng, rank, names), (v, rank, names)
+            pubs = [get(q, "published", timeout=60) for _ in range(2)]
+            assert all(p[2]["failed"] == {} for p in pubs), pubs
+    finally:
+        join_all(procs, timeout=60)
+
+
 # ------------------------------------------------------------------ shared-segment path (same host)
 
 

@@ -17,11 +17,15 @@ Available now (transport-agnostic cores, tested in-process):
 
 - :mod:`tpusync.rl.jaxsync`: :class:`~tpusync.rl.jaxsync.JaxTrainerSync` - multi-controller JAX
   (``jax.distributed``) trainers publishing pytrees of sharded arrays, each process its own shards.
+- Delta updates (``publish(..., delta=True)``) from single- and multi-rank trainers (torch TP /
+  FSDP processes, multi-controller JAX): the ranks agree on the union of their changed tensors
+  through rank 0's control channel; full updates after a failed version or differing bases.
 - :mod:`tpusync.rl.vllm`: the ``tpusync`` backend of vLLM's weight-transfer API (a running vLLM
   engine as the sampler); imports vLLM only when vLLM calls it.
 
-NOT IMPLEMENTED YET: delta updates from multi-rank trainers; vLLM tensor-parallel engines pull
-whole tensors on every worker. Tracked in the project's issues.
+NOT IMPLEMENTED YET: deltas are per tensor, not per chunk (one changed element resends the
+whole tensor from every rank); vLLM tensor-parallel engines pull whole tensors on every worker.
+Tracked in the project's issues.
 """
 
 from tpusync.core import require_api

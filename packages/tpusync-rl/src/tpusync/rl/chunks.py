@@ -24,7 +24,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,11 @@ def _as_torch(x: Any) -> torch.Tensor:
     return torch.from_dlpack(x) if hasattr(x, "__dlpack__") else torch.as_tensor(np.asarray(x))
 
 
+def _one(local: Any) -> Any:
+    """One shard of ``local`` (a shard, or ``{rank: shard}``: the smallest rank's)."""
+    return local[min(local)] if isinstance(local, Mapping) else local
+
+
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
     """The raw bytes of a CPU tensor (any dtype, bf16 included) as a contiguous uint8 array."""
     t = t.detach().contiguous()
@@ -86,42 +91,79 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def _digest(local: Any) -> tuple[int, ...]:
+    """The XXH3-64 of each local shard: ``local`` is one shard, or ``{rank: shard}`` when a
+    process holds several ranks of the layout (digested in rank order)."""
+    shards = [local[r] for r in sorted(local)] if isinstance(local, Mapping) else [local]
+    return tuple(checksum64(_bytes_of(_as_torch(x))) for x in shards)
+
+
 @dataclass
 class WeightPublisher:
-    """Trainer side of one rank: builds manifests and the chunks this rank must send."""
+    """Trainer side of one rank: builds manifests and the chunks this rank must send.
+
+    DELTA CONTRACT: a delta manifest lists the tensors whose local shard changed since the last
+    *published* version (its ``base_version``), judged by the digests :meth:`published` took.
+    A multi-rank trainer must send one set on every rank, the UNION of the ranks' changed sets,
+    against one base that every rank published (the AGREEMENT CONTRACT of
+    :class:`tpusync.rl.sync.TrainerSync`): pass it as ``changed`` to :meth:`prepare`.
+    """
 
     rank: int
-    _last_digests: dict[str, int] = field(default_factory=dict)  # per tensor, last published
+    _last_digests: dict[str, tuple[int, ...]] = field(default_factory=dict)  # last published
     _last_version: int | None = None  # last published (the base of a delta)
     _last_prepared: int | None = None  # versions only grow, published or not
+
+    @property
+    def base_version(self) -> int | None:
+        """The last published version (the base of the next delta); None before the first."""
+        return self._last_version
+
+    def check_next(self, version: int) -> None:
+        """Raise VersionSkewError unless ``version`` follows the last prepared version."""
+        if self._last_prepared is not None and version <= self._last_prepared:
+            raise VersionSkewError(
+                f"version {version} does not follow the last prepared version {self._last_prepared}"
+            )
 
     def prepare(
         self,
         version: int,
         tensors: Mapping[str, tuple[Any, ShardLayout]],
         delta: bool = False,
+        changed: Collection[str] | None = None,
     ) -> Manifest:
         """Manifest of ``version``; with ``delta``, only tensors whose local shard changed.
 
         In a multi-rank trainer every rank must agree on the delta set: pass ``delta=False`` unless
-        the caller combines the ranks' changed sets (see :meth:`changed`).
+        the caller combines the ranks' changed sets (see :meth:`changed`) and passes the
+        combined set as ``changed`` (names outside ``tensors`` are refused). Without a published
+        base a delta is a full update.
         """
-        if self._last_prepared is not None and version <= self._last_prepared:
-            raise VersionSkewError(
-                f"version {version} does not follow the last prepared version {self._last_prepared}"
-            )
+        self.check_next(version)
+        if changed is not None:
+            unknown = sorted(set(changed) - set(tensors))
+            if unknown:
+                raise ValueError(f"delta set names tensors this rank does not publish: {unknown}")
         self._last_prepared = version
-        names = self.changed(tensors) if delta and self._last_version is not None else set(tensors)
+        if delta and self._last_version is not None:
+            names = set(changed) if changed is not None else self.changed(tensors)
+        else:
+            names = set(tensors)
         metas = tuple(
-            TensorMeta(n, _dtype_name(tensors[n][0]), tensors[n][1]) for n in tensors if n in names
+            TensorMeta(n, _dtype_name(_one(tensors[n][0])), tensors[n][1])
+            for n in tensors
+            if n in names
         )
         base = self._last_version if delta and self._last_version is not None else None
         return Manifest(version, metas, base_version=base)
 
     def changed(self, tensors: Mapping[str, tuple[Any, ShardLayout]]) -> set[str]:
+        """Names whose local shard (or any of this process's shards) differs from the last
+        published digests; every name when none were taken."""
         out = set()
         for name, (local, _layout) in tensors.items():
-            if self._last_digests.get(name) != checksum64(_bytes_of(_as_torch(local))):
+            if self._last_digests.get(name) != _digest(local):
                 out.add(name)
         return out
 
@@ -156,13 +198,15 @@ class WeightPublisher:
     ) -> None:
         """Record that ``manifest`` went out (the base of the next delta).
 
+        ``tensors`` holds every tensor of this rank (a shard or ``{rank: shard}`` each), not only
+        the manifest's: the digests describe the whole model at this version.
         ``digests=False`` skips hashing every local tensor (a full read of the model) when no
         delta will follow; the next delta then sends every tensor, which is always correct.
         """
         self._last_digests.clear()
         if digests:
             for name, (local, _layout) in tensors.items():
-                self._last_digests[name] = checksum64(_bytes_of(_as_torch(local)))
+                self._last_digests[name] = _digest(local)
         self._last_version = manifest.version
 
 

@@ -105,9 +105,12 @@ class JaxTrainerSync:
     def wait_for_samplers(self, count: int, timeout: float) -> list[str]:
         return self.sync.wait_for_samplers(count, timeout)
 
-    def publish(self, version: int, tree: Any) -> PublishReport:
-        """Publish ``tree`` as ``version`` (every process calls this with the same version)."""
-        return self.sync.publish(version, pytree_shards(tree))
+    def publish(self, version: int, tree: Any, delta: bool = False) -> PublishReport:
+        """Publish ``tree`` as ``version`` (every process calls this with the same version and
+        ``delta``). With ``delta`` only leaves whose shard changed on any device are sent (the
+        processes agree on the set through the control process: AGREEMENT CONTRACT of
+        :class:`~tpusync.rl.sync.TrainerSync`)."""
+        return self.sync.publish(version, pytree_shards(tree), delta=delta)
 
     def close(self) -> None:
         self.sync.close()

@@ -344,6 +344,23 @@ class TrainerSync:
     default is ``(rank,)``); ``rank`` is then the smallest of them and the process holding layout
     rank 0 serves the control channel. Each process sends only the streams of its own ranks, from
     the shards it holds (:mod:`tpusync.rl.jax` builds these arguments from a pytree).
+
+    AGREEMENT CONTRACT (``publish(..., delta=True)`` with several trainer processes): a tensor is
+    in a delta when ANY rank's shard of it changed, and every rank sends its pieces of exactly
+    that set. Each process digests all of its local shards and sends rank 0, over the signed
+    control channel, its changed names, the version its digests describe (its last published
+    version: the delta base) and whether it wants a full update (its own publish failed for
+    someone). Rank 0 waits for every other process, until the version's deadline, then decides
+    once for all: a delta of the union against its base only when every rank reported that same
+    base and nobody (rank 0 included, which alone sees every sampler's report) asked for a full
+    update; otherwise a full update. It announces the decision as the manifest; the other ranks
+    build theirs from it and refuse to send when they disagree. A rank that does not report in
+    time fails the version on rank 0 (TimeoutError naming it), and the ranks waiting for the
+    announcement are told at once (``abort``) instead of waiting for their deadline; no sampler
+    is offered that version. Versions only grow on every rank; a report of a version rank 0
+    already decided is refused. Rejected: each rank sending its own changed set (samplers would
+    get pieces of a tensor from one rank but not the other, and commit a mix), and an all-gather
+    through torch.distributed or jax (the trainer may use neither; the control channel is there).
     """
 
     def __init__(
@@ -399,6 +416,12 @@ class TrainerSync:
         self._reports: dict[int, dict[str, dict]] = collections.defaultdict(dict)
         self._force_full = False
         self._delta_used = False
+        # AGREEMENT CONTRACT state (rank 0), under _lock: version -> {process rank: report};
+        # versions given up on (-> why, told to the ranks that ask); the newest version decided.
+        self._agreement: dict[int, dict[int, dict]] = collections.defaultdict(dict)
+        self._aborted: dict[int, str] = {}
+        self._decided = 0
+        self._settled: dict[int, set[int]] = {}  # decided version -> the processes that reported
         # SHARED-SEGMENT CONTRACT state (rank 0 = the only process when sharing), under _lock:
         # (version, src, dst, bucket) -> {"ids", "offsets", "sums", "readers": set of keys};
         # long-polled bucket requests not yet answerable; the version being published.
@@ -461,8 +484,13 @@ class TrainerSync:
                         return ann
                 return {"op": "none"}
             if op == "get":
-                ann = self._announced.get(int(msg["version"]))
+                version = int(msg["version"])
+                if version in self._aborted:
+                    return {"op": "abort", "reason": self._aborted[version]}
+                ann = self._announced.get(version)
                 return ann if ann is not None else {"op": "none"}
+            if op == "delta":  # a trainer process's changed set (AGREEMENT CONTRACT)
+                return self._record_changed(msg)
             if op == "report":
                 key = _key(int(msg["replica"]), int(msg["rank"]))
                 self._record_report(int(msg["version"]), key, msg)
@@ -470,6 +498,109 @@ class TrainerSync:
             if op in ("bucket", "release"):
                 return self._shared_request(op, msg, _answer)
         return {"op": "error", "reason": f"unknown op {op!r}"}
+
+    def _record_changed(self, msg: dict) -> dict:
+        """A trainer process's delta report (lock held); a repeated one is accepted again."""
+        version, rank = int(msg["version"]), int(msg["rank"])
+        got = self._agreement.get(version, {})
+        if rank in self._settled.get(version, ()):
+            return {"op": "ok"}  # a retry whose first reply was lost
+        if version in self._aborted:
+            return {
+                "op": "error",
+                "reason": f"trainer rank 0 gave up on version {version}: {self._aborted[version]}",
+            }
+        if version <= self._decided and rank not in got:
+            return {
+                "op": "error",
+                "reason": f"trainer rank 0 already decided version {version} (its newest is "
+                f"{self._decided}): publish versions in the same order on every rank",
+            }
+        self._agreement[version][rank] = msg
+        return {"op": "ok"}
+
+    def _agree(
+        self, version: int, mine: set[str], names: set[str], deadline: float
+    ) -> set[str] | None:
+        """Rank 0: the union of every process's changed set, or None for a full update
+        (AGREEMENT CONTRACT). Raises TimeoutError when a process did not report by ``deadline``."""
+        want = set(range(self.world)) - set(self.ranks)
+        while True:
+            with self._lock:
+                got = dict(self._agreement.get(version, {}))
+            covered = {int(r) for m in got.values() for r in m.get("ranks", ())}
+            if want <= covered:
+                break
+            if time.monotonic() >= deadline:
+                missing = sorted(want - covered)
+                raise TimeoutError(
+                    f"delta agreement on version {version}: trainer ranks {missing} did not report "
+                    f"their changed tensors within {self.deadline:.1f} s (every rank must call "
+                    "publish with the same version and delta=True)"
+                )
+            time.sleep(0.005)
+        base = self._pub.base_version
+        full = self._force_full or base is None
+        union = set(mine)
+        for rank, m in sorted(got.items()):
+            theirs = {str(n) for n in m.get("changed", ())}
+            unknown = sorted(theirs - names)
+            if unknown:
+                raise ValueError(
+                    f"delta agreement on version {version}: trainer rank {rank} changed tensors "
+                    f"rank 0 does not publish: {unknown}"
+                )
+            union |= theirs
+            if m.get("full") or m.get("base") != base:
+                log.info(
+                    "version %d: trainer rank %d has base %s, wants full %s (rank 0: base %s): "
+                    "full update",
+                    version,
+                    rank,
+                    m.get("base"),
+                    bool(m.get("full")),
+                    base,
+                )
+                full = True
+        return None if full else union
+
+    def _end_agreement(self, version: int, why: str | None) -> None:
+        """Rank 0: ``version`` is decided (or given up on: ``why``); later reports are refused."""
+        with self._lock:
+            self._decided = max(self._decided, version)
+            if why is not None:
+                self._aborted[version] = why
+            self._settled[version] = set(self._agreement.get(version, {}))
+            for v in [v for v in self._agreement if v <= version]:
+                del self._agreement[v]
+            for old in (self._aborted, self._settled):
+                for v in [v for v in old if v < version - 4]:
+                    del old[v]
+
+    def _report_changed(self, version: int, changed: set[str], deadline: float) -> None:
+        """Ranks > 0: hand rank 0 this process's changed set (AGREEMENT CONTRACT)."""
+        assert self._client is not None
+        msg = {
+            "op": "delta",
+            "version": version,
+            "rank": self.rank,
+            "ranks": list(self.ranks),
+            "changed": sorted(changed),
+            "base": self._pub.base_version,
+            "full": self._force_full,
+        }
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"trainer rank {self.rank}: rank 0 did not take the changed tensors of "
+                    f"version {version} within {self.deadline:.1f} s"
+                )
+            try:
+                self._client.request(msg, timeout=min(2.0, left))
+                return
+            except TimeoutError:
+                continue
 
     def _record_report(self, version: int, key: str, msg: dict) -> None:
         """Sampler ``key``'s outcome of ``version`` (lock held)."""
@@ -675,23 +806,63 @@ class TrainerSync:
         """Send ``version`` to every live sampler; returns when all are done or the deadline passed.
 
         ``tensors`` maps trainer names to ``(local shard, ShardLayout)`` or to plain tensors (held
-        whole by every trainer rank). Every trainer rank calls this with the same version. With
-        ``delta`` (single-rank trainers) only tensors changed since the last version are sent.
+        whole by every trainer rank). Every trainer rank calls this with the same version and the
+        same ``delta``. With ``delta`` only tensors changed since the last published version are
+        sent: on several trainer processes, those whose shard changed on ANY rank (AGREEMENT
+        CONTRACT); a full update instead after a version some sampler failed, or when the ranks
+        do not share one base.
         """
         t0 = time.monotonic()
         tensors = _normalize(tensors, self.world, self.ranks)
-        if delta and self.world != 1:
-            raise ValueError("delta updates need the ranks' changed sets combined: world must be 1")
         view = _first(tensors)
-        manifest = self._pub.prepare(version, view, delta=delta and not self._force_full)
+        agree = delta and len(self.ranks) < self.world  # other processes hold ranks
+        if not agree:
+            # One process holds every rank: its own changed set, over all of its shards.
+            use = delta and not self._force_full
+            changed = (
+                self._pub.changed(tensors) if use and self._pub.base_version is not None else None
+            )
+            manifest = self._pub.prepare(version, view, delta=use, changed=changed)
+        elif self.rank == 0:
+            self._pub.check_next(version)  # before the agreement: an old version stays decided
+            try:
+                mine = self._pub.changed(tensors)
+                union = self._agree(version, mine, set(tensors), t0 + self.deadline)
+                manifest = self._pub.prepare(version, view, delta=union is not None, changed=union)
+            except Exception as e:
+                self._end_agreement(version, f"{type(e).__name__}: {e}")
+                raise
+            self._end_agreement(version, None)
+            log.info(
+                "version %d: %s",
+                version,
+                "full update"
+                if manifest.base_version is None
+                else f"delta of {len(manifest.tensors)} of {len(view)} tensors on "
+                f"{manifest.base_version}",
+            )
+        else:
+            self._pub.check_next(version)
+            self._report_changed(version, self._pub.changed(tensors), t0 + self.deadline)
         if self.rank == 0:
             ann = self._announce(manifest)
         else:
-            ann = self._fetch_announcement(version)
+            ann = self._fetch_announcement(version, t0 + self.deadline)
             theirs = Manifest.from_bytes(ann["manifest"])
+            if agree:  # build ours from rank 0's decision (AGREEMENT CONTRACT)
+                names = {m.name for m in theirs.tensors}
+                if not names <= set(view):
+                    raise ValueError(
+                        f"trainer rank {self.rank} disagrees with rank 0 on version {version}: "
+                        f"rank 0 sends tensors this rank does not hold: {sorted(names - set(view))}"
+                    )
+                is_delta = theirs.base_version is not None
+                manifest = self._pub.prepare(
+                    version, view, delta=is_delta, changed=names if is_delta else None
+                )
             if [(m.name, m.dtype, m.layout) for m in theirs.tensors] != [
                 (m.name, m.dtype, m.layout) for m in manifest.tensors
-            ]:
+            ] or theirs.base_version != manifest.base_version:
                 raise ValueError(
                     f"trainer rank {self.rank} disagrees with rank 0 on version {version}"
                 )
@@ -709,7 +880,7 @@ class TrainerSync:
             self._collect(ann, report, t0 + self.deadline)
         # Digests of every local tensor are only worth a pass over the model once deltas are used.
         self._delta_used = self._delta_used or delta
-        self._pub.published(manifest, view, digests=self._delta_used)
+        self._pub.published(manifest, tensors, digests=self._delta_used)
         self._force_full = bool(report.failed)
         report.seconds = time.monotonic() - t0
         self.metrics["versions_published"] += 1
@@ -721,16 +892,22 @@ class TrainerSync:
             )
         return report
 
-    def _fetch_announcement(self, version: int) -> dict:
+    def _fetch_announcement(self, version: int, end: float) -> dict:
         assert self._client is not None
-        end = time.monotonic() + self.deadline
         while time.monotonic() < end:
             try:
-                reply = self._client.request({"op": "get", "version": version}, timeout=2.0)
+                reply = self._client.request(
+                    {"op": "get", "version": version},
+                    timeout=min(2.0, max(end - time.monotonic(), 0.05)),
+                )
             except TimeoutError:
                 continue
             if reply.get("op") == "announce":
                 return reply
+            if reply.get("op") == "abort":
+                raise RuntimeError(
+                    f"trainer rank 0 gave up on version {version}: {reply.get('reason')}"
+                )
             time.sleep(0.005)
         raise TimeoutError(f"trainer rank 0 never announced version {version}")
 
