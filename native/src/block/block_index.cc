@@ -559,6 +559,26 @@ std::vector<std::pair<BlockKey, Placement>> BlockIndex::Snapshot() const {
   return out;
 }
 
+void BlockIndex::ForEachIn(
+    Tier tier, const std::function<void(std::string_view key, uint64_t location)>& fn) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint8_t bit = static_cast<uint8_t>(1u << static_cast<unsigned>(tier));
+  char key[kMaxKeyBytes];
+  for (uint32_t id = 0; id < next_id_; ++id) {
+    const Hot& h = HotAt(id);
+    if (!(h.tier_mask & bit)) continue;
+    const size_t len = h.key_len;
+    std::memcpy(key, h.key, std::min(len, kHotKey));
+    if (len > kHotKey) {
+      std::memcpy(key + kHotKey, ColdAt(id).key, std::min(len, kHotKey + kColdKey) - kHotKey);
+    }
+    if (len > kHotKey + kColdKey) {
+      std::memcpy(key + kHotKey + kColdKey, Tail(id), len - kHotKey - kColdKey);
+    }
+    fn(std::string_view(key, len), PlacementOf(id).location[static_cast<size_t>(tier)]);
+  }
+}
+
 void BlockIndex::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   // Capacity is kept (a cleared store refills to the same size); entries are reused from id 0.

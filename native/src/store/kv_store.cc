@@ -154,8 +154,19 @@ KVStore::~KVStore() {
   room_cv_.notify_all();
   if (writeback_.joinable()) writeback_.join();
   if (wt_thread_.joinable()) wt_thread_.join();
-  std::unique_lock<std::mutex> lock(ops_mu_);
-  ops_cv_.wait(lock, [this] { return active_ops_ == 0; });
+  {
+    std::unique_lock<std::mutex> lock(ops_mu_);
+    ops_cv_.wait(lock, [this] { return active_ops_ == 0; });
+  }
+  // CLEAN CLOSE (tier.h CLEAN-CLOSE HOOK): write-back and write-through are joined (each finishes
+  // the batch it was writing and indexes it before it stops) and every Put / Get has completed,
+  // so no write to any tier is in flight or can start: each tier now gets the blocks the index
+  // places in it (the disk tier writes its manifest; a failure is counted and logged there).
+  for (auto& t : tiers_) {
+    const Tier kind = t->kind();
+    (void)t->CheckpointOnClose(
+        [this, kind](const tier::BlockVisitor& visit) { index_.ForEachIn(kind, visit); });
+  }
 }
 
 void KVStore::OpBegin() {

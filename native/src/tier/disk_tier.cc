@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "tpusync/base/checksum.h"
+#include "tpusync/tier/disk_manifest.h"
 
 namespace tpusync::tier {
 namespace {
@@ -149,6 +150,7 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
 
   DiskMeta want;
   FillMeta(&want, o, t->slot_bytes_, t->segment_blocks_, t->fingerprint_);
+  t->meta_ = want;
   const fs::path meta_path = dir / "tier.meta";
   bool cold = true;
   if (fs::exists(meta_path)) {
@@ -180,8 +182,15 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
   }
   t->state_.assign(t->num_blocks_, kFree);
   t->holds_.assign(t->num_blocks_, 0);
+  t->sequence_.assign(t->num_blocks_, kNoSequence);
   TPUSYNC_RETURN_IF_ERROR(t->OpenSegments(cold));
-  if (!cold) t->Scan();
+  if (cold) {
+    // A manifest left beside discarded segments must never describe the new ones.
+    TPUSYNC_RETURN_IF_ERROR(RemoveManifest(o.directory));
+    t->recovery_ = "cold";
+  } else {
+    t->Recover();
+  }
   for (size_t i = t->num_blocks_; i-- > 0;) {
     if (t->state_[i] == kFree) t->free_.push_back(static_cast<uint32_t>(i));
   }
@@ -219,6 +228,100 @@ Status DiskTier::OpenSegments(bool cold) {
   return Status::OK();
 }
 
+void DiskTier::Recover() {
+  // MANIFEST CONTRACT (tier/disk_manifest.h): the manifest is read, then deleted whether it is
+  // used or not, before the tier serves a single call; it is used only if the deletion worked.
+  std::vector<SegmentStamp> stamps;
+  Status s;
+  for (const SegmentFile& seg : segments_) {
+    auto st = StampSegment(seg.fd(), seg.path());
+    if (!st.ok()) {
+      s = st.status();
+      break;
+    }
+    stamps.push_back(*st);
+  }
+  if (s.ok()) s = ReadManifest(dir_, meta_, stamps, num_blocks_, &recovered_);
+  const Status removed = RemoveManifest(dir_);
+  if (s.ok() && !removed.ok()) {
+    s = Status::IOError(StrCat("the manifest cannot be deleted before serving (",
+                               removed.message(), ")"));
+  }
+  if (s.ok()) {
+    for (const RecoveredBlock& b : recovered_) {
+      state_[b.location] = kUsed;
+      sequence_[b.location] = b.sequence;
+    }
+    num_used_ = recovered_.size();
+    recovered_count_ = recovered_.size();
+    recovery_ = "manifest";
+    return;
+  }
+  recovered_.clear();
+  const std::string why = s.code() == StatusCode::kNotFound
+                              ? std::string("no clean-shutdown manifest (last close was not clean)")
+                              : StrCat("manifest not used: ", s.message());
+  std::fprintf(stderr, "tpusync: disk tier %s: %s: scanning %zu slot headers\n", dir_.c_str(),
+               why.c_str(), num_blocks_);
+  Scan();
+  recovery_ = "scan";
+}
+
+Status DiskTier::CheckpointOnClose(const std::function<void(const BlockVisitor&)>& for_each_block) {
+  Status s = WriteManifest(for_each_block);
+  if (!s.ok()) {
+    ++manifest_errors_;
+    std::fprintf(stderr,
+                 "tpusync: disk tier %s: no clean-shutdown manifest written (%s); the next open "
+                 "scans every slot header\n",
+                 dir_.c_str(), s.ToString().c_str());
+  }
+  return s;
+}
+
+Status DiskTier::WriteManifest(const std::function<void(const BlockVisitor&)>& for_each_block) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<SegmentStamp> stamps;
+  for (const SegmentFile& seg : segments_) {
+    TPUSYNC_ASSIGN_OR_RETURN(auto st, StampSegment(seg.fd(), seg.path()));
+    stamps.push_back(st);
+  }
+  TPUSYNC_ASSIGN_OR_RETURN(auto writer, ManifestWriter::Begin(dir_, meta_, std::move(stamps)));
+  std::vector<uint8_t> listed(num_blocks_, 0);
+  Status err;
+  uint64_t skipped = 0;
+  for_each_block([&](std::string_view key, uint64_t location) {
+    if (!err.ok()) return;
+    // Only slots this tier knows hold a completely written block, each once.
+    if (location >= num_blocks_ || state_[location] != kUsed ||
+        sequence_[location] == kNoSequence || listed[location]) {
+      ++skipped;
+      return;
+    }
+    listed[location] = 1;
+    err = writer->Add(location, sequence_[location], key);
+  });
+  TPUSYNC_RETURN_IF_ERROR(err);
+  TPUSYNC_RETURN_IF_ERROR(writer->Commit());
+  manifest_live_.store(true, std::memory_order_release);
+  if (skipped > 0) {
+    std::fprintf(stderr,
+                 "tpusync: disk tier %s: %llu indexed blocks left out of the manifest (their slot "
+                 "holds no completed write); they are dropped at the next open\n",
+                 dir_.c_str(), static_cast<unsigned long long>(skipped));
+  }
+  return Status::OK();
+}
+
+void DiskTier::InvalidateManifest() {
+  if (!manifest_live_.exchange(false, std::memory_order_acq_rel)) return;
+  const Status s = RemoveManifest(dir_);
+  if (!s.ok()) {
+    std::fprintf(stderr, "tpusync: disk tier %s: written after its manifest, which %s\n",
+                 dir_.c_str(), s.ToString().c_str());
+  }
+}
+
 void DiskTier::Scan() {
   constexpr size_t kBatch = 256;
   AlignedBuf buf = Aligned(kBatch * kSlotHeaderBytes);
@@ -249,6 +352,7 @@ void DiskTier::Scan() {
         RecoveredBlock& prev = recovered_[it->second];
         if (prev.sequence >= h->sequence) continue;
         state_[prev.location] = kFree;
+        sequence_[prev.location] = kNoSequence;
         --num_used_;
         prev.location = first + i;
         prev.sequence = h->sequence;
@@ -256,6 +360,7 @@ void DiskTier::Scan() {
         recovered_.push_back({key, first + i, h->sequence});
       }
       state_[first + i] = kUsed;
+      sequence_[first + i] = h->sequence;
       ++num_used_;
     }
   }
@@ -300,6 +405,7 @@ void DiskTier::Free(uint64_t slot) {
 
 void DiskTier::Release(uint64_t location, bool forget) {
   if (location >= num_blocks_) return;
+  if (manifest_live_.load(std::memory_order_acquire)) InvalidateManifest();
   if (forget) {
     // One zeroed header page: a restart will not resurrect a removed or corrupted block.
     AlignedBuf zero = Aligned(kSlotHeaderBytes);
@@ -418,6 +524,7 @@ void DiskTier::DropDirectIo() {
 
 void DiskTier::WriteBatch(std::span<BlockWrite> ops) {
   const uint64_t t0 = NowNs();
+  if (manifest_live_.load(std::memory_order_acquire)) InvalidateManifest();
   AlignedBuf headers = Aligned(ops.size() * kSlotHeaderBytes);
   std::vector<AlignedBuf> bounce(ops.size());
   std::vector<IoOp> io(ops.size());
@@ -449,9 +556,11 @@ void DiskTier::WriteBatch(std::span<BlockWrite> ops) {
   for (size_t i = 0; i < ops.size(); ++i) {
     if (io[i].result == static_cast<int64_t>(io[i].expected())) {
       ops[i].status = Status::OK();
+      sequence_[ops[i].location] = ops[i].sequence;  // the slot's owner is this op (Reserve)
       ++ok;
       continue;
     }
+    sequence_[ops[i].location] = kNoSequence;  // torn or unwritten: not manifest material
     ops[i].status = ErrnoStatus(io[i].result, io[i].expected(), true,
                                 StrCat("write of disk slot ", ops[i].location, " in ", dir_));
     ++write_errors_;
@@ -525,6 +634,8 @@ TierStats DiskTier::stats() const {
   s.direct_io = direct_;
   s.io_backend = std::string(io_->name());
   s.cold_start_reason = cold_start_reason_;
+  s.recovery = recovery_;
+  s.manifest_errors = manifest_errors_;
   return s;
 }
 

@@ -100,6 +100,7 @@ nb::dict Stats(const store::StoreStats& s) {
     e["io_backend"] = t.tier.io_backend;
     e["huge_pages"] = t.tier.huge_pages;
     e["cold_start_reason"] = t.tier.cold_start_reason;
+    e["recovery"] = t.tier.recovery;
     tiers[nb::str(std::string(block::TierName(t.kind)).c_str())] = e;
   }
   d["tiers"] = tiers;

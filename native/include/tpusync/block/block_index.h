@@ -61,6 +61,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -132,6 +133,11 @@ class BlockIndex {
   Status Reserve(size_t keys);
   // Every key and its placement (O(size); for clearing or checkpointing a store, not hot paths).
   std::vector<std::pair<BlockKey, Placement>> Snapshot() const;
+  // Calls fn(key, location) for every key held in `tier`, under the index lock and without a
+  // per-key allocation (a store checkpointing a tier at close: tier.h CLEAN-CLOSE HOOK; O(size)
+  // time, O(1) memory where Snapshot() is O(size) memory). fn must not call into the index.
+  void ForEachIn(Tier tier,
+                 const std::function<void(std::string_view key, uint64_t location)>& fn) const;
   void Clear();
 
  private:

@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -71,7 +72,12 @@ struct TierStats {
   std::string io_backend;         // disk: "io_uring" or "pread"
   std::string huge_pages;         // host: "on", "collapsing" (HostPool HUGE-PAGE CONTRACT), "off"
   std::string cold_start_reason;  // non-empty when existing storage was discarded at attach
+  std::string recovery;           // disk: how Open found its blocks: "cold", "scan" or "manifest"
+  uint64_t manifest_errors = 0;   // disk: clean-close manifests that could not be written
 };
+
+// Called once per block by a BlockTier::CheckpointOnClose enumerator.
+using BlockVisitor = std::function<void(std::string_view key, uint64_t location)>;
 
 class BlockTier {
  public:
@@ -111,6 +117,17 @@ class BlockTier {
   // locations are already reserved.
   virtual std::vector<RecoveredBlock> TakeRecovered() = 0;
   virtual TierStats stats() const = 0;
+
+  // CLEAN-CLOSE HOOK: the store calls this once when it closes cleanly, after its last write to
+  // the tier finished and before the tier is destroyed. for_each_block(visit) calls visit(key,
+  // location) for every block the store indexes in this tier. A tier whose next attach can skip
+  // work with that list records it (the disk tier's manifest, tier/disk_tier.h CLEAN-CLOSE
+  // CONTRACT); the default does nothing. A failure costs the next attach its shortcut, nothing
+  // else (the tier counts and logs it).
+  virtual Status CheckpointOnClose(const std::function<void(const BlockVisitor&)>& for_each_block) {
+    (void)for_each_block;
+    return Status::OK();
+  }
 };
 
 }  // namespace tpusync::tier

@@ -1,0 +1,123 @@
+// Disk manifest: the clean-shutdown list of a disk tier's blocks, so the next open need not read
+// every slot header (tier/disk_tier.h RESTART CONTRACT; docs/tiers.md "Layout on disk").
+//
+// FILE: <dir>/manifest, written as <dir>/manifest.tmp, fsync'ed, renamed over, directory fsync'ed.
+//   ManifestHeader                 magic, version, a byte copy of tier.meta (DiskMeta), counts,
+//                                  the checksum of everything after the header, its own checksum
+//   SegmentStamp x num_segments    size, inode and mtime of every segment file at write time
+//   ManifestEntry x num_entries    slot, write sequence, key of every block the tier holds
+// The file's size is exactly header + stamps + entries: anything else is a truncated manifest.
+//
+// MANIFEST CONTRACT: a manifest is written only after the last write to the tier finished (the
+// store's clean close: tier.h CLEAN-CLOSE HOOK), by the one process holding the directory's flock,
+// and deleted by the next open before the tier serves, whether it was used or not - so after a
+// crash (no clean close) there is no manifest and the next open scans the headers. It is trusted
+// only when its tier.meta copy is byte-equal to the current one, its format version, counts,
+// size and checksums are right, every slot is in range and listed once, and every segment file
+// still has the size, inode and mtime it had at write time (a writer that does not know about
+// manifests - an older tpusync - changes the mtime; the mtime is only as fine as the filesystem's
+// timestamp clock, so this is a guard against other writers, not the correctness argument).
+// Entries are then taken WITHOUT reading headers. That is safe because it cannot serve wrong
+// bytes: every read verifies the slot header's key and the payload checksum (base/checksum.h
+// CHECKSUM CONTRACT, tier/slot_header.h HEADER CONTRACT), so a wrong entry can only cost a
+// counted miss (kCorrupted, the slot reclaimed) - never stale data.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tpusync/base/checksum.h"
+#include "tpusync/base/status.h"
+#include "tpusync/block/block_key.h"
+#include "tpusync/tier/disk_tier.h"
+#include "tpusync/tier/tier.h"
+
+namespace tpusync::tier {
+
+inline constexpr uint32_t kManifestMagic = 0x4e4d5354;  // "TSMN" little-endian
+inline constexpr uint16_t kManifestVersion = 1;
+inline constexpr char kManifestFile[] = "manifest";
+
+struct ManifestHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t reserved0;
+  DiskMeta meta;  // byte copy of the tier.meta the manifest was written under
+  uint64_t num_segments;
+  uint64_t num_entries;
+  uint64_t body_checksum;    // XXH3-64 of the stamps and entries, in file order
+  uint64_t header_checksum;  // XXH3-64 of every byte above
+};
+static_assert(sizeof(ManifestHeader) == 192, "ManifestHeader is an on-disk format");
+static_assert(offsetof(ManifestHeader, meta) == 8);
+static_assert(offsetof(ManifestHeader, header_checksum) == 184);
+
+struct SegmentStamp {
+  uint64_t size;
+  uint64_t inode;
+  int64_t mtime_s;
+  int64_t mtime_ns;
+  bool operator==(const SegmentStamp&) const = default;
+};
+static_assert(sizeof(SegmentStamp) == 32, "SegmentStamp is an on-disk format");
+
+struct ManifestEntry {
+  uint64_t sequence;  // the write sequence in the slot's header
+  uint32_t slot;      // global slot number (DiskTier location)
+  uint8_t key_len;
+  uint8_t reserved[3];
+  char key[block::kMaxKeyBytes];
+};
+static_assert(sizeof(ManifestEntry) == 80, "ManifestEntry is an on-disk format");
+static_assert(offsetof(ManifestEntry, key) == 16);
+
+// The stamp of an open segment file (fstat).
+Result<SegmentStamp> StampSegment(int fd, const std::string& path);
+
+// Streams a manifest into <dir>/manifest.tmp; Commit publishes it atomically. A writer destroyed
+// without a successful Commit removes its temp file (a full disk leaves no partial manifest).
+class ManifestWriter {
+ public:
+  static Result<std::unique_ptr<ManifestWriter>> Begin(const std::string& dir, const DiskMeta& meta,
+                                                       std::vector<SegmentStamp> stamps);
+  ~ManifestWriter();
+  ManifestWriter(const ManifestWriter&) = delete;
+  ManifestWriter& operator=(const ManifestWriter&) = delete;
+
+  // Appends one entry (buffered). The caller lists each slot once.
+  Status Add(uint64_t slot, uint64_t sequence, std::string_view key);
+  // Writes the header, fsyncs, renames over <dir>/manifest and fsyncs the directory.
+  Status Commit();
+  uint64_t entries() const { return num_entries_; }
+
+ private:
+  ManifestWriter() = default;
+  Status Drain();  // writes buf_ at the end of the file
+
+  std::string dir_, tmp_;
+  int fd_ = -1;
+  bool committed_ = false;
+  ManifestHeader header_{};
+  uint64_t num_entries_ = 0;
+  std::vector<uint8_t> buf_;
+  std::unique_ptr<Checksum64Stream> sum_;
+};
+
+// Reads <dir>/manifest and checks it against the tier's current meta, its segments' current
+// stamps and its slot count (MANIFEST CONTRACT). kNotFound when there is none; kCorrupted (with
+// the reason) when it must not be trusted; an errno status when it cannot be read. On success
+// *out holds one RecoveredBlock per entry, in file order. Reads nothing but the manifest.
+Status ReadManifest(const std::string& dir, const DiskMeta& want,
+                    std::span<const SegmentStamp> stamps, uint64_t num_blocks,
+                    std::vector<RecoveredBlock>* out);
+
+// Deletes <dir>/manifest and a leftover <dir>/manifest.tmp, then fsyncs the directory so the
+// deletion survives a crash of the machine too. OK when there was nothing to delete.
+Status RemoveManifest(const std::string& dir);
+
+}  // namespace tpusync::tier

@@ -1,0 +1,239 @@
+#include "tpusync/tier/disk_manifest.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace tpusync::tier {
+namespace {
+
+constexpr size_t kBufBytes = size_t{1} << 20;
+
+std::string PathIn(const std::string& dir, const char* name) { return dir + "/" + name; }
+
+// write(2) until done: kNoSpace for ENOSPC / EDQUOT (FromErrno) and for a write that stores 0.
+Status WriteAll(int fd, const void* data, size_t bytes, const std::string& path) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (bytes > 0) {
+    const ssize_t n = write(fd, p, bytes);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Status::FromErrno(errno, StrCat("writing manifest ", path));
+    if (n == 0) return Status::NoSpace(StrCat("writing manifest ", path, ": no space left"));
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+  return Status::OK();
+}
+
+// read(2) until `bytes` or end of file; returns the count read, or -errno.
+ssize_t ReadAll(int fd, void* data, size_t bytes) {
+  auto* p = static_cast<uint8_t*>(data);
+  size_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = read(fd, p + done, bytes - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return -errno;
+    if (n == 0) break;
+    done += static_cast<size_t>(n);
+  }
+  return static_cast<ssize_t>(done);
+}
+
+Status SyncDir(const std::string& dir) {
+  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return Status::FromErrno(errno, StrCat("opening directory ", dir, " to fsync it"));
+  const int rc = fsync(fd);
+  const int err = errno;
+  close(fd);
+  // Some filesystems refuse fsync on a directory (EINVAL): the rename itself is still atomic.
+  if (rc != 0 && err != EINVAL) return Status::FromErrno(err, StrCat("fsync of directory ", dir));
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<SegmentStamp> StampSegment(int fd, const std::string& path) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return Status::FromErrno(errno, StrCat("fstat ", path));
+  return SegmentStamp{static_cast<uint64_t>(st.st_size), static_cast<uint64_t>(st.st_ino),
+                      static_cast<int64_t>(st.st_mtim.tv_sec),
+                      static_cast<int64_t>(st.st_mtim.tv_nsec)};
+}
+
+Result<std::unique_ptr<ManifestWriter>> ManifestWriter::Begin(const std::string& dir,
+                                                              const DiskMeta& meta,
+                                                              std::vector<SegmentStamp> stamps) {
+  std::unique_ptr<ManifestWriter> w(new ManifestWriter());
+  w->dir_ = dir;
+  w->tmp_ = PathIn(dir, "manifest.tmp");
+  w->fd_ = open(w->tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (w->fd_ < 0) return Status::FromErrno(errno, StrCat("creating manifest ", w->tmp_));
+  std::memset(&w->header_, 0, sizeof(w->header_));
+  w->header_.magic = kManifestMagic;
+  w->header_.version = kManifestVersion;
+  w->header_.meta = meta;
+  w->header_.num_segments = stamps.size();
+  w->sum_ = std::make_unique<Checksum64Stream>();
+  w->buf_.reserve(kBufBytes);
+  // The header goes last (pwrite at 0, once the counts and the body checksum are known).
+  w->buf_.resize(sizeof(ManifestHeader), 0);
+  const auto* s = reinterpret_cast<const uint8_t*>(stamps.data());
+  w->buf_.insert(w->buf_.end(), s, s + stamps.size() * sizeof(SegmentStamp));
+  w->sum_->Update(s, stamps.size() * sizeof(SegmentStamp));
+  return w;
+}
+
+ManifestWriter::~ManifestWriter() {
+  if (fd_ >= 0) close(fd_);
+  if (!committed_ && !tmp_.empty()) unlink(tmp_.c_str());
+}
+
+Status ManifestWriter::Drain() {
+  if (buf_.empty()) return Status::OK();
+  Status s = WriteAll(fd_, buf_.data(), buf_.size(), tmp_);
+  buf_.clear();
+  return s;
+}
+
+Status ManifestWriter::Add(uint64_t slot, uint64_t sequence, std::string_view key) {
+  if (key.empty() || key.size() > block::kMaxKeyBytes || slot > 0xffffffffu) {
+    return Status::InvalidArgument(StrCat("manifest entry for slot ", slot, " with a ", key.size(),
+                                          "-byte key is not representable"));
+  }
+  ManifestEntry e;
+  std::memset(&e, 0, sizeof(e));
+  e.sequence = sequence;
+  e.slot = static_cast<uint32_t>(slot);
+  e.key_len = static_cast<uint8_t>(key.size());
+  std::memcpy(e.key, key.data(), key.size());
+  const auto* p = reinterpret_cast<const uint8_t*>(&e);
+  buf_.insert(buf_.end(), p, p + sizeof(e));
+  sum_->Update(&e, sizeof(e));
+  ++num_entries_;
+  if (buf_.size() + sizeof(e) > kBufBytes) return Drain();
+  return Status::OK();
+}
+
+Status ManifestWriter::Commit() {
+  TPUSYNC_RETURN_IF_ERROR(Drain());
+  header_.num_entries = num_entries_;
+  header_.body_checksum = sum_->Digest();
+  header_.header_checksum = Checksum64(&header_, offsetof(ManifestHeader, header_checksum));
+  if (pwrite(fd_, &header_, sizeof(header_), 0) != static_cast<ssize_t>(sizeof(header_))) {
+    return Status::FromErrno(errno ? errno : ENOSPC, StrCat("writing manifest header ", tmp_));
+  }
+  if (fsync(fd_) != 0) return Status::FromErrno(errno, StrCat("fsync of manifest ", tmp_));
+  close(fd_);
+  fd_ = -1;
+  const std::string path = PathIn(dir_, kManifestFile);
+  if (rename(tmp_.c_str(), path.c_str()) != 0) {
+    return Status::FromErrno(errno, StrCat("renaming manifest ", tmp_));
+  }
+  committed_ = true;
+  return SyncDir(dir_);
+}
+
+Status ReadManifest(const std::string& dir, const DiskMeta& want,
+                    std::span<const SegmentStamp> stamps, uint64_t num_blocks,
+                    std::vector<RecoveredBlock>* out) {
+  out->clear();
+  const std::string path = PathIn(dir, kManifestFile);
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0 && errno == ENOENT) return Status::NotFound("no manifest");
+  if (fd < 0) return Status::FromErrno(errno, StrCat("opening manifest ", path));
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return Status::FromErrno(errno, StrCat("fstat ", path));
+  ManifestHeader h{};
+  const ssize_t got = ReadAll(fd, &h, sizeof(h));
+  if (got < 0) return Status::FromErrno(static_cast<int>(-got), StrCat("reading manifest ", path));
+  if (got != static_cast<ssize_t>(sizeof(h))) {
+    return Status::Corrupted(StrCat("manifest is truncated (", got, " bytes, less than its header)"));
+  }
+  if (h.magic != kManifestMagic) return Status::Corrupted("manifest magic mismatch");
+  if (h.version != kManifestVersion) {
+    return Status::Corrupted(StrCat("manifest format version ", h.version, " (this build reads ",
+                                    kManifestVersion, ")"));
+  }
+  if (h.header_checksum != Checksum64(&h, offsetof(ManifestHeader, header_checksum))) {
+    return Status::Corrupted("manifest header checksum mismatch");
+  }
+  if (std::memcmp(&h.meta, &want, sizeof(DiskMeta)) != 0) {
+    return Status::Corrupted("manifest was written under another tier.meta");
+  }
+  if (h.num_segments != stamps.size() || h.num_entries > num_blocks) {
+    return Status::Corrupted(StrCat("manifest lists ", h.num_entries, " blocks in ",
+                                    h.num_segments, " segments; the tier has ", num_blocks,
+                                    " slots in ", stamps.size()));
+  }
+  const uint64_t expect = sizeof(ManifestHeader) + h.num_segments * sizeof(SegmentStamp) +
+                          h.num_entries * sizeof(ManifestEntry);
+  if (static_cast<uint64_t>(st.st_size) != expect) {
+    return Status::Corrupted(
+        StrCat("manifest is truncated or padded (", st.st_size, " bytes, expected ", expect, ")"));
+  }
+  Checksum64Stream sum;
+  std::vector<SegmentStamp> have(stamps.size());
+  const size_t stamp_bytes = have.size() * sizeof(SegmentStamp);
+  if (ReadAll(fd, have.data(), stamp_bytes) != static_cast<ssize_t>(stamp_bytes)) {
+    return Status::Corrupted("manifest is truncated (segment stamps)");
+  }
+  sum.Update(have.data(), stamp_bytes);
+  std::vector<uint8_t> seen(num_blocks, 0);
+  std::vector<ManifestEntry> chunk(kBufBytes / sizeof(ManifestEntry));
+  out->reserve(h.num_entries);
+  for (uint64_t done = 0; done < h.num_entries;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk.size(), h.num_entries - done));
+    const size_t bytes = n * sizeof(ManifestEntry);
+    if (ReadAll(fd, chunk.data(), bytes) != static_cast<ssize_t>(bytes)) {
+      out->clear();
+      return Status::Corrupted("manifest is truncated (entries)");
+    }
+    sum.Update(chunk.data(), bytes);
+    for (size_t i = 0; i < n; ++i) {
+      const ManifestEntry& e = chunk[i];
+      if (e.slot >= num_blocks || seen[e.slot] || e.key_len == 0 ||
+          e.key_len > block::kMaxKeyBytes) {
+        out->clear();
+        return Status::Corrupted(StrCat("manifest entry ", done + i, " is invalid (slot ", e.slot,
+                                        ", key length ", int{e.key_len}, ")"));
+      }
+      seen[e.slot] = 1;
+      out->push_back({std::string(e.key, e.key_len), e.slot, e.sequence});
+    }
+    done += n;
+  }
+  if (sum.Digest() != h.body_checksum) {
+    out->clear();
+    return Status::Corrupted("manifest checksum mismatch");
+  }
+  for (size_t s = 0; s < stamps.size(); ++s) {
+    if (!(have[s] == stamps[s])) {
+      out->clear();
+      return Status::Corrupted(
+          StrCat("segment ", s, " changed after the manifest was written (size, inode or mtime)"));
+    }
+  }
+  return Status::OK();
+}
+
+Status RemoveManifest(const std::string& dir) {
+  bool removed = false;
+  for (const char* name : {kManifestFile, "manifest.tmp"}) {
+    const std::string path = PathIn(dir, name);
+    if (unlink(path.c_str()) == 0) {
+      removed = true;
+    } else if (errno != ENOENT) {
+      return Status::FromErrno(errno, StrCat("removing manifest ", path));
+    }
+  }
+  return removed ? SyncDir(dir) : Status::OK();
+}
+
+}  // namespace tpusync::tier
