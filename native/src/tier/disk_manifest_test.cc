@@ -280,7 +280,12 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple(Damage::kEntryByte, "manifest checksum mismatch"),
                       std::make_tuple(Damage::kHeaderByte, "manifest header checksum mismatch"),
                       std::make_tuple(Damage::kVersion, "manifest format version 2"),
-                      std::make_tuple(Damage::kSegmentTouched, "segment 0 changed after")));
+                      std::make_tuple(Damage::kSegmentTouched, "segment 0 changed after")),
+    [](const auto& info) {
+      static const char* kNames[] = {"Truncated", "Padded",  "EntryByte",
+                                     "HeaderByte", "Version", "SegmentTouched"};
+      return std::string(kNames[static_cast<int>(std::get<0>(info.param))]);
+    });
 
 TEST_F(DiskManifestTest, AManifestOfAnotherTierMetaIsNotUsed) {
   auto t = Open("model-a");
