@@ -273,6 +273,12 @@ TEST_P(DiskManifestDamage, FallsBackToTheScanAndStillRecoversEverything) {
   ExpectAllReadable(*t);
 }
 
+std::string DamageName(const ::testing::TestParamInfo<std::tuple<Damage, const char*>>& info) {
+  static const char* const kNames[] = {"Truncated",  "Padded",  "EntryByte",
+                                       "HeaderByte", "Version", "SegmentTouched"};
+  return kNames[static_cast<int>(std::get<0>(info.param))];
+}
+
 INSTANTIATE_TEST_SUITE_P(
     EveryKind, DiskManifestDamage,
     ::testing::Values(std::make_tuple(Damage::kTruncated, "manifest is truncated"),
@@ -281,11 +287,7 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple(Damage::kHeaderByte, "manifest header checksum mismatch"),
                       std::make_tuple(Damage::kVersion, "manifest format version 2"),
                       std::make_tuple(Damage::kSegmentTouched, "segment 0 changed after")),
-    [](const auto& info) {
-      static const char* kNames[] = {"Truncated", "Padded",  "EntryByte",
-                                     "HeaderByte", "Version", "SegmentTouched"};
-      return std::string(kNames[static_cast<int>(std::get<0>(info.param))]);
-    });
+    DamageName);
 
 TEST_F(DiskManifestTest, AManifestOfAnotherTierMetaIsNotUsed) {
   auto t = Open("model-a");

@@ -1,0 +1,110 @@
+"""Clean-shutdown manifest of the disk tier (docs/tiers.md "Crash semantics").
+
+A KVStore that closes cleanly leaves ``<disk_dir>/manifest``; the next store on that directory
+takes its blocks from it instead of reading every slot header, and deletes it before serving. A
+store killed with SIGKILL leaves none, so the next open scans the headers (as before manifests).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+import tpusync.core as tc
+
+BLOCK = 4096
+
+
+def blocks(ids):
+    """Deterministic content per key id (every byte differs between ids)."""
+    base = np.arange(BLOCK, dtype=np.uint32)
+    return np.stack([((base * 7 + i * 131) % 251).astype(np.uint8) for i in ids])
+
+
+def keys(ids):
+    return [b"blk-%d" % i for i in ids]
+
+
+def open_store(disk: Path) -> tc.KVStore:
+    return tc.KVStore(BLOCK, 4, disk_dir=disk, disk_blocks=64, writeback_batch=2)
+
+
+def check_disk_blocks(s: tc.KVStore, ids: list[int]) -> int:
+    """Gets every id; asserts each hit holds its own bytes; returns the number of hits."""
+    dst = np.zeros((len(ids), BLOCK), np.uint8)
+    found = s.get(keys(ids), dst).result(10)
+    want = blocks(ids)
+    for row, ok in enumerate(found):
+        if ok:
+            np.testing.assert_array_equal(dst[row], want[row])
+    return sum(found)
+
+
+KILLED = textwrap.dedent(
+    """
+    import sys, time, numpy as np, tpusync.core as tc
+    disk = sys.argv[1]
+    s = tc.KVStore({block}, 4, disk_dir=disk, disk_blocks=64, writeback_batch=2)
+    print(s.stats()["tiers"]["disk"]["recovery"], flush=True)
+    base = np.arange({block}, dtype=np.uint32)
+    for i in range(24, 32):
+        s.put([b"blk-%d" % i], ((base * 7 + i * 131) % 251).astype(np.uint8)[None]).result(10)
+    s.flush(30)
+    print("READY", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_clean_close_reopens_from_the_manifest_and_a_sigkill_means_a_scan(tmp_path, capfd):
+    disk = tmp_path / "disk"
+    manifest = disk / "manifest"
+    ids = list(range(24))
+    s = open_store(disk)
+    assert s.stats()["tiers"]["disk"]["recovery"] == "cold"
+    for i in ids:
+        assert s.put(keys([i]), blocks([i])).result(10) == [True]
+    s.flush(30)
+    on_disk = s.stats()["tiers"]["disk"]["indexed"]
+    assert on_disk >= 20
+    assert not manifest.exists()
+    s.close()
+    assert manifest.is_file()  # written at the clean close
+
+    s = open_store(disk)
+    st = s.stats()["tiers"]["disk"]
+    assert st["recovery"] == "manifest"
+    assert st["recovered"] == on_disk and st["indexed"] == on_disk
+    assert not manifest.exists()  # deleted before serving
+    assert check_disk_blocks(s, ids) == on_disk
+    assert s.stats()["corrupted"] == 0
+    s.close()
+    assert manifest.is_file()
+
+    # A process that opened from the manifest, wrote more, and was killed: no manifest is left,
+    # the next open scans every header (saying so on stderr) and finds every block.
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED.format(block=BLOCK))
+    proc = subprocess.Popen([sys.executable, str(script), str(disk)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "manifest"
+        assert proc.stdout.readline().strip() == "READY"
+    finally:
+        proc.kill()  # SIGKILL: no destructor, no manifest
+        assert proc.wait(30) == -9
+    assert not manifest.exists()
+    capfd.readouterr()
+    s = open_store(disk)
+    st = s.stats()["tiers"]["disk"]
+    assert st["recovery"] == "scan"
+    assert "no clean-shutdown manifest (last close was not clean): scanning 64 slot headers" in (
+        capfd.readouterr().err
+    )
+    assert st["recovered"] >= on_disk
+    assert check_disk_blocks(s, list(range(32))) == st["indexed"]
+    assert s.stats()["corrupted"] == 0
+    s.close()
