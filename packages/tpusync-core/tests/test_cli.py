@@ -81,6 +81,9 @@ def test_bench_tiers_json_schema(tmp_path):
     assert [r["keys"] for r in data["lookup"]] == [1000, 10000]
     for r in data["lookup"]:
         assert r["batch"] == 1024 and r["ns_per_key"] > 0 and r["us_single_key"] > 0
+    restart = data["restart"]
+    assert restart["slots"] == 1024 and restart["manifest_bytes"] > 1024 * 80
+    assert restart["manifest_open_s"] > 0 and restart["scan_open_s"] > 0
     session = data["long_session"]
     assert session["device_footprint_bounded"] is True
     assert session["verified_blocks"] == session["offloaded_blocks"] > 0
