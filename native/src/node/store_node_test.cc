@@ -332,6 +332,34 @@ TEST(StoreNode, DiskTierBelowDramHoldsWhatDramCannot) {
     EXPECT_EQ(st.disk_blocks_total, 64u);
     EXPECT_GE(st.disk_blocks_used, 20u);
   }
+  // The node's store closed cleanly: its disk tier left a manifest (tier/disk_tier.h CLEAN-CLOSE
+  // CONTRACT), and the next node on the directory takes it instead of scanning slot headers.
+  EXPECT_TRUE(std::filesystem::exists(dir / "manifest"));
+  {
+    auto node = StoreNode::Start({.capacity_bytes = 4 * kBlock,
+                                  .block_bytes = kBlock,
+                                  .disk_dir = dir.string(),
+                                  .disk_capacity_bytes = 64 * kBlock},
+                                 TestSecret());
+    ASSERT_TRUE(node.ok()) << node.status().ToString();
+    const auto disk = (*node)->store().stats().tiers.back();
+    EXPECT_EQ(disk.tier.recovery, "manifest");
+    EXPECT_GE(disk.tier.recovered, 20u);
+    EXPECT_FALSE(std::filesystem::exists(dir / "manifest"));
+    auto pool = MakePool(24);
+    auto client =
+        StoreClient::Create(pool, TestSecret(), {.nodes = {(*node)->address().ToString()}});
+    auto dst = *pool->Alloc(24);
+    auto got = (*client)->Get(Keys(24, "d"), dst);
+    ASSERT_TRUE(got.ok());
+    size_t hits = 0;
+    for (size_t i = 0; i < 24; ++i) {
+      if (!(*got)[i]) continue;
+      ++hits;
+      EXPECT_EQ((*pool->Address(dst[i]))[kBlock / 2], static_cast<uint8_t>(20 + i)) << i;
+    }
+    EXPECT_EQ(hits, disk.tier.recovered);
+  }
   std::filesystem::remove_all(dir);
 }
 
