@@ -308,7 +308,12 @@ class KVStore:
                 os.unlink(path)
 
     def close(self) -> None:
-        """Release the store (waits for operations in flight). A /dev/shm host tier persists."""
+        """Release the store (waits for operations in flight). A /dev/shm host tier persists.
+
+        A disk tier then writes its clean-shutdown manifest, so the next store on ``disk_dir``
+        takes its blocks without reading every slot header (docs/tiers.md); a process that dies
+        without closing leaves none and the next open scans the headers.
+        """
         self._native = None
 
     def __enter__(self) -> KVStore:
