@@ -154,7 +154,8 @@ Status ReadManifest(const std::string& dir, const DiskMeta& want,
   const ssize_t got = ReadAll(fd, &h, sizeof(h));
   if (got < 0) return Status::FromErrno(static_cast<int>(-got), StrCat("reading manifest ", path));
   if (got != static_cast<ssize_t>(sizeof(h))) {
-    return Status::Corrupted(StrCat("manifest is truncated (", got, " bytes, less than its header)"));
+    return Status::Corrupted(
+        StrCat("manifest is truncated (", got, " bytes, less than its header)"));
   }
   if (h.magic != kManifestMagic) return Status::Corrupted("manifest magic mismatch");
   if (h.version != kManifestVersion) {
@@ -168,9 +169,9 @@ Status ReadManifest(const std::string& dir, const DiskMeta& want,
     return Status::Corrupted("manifest was written under another tier.meta");
   }
   if (h.num_segments != stamps.size() || h.num_entries > num_blocks) {
-    return Status::Corrupted(StrCat("manifest lists ", h.num_entries, " blocks in ",
-                                    h.num_segments, " segments; the tier has ", num_blocks,
-                                    " slots in ", stamps.size()));
+    return Status::Corrupted(StrCat("manifest lists ", h.num_entries, " blocks in ", h.num_segments,
+                                    " segments; the tier has ", num_blocks, " slots in ",
+                                    stamps.size()));
   }
   const uint64_t expect = sizeof(ManifestHeader) + h.num_segments * sizeof(SegmentStamp) +
                           h.num_entries * sizeof(ManifestEntry);

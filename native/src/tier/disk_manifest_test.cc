@@ -230,12 +230,8 @@ TEST_P(DiskManifestDamage, FallsBackToTheScanAndStillRecoversEverything) {
   const std::string m = ManifestPath();
   const size_t size = fs::file_size(m);
   switch (damage) {
-    case Damage::kTruncated:
-      fs::resize_file(m, size - 7);
-      break;
-    case Damage::kPadded:
-      fs::resize_file(m, size + sizeof(ManifestEntry));
-      break;
+    case Damage::kTruncated: fs::resize_file(m, size - 7); break;
+    case Damage::kPadded: fs::resize_file(m, size + sizeof(ManifestEntry)); break;
     case Damage::kEntryByte: {
       const uint8_t x = 0x5a;
       Patch(m, size - sizeof(ManifestEntry) + 20, &x, 1);  // a key byte of the last entry
@@ -302,7 +298,7 @@ TEST_F(DiskManifestTest, AManifestOfAnotherTierMetaIsNotUsed) {
   EXPECT_FALSE(HasManifest());
   blocks_.clear();
   Write(*t, 100, 4, 1);
-  t.reset();  // no clean close
+  t.reset();                             // no clean close
   fs::copy_file(saved, ManifestPath());  // model-a's manifest beside model-b's tier
   fs::remove(saved);
   testing::internal::CaptureStderr();

@@ -244,8 +244,8 @@ void DiskTier::Recover() {
   if (s.ok()) s = ReadManifest(dir_, meta_, stamps, num_blocks_, &recovered_);
   const Status removed = RemoveManifest(dir_);
   if (s.ok() && !removed.ok()) {
-    s = Status::IOError(StrCat("the manifest cannot be deleted before serving (",
-                               removed.message(), ")"));
+    s = Status::IOError(
+        StrCat("the manifest cannot be deleted before serving (", removed.message(), ")"));
   }
   if (s.ok()) {
     for (const RecoveredBlock& b : recovered_) {
