@@ -89,7 +89,9 @@ def test_clean_close_reopens_from_the_manifest_and_a_sigkill_means_a_scan(tmp_pa
     # the next open scans every header (saying so on stderr) and finds every block.
     script = tmp_path / "killed.py"
     script.write_text(KILLED.format(block=BLOCK))
-    proc = subprocess.Popen([sys.executable, str(script), str(disk)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(disk)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "manifest"
         assert proc.stdout.readline().strip() == "READY"
