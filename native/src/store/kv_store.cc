@@ -141,6 +141,7 @@ Status KVStore::Start() {
   }
   if (tiers_.size() > 1) writeback_ = std::thread([this] { WritebackLoop(); });
   if (config_.write_through) wt_thread_ = std::thread([this] { WriteThroughLoop(); });
+  started_ = true;
   return Status::OK();
 }
 
@@ -162,6 +163,9 @@ KVStore::~KVStore() {
   // the batch it was writing and indexes it before it stops) and every Put / Get has completed,
   // so no write to any tier is in flight or can start: each tier now gets the blocks the index
   // places in it (the disk tier writes its manifest; a failure is counted and logged there).
+  // Only a store that started: one that failed in Open (a bad policy name, say) never indexed
+  // what its tiers recovered, and an empty manifest would make the next open forget them all.
+  if (!started_) return;
   for (auto& t : tiers_) {
     const Tier kind = t->kind();
     (void)t->CheckpointOnClose(

@@ -585,6 +585,30 @@ TEST_F(KVStoreManifest, WriteOrderAndTheSequenceCounterSurviveAManifestRestart) 
   EXPECT_LT(seq[Key(8)], seq[Key(9)]);
 }
 
+TEST_F(KVStoreManifest, AStoreThatFailedToOpenLeavesNoEmptyManifestBehind) {
+  auto s = Open(0, 16);
+  for (int i = 0; i < 6; ++i) Put(*s, {i});
+  s.reset();
+  ASSERT_TRUE(HasManifest());
+  {  // fails after its disk tier took (and deleted) the manifest, before indexing anything
+    tier::DiskTierOptions d;
+    d.directory = dir_;
+    d.block_bytes = kBytes;
+    d.num_blocks = 16;
+    d.segment_blocks = 8;
+    d.fingerprint = "m1";
+    std::vector<std::unique_ptr<tier::BlockTier>> tiers;
+    tiers.push_back(std::move(tier::DiskTier::Open(d).value()));
+    StoreConfig bad;
+    bad.policy = "no-such-policy";
+    ASSERT_FALSE(KVStore::Open(std::move(tiers), bad, engine_).ok());
+  }
+  EXPECT_FALSE(HasManifest());
+  s = Open(0, 16);
+  EXPECT_EQ(s->stats().tiers[0].tier.recovery, "scan");
+  EXPECT_EQ(Get(*s, {0, 1, 2, 3, 4, 5}), std::vector<uint8_t>(6, 1));
+}
+
 TEST_F(KVStoreManifest, CloseWhileOpsAndWriteBackAreInFlightListsOnlyCompletedBlocks) {
   auto s = Open(4, 64);
   std::vector<concurrency::Future> puts;

@@ -40,6 +40,12 @@
 //
 // WARM RESTART: Open() indexes every block the tiers recovered (in their write order, so LRU
 // survives), after the tiers themselves verified layout, fingerprint and checksums.
+//
+// CLEAN CLOSE: the destructor stops write-back and write-through (each finishes and indexes the
+// batch it is writing), waits for every Put / Get in flight, then gives each tier the keys the
+// index places in it (tier.h CLEAN-CLOSE HOOK): the disk tier writes its manifest, so the next
+// Open skips the header scan (tier/disk_tier.h RESTART CONTRACT). A process killed before that
+// leaves no manifest; the next Open scans.
 #pragma once
 
 #include <atomic>
@@ -238,6 +244,7 @@ class KVStore {
   std::unordered_set<std::string, block::BlockKeyHash, std::equal_to<>> demoting_;
   std::unordered_set<std::string, block::BlockKeyHash, std::equal_to<>> demote_failed_;
   uint64_t sequence_ = 1;
+  bool started_ = false;  // Start() indexed what the tiers recovered (CLEAN CLOSE in ~KVStore)
   std::condition_variable room_cv_;  // write-back made room / went idle
   std::condition_variable wb_cv_;    // wakes the write-back worker
   bool stop_ = false;
