@@ -122,8 +122,10 @@ Status ManifestWriter::Commit() {
   header_.num_entries = num_entries_;
   header_.body_checksum = sum_->Digest();
   header_.header_checksum = Checksum64(&header_, offsetof(ManifestHeader, header_checksum));
-  if (pwrite(fd_, &header_, sizeof(header_), 0) != static_cast<ssize_t>(sizeof(header_))) {
-    return Status::FromErrno(errno ? errno : ENOSPC, StrCat("writing manifest header ", tmp_));
+  const ssize_t n = pwrite(fd_, &header_, sizeof(header_), 0);
+  if (n < 0) return Status::FromErrno(errno, StrCat("writing manifest header ", tmp_));
+  if (n != static_cast<ssize_t>(sizeof(header_))) {
+    return Status::NoSpace(StrCat("writing manifest header ", tmp_, ": short write"));
   }
   if (fsync(fd_) != 0) return Status::FromErrno(errno, StrCat("fsync of manifest ", tmp_));
   close(fd_);
