@@ -259,6 +259,7 @@ def jax_trainer_main(spec: dict, q) -> None:
                 {"failed": rep.failed, "committed": rep.committed, "bytes": rep.bytes_sent},
                 held,
                 layouts,
+                v,
             )
         )
     t.close()

@@ -41,19 +41,35 @@ def rank0(dst, world=1, cls=TrainerSync, **kw):
     return trainer, {U.engine_name(n): lay for n, lay in dst.items()}
 
 
-def get(q, kind, timeout=60.0):
-    """The next item of ``kind`` from ``q``; items of other kinds wait for their own get."""
+def get(q, kind, timeout=60.0, match=None):
+    """The next item of ``kind`` from ``q`` (for which ``match(item)`` holds, if given); other
+    items wait for their own get. Items from different processes arrive in no set order (each
+    process's queue feeder thread writes when it gets to run), so tests that expect one item per
+    process and version say which with ``match``."""
     if not hasattr(q, "tpusync_stash"):
         q.tpusync_stash = []
     stash = q.tpusync_stash
+
+    def wanted(item):
+        return item[0] == kind and (match is None or match(item))
+
     for i, item in enumerate(stash):
-        if item[0] == kind:
+        if wanted(item):
             return stash.pop(i)
     while True:
         item = q.get(timeout=timeout)
-        if item[0] == kind:
+        if wanted(item):
             return item
         stash.append(item)
+
+
+def published_by_each_process(q, version, processes=2):
+    """The multi-controller JAX trainers' ("published", process, info, held, layouts, version)
+    item of ``version`` from each process, in process order."""
+    return [
+        get(q, "published", timeout=60, match=lambda it, p=p: it[1] == p and it[5] == version)
+        for p in range(processes)
+    ]
 
 
 def start_samplers(q, control, layouts_by_engine, replicas, world, updates, per=None, common=None):
@@ -504,7 +520,7 @@ def test_multicontroller_jax_2x2_mesh_to_tp4_torch_samplers():
             for (_replica, rank), info in got.items():
                 assert info["ok"] and info["version"] == v, info
                 assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32), rank
-            pubs = [get(q, "published", timeout=60) for _ in range(2)]
+            pubs = published_by_each_process(q, v)
             held = {p[1]: p[3] for p in pubs}
             assert sorted(held[0] + held[1]) == [0, 1, 2, 3]  # each process: its two devices
             sent = {p[1]: p[2]["bytes"] for p in pubs}
@@ -808,7 +824,7 @@ def test_multicontroller_jax_delta_sees_a_change_on_any_local_device():
                 assert info["ok"] and info["version"] == v, info
                 assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32), rank
                 assert info["bytes"] == own_bytes(eng, rank, names), (v, rank, names)
-            pubs = [get(q, "published", timeout=60) for _ in range(2)]
+            pubs = published_by_each_process(q, v)
             assert all(p[2]["failed"] == {} for p in pubs), pubs
     finally:
         join_all(procs, timeout=60)
