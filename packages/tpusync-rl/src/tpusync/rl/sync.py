@@ -1282,7 +1282,9 @@ class SamplerSync:
         self._beats(ann, deadline)
         # Children of the previous version that are no members of this one failed it or left:
         # what was forwarded to them will not be pulled (HEARTBEAT CONTRACT).
-        self._cancel_children(self._fwd_version, set(self._child_keys.values()) - set(ann["members"]))
+        self._cancel_children(
+            self._fwd_version, set(self._child_keys.values()) - set(ann["members"])
+        )
         try:
             dst = {n: _layout_from_wire(raw) for n, raw in ann["dst"].items()}
             mine = self.sub.layouts_by_trainer_name(manifest)
