@@ -612,12 +612,11 @@ class TrainerSync:
         (same host and pid namespace) that has not reported is checked about every 50 ms; once
         its process has exited (gone, a zombie, or its pid reused: :func:`_process_gone`) it
         counts as having reported a failure at once, so the buckets it held are freed and the
-        version ends without waiting for its deadline. A dead tree member's registered buckets are
-        cancelled with the transport (HEARTBEAT CONTRACT), so the next version never starts on a
-        pool still held for it. Rejected here: heartbeats alone (a timeout either fires on a slow,
-        live sampler or waits seconds for
-        a dead one; the kernel knows exactly) - for shared readers; any other sampler, on any
-        host, is found dead by its silence (HEARTBEAT CONTRACT, checked here too)."""
+        version ends without waiting for its deadline. Every other sampler, on any host, is found
+        dead by its heartbeat silence (HEARTBEAT CONTRACT, checked here too) and its registered
+        transport sends are cancelled, so the next version never starts on a pool still held for
+        it. Rejected for shared readers: the heartbeat alone (its timeout waits seconds for a dead
+        reader; the kernel knows at once)."""
         now = time.monotonic()
         if self._server is None or now < self._next_watch:
             return
@@ -1140,7 +1139,7 @@ class SamplerSync:
 
     def _beats(self, ann: dict, deadline: float) -> None:
         """Beat for ``ann``'s version (HEARTBEAT CONTRACT) until :meth:`_stop_beats`, or, once
-        the update ended (``self._beat_done``), until no forwarded send is pending any more (a
+        :meth:`_apply` marked the update done, until no forwarded send is pending any more (a
         beat reply names failed children, whose sends are then cancelled), or ``deadline``.
         Nothing when the trainer announced no silence timeout."""
         self._stop_beats()
