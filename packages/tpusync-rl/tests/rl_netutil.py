@@ -169,7 +169,13 @@ def trainer_rank_main(spec: dict, q) -> None:
             lay = spec["src_layouts"][name]
             tensors[name] = (shard(tensor, lay.box_of(spec["rank"])).clone(), lay)
         rep = t.publish(v, tensors)
-        q.put(("published", v, {"failed": rep.failed, "committed": rep.committed}))
+        q.put(
+            (
+                "published",
+                v,
+                {"failed": rep.failed, "committed": rep.committed, "seconds": rep.seconds},
+            )
+        )
     t.close()
 
 

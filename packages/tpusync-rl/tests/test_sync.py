@@ -362,6 +362,71 @@ def test_dead_middle_of_a_chain_is_reported_its_child_fails_and_the_rest_commit(
         trainer.close()
 
 
+def test_dead_sampler_is_cancelled_by_every_trainer_rank():
+    """Two trainer processes (TP=2) -> replicas 0 and 1 (fanout 2, both pull from both ranks):
+    replica 1 dies mid-version 2. Rank 0 finds its silence; rank 1, which has sends registered
+    for it too, learns it from rank 0 and cancels them, so both ranks return well before the
+    60 s deadline, and version 3 commits on replica 0."""
+    q = U.ctx().Queue()
+    src = tp_layouts(2, {})
+    dst = tp_layouts(1, {})
+    trainer, eng = rank0(
+        dst, 2, bucket_blocks=1, fanout=2, pool_bytes=2 << 20, deadline=60.0, silence=2.0
+    )
+    procs = start_samplers(
+        q,
+        trainer.control_address,
+        eng,
+        2,
+        1,
+        3,
+        common={"dtype": "float32"},
+        per={(1, 0): {"die_at_version": 2}},
+    )
+    rank1 = trainer_rank1(
+        q,
+        dst_layouts=dst,
+        src_layouts=src,
+        control=trainer.control_address,
+        block_bytes=BB,
+        bucket_blocks=1,
+        fanout=2,
+        pool_bytes=2 << 20,
+        deadline=60.0,
+        versions=[(1, 31), (2, 32), (3, 33)],
+    )
+    rank1.start()
+
+    def mine(seed):
+        full = U.full_weights(seed)
+        return {n: (U.shard(t, src[n].box_of(0)).clone(), src[n]) for n, t in full.items()}
+
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        assert trainer.publish(1, mine(31)).ok
+        collect(q, 2)
+        assert get(q, "published")[1] == 1
+        rep = trainer.publish(2, mine(32))
+        assert rep.committed == ["0:0"] and list(rep.failed) == ["1:0"], rep
+        assert "no heartbeat" in rep.failed["1:0"]
+        assert rep.seconds < 30.0, f"rank 0 waited {rep.seconds:.1f} s"
+        _, v, info = get(q, "published")
+        assert v == 2 and list(info["failed"]) == ["1:0"], info
+        assert info["seconds"] < 30.0, f"rank 1 waited {info['seconds']:.1f} s"
+        got = collect(q, 1)
+        assert got[(0, 0)]["ok"] and got[(0, 0)]["version"] == 2
+        rep3 = trainer.publish(3, mine(33))
+        assert rep3.ok and rep3.committed == ["0:0"], rep3
+        full = U.full_weights(33)
+        info = collect(q, 1)[(0, 0)]
+        assert info["ok"] and info["digest"] == U.expected_digest(full, eng, 0, torch.float32)
+        _, v, info = get(q, "published")
+        assert v == 3 and not info["failed"], info
+    finally:
+        join_all(procs + [rank1])
+        trainer.close()
+
+
 def test_trainer_dying_leaves_samplers_on_the_old_version():
     q = U.ctx().Queue()
     dst = tp_layouts(1, {})
