@@ -318,6 +318,24 @@ def test_sampler_dying_mid_update_is_reported_and_others_commit(caplog):
         trainer.close()
 
 
+def test_slow_live_sampler_keeps_beating_and_is_not_presumed_dead():
+    """HEARTBEAT CONTRACT: beats come from a thread of their own, so a sampler whose staging
+    takes several times the 1 s silence timeout (0.3 s per block) is not presumed dead."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(1, {})
+    trainer, eng = rank0(dst, bucket_blocks=1, deadline=60.0, silence=1.0)
+    procs = start_samplers(q, trainer.control_address, eng, 1, 1, 1, common={"stage_delay": 0.3})
+    try:
+        trainer.wait_for_samplers(1, timeout=30)
+        rep = trainer.publish(1, U.full_weights(5))
+        assert rep.ok and rep.committed == ["0:0"], rep
+        assert rep.seconds > 2.0  # it really was slower than the silence timeout
+        assert get(q, "update")[3]["ok"]
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
 def test_dead_middle_of_a_chain_is_reported_its_child_fails_and_the_rest_commit():
     """Chain trainer -> 0 -> 1 -> 2 (fanout 1, TCP): replica 1 dies after its first block of
     version 2. Replica 0 commits (and cancels what it forwarded to 1 once a beat reply names 1),
