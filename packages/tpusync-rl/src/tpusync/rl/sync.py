@@ -440,6 +440,7 @@ class TrainerSync:
         self._heard: dict[tuple[int, str], float] = {}
         self._failed_past: dict[int, dict[str, str]] = {}  # failed samplers of collected versions
         self._asked: tuple[float, dict[str, str]] = (0.0, {})
+        self._progress = 0.0  # ranks > 0: when a send was last registered or acknowledged
         self._released: set[tuple[tuple[int, int, int, int], str]] = set()  # (slot, reader)
         self.metrics = {"versions_published": 0, "bytes_sent": 0, "last_publish_s": 0.0}
         # STAGE TIMES of the last publish (seconds on this rank's publishing thread): waiting for
@@ -595,9 +596,12 @@ class TrainerSync:
                 pass  # it ended meanwhile (acknowledged or expired): nothing to free
 
     def _ask_failed(self, version: int) -> dict[str, str]:
-        """Ranks > 0: rank 0's failed samplers of ``version``, asked at most every 0.2 s."""
+        """Ranks > 0: rank 0's failed samplers of ``version``, asked at most every 0.2 s and
+        only while this rank's sends make no progress (0.5 s without a registration or an
+        acknowledgement: a round trip to rank 0 is not worth it while everyone keeps pulling)."""
         when, keys = self._asked
-        if time.monotonic() - when < 0.2 or self._client is None:
+        now = time.monotonic()
+        if now - when < 0.2 or now - self._progress < 0.5 or self._client is None:
             return keys
         try:
             reply = self._client.request({"op": "failed", "version": version}, timeout=1.0)
@@ -884,6 +888,7 @@ class TrainerSync:
         shared = {int(r): v for r, v in ann.get("shared", {}).items()}
         outstanding: dict[int, str] = {}
         self._ep.forget_sends()  # acknowledgements of earlier versions nobody waits for
+        self._asked, self._progress = (0.0, {}), time.monotonic()
         # Round-robin over streams so every sampler rank progresses at once.
         # FLOW CONTROL CONTRACT (no wait cycle between trainer pools and sampler windows): every
         # trainer rank registers its buckets in the order (bucket index, destination rank) and
@@ -964,6 +969,7 @@ class TrainerSync:
                     )
                     outstanding[rid] = _key(replica, r)
                     report.bytes_sent += (end - first) * self.block_bytes
+                    self._progress = time.monotonic()
             finally:
                 self._ep.pool.free(ids)  # the producer holds its own reference until acked
         return outstanding
@@ -1030,6 +1036,7 @@ class TrainerSync:
                 st = self._ep.take_send(rid)
                 if st is None:
                     continue
+                self._progress = time.monotonic()
                 key = left.pop(rid)
                 if st.failed and key not in report.failed:
                     report.failed[key] = f"transfer failed: {st.reason}"
