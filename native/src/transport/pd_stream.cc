@@ -126,6 +126,9 @@ struct PdProducer::Entry {
   Deadline deadline;
   uint64_t bytes = 0;
   std::vector<uint64_t> checksums;  // empty or one per block (CHECKSUM CONTRACT)
+  // mu_: links whose serving thread is pulling this request over TCP (sending it or waiting for
+  // its ack; CANCEL CONTRACT); each is removed by that thread before the link can go away.
+  std::set<Link*> sending;
 };
 
 Result<std::unique_ptr<PdProducer>> PdProducer::Start(std::shared_ptr<BlockAllocator> pool,
@@ -202,6 +205,25 @@ Status PdProducer::RegisterSend(uint64_t request_id, std::vector<BlockId> blocks
   e->blocks = std::move(blocks);
   entries_[request_id] = e;
   cv_.notify_all();
+  return Status::OK();
+}
+
+Status PdProducer::Cancel(uint64_t request_id, Status reason) {
+  if (reason.ok()) {
+    return Status::InvalidArgument(
+        StrCat("Cancel of request ", request_id, " needs a failure reason, not OK"));
+  }
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(request_id);
+  if (it == entries_.end()) {
+    return Status::NotFound(StrCat("cannot cancel request ", request_id,
+                                   ": it is not live on this producer (never registered, or "
+                                   "already acknowledged, expired or cancelled)"));
+  }
+  // CANCEL CONTRACT: shutdown (not close) is safe beside a sender blocked on the socket; the
+  // sender fails, releases its borrow and the slots recycle.
+  for (Link* l : it->second->sending) l->Close();
+  Finish(request_id, std::move(reason));
   return Status::OK();
 }
 
@@ -296,6 +318,7 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
   if (!n.ok() || !block_bytes.ok() || !wait_ms.ok() || !flags.ok() || !r.ExpectEnd().ok()) {
     return refuse(Status::InvalidArgument("malformed PdPull frame"));
   }
+  const bool shm_path = (*flags & kPullShmOk) && is_unix && shm_fd_.valid();
   std::shared_ptr<Entry> e;
   {
     std::unique_lock lock(mu_);
@@ -303,6 +326,13 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
                                                           options_.max_pull_wait);
     cv_.wait_for(lock, wait, [&] { return stop_ || entries_.count(id) > 0; });
     if (auto it = entries_.find(id); it != entries_.end()) e = it->second;
+    // The blocks stay owned by us (Retain at RegisterSend); the borrow keeps them valid even if
+    // the reaper expires or Cancel ends the request while the bytes are on the wire. Taken under
+    // mu_ while the request is registered, so its blocks still have an owner (CANCEL CONTRACT).
+    if (e && *n == e->blocks.size() && *block_bytes == pool_->block_bytes()) {
+      if (Status b = pool_->AcquireBorrow(e->blocks); !b.ok()) return b;
+      if (!shm_path) e->sending.insert(&link);
+    }
   }
   if (!e) {
     return refuse(Status::NotFound(
@@ -314,15 +344,28 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
                " bytes, the producer registered ", e->blocks.size(), " blocks of ",
                pool_->block_bytes(), " bytes")));
   }
-  // The blocks stay owned by us (Retain at RegisterSend); the borrow keeps them valid even if the
-  // reaper expires the request while the bytes are on the wire.
-  TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(e->blocks));
+  // A TCP pull stays in e->sending until it returns (its ack wait too: Cancel ends that as well).
+  struct Unhook {
+    PdProducer* self;
+    Entry* e;
+    Link* link;
+    ~Unhook() {
+      std::lock_guard lock(self->mu_);
+      e->sending.erase(link);
+    }
+  } unhook{this, e.get(), &link};
+  bool borrowed = true;
+  auto let_go = [&] {  // ends the borrow once
+    if (!borrowed) return;
+    borrowed = false;
+    pool_->ReleaseBorrow(e->blocks);
+  };
   std::vector<const uint8_t*> addrs;
   for (BlockId b : e->blocks) addrs.push_back(pool_->SlotAddress(BlockAllocator::SlotOf(b)));
   const uint64_t bb = pool_->block_bytes();
   const uint32_t groups = GroupsOf(addrs.size(), e->bpg);
   Status sent;
-  if ((*flags & kPullShmOk) && is_unix && shm_fd_.valid()) {
+  if (shm_path) {
     MetaWriter w;
     w.U64(pool_->host_pool().size()).U64(bb).U32(e->bpg).U32(static_cast<uint32_t>(addrs.size()));
     for (const uint8_t* a : addrs) w.U64(static_cast<uint64_t>(a - pool_->host_pool().data()));
@@ -437,18 +480,27 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
   for (size_t i = 0; i < link.streams.size() && sent.ok(); ++i) {
     sent = link.streams[i]->SendMeta(Op::kPdEnd, id, {}, e->deadline);
   }
-  pool_->ReleaseBorrow(e->blocks);
-  if (!sent.ok()) return sent;
+  // TCP: every byte left our blocks. Same-host: the consumer may still be copying out of them,
+  // so the borrow lasts until its ack or its socket closes (CANCEL CONTRACT).
+  if (!shm_path) let_go();
+  if (!sent.ok()) {
+    let_go();
+    return sent;
+  }
   {
     std::lock_guard lock(mu_);
     e->bytes += bb * addrs.size();
   }
   auto ack = s0.Expect(Op::kPdAck, e->deadline);
+  let_go();
   if (!ack.ok()) return ack.status();
   const Status verdict = DecodeStatus(ack->meta);
   std::lock_guard lock(mu_);
   if (verdict.ok()) {
-    Finish(id, Status::OK());
+    // Only this registration: after a Cancel (or an expiry) the id may have been registered anew.
+    if (auto it = entries_.find(id); it != entries_.end() && it->second == e) {
+      Finish(id, Status::OK());
+    }
     return Status::OK();
   }
   // The consumer failed (e.g. a corrupt block): keep the blocks until the deadline for a retry.

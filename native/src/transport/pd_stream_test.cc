@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -524,6 +525,142 @@ TEST(PdStream, SameHostPathCopiesLargeBlocksExactly) {
     ASSERT_TRUE(cpool->Free(dst).ok());
     ++id;
   }
+}
+
+// CANCEL CONTRACT: a cancelled send ends at once as failed with the given reason, reported once;
+// its blocks are free again, a second Cancel and a later pull find nothing.
+TEST(PdStream, CancelEndsASendAtOnceAndReportsItOnce) {
+  auto ppool = MakePool(4096, 8), cpool = MakePool(4096, 8);
+  auto producer =
+      PdProducer::Start(ppool, TestSecret(), {.max_pull_wait = std::chrono::milliseconds(100)});
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto src = *ppool->Alloc(4);
+  ASSERT_TRUE((*producer)->RegisterSend(41, src, 0, DeadlineInMs(60000)).ok());
+  ASSERT_TRUE((*producer)->RegisterSend(42, src, 0, DeadlineInMs(60000)).ok());
+  ASSERT_TRUE(ppool->Free(src).ok());
+  EXPECT_EQ((*producer)->Cancel(41, Status::OK()).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*producer)->Cancel(41, Status::Unavailable("sampler 2:0 is dead")).ok());
+  auto polled = (*producer)->Poll();
+  ASSERT_EQ(polled.size(), 2u);  // 41 failed (reported once), 42 still pending
+  const PdStatus& gone = polled[0].request_id == 41 ? polled[0] : polled[1];
+  EXPECT_EQ(gone.state, PdState::kFailed);
+  EXPECT_EQ(gone.reason.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(gone.reason.message(), "sampler 2:0 is dead");
+  for (const PdStatus& s : (*producer)->Poll()) EXPECT_EQ(s.request_id, 42u);
+  EXPECT_EQ((*producer)->pending(), 1u);
+  EXPECT_EQ(ppool->num_free(), 4u);  // 42 still holds the 4 blocks (one owner left)
+  EXPECT_EQ((*producer)->Cancel(41, Status::Cancelled("again")).code(), StatusCode::kNotFound);
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {});
+  auto dst = *cpool->Alloc(4);
+  auto got = (*consumer)->Recv(41, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(5000));
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->state, PdState::kFailed);
+  EXPECT_EQ(got->reason.code(), StatusCode::kNotFound) << got->reason.ToString();
+  ASSERT_TRUE((*producer)->Cancel(42, Status::Cancelled("version over")).ok());
+  EXPECT_EQ(ppool->num_free(), 8u);
+}
+
+// CANCEL CONTRACT, racing a pull in flight: the serving thread is between two frames (a slow
+// link) when Cancel drops the producer's reference. The borrow of that pull keeps the slots out
+// of the free list (a reuse attempt cannot get them) until the pull let go, which Cancel makes
+// happen at once (the link is shut down), not at the 60 s deadline.
+TEST(PdStream, CancelRacingAnInFlightPullNeverRecyclesBlocksUnderIt) {
+  constexpr size_t kBlock = 1 << 20, kBlocks = 8, kTotal = 12;
+  auto ppool = MakePool(kBlock, kTotal), cpool = MakePool(kBlock, kBlocks);
+  ServerOptions so;
+  so.wrap = [](std::unique_ptr<Stream> s, size_t) -> std::unique_ptr<Stream> {
+    return std::make_unique<FaultyStream>(std::move(s),
+                                          FaultPlan{.delay = std::chrono::milliseconds(150)});
+  };
+  auto producer = PdProducer::Start(ppool, TestSecret(), {.server = so});
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto src = *ppool->Alloc(kBlocks);
+  Fill(*ppool, src, 31);
+  ASSERT_TRUE((*producer)->RegisterSend(77, src, 1, DeadlineInMs(60000)).ok());
+  ASSERT_TRUE(ppool->Free(src).ok());
+  auto consumer =
+      PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
+  auto dst = *cpool->Alloc(kBlocks);
+  const auto t0 = Clock::now();
+  ASSERT_TRUE((*consumer)
+                  ->StartRecv(77, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(60000))
+                  .ok());
+  // The first group landed: the producer is mid-transfer (6 more frames, 150 ms apart per stream).
+  auto first = (*consumer)->Wait(77, 1, DeadlineInMs(20000));
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_EQ(first->state, PdState::kPending);
+  ASSERT_TRUE((*producer)->Cancel(77, Status::Unavailable("consumer presumed dead")).ok());
+  auto stats = ppool->stats();
+  // Either the pull still borrows the blocks (then none of them is free) or it already let go.
+  EXPECT_EQ(stats.num_free + stats.num_borrowed, kTotal);
+  if (stats.num_borrowed > 0) {
+    EXPECT_FALSE(ppool->Alloc(kTotal).ok());  // a reuse attempt cannot get the borrowed slots
+  }
+  bool sent_failed = false;
+  for (const PdStatus& s : (*producer)->Poll()) {
+    sent_failed |= s.request_id == 77 && s.state == PdState::kFailed &&
+                   s.reason.message() == "consumer presumed dead";
+  }
+  EXPECT_TRUE(sent_failed);
+  // The consumer's pull ends (the link was shut down) and the slots come back, long before the
+  // 60 s deadline.
+  const PdStatus got = WaitEnd(**consumer, 77);
+  EXPECT_EQ(got.state, PdState::kFailed);
+  for (int i = 0; i < 1000 && ppool->num_free() != kTotal; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(ppool->num_free(), kTotal);
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(20));
+  auto reuse = ppool->Alloc(kTotal);  // now every slot is reusable
+  ASSERT_TRUE(reuse.ok()) << reuse.status().ToString();
+  EXPECT_TRUE((*producer)->Poll().empty());  // reported once, nothing left
+}
+
+// CANCEL CONTRACT, same-host path: after the offer the consumer copies out of the producer's
+// segment, so a cancelled request's slots stay borrowed until the consumer acknowledged; its copy
+// is intact (the slots were not handed out under it).
+TEST(PdStream, CancelDuringASameHostCopyKeepsTheSlotsUntilTheConsumerIsDone) {
+  const std::string shm = "tpusync-pd-cancel-" + std::to_string(::getpid());
+  constexpr size_t kBlock = 1 << 20, kBlocks = 6;
+  auto ppool = MakePool(kBlock, kBlocks, shm), cpool = MakePool(kBlock, kBlocks);
+  PdProducerOptions po;
+  po.unix_path = "/tmp/" + shm + ".sock";
+  auto producer = PdProducer::Start(ppool, TestSecret(), po);
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto src = *ppool->Alloc(kBlocks);
+  Fill(*ppool, src, 91);
+  std::vector<uint64_t> sums;
+  for (BlockId b : src) sums.push_back(Checksum64(*ppool->Address(b), kBlock));
+  ASSERT_TRUE((*producer)->RegisterSend(88, src, 1, DeadlineInMs(60000), sums).ok());
+  ASSERT_TRUE(ppool->Free(src).ok());
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 1}});
+  auto dst = *cpool->Alloc(kBlocks);
+  std::atomic<bool> stop{false};
+  // Cancel as soon as the offer went out: the serving thread then holds only its borrow.
+  std::thread canceller([&] {
+    while (!stop.load()) {
+      if (ppool->stats().num_borrowed > 0) {
+        EXPECT_TRUE((*producer)->Cancel(88, Status::Cancelled("cancelled mid-copy")).ok());
+        // While the consumer may copy, its slots are not free.
+        auto st = ppool->stats();
+        EXPECT_EQ(st.num_free + st.num_borrowed, kBlocks);
+        return;
+      }
+      std::this_thread::yield();
+    }
+  });
+  auto got = (*consumer)->Recv(88, {{(*producer)->unix_address(), dst}}, DeadlineInMs(20000));
+  stop.store(true);
+  canceller.join();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  if (got->state == PdState::kDone) {  // the copy finished: every byte is the producer's
+    EXPECT_TRUE(got->shm);
+    EXPECT_EQ(got->checksums, sums);
+  }
+  for (int i = 0; i < 1000 && ppool->num_free() != kBlocks; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(ppool->num_free(), kBlocks);
 }
 
 }  // namespace

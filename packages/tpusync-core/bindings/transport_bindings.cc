@@ -104,6 +104,13 @@ void init_transport(nb::module_& m) {
           },
           nb::arg("request_id"), nb::arg("blocks"), nb::arg("deadline"),
           nb::arg("blocks_per_group") = 0, nb::arg("checksums") = std::vector<uint64_t>{})
+      .def(
+          "cancel",
+          [](PdProducer& p, uint64_t request_id, const std::string& reason) {
+            nb::gil_scoped_release release;
+            ThrowIfError(p.Cancel(request_id, Status::Cancelled(reason)));
+          },
+          nb::arg("request_id"), nb::arg("reason"))
       .def("poll",
            [](PdProducer& p) {
              std::vector<PdStatus> v;

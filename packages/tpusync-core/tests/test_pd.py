@@ -125,6 +125,28 @@ def test_register_send_errors_are_typed():
             prod.register_send(7, [ids[0] + (1 << 40)], deadline=10.0)
 
 
+def test_cancel_ends_a_send_at_once_reports_it_once_and_frees_its_blocks():
+    """CANCEL CONTRACT: a cancelled send is failed (code Cancelled, the caller's reason) in the
+    next poll only, its blocks are free again, and it cannot be cancelled twice (a pull of it is
+    refused: PdStream.CancelEndsASendAtOnceAndReportsItOnce in C++)."""
+    pool = tc.HostBlockPool(4096, 4)
+    with PdProducer(pool, secret=SECRET) as prod:
+        ids = pool.alloc(2)
+        prod.register_send(9, ids, deadline=60.0)
+        pool.free(ids)
+        assert pool.num_free == 2
+        with pytest.raises(ValueError, match="cancel needs a reason"):
+            prod.cancel(9, "")
+        prod.cancel(9, "sampler 1:0 presumed dead")
+        assert pool.num_free == 4
+        (st,) = prod.poll()
+        assert (st.request_id, st.state, st.code) == (9, "failed", "Cancelled")
+        assert st.reason.endswith("sampler 1:0 presumed dead"), st.reason
+        assert prod.poll() == [] and prod.pending == 0
+        with pytest.raises(tc.NotFoundError, match="cannot cancel request 9"):
+            prod.cancel(9, "again")
+
+
 def test_secret_comes_from_file_or_env(tmp_path, monkeypatch):
     f = tmp_path / "secret"
     f.write_bytes(SECRET + b"\n")

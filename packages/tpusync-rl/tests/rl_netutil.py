@@ -190,7 +190,12 @@ def trainer_rank_main(spec: dict, q) -> None:
         except Exception as e:  # noqa: BLE001 - the test checks what went wrong
             q.put(("publish_error", v, f"{type(e).__name__}: {e}"))
             continue
-        info = {"failed": rep.failed, "committed": rep.committed, "bytes": rep.bytes_sent}
+        info = {
+            "failed": rep.failed,
+            "committed": rep.committed,
+            "bytes": rep.bytes_sent,
+            "seconds": rep.seconds,
+        }
         q.put(("published", v, info))
     t.close()
 

@@ -295,12 +295,15 @@ def test_inplace_update_while_paused():
 
 
 def test_sampler_dying_mid_update_is_reported_and_others_commit(caplog):
-    """Three replicas, fanout 3 (all pull from the trainer): replica 2 dies after its first
-    block of version 2; the trainer names it, replicas 0 and 1 commit, and version 3 goes out
-    to the survivors only."""
+    """Three replicas, fanout 3 (all pull from the trainer over TCP): replica 2 dies after its
+    first block of version 2. Its silence gives it away (HEARTBEAT CONTRACT) long before the 60 s
+    deadline: the trainer names it, cancels the sends registered for it (its pool is free again
+    at once), replicas 0 and 1 commit, and version 3 goes out to the survivors only."""
     q = U.ctx().Queue()
     dst = tp_layouts(1, {})
-    trainer, eng = rank0(dst, bucket_blocks=1, fanout=3, pool_bytes=2 << 20, deadline=10.0)
+    trainer, eng = rank0(
+        dst, bucket_blocks=1, fanout=3, pool_bytes=2 << 20, deadline=60.0, silence=2.0
+    )
     procs = start_samplers(
         q, trainer.control_address, eng, 3, 1, 3, per={(2, 0): {"die_at_version": 2}}
     )
@@ -312,15 +315,149 @@ def test_sampler_dying_mid_update_is_reported_and_others_commit(caplog):
             rep = trainer.publish(2, U.full_weights(2))
         assert sorted(rep.committed) == ["0:0", "1:0"]
         assert list(rep.failed) == ["2:0"]
+        assert "no heartbeat" in rep.failed["2:0"], rep.failed
+        assert "presumed dead" in rep.failed["2:0"], rep.failed
+        assert rep.seconds < 30.0, f"waited {rep.seconds:.1f} s for a dead sampler"
         assert "sampler 2:0 failed version 2" in caplog.text
+        # Cancelled, not held until the deadline: the next version starts on a free pool.
+        assert trainer._ep.producer.pending == 0
+        assert trainer._ep.pool.num_free == trainer._ep.pool.num_blocks
         got = collect(q, 2)
         assert all(i["ok"] and i["version"] == 2 for i in got.values())
         assert procs[2].exitcode == 3 or not procs[2].is_alive()
         rep3 = trainer.publish(3, U.full_weights(3))
         assert rep3.ok and sorted(rep3.committed) == ["0:0", "1:0"]
+        assert rep3.seconds < 30.0
         collect(q, 2)
     finally:
         join_all(procs)
+        trainer.close()
+
+
+def test_slow_live_sampler_keeps_beating_and_is_not_presumed_dead():
+    """HEARTBEAT CONTRACT: beats come from a thread of their own, so a sampler whose staging
+    takes several times the 1 s silence timeout (0.3 s per block) is not presumed dead."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(1, {})
+    trainer, eng = rank0(dst, bucket_blocks=1, deadline=60.0, silence=1.0)
+    procs = start_samplers(q, trainer.control_address, eng, 1, 1, 1, common={"stage_delay": 0.3})
+    try:
+        trainer.wait_for_samplers(1, timeout=30)
+        rep = trainer.publish(1, U.full_weights(5))
+        assert rep.ok and rep.committed == ["0:0"], rep
+        assert rep.seconds > 2.0  # it really was slower than the silence timeout
+        assert get(q, "update")[3]["ok"]
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_dead_middle_of_a_chain_is_reported_its_child_fails_and_the_rest_commit():
+    """Chain trainer -> 0 -> 1 -> 2 (fanout 1, TCP): replica 1 dies after its first block of
+    version 2. Replica 0 commits (and cancels what it forwarded to 1 once a beat reply names 1),
+    replica 2 cannot get the version from its dead parent and is reported failed, all well
+    before the 60 s deadline; version 3 then runs over the chain 0 -> 2 and both commit."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(1, {})
+    trainer, eng = rank0(
+        dst, bucket_blocks=1, fanout=1, pool_bytes=2 << 20, deadline=60.0, silence=2.0
+    )
+    procs = start_samplers(
+        q, trainer.control_address, eng, 3, 1, 3, per={(1, 0): {"die_at_version": 2}}
+    )
+    try:
+        trainer.wait_for_samplers(3, timeout=30)
+        assert trainer.publish(1, U.full_weights(11)).ok
+        collect(q, 3)
+        rep = trainer.publish(2, U.full_weights(12))
+        assert rep.committed == ["0:0"], rep
+        assert sorted(rep.failed) == ["1:0", "2:0"], rep.failed
+        assert "no heartbeat" in rep.failed["1:0"], rep.failed
+        assert rep.seconds < 30.0, f"waited {rep.seconds:.1f} s for a dead chain member"
+        got = collect(q, 2)
+        assert got[(0, 0)]["ok"] and got[(0, 0)]["version"] == 2
+        assert not got[(2, 0)]["ok"] and got[(2, 0)]["serving"] == 1, got[(2, 0)]
+        assert got[(2, 0)]["waited"] < 30.0
+        # Replica 2 polls again and rejoins; replica 1 stays out.
+        assert trainer.wait_for_samplers(2, timeout=30) == ["0:0", "2:0"]
+        rep3 = trainer.publish(3, U.full_weights(13))
+        assert rep3.ok and sorted(rep3.committed) == ["0:0", "2:0"], rep3
+        got = collect(q, 2)
+        full = U.full_weights(13)
+        for key in ((0, 0), (2, 0)):
+            assert got[key]["ok"] and got[key]["version"] == 3
+            assert got[key]["digest"] == U.expected_digest(full, eng, 0, torch.bfloat16)
+        # Replica 0 cancelled what it had forwarded to the dead replica 1, so its close does not
+        # wait for those sends (DRAIN CONTRACT: up to 30 s) and it exits cleanly.
+        procs[0].join(20)
+        assert procs[0].exitcode == 0
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_dead_sampler_is_cancelled_by_every_trainer_rank():
+    """Two trainer processes (TP=2) -> replicas 0 and 1 (fanout 2, both pull from both ranks):
+    replica 1 dies mid-version 2. Rank 0 finds its silence; rank 1, which has sends registered
+    for it too, learns it from rank 0 and cancels them, so both ranks return well before the
+    60 s deadline, and version 3 commits on replica 0."""
+    q = U.ctx().Queue()
+    src = tp_layouts(2, {})
+    dst = tp_layouts(1, {})
+    trainer, eng = rank0(
+        dst, 2, bucket_blocks=1, fanout=2, pool_bytes=2 << 20, deadline=60.0, silence=2.0
+    )
+    procs = start_samplers(
+        q,
+        trainer.control_address,
+        eng,
+        2,
+        1,
+        3,
+        common={"dtype": "float32"},
+        per={(1, 0): {"die_at_version": 2}},
+    )
+    rank1 = trainer_rank1(
+        q,
+        dst_layouts=dst,
+        src_layouts=src,
+        control=trainer.control_address,
+        block_bytes=BB,
+        bucket_blocks=1,
+        fanout=2,
+        pool_bytes=2 << 20,
+        deadline=60.0,
+        versions=[(1, 31), (2, 32), (3, 33)],
+    )
+    rank1.start()
+
+    def mine(seed):
+        full = U.full_weights(seed)
+        return {n: (U.shard(t, src[n].box_of(0)).clone(), src[n]) for n, t in full.items()}
+
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        assert trainer.publish(1, mine(31)).ok
+        collect(q, 2)
+        assert get(q, "published")[1] == 1
+        rep = trainer.publish(2, mine(32))
+        assert rep.committed == ["0:0"] and list(rep.failed) == ["1:0"], rep
+        assert "no heartbeat" in rep.failed["1:0"]
+        assert rep.seconds < 30.0, f"rank 0 waited {rep.seconds:.1f} s"
+        _, v, info = get(q, "published")
+        assert v == 2 and list(info["failed"]) == ["1:0"], info
+        assert info["seconds"] < 30.0, f"rank 1 waited {info['seconds']:.1f} s"
+        got = collect(q, 1)
+        assert got[(0, 0)]["ok"] and got[(0, 0)]["version"] == 2
+        rep3 = trainer.publish(3, mine(33))
+        assert rep3.ok and rep3.committed == ["0:0"], rep3
+        full = U.full_weights(33)
+        info = collect(q, 1)[(0, 0)]
+        assert info["ok"] and info["digest"] == U.expected_digest(full, eng, 0, torch.float32)
+        _, v, info = get(q, "published")
+        assert v == 3 and not info["failed"], info
+    finally:
+        join_all(procs + [rank1])
         trainer.close()
 
 

@@ -34,6 +34,20 @@
 // forwarder re-hashed what it received, a pass per hop that also could not catch damage done in
 // a forwarder's memory.
 //
+// CANCEL CONTRACT: Cancel(request_id, reason) ends a registered send as failed at once (e.g. its
+// consumer was found dead by a layer above): Poll reports it once, kFailed with `reason`, like an
+// expiry, and the producer drops its reference on the blocks (OWNERSHIP CONTRACT). A pull of that
+// request already on a serving thread holds a borrow on the blocks (LIFETIME CONTRACT of
+// BlockAllocator), taken under the producer's lock while the request was still registered, so
+// the slots return to the free list only when the last such pull let go of them: never while a
+// socket send still reads them. Cancel shuts the TCP links serving the request down, so those
+// sends fail and let go at once instead of at the deadline. A same-host pull keeps its borrow
+// until the consumer acknowledges or its socket closes (at once when its process died): the
+// consumer copies straight out of our segment after the offer, and only its ack or its socket
+// says it stopped reading. A pull that arrives after Cancel is refused (kNotFound). Rejected
+// alternative: Cancel waits for in-flight pulls to end before it returns - a send to a dead host
+// blocks in the kernel until its deadline, which is the stall Cancel exists to end.
+//
 // SAME-HOST PATH: when the consumer reaches the producer through its Unix socket and the producer's
 // pool lives in /dev/shm, the producer passes the segment's file descriptor (SCM_RIGHTS) and block
 // offsets, and the consumer memcpys from the mapping; no TCP, no socket copy.
@@ -102,6 +116,10 @@ class PdProducer {
   // Checksum64 of each block (CHECKSUM CONTRACT), which the producer sends instead of hashing.
   Status RegisterSend(uint64_t request_id, std::vector<BlockId> blocks, uint32_t blocks_per_group,
                       Deadline deadline, std::vector<uint64_t> checksums = {});
+  // CANCEL CONTRACT: ends a registered send as failed with `reason` (which must not be OK) at
+  // once. kNotFound when `request_id` is not registered (never was, or already done / expired /
+  // cancelled: each request ends once).
+  Status Cancel(uint64_t request_id, Status reason);
   // Every request; terminal ones (done / failed) are reported once and then forgotten.
   std::vector<PdStatus> Poll();
   size_t pending() const;

@@ -145,8 +145,24 @@ class PdProducer:
             request_id, list(blocks), deadline, blocks_per_group, [int(c) for c in checksums]
         )
 
+    def cancel(self, request_id: int, reason: str) -> None:
+        """End registered send ``request_id`` as failed at once (e.g. its consumer is known dead).
+
+        :meth:`poll` reports it once, ``failed`` with code ``Cancelled`` and ``reason``; the
+        producer drops its reference on the blocks at once. A pull of it in flight keeps the
+        blocks' memory out of the pool until it let go (its TCP link is shut down at once; a
+        same-host consumer copying out of the segment keeps them until it acknowledged or its
+        socket closed), so a block is never refilled under a reader (CANCEL CONTRACT in
+        pd_stream.h). NotFoundError when ``request_id`` is not registered (never was, or it
+        already ended: acknowledged, expired or cancelled).
+        """
+        if not reason:
+            raise ValueError("cancel needs a reason (it is reported as the failure's reason)")
+        self._native.cancel(request_id, reason)
+
     def poll(self) -> list[PdResult]:
-        """Every request; ``done`` (acknowledged) and ``failed`` (expired) ones are reported once."""
+        """Every request; ``done`` (acknowledged) and ``failed`` (expired or cancelled) ones are
+        reported once."""
         return _results(self._native.poll())
 
     def close(self) -> None:

@@ -41,6 +41,26 @@ trainer rank 0 (:class:`PublishReport`) and dropped from the next version's tree
 again; the others commit. When the trainer dies, samplers' pulls fail by their deadline and they
 keep serving the version they have. A digest mismatch or a stale block rejects the update (logged,
 nothing committed); an announcement that does not follow the sampler's version is refused.
+
+HEARTBEAT CONTRACT (a sampler dying mid-update, on any host): while a sampler applies a version it
+sends a ``beat`` to trainer rank 0 on the control channel every ``silence / 4`` seconds, from a
+thread of its own (so a slow but live sampler keeps beating while its pulling thread waits or
+copies). Rank 0 counts a sampler that fetched the version and then stayed silent for ``silence``
+seconds (``TrainerSync(silence=)``, default 10 s, well below the deadline) as having reported a
+failure, like a process exit on the same host (EXIT WATCH CONTRACT). A sampler that failed
+either way has every transport send registered for it cancelled at once
+(``PdProducer.cancel``, CANCEL CONTRACT in pd_stream.h): each trainer rank cancels its own (ranks
+> 0 ask rank 0 which samplers failed), and a forwarding sampler cancels what it registered for a
+failed child when a beat reply names that child, so no pool stays held for a dead peer and the
+next version starts on free pools. Its fan-out descendants cannot get the version from it: a beat
+reply tells each of them to give up at once (they report the failure themselves, or fail on the
+lost connection first) and the others commit; the next version's tree leaves the dead sampler
+out until it polls again (a restarted sampler rejoins by polling). A sampler that dies before it
+fetched the announcement is still found out by the deadline. Rejected: connection loss seen by
+the producer (a host that died sends no FIN, links are pooled and idle between pulls, and the
+death of a forwarded-to child is seen by its parent sampler's producer, not by the trainer, so it
+would need relaying anyway) and a progress timeout on the pulling thread (it fires on a sampler
+that is slow, e.g. staging a large bucket, but alive).
 """
 
 from __future__ import annotations
@@ -380,9 +400,14 @@ class TrainerSync:
         deadline: float = 60.0,
         local_ranks: Sequence[int] | None = None,
         share: bool = True,
+        silence: float = 10.0,
     ) -> None:
         """``share`` (with ``same_host``): same-host samplers read this process's pool directly
-        (SHARED-SEGMENT CONTRACT) when it holds every trainer rank; False keeps them in the tree."""
+        (SHARED-SEGMENT CONTRACT) when it holds every trainer rank; False keeps them in the tree.
+        ``silence`` (rank 0): seconds without a heartbeat after which a sampler in the middle of
+        an update is presumed dead (HEARTBEAT CONTRACT); keep it well below ``deadline``."""
+        if not silence > 0:
+            raise ValueError(f"silence must be > 0 seconds, got {silence}")
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside world {world}")
         if fanout < 1:
@@ -400,6 +425,7 @@ class TrainerSync:
         self.rank, self.world, self.fanout = rank, world, fanout
         self.ranks = ranks
         self.deadline = deadline
+        self.silence = silence
         self.block_bytes, self.bucket_blocks = block_bytes, bucket_blocks
         self._dst = dict(dst_layouts)
         self._secret = secret if secret is not None else load_secret()
@@ -431,6 +457,13 @@ class TrainerSync:
         self._sharing: int | None = None
         self._quit: set[str] = set()  # readers that reported a failure of the shared version
         self._next_watch = 0.0  # EXIT WATCH CONTRACT: when to look at same-host samplers again
+        # HEARTBEAT CONTRACT (rank 0, under _lock): (version, key) -> when the sampler was last
+        # heard from while applying that version. Ranks > 0: when rank 0 was last asked which
+        # samplers failed, and its answer.
+        self._heard: dict[tuple[int, str], float] = {}
+        self._failed_past: dict[int, dict[str, str]] = {}  # failed samplers of collected versions
+        self._asked: tuple[float, dict[str, str]] = (0.0, {})
+        self._progress = 0.0  # ranks > 0: when a send was last registered or acknowledged
         self._released: set[tuple[tuple[int, int, int, int], str]] = set()  # (slot, reader)
         self.metrics = {"versions_published": 0, "bytes_sent": 0, "last_publish_s": 0.0}
         # STAGE TIMES of the last publish (seconds on this rank's publishing thread): waiting for
@@ -481,8 +514,26 @@ class TrainerSync:
                 if newer:
                     ann = self._announced[max(newer)]
                     if key in ann["members"]:
+                        self._heard[(int(ann["version"]), key)] = time.monotonic()
                         return ann
                 return {"op": "none"}
+            if op == "beat":  # HEARTBEAT CONTRACT
+                key = _key(int(msg["replica"]), int(msg["rank"]))
+                version = int(msg["version"])
+                failed = self._failed(version)
+                mine = self._reports.get(version, {}).get(key)
+                if mine is not None:  # reported (a committed parent still serves its children)
+                    if mine.get("ok"):
+                        return {"op": "ok", "failed": sorted(failed)}
+                    why = mine.get("reason") or "failed"
+                    return {"op": "abort", "reason": f"trainer rank 0 counts {key} failed: {why}"}
+                self._heard[(version, key)] = time.monotonic()
+                why = self._ancestor_failed(version, key, failed)
+                if why:
+                    return {"op": "abort", "reason": why}
+                return {"op": "ok", "failed": sorted(failed)}
+            if op == "failed":  # a trainer rank > 0 asks which samplers to stop sending to
+                return {"op": "failed", "keys": self._failed(int(msg["version"]))}
             if op == "get":
                 version = int(msg["version"])
                 if version in self._aborted:
@@ -610,21 +661,104 @@ class TrainerSync:
             if self._sharing == version:
                 self._quit.add(key)  # nor is it offered the buckets still to come
 
+    def _failed(self, version: int) -> dict[str, str]:
+        """Samplers that reported (or were found to have) failed ``version`` (lock held)."""
+        return {
+            **self._failed_past.get(version, {}),
+            **{
+                k: str(m.get("reason") or "failed")
+                for k, m in self._reports.get(version, {}).items()
+                if not m.get("ok")
+            },
+        }
+
+    def _ancestor_failed(self, version: int, key: str, failed: Mapping[str, str]) -> str | None:
+        """Why ``key`` cannot get ``version``: a failed ancestor in its fan-out tree (lock held)."""
+        ann = self._announced.get(version)
+        if ann is None or not failed:
+            return None
+        replica, rank = (int(x) for x in key.split(":"))
+        topo = [int(x) for x in ann["topo"].get(rank, [])]
+        while replica in topo:
+            parent, _slot = _parent(topo, replica, int(ann["fanout"]))
+            if parent is None:
+                return None
+            pkey = _key(parent, rank)
+            if pkey in failed:
+                return f"its parent {pkey} in the fan-out tree failed version {version}: {failed[pkey]}"
+            replica = parent
+        return None
+
+    def _watch_silence(self, ann: dict) -> None:
+        """HEARTBEAT CONTRACT (rank 0): a member heard from during ``ann``'s version that has not
+        reported and has been silent for ``silence`` seconds counts as failed."""
+        if self._server is None:
+            return
+        version = int(ann["version"])
+        now = time.monotonic()
+        with self._lock:
+            got = self._reports[version]
+            for key in ann["members"]:
+                last = self._heard.get((version, key))
+                if key in got or last is None or now - last <= self.silence:
+                    continue
+                why = (
+                    f"no heartbeat for {now - last:.1f} s during the update (silence timeout "
+                    f"{self.silence:g} s): sampler presumed dead"
+                )
+                self._record_report(version, key, {"ok": False, "reason": why})
+
+    def _drop_failed(self, ann: dict, outstanding: dict[int, str], report: PublishReport) -> None:
+        """HEARTBEAT CONTRACT: cancel this rank's sends to samplers that failed the version
+        (found dead, or reported a failure), so their blocks are free again at once."""
+        self._watch_exits(ann)
+        version = int(ann["version"])
+        if self._server is not None:
+            with self._lock:
+                failed = self._failed(version)
+        else:
+            failed = self._ask_failed(version)
+        for rid in [r for r, k in outstanding.items() if k in failed]:
+            key = outstanding.pop(rid)
+            report.failed.setdefault(key, failed[key])
+            try:
+                self._ep.producer.cancel(rid, f"sampler {key} failed version {version}")
+            except NotFoundError:
+                pass  # it ended meanwhile (acknowledged or expired): nothing to free
+
+    def _ask_failed(self, version: int) -> dict[str, str]:
+        """Ranks > 0: rank 0's failed samplers of ``version``, asked at most every 0.2 s and
+        only while this rank's sends make no progress (0.5 s without a registration or an
+        acknowledgement: a round trip to rank 0 is not worth it while everyone keeps pulling)."""
+        when, keys = self._asked
+        now = time.monotonic()
+        if now - when < 0.2 or now - self._progress < 0.5 or self._client is None:
+            return keys
+        try:
+            reply = self._client.request({"op": "failed", "version": version}, timeout=1.0)
+            keys = {str(k): str(v) for k, v in reply.get("keys", {}).items()}
+        except (TimeoutError, RuntimeError) as e:
+            log.debug("trainer rank %d: asking rank 0 for failed samplers: %s", self.rank, e)
+        self._asked = (time.monotonic(), keys)
+        return keys
+
     def _watch_exits(self, ann: dict) -> None:
         """EXIT WATCH CONTRACT (rank 0): while a version is in flight, a shared-segment reader
         (same host and pid namespace) that has not reported is checked about every 50 ms; once
         its process has exited (gone, a zombie, or its pid reused: :func:`_process_gone`) it
         counts as having reported a failure at once, so the buckets it held are freed and the
-        version ends without waiting for its deadline. Only shared readers: a dead tree member's
-        buckets stay registered with the transport until the deadline whatever the trainer
-        knows, so ending the version early would only start the next one on a pool still held
-        for the dead peer (it is found out by the deadline, as before). Rejected: heartbeats on
-        the control channel (a timeout either fires on a slow, live sampler or waits seconds for
-        a dead one; the kernel knows exactly)."""
+        version ends without waiting for its deadline. Every other sampler, on any host, is found
+        dead by its heartbeat silence (HEARTBEAT CONTRACT, checked here too) and its registered
+        transport sends are cancelled, so the next version never starts on a pool still held for
+        it. Rejected for shared readers: the heartbeat alone (its timeout waits seconds for a dead
+        reader; the kernel knows at once)."""
         now = time.monotonic()
-        if self._server is None or not ann.get("shared") or now < self._next_watch:
+        if self._server is None or now < self._next_watch:
             return
         self._next_watch = now + 0.05
+        self._watch_silence(ann)
+        if not ann.get("shared"):
+            return
         mine = self._ep.address
         version = int(ann["version"])
         readers = {_key(replica, int(r)) for r, reps in ann["shared"].items() for replica in reps}
@@ -784,6 +918,7 @@ class TrainerSync:
                 "block_bytes": self.block_bytes,
                 "bucket_blocks": self.bucket_blocks,
                 "deadline": self.deadline,
+                "silence": self.silence,
                 "fanout": self.fanout,
                 "trainers": {t: a for t, a in self._trainers.items()},
                 "members": members,
@@ -796,6 +931,10 @@ class TrainerSync:
             self._announced[manifest.version] = ann
             for old in [v for v in self._announced if v < manifest.version - 4]:
                 del self._announced[old]
+            for old in [vk for vk in self._heard if vk[0] < manifest.version - 4]:
+                del self._heard[old]
+            for old in [v for v in self._failed_past if v < manifest.version - 4]:
+                del self._failed_past[old]
             return ann
 
     # ---------------------------------------------------------------------------- publishing
@@ -926,6 +1065,7 @@ class TrainerSync:
         shared = {int(r): v for r, v in ann.get("shared", {}).items()}
         outstanding: dict[int, str] = {}
         self._ep.forget_sends()  # acknowledgements of earlier versions nobody waits for
+        self._asked, self._progress = (0.0, {}), time.monotonic()
         # Round-robin over streams so every sampler rank progresses at once.
         # FLOW CONTROL CONTRACT (no wait cycle between trainer pools and sampler windows): every
         # trainer rank registers its buckets in the order (bucket index, destination rank) and
@@ -960,7 +1100,9 @@ class TrainerSync:
             first, end = plan.buckets[b]
             t1 = time.monotonic()
             try:
-                ids = self._ep.alloc(end - first, deadline, lambda: self._watch_exits(ann))
+                ids = self._ep.alloc(
+                    end - first, deadline, lambda: self._drop_failed(ann, outstanding, report)
+                )
             except PoolExhaustedError:
                 # Children that never acknowledged hold the pool until the deadline: whoever has
                 # not got every bucket by now fails this version (reported), nobody waits longer.
@@ -996,12 +1138,15 @@ class TrainerSync:
                     self._offer((manifest.version, s, r, b), ids, sums, readers)
                     report.bytes_sent += len(readers) * (end - first) * self.block_bytes
                 for j, replica in enumerate(_children(topo.get(r, []), None, ann["fanout"])):
+                    if _key(replica, r) in report.failed:
+                        continue  # found dead or failed (HEARTBEAT CONTRACT): nobody would pull it
                     rid = request_id(manifest.version, s, r, j, b)
                     self._ep.producer.register_send(
                         rid, ids, max(deadline - time.monotonic(), 0), checksums=sums
                     )
                     outstanding[rid] = _key(replica, r)
                     report.bytes_sent += (end - first) * self.block_bytes
+                    self._progress = time.monotonic()
             finally:
                 self._ep.pool.free(ids)  # the producer holds its own reference until acked
         return outstanding
@@ -1061,22 +1206,18 @@ class TrainerSync:
         left = dict(outstanding)
         version = int(ann["version"])
         while (left or self._holding(version)) and time.monotonic() < deadline + 1.0:
-            if self._server is not None:  # rank 0: a sampler that reported a failure gave up
-                with self._lock:
-                    reps = dict(self._reports.get(version, {}))
-                for rid in [r for r, k in left.items() if k in reps and not reps[k].get("ok")]:
-                    why = reps[left[rid]].get("reason") or "rejected by the sampler"
-                    report.failed.setdefault(left.pop(rid), why)
+            # A sampler that reported a failure or was found dead gave up: its sends are cancelled.
+            self._drop_failed(ann, left, report)
             self._ep.poll_sends()
             for rid in list(left):
                 st = self._ep.take_send(rid)
                 if st is None:
                     continue
+                self._progress = time.monotonic()
                 key = left.pop(rid)
                 if st.failed and key not in report.failed:
                     report.failed[key] = f"transfer failed: {st.reason}"
             if left or self._holding(version):
-                self._watch_exits(ann)
                 time.sleep(0.002)
         for key in left.values():
             report.failed.setdefault(key, "transfer not acknowledged by the deadline")
@@ -1110,6 +1251,8 @@ class TrainerSync:
                 )
                 report.failed[key] = why
                 self._members.pop(key, None)  # out of the next tree until it polls again
+            # Parents still serving their children ask after the version ended (HEARTBEAT CONTRACT).
+            self._failed_past[version] = {k: str(w) for k, w in report.failed.items()}
 
     def close(self) -> None:
         if self._server is not None:
@@ -1161,10 +1304,89 @@ class SamplerSync:
         # On the shared-segment path wire_wait_s is the wait for the trainer to fill a bucket
         # and stage_s includes verifying the trainer's blocks (shadow mode: in the staging pass).
         self.stages = {"wire_wait_s": 0.0, "forward_s": 0.0, "stage_s": 0.0}
+        # HEARTBEAT CONTRACT: beats go over a client of their own (the pulling thread's long polls
+        # and reports must not delay them); a beat reply may abort the update (_abort) or name
+        # failed children, whose forwarded sends are then cancelled (state under _fwd_lock).
+        self._control = control
+        self._beat_client: ControlClient | None = None
+        self._abort: str | None = None
+        self._beating: tuple[threading.Thread, threading.Event, threading.Event] | None = None
+        self._fwd_lock = threading.Lock()
+        self._fwd: dict[int, list[int]] = {}  # child index -> request ids registered for it
+        self._child_keys: dict[int, str] = {}
+        self._dead_children: set[int] = set()
+        self._fwd_version = 0
 
     @property
     def version(self) -> int:
         return self.sub.version
+
+    def _beats(self, ann: dict, deadline: float) -> None:
+        """Beat for ``ann``'s version (HEARTBEAT CONTRACT) until :meth:`_stop_beats`, or, once
+        :meth:`_apply` marked the update done, until no forwarded send is pending any more (a
+        beat reply names failed children, whose sends are then cancelled), or ``deadline``.
+        Nothing when the trainer announced no silence timeout."""
+        self._stop_beats()
+        silence = ann.get("silence")
+        if not silence:
+            return
+        if self._beat_client is None:
+            self._beat_client = ControlClient(self._secret, self._control)
+        client, version, interval = self._beat_client, int(ann["version"]), float(silence) / 4
+        stop, done = threading.Event(), threading.Event()
+        msg = {"op": "beat", "version": version, "replica": self.replica, "rank": self.sub.rank}
+
+        def run() -> None:
+            while not stop.wait(interval):
+                if time.monotonic() >= deadline or (
+                    done.is_set() and self._ep.producer.pending == 0
+                ):
+                    return
+                try:
+                    reply = client.request(msg, timeout=max(interval, 0.5))
+                except (TimeoutError, RuntimeError) as e:
+                    log.debug("sampler %d:%d: beat failed: %s", self.replica, self.sub.rank, e)
+                    continue
+                if reply.get("op") == "abort":
+                    self._abort = str(reply.get("reason") or "aborted by trainer rank 0")
+                elif reply.get("failed"):
+                    self._cancel_children(version, {str(k) for k in reply["failed"]})
+
+        thread = threading.Thread(target=run, name="tpusync-rl-beat", daemon=True)
+        thread.start()
+        self._beating = (thread, stop, done)
+
+    def _stop_beats(self) -> None:
+        if self._beating is not None:
+            thread, stop, _done = self._beating
+            self._beating = None
+            stop.set()
+            thread.join(timeout=5)
+
+    def _cancel_children(self, version: int, failed: set[str]) -> None:
+        """Cancel every send forwarded to a child that failed ``version`` and forward it no more
+        (HEARTBEAT CONTRACT): the blocks held for it go back to this sampler's pool at once."""
+        with self._fwd_lock:
+            for j, key in self._child_keys.items():
+                if key not in failed or j in self._dead_children:
+                    continue
+                self._dead_children.add(j)
+                for rid in self._fwd.get(j, ()):
+                    try:
+                        self._ep.producer.cancel(rid, f"child {key} failed version {version}")
+                    except NotFoundError:
+                        pass  # already acknowledged or expired
+                log.warning(
+                    "sampler %d:%d: child %s failed version %d: forwarding to it stopped",
+                    self.replica,
+                    self.sub.rank,
+                    key,
+                    version,
+                )
+
+    def _check_abort(self) -> None:
+        if self._abort is not None:
+            raise UpdateRejectedError(self._abort)
 
     def update(self, timeout: float) -> UpdateResult | None:
         """Wait up to ``timeout`` s for a version newer than ours and apply it.
@@ -1239,6 +1461,13 @@ class SamplerSync:
             return result
         forwarded = 0
         path = ""
+        self._abort = None
+        self._beats(ann, deadline)
+        # Children of the previous version that are no members of this one failed it or left:
+        # what was forwarded to them will not be pulled (HEARTBEAT CONTRACT).
+        self._cancel_children(
+            self._fwd_version, set(self._child_keys.values()) - set(ann["members"])
+        )
         try:
             dst = {n: _layout_from_wire(raw) for n, raw in ann["dst"].items()}
             mine = self.sub.layouts_by_trainer_name(manifest)
@@ -1285,6 +1514,8 @@ class SamplerSync:
             log.error("sampler %d:%d rejects version %d: %s", self.replica, me, version, e)
             result = UpdateResult(version, False, str(e), time.monotonic() - t0, 0, forwarded, path)
         self._report(result)
+        if self._beating is not None:
+            self._beating[2].set()  # beats go on while forwarded sends are pending
         return result
 
     def _pull(
@@ -1310,6 +1541,11 @@ class SamplerSync:
         forwarded = 0
         stages = self.stages = dict.fromkeys(self.stages, 0.0)
         finished: dict[int, Any] = {}  # terminal statuses polled before their turn
+        with self._fwd_lock:
+            self._fwd_version = version
+            self._fwd = {j: [] for j in range(len(children))}
+            self._child_keys = {j: _key(child, me) for j, child in enumerate(children)}
+            self._dead_children = set()
 
         def start(block: bool = False) -> bool:
             s, b = queue[0]
@@ -1317,7 +1553,11 @@ class SamplerSync:
             # POOL CONTRACT: with buckets in flight, never block on the pool (only finishing them
             # frees blocks); with none, wait for the children's pulls to release forwarded ones.
             try:
-                ids = ep.alloc(end - first, deadline) if block else ep.pool.alloc(end - first)
+                ids = (
+                    ep.alloc(end - first, deadline, self._check_abort)
+                    if block
+                    else ep.pool.alloc(end - first)
+                )
             except PoolExhaustedError:
                 if block:
                     raise
@@ -1368,13 +1608,18 @@ class SamplerSync:
                 # Forward first (the children's pulls overlap our staging), then stage.
                 t1 = time.monotonic()
                 for j, _child in enumerate(children):
-                    # The trainer's checksums travel on: every hop checks the origin's hash.
-                    ep.producer.register_send(
-                        request_id(version, s, me, j, b),
-                        ids,
-                        max(deadline - time.monotonic(), 0),
-                        checksums=st.checksums,
-                    )
+                    with self._fwd_lock:
+                        if j in self._dead_children:
+                            continue  # failed this version (HEARTBEAT CONTRACT)
+                        # The trainer's checksums travel on: every hop checks the origin's hash.
+                        fwd_rid = request_id(version, s, me, j, b)
+                        ep.producer.register_send(
+                            fwd_rid,
+                            ids,
+                            max(deadline - time.monotonic(), 0),
+                            checksums=st.checksums,
+                        )
+                        self._fwd[j].append(fwd_rid)
                     forwarded += 1
                 t2 = time.monotonic()
                 stages["forward_s"] += t2 - t1
@@ -1392,9 +1637,16 @@ class SamplerSync:
 
     def _wait(self, rid: int, finished: dict[int, Any], deadline: float) -> Any:
         """The terminal status of request ``rid`` (a consumer forgets a request once polled)."""
-        if rid not in finished:
+        while rid not in finished:
+            self._check_abort()  # HEARTBEAT CONTRACT: a failed ancestor ends the wait at once
             try:
-                st = self._ep.consumer.wait(rid, timeout=max(deadline - time.monotonic(), 0.0))
+                st = self._ep.consumer.wait(
+                    rid, timeout=min(max(deadline - time.monotonic(), 0.0), 0.2)
+                )
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                continue
             except NotFoundError:
                 if rid not in finished:
                     raise
@@ -1608,7 +1860,10 @@ class SamplerSync:
                 self.sub.rank,
                 left,
             )
+        self._stop_beats()
         self._hashers.shutdown(wait=True)
         self._unmap()
         self._client.close()
+        if self._beat_client is not None:
+            self._beat_client.close()
         self._ep.close()
