@@ -28,7 +28,8 @@
 //   7: kvcache.weights.HostWeights (one class for the torch and jax weight-sync device sides);
 //      copy_checksum64 and Checksum64Stream (update, copy_update with keep_in_cache, digest).
 //   8: Checksum64Stream.cast_update (float32 -> bfloat16 staging in the hash pass); disk tier
-//      clean-shutdown manifest (tier stats "recovery": cold / scan / manifest, "manifest_errors").
+//      clean-shutdown manifest (tier stats "recovery": cold / scan / manifest, "manifest_errors");
+//      PdProducer.cancel (end a registered send at once, its blocks freed when no pull holds them).
 #pragma once
 
 namespace tpusync {
