@@ -63,6 +63,46 @@ def get(q, kind, timeout=60.0, match=None):
         stash.append(item)
 
 
+def start_jax_trainers(q, dst, versions, updates):
+    """Two multi-controller JAX trainer processes (``jax.distributed``, 2 CPU devices each) that
+    publish ``versions`` to ``dst`` layouts, and four float32 torch sampler ranks (one replica)
+    taking ``updates`` versions; returns every process once the trainers were told to go."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = {
+        "coordinator": f"127.0.0.1:{port}",
+        "processes": 2,
+        "dst_layouts": dst,
+        "block_bytes": BB,
+        "samplers": 4,
+        "versions": versions,
+    }
+    control_q = U.ctx().Queue()
+    procs = [
+        U.ctx().Process(
+            target=U.jax_trainer_main,
+            args=({**base, "process": i, "control_q": control_q}, q),
+            daemon=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        control = get(q, "control", timeout=180)[1]
+        control_q.put(control)
+        eng = {U.engine_name(n): lay for n, lay in dst.items()}
+        procs += start_samplers(q, control, eng, 1, 4, updates, common={"dtype": "float32"})
+        control_q.put("go")
+    except BaseException:
+        join_all(procs, timeout=10)
+        raise
+    return procs
+
+
 def published_by_each_process(q, version, processes=2):
     """The multi-controller JAX trainers' ("published", process, info, held, layouts, version)
     item of ``version`` from each process, in process order."""
@@ -619,39 +659,13 @@ def test_multicontroller_jax_2x2_mesh_to_tp4_torch_samplers():
     mesh; each sends only its own devices' shards; four torch sampler ranks (a 1 x 4 split on
     dim 1, a different layout) end with exactly their shards, for two versions."""
     pytest.importorskip("jax")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     q = U.ctx().Queue()
     dst = tp_layouts(4, {n: 1 for n, shape in U.SHAPES.items() if len(shape) == 2})
     eng = {U.engine_name(n): lay for n, lay in dst.items()}
-    base = {
-        "coordinator": f"127.0.0.1:{port}",
-        "processes": 2,
-        "dst_layouts": dst,
-        "block_bytes": BB,
-        "samplers": 4,
-        "versions": [(1, 61), (2, 62)],
-    }
-    control_q = U.ctx().Queue()
-    procs = [
-        U.ctx().Process(
-            target=U.jax_trainer_main,
-            args=({**base, "process": i, "control_q": control_q}, q),
-            daemon=True,
-        )
-        for i in range(2)
-    ]
-    for p in procs:
-        p.start()
+    versions = [(1, 61), (2, 62)]
+    procs = start_jax_trainers(q, dst, versions, updates=2)
     try:
-        control = get(q, "control", timeout=180)[1]
-        control_q.put(control)
-        procs += start_samplers(q, control, eng, 1, 4, 2, common={"dtype": "float32"})
-        control_q.put("go")
-        for v, seed in base["versions"]:
+        for v, seed in versions:
             got = collect(q, 4, timeout=120)
             full = U.full_weights(seed)
             for (_replica, rank), info in got.items():
@@ -919,41 +933,15 @@ def test_multicontroller_jax_delta_sees_a_change_on_any_local_device():
     element of device 0. Each delta carries just that leaf from both processes (AGREEMENT
     CONTRACT over every local shard), and the four torch samplers end bit-equal."""
     pytest.importorskip("jax")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     q = U.ctx().Queue()
     dst = tp_layouts(4, {n: 1 for n, shape in U.SHAPES.items() if len(shape) == 2})
     eng = {U.engine_name(n): lay for n, lay in dst.items()}
     dev3 = [("layers.0.w", (150, 200), 1.0)]  # mesh (x=1, y=1): rows 96.., columns 128..
     dev0 = dev3 + [("embed", (3, 4), -1.0)]  # mesh (0, 0)
     steps = [(1, [], sorted(U.SHAPES)), (2, dev3, ["layers.0.w"]), (3, dev0, ["embed"])]
-    base = {
-        "coordinator": f"127.0.0.1:{port}",
-        "processes": 2,
-        "dst_layouts": dst,
-        "block_bytes": BB,
-        "samplers": 4,
-        "versions": [(v, 63, {"delta": True, "bumps": b}) for v, b, _ in steps],
-    }
-    control_q = U.ctx().Queue()
-    procs = [
-        U.ctx().Process(
-            target=U.jax_trainer_main,
-            args=({**base, "process": i, "control_q": control_q}, q),
-            daemon=True,
-        )
-        for i in range(2)
-    ]
-    for p in procs:
-        p.start()
+    versions = [(v, 63, {"delta": True, "bumps": b}) for v, b, _ in steps]
+    procs = start_jax_trainers(q, dst, versions, updates=3)
     try:
-        control = get(q, "control", timeout=180)[1]
-        control_q.put(control)
-        procs += start_samplers(q, control, eng, 1, 4, 3, common={"dtype": "float32"})
-        control_q.put("go")
         for v, bumps, names in steps:
             got = collect(q, 4, timeout=120)
             full = U.full_weights(63, bumps)
