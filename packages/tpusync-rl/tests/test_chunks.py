@@ -146,14 +146,21 @@ def test_version_skew_refused():
         pubs[0].prepare(3, shards[0])
 
 
+def push_committed(version, full, subs):
+    """A full update pushed, recorded as published by every trainer rank (the base of the next
+    delta) and committed by every sampler; returns the publishers and the trainer shards."""
+    m, pubs, shards = push(version, full, subs)
+    for p in pubs:
+        p.published(m, shards[p.rank])
+    for s in subs:
+        s.commit()
+    return pubs, shards
+
+
 def test_delta_update_sends_only_changed_tensors():
     subs = make_samplers(dtype=torch.float32)
     full = full_weights(1)
-    m1, pubs, shards = push(1, full, subs)
-    for p in pubs:
-        p.published(m1, shards[p.rank])
-    for s in subs:
-        s.commit()
+    pubs, _ = push_committed(1, full, subs)
     full2 = dict(full)
     full2["embed"] = full["embed"] + 1
     m2, _, _ = push(2, full2, subs, delta=True, publishers=pubs)
@@ -173,11 +180,7 @@ def test_multi_rank_delta_sends_the_union_of_the_changed_sets():
     samplers end bit-equal. A process holding several ranks digests every one of its shards."""
     subs = make_samplers(dtype=torch.float32)
     full = full_weights(1)
-    m1, pubs, shards = push(1, full, subs)
-    for p in pubs:
-        p.published(m1, shards[p.rank])
-    for s in subs:
-        s.commit()
+    pubs, shards = push_committed(1, full, subs)
     full2 = dict(full)
     full2["embed"] = full["embed"].clone()
     full2["embed"][10, 2] += 1  # rows 6..11: rank 1's shard
