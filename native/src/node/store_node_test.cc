@@ -303,12 +303,15 @@ TEST(StoreNode, DiskTierBelowDramHoldsWhatDramCannot) {
   const auto dir =
       std::filesystem::temp_directory_path() / ("tpusync-node-disk-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
+  auto start = [&] {
+    return StoreNode::Start({.capacity_bytes = 4 * kBlock,
+                             .block_bytes = kBlock,
+                             .disk_dir = dir.string(),
+                             .disk_capacity_bytes = 64 * kBlock},
+                            TestSecret());
+  };
   {
-    auto node = StoreNode::Start({.capacity_bytes = 4 * kBlock,
-                                  .block_bytes = kBlock,
-                                  .disk_dir = dir.string(),
-                                  .disk_capacity_bytes = 64 * kBlock},
-                                 TestSecret());
+    auto node = start();
     ASSERT_TRUE(node.ok()) << node.status().ToString();
     auto pool = MakePool(48);
     auto client =
@@ -336,11 +339,7 @@ TEST(StoreNode, DiskTierBelowDramHoldsWhatDramCannot) {
   // CONTRACT), and the next node on the directory takes it instead of scanning slot headers.
   EXPECT_TRUE(std::filesystem::exists(dir / "manifest"));
   {
-    auto node = StoreNode::Start({.capacity_bytes = 4 * kBlock,
-                                  .block_bytes = kBlock,
-                                  .disk_dir = dir.string(),
-                                  .disk_capacity_bytes = 64 * kBlock},
-                                 TestSecret());
+    auto node = start();
     ASSERT_TRUE(node.ok()) << node.status().ToString();
     const auto disk = (*node)->store().stats().tiers.back();
     EXPECT_EQ(disk.tier.recovery, "manifest");

@@ -456,6 +456,17 @@ class KVStoreManifest : public ::testing::Test {
     std::atomic<uint64_t>* ops_;
   };
 
+  // The disk tier in dir_: segments of 8 slots, fingerprint "m1".
+  tier::DiskTierOptions DiskOptions(size_t disk_blocks) {
+    tier::DiskTierOptions d;
+    d.directory = dir_;
+    d.block_bytes = kBytes;
+    d.num_blocks = disk_blocks;
+    d.segment_blocks = 8;
+    d.fingerprint = "m1";
+    return d;
+  }
+
   // A store over an anonymous host tier (0: none) and a disk tier in dir_; io_ops_ counts the
   // disk tier's I/O from its Open on.
   std::unique_ptr<KVStore> Open(size_t host_blocks, size_t disk_blocks) {
@@ -466,12 +477,7 @@ class KVStoreManifest : public ::testing::Test {
       h.num_blocks = host_blocks;
       tiers.push_back(std::move(tier::HostTier::Open(h).value()));
     }
-    tier::DiskTierOptions d;
-    d.directory = dir_;
-    d.block_bytes = kBytes;
-    d.num_blocks = disk_blocks;
-    d.segment_blocks = 8;
-    d.fingerprint = "m1";
+    tier::DiskTierOptions d = DiskOptions(disk_blocks);
     d.wrap_io = [this](std::unique_ptr<tier::IoBackend> in) -> std::unique_ptr<tier::IoBackend> {
       return std::make_unique<CountingIo>(std::move(in), &io_ops_);
     };
@@ -569,12 +575,7 @@ TEST_F(KVStoreManifest, WriteOrderAndTheSequenceCounterSurviveAManifestRestart) 
   EXPECT_EQ(found, (std::vector<uint8_t>{0, 0, 1, 1, 1, 1, 1, 1, 1, 1}));
   s.reset();
   // Look at the sequences the next open recovers (through the manifest written just now).
-  tier::DiskTierOptions d;
-  d.directory = dir_;
-  d.block_bytes = kBytes;
-  d.num_blocks = 8;
-  d.segment_blocks = 8;
-  d.fingerprint = "m1";
+  tier::DiskTierOptions d = DiskOptions(8);
   auto disk = std::move(tier::DiskTier::Open(d).value());
   EXPECT_EQ(disk->stats().recovery, "manifest");
   std::map<std::string, uint64_t> seq;
@@ -591,12 +592,7 @@ TEST_F(KVStoreManifest, AStoreThatFailedToOpenLeavesNoEmptyManifestBehind) {
   s.reset();
   ASSERT_TRUE(HasManifest());
   {  // fails after its disk tier took (and deleted) the manifest, before indexing anything
-    tier::DiskTierOptions d;
-    d.directory = dir_;
-    d.block_bytes = kBytes;
-    d.num_blocks = 16;
-    d.segment_blocks = 8;
-    d.fingerprint = "m1";
+    tier::DiskTierOptions d = DiskOptions(16);
     std::vector<std::unique_ptr<tier::BlockTier>> tiers;
     tiers.push_back(std::move(tier::DiskTier::Open(d).value()));
     StoreConfig bad;
