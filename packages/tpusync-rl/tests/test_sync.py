@@ -7,6 +7,7 @@ pieces across blocks and buckets, so the packing, pipelining and window paths al
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -781,6 +782,49 @@ def test_tp2_trainer_delta_sends_the_union_of_the_ranks_changed_sets():
         assert 0 < sent[2] < sent[1] and sent[4] == 0, sent
     finally:
         join_all(procs + ([rank1] if rank1.pid is not None else []))
+        trainer.close()
+
+
+@pytest.mark.parametrize("trainer_processes", [1, 2])
+def test_sampler_that_joins_late_gets_a_full_update_instead_of_a_delta_it_cannot_apply(
+    trainer_processes,
+):
+    """LAGGING SAMPLERS: a sampler replica that joins after version 1 holds no base for a delta
+    on version 1, so rank 0 turns version 2 (one element changed, delta=True) into a full update
+    and every sampler commits it, the late ones included; version 3 is a delta again (every
+    sampler now holds version 2). With one trainer process and with two (AGREEMENT CONTRACT)."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {"embed": 1})
+    seed = 73
+    steps = [(1, []), (2, ONLY_RANK1), (3, ONLY_RANK1 + ONLY_RANK0)]
+    if trainer_processes == 2:
+        versions = [(v, seed, {"delta": True, "bumps": b}) for v, b in steps]
+        src, trainer, eng, rank1 = tp2_delta_group(q, dst, versions)
+        mine = functools.partial(rank0_shards, src)
+    else:
+        (trainer, eng), rank1 = rank0(dst, deadline=30.0), None
+        mine = dict  # one process holds every tensor whole
+    procs = start_samplers(q, trainer.control_address, eng, 1, 2, 3, common={"dtype": "float32"})
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        if rank1 is not None:
+            start_rank1(trainer, rank1)
+        assert trainer.publish(1, mine(U.full_weights(seed)), delta=True).ok
+        assert all(i["ok"] for i in collect(q, 2).values())
+        late = {"dtype": "float32", "replica": 1}
+        procs += start_samplers(q, trainer.control_address, eng, 1, 2, 2, common=late)
+        trainer.wait_for_samplers(4, timeout=30)
+        for v, bumps in steps[1:]:
+            full = U.full_weights(seed, bumps)
+            rep = trainer.publish(v, mine(full), delta=True)
+            assert rep.ok and len(rep.committed) == 4, rep
+            names = sorted(U.SHAPES) if v == 2 else ["embed"]  # full, then a delta again
+            for (_replica, rank), info in collect(q, 4).items():
+                assert info["ok"] and info["serving"] == v, (v, info)
+                assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32)
+                assert info["bytes"] == own_bytes(eng, rank, names), (v, rank, info)
+    finally:
+        join_all(procs + ([rank1] if rank1 is not None and rank1.pid is not None else []))
         trainer.close()
 
 

@@ -372,8 +372,9 @@ class TrainerSync:
     version: the delta base) and whether it wants a full update (its own publish failed for
     someone). Rank 0 waits for every other process, until the version's deadline, then decides
     once for all: a delta of the union against its base only when every rank reported that same
-    base and nobody (rank 0 included, which alone sees every sampler's report) asked for a full
-    update; otherwise a full update. It announces the decision as the manifest; the other ranks
+    base, nobody (rank 0 included, which alone sees every sampler's report) asked for a full
+    update, and every sampler polling for updates holds that base (LAGGING SAMPLERS below);
+    otherwise a full update. It announces the decision as the manifest; the other ranks
     build theirs from it and refuse to send when they disagree. A rank that does not report in
     time fails the version on rank 0 (TimeoutError naming it), and the ranks waiting for the
     announcement are told at once (``abort``) instead of waiting for their deadline; no sampler
@@ -381,6 +382,14 @@ class TrainerSync:
     already decided is refused. Rejected: each rank sending its own changed set (samplers would
     get pieces of a tensor from one rank but not the other, and commit a mix), and an all-gather
     through torch.distributed or jax (the trainer may use neither; the control channel is there).
+
+    LAGGING SAMPLERS (rank 0, single- or multi-process): a sampler that polls with a version other
+    than the delta base (it joined late, restarted, or missed a version) could not apply a delta
+    (VersionSkewError), so rank 0 sends a full update instead and logs which samplers forced it.
+    Rejected: sending the delta anyway (the sampler refuses it, and the full update that follows
+    a failure may be announced before the sampler polls again, so it could lag version after
+    version) and a full update for the laggard alone next to a delta for the rest (a second plan
+    and set of buckets per version for a case that ends after one version).
     """
 
     def __init__(
@@ -570,6 +579,11 @@ class TrainerSync:
         self._agreement[version][rank] = msg
         return {"op": "ok"}
 
+    def _lagging(self, base: int | None) -> list[str]:
+        """Rank 0: samplers polling for updates that do not hold ``base`` (LAGGING SAMPLERS)."""
+        with self._lock:
+            return sorted(k for k in self._members if self._have.get(k, 0) != base)
+
     def _agree(
         self, version: int, mine: set[str], names: set[str], deadline: float
     ) -> set[str] | None:
@@ -592,6 +606,10 @@ class TrainerSync:
             time.sleep(0.005)
         base = self._pub.base_version
         full = self._force_full or base is None
+        lagging = [] if full else self._lagging(base)
+        if lagging:
+            log.info("version %d: samplers %s lack base %s: full update", version, lagging, base)
+            full = True
         union = set(mine)
         for rank, m in sorted(got.items()):
             theirs = {str(n) for n in m.get("changed", ())}
@@ -656,7 +674,9 @@ class TrainerSync:
     def _record_report(self, version: int, key: str, msg: dict) -> None:
         """Sampler ``key``'s outcome of ``version`` (lock held)."""
         self._reports[version][key] = msg
-        if not msg.get("ok"):  # a reader that gave up holds no shared bucket any more
+        if msg.get("ok"):  # it serves `version` now, before it polls again (LAGGING SAMPLERS)
+            self._have[key] = max(self._have.get(key, 0), version)
+        else:  # a reader that gave up holds no shared bucket any more
             self._release_reader(version, key)
             if self._sharing == version:
                 self._quit.add(key)  # nor is it offered the buckets still to come
@@ -958,9 +978,14 @@ class TrainerSync:
         if not agree:
             # One process holds every rank: its own changed set, over all of its shards.
             use = delta and not self._force_full
-            changed = (
-                self._pub.changed(tensors) if use and self._pub.base_version is not None else None
-            )
+            base = self._pub.base_version
+            lagging = self._lagging(base) if use and base is not None else []
+            if lagging:  # LAGGING SAMPLERS
+                log.info(
+                    "version %d: samplers %s lack base %s: full update", version, lagging, base
+                )
+                use = False
+            changed = self._pub.changed(tensors) if use and base is not None else None
             manifest = self._pub.prepare(version, view, delta=use, changed=changed)
         elif self.rank == 0:
             self._pub.check_next(version)  # before the agreement: an old version stays decided
