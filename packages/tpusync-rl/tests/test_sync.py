@@ -335,23 +335,41 @@ def test_inplace_update_while_paused():
         trainer.close()
 
 
+def three_replicas_one_dying(q, fanout, dying, seed):
+    """Trainer rank 0 (60 s deadline, 2 s silence timeout, one-block buckets) and three
+    single-rank sampler replicas taking 3 updates, replica ``dying`` exiting after its first
+    block of version 2; version 1 (``U.full_weights(seed)``) is committed everywhere. Returns
+    the trainer, the sampler processes and the engine-name layouts."""
+    trainer, eng = rank0(
+        tp_layouts(1, {}),
+        bucket_blocks=1,
+        fanout=fanout,
+        pool_bytes=2 << 20,
+        deadline=60.0,
+        silence=2.0,
+    )
+    procs = start_samplers(
+        q, trainer.control_address, eng, 3, 1, 3, per={(dying, 0): {"die_at_version": 2}}
+    )
+    try:
+        trainer.wait_for_samplers(3, timeout=30)
+        assert trainer.publish(1, U.full_weights(seed)).ok
+        collect(q, 3)
+    except BaseException:
+        join_all(procs)
+        trainer.close()
+        raise
+    return trainer, procs, eng
+
+
 def test_sampler_dying_mid_update_is_reported_and_others_commit(caplog):
     """Three replicas, fanout 3 (all pull from the trainer over TCP): replica 2 dies after its
     first block of version 2. Its silence gives it away (HEARTBEAT CONTRACT) long before the 60 s
     deadline: the trainer names it, cancels the sends registered for it (its pool is free again
     at once), replicas 0 and 1 commit, and version 3 goes out to the survivors only."""
     q = U.ctx().Queue()
-    dst = tp_layouts(1, {})
-    trainer, eng = rank0(
-        dst, bucket_blocks=1, fanout=3, pool_bytes=2 << 20, deadline=60.0, silence=2.0
-    )
-    procs = start_samplers(
-        q, trainer.control_address, eng, 3, 1, 3, per={(2, 0): {"die_at_version": 2}}
-    )
+    trainer, procs, _eng = three_replicas_one_dying(q, fanout=3, dying=2, seed=1)
     try:
-        trainer.wait_for_samplers(3, timeout=30)
-        assert trainer.publish(1, U.full_weights(1)).ok
-        collect(q, 3)
         with caplog.at_level(logging.ERROR, logger="tpusync.rl"):
             rep = trainer.publish(2, U.full_weights(2))
         assert sorted(rep.committed) == ["0:0", "1:0"]
@@ -399,17 +417,8 @@ def test_dead_middle_of_a_chain_is_reported_its_child_fails_and_the_rest_commit(
     replica 2 cannot get the version from its dead parent and is reported failed, all well
     before the 60 s deadline; version 3 then runs over the chain 0 -> 2 and both commit."""
     q = U.ctx().Queue()
-    dst = tp_layouts(1, {})
-    trainer, eng = rank0(
-        dst, bucket_blocks=1, fanout=1, pool_bytes=2 << 20, deadline=60.0, silence=2.0
-    )
-    procs = start_samplers(
-        q, trainer.control_address, eng, 3, 1, 3, per={(1, 0): {"die_at_version": 2}}
-    )
+    trainer, procs, eng = three_replicas_one_dying(q, fanout=1, dying=1, seed=11)
     try:
-        trainer.wait_for_samplers(3, timeout=30)
-        assert trainer.publish(1, U.full_weights(11)).ok
-        collect(q, 3)
         rep = trainer.publish(2, U.full_weights(12))
         assert rep.committed == ["0:0"], rep
         assert sorted(rep.failed) == ["1:0", "2:0"], rep.failed
