@@ -95,3 +95,5 @@ def test_torch_producer_process_to_torch_consumer_then_producer_dies(path, tmp_p
     finally:
         proc.kill()
         proc.wait(timeout=10)
+        if same_host is not None:  # a killed producer leaves its named segment (warm re-attach)
+            Path("/dev/shm", shm).unlink(missing_ok=True)
