@@ -84,38 +84,49 @@ size_t RowRuns(const Array& a, const char* what, std::vector<int64_t>* starts) {
   return static_cast<size_t>(run * item);
 }
 
-// copy_update's runs: one for two dense arrays; a gather (strided src) or a scatter (strided dst)
-// with rows otherwise. The packed side advances contiguously.
-std::vector<StreamRun> CopyRuns(const nb::ndarray<nb::device::cpu>& dst,
-                                const nb::ndarray<nb::ro, nb::device::cpu>& src) {
+// The runs of copy_update / cast_update: one for two dense arrays; a gather (strided src) or a
+// scatter (strided dst) by rows otherwise, the packed side advancing contiguously. Each run's
+// `bytes` counts source bytes; the destination takes 1 / `shrink` of them (1: a copy, 2: float32
+// -> bfloat16, Checksum64Stream::CastF32ToBf16UpdateRuns). The callers check sizes and dtypes.
+std::vector<StreamRun> Runs(const nb::ndarray<nb::device::cpu>& dst,
+                            const nb::ndarray<nb::ro, nb::device::cpu>& src, const char* op,
+                            size_t shrink) {
   auto* d = static_cast<uint8_t*>(dst.data());
   const auto* s = static_cast<const uint8_t*>(src.data());
   const bool dd = Dense(dst), sd = Dense(src);
-  if (dd && sd) return {{d, s, SameBytes(dst, src)}};
+  if (dd && sd) return {{d, s, src.nbytes()}};
   if (!dd && !sd) {
-    throw StatusError(
-        Status::InvalidArgument("copy_update: dst or src must be C-contiguous (both are strided)"));
-  }
-  if (dst.nbytes() != src.nbytes()) {
-    throw StatusError(Status::InvalidArgument(StrCat(
-        "copy from ", src.nbytes(), " source bytes into a ", dst.nbytes(), "-byte destination")));
+    throw StatusError(Status::InvalidArgument(
+        StrCat(op, ": dst or src must be C-contiguous (both are strided)")));
   }
   std::vector<int64_t> starts;
-  const size_t run = dd ? RowRuns(src, "src", &starts) : RowRuns(dst, "dst", &starts);
   std::vector<StreamRun> runs;
-  runs.reserve(starts.size());
-  for (size_t i = 0; i < starts.size(); ++i) {
-    if (dd) {
-      runs.push_back({d + i * run, s + starts[i], run});
-    } else {
-      runs.push_back({d + starts[i], s + i * run, run});
+  if (dd) {  // gather: strided source rows into the packed destination
+    const size_t run = RowRuns(src, "src", &starts);
+    runs.reserve(starts.size());
+    for (size_t i = 0; i < starts.size(); ++i) {
+      runs.push_back({d + i * run / shrink, s + starts[i], run});
+    }
+  } else {  // scatter: the packed source into strided destination rows
+    const size_t run = RowRuns(dst, "dst", &starts);
+    runs.reserve(starts.size());
+    for (size_t i = 0; i < starts.size(); ++i) {
+      runs.push_back({d + starts[i], s + i * run * shrink, run * shrink});
     }
   }
   return runs;
 }
 
-// cast_update's runs (float32 source -> bfloat16 destination): like CopyRuns, counted in source
-// bytes (Checksum64Stream::CastF32ToBf16UpdateRuns); the two sides hold the same number of values.
+std::vector<StreamRun> CopyRuns(const nb::ndarray<nb::device::cpu>& dst,
+                                const nb::ndarray<nb::ro, nb::device::cpu>& src) {
+  if (dst.nbytes() != src.nbytes()) {
+    throw StatusError(Status::InvalidArgument(StrCat(
+        "copy from ", src.nbytes(), " source bytes into a ", dst.nbytes(), "-byte destination")));
+  }
+  return Runs(dst, src, "copy_update", 1);
+}
+
+// float32 source -> bfloat16 (or uint16) destination, as many values on both sides.
 std::vector<StreamRun> CastRuns(const nb::ndarray<nb::device::cpu>& dst,
                                 const nb::ndarray<nb::ro, nb::device::cpu>& src) {
   if (src.dtype() != nb::dtype<float>()) {
@@ -134,32 +145,10 @@ std::vector<StreamRun> CastRuns(const nb::ndarray<nb::device::cpu>& dst,
     throw StatusError(Status::InvalidArgument(StrCat(
         "cast_update: ", src.size(), " source values into ", dst.size(), " destination values")));
   }
-  auto* d = static_cast<uint8_t*>(dst.data());
-  const auto* s = static_cast<const uint8_t*>(src.data());
-  if (reinterpret_cast<uintptr_t>(d) % 2 != 0) {
+  if (reinterpret_cast<uintptr_t>(dst.data()) % 2 != 0) {
     throw StatusError(Status::InvalidArgument("cast_update: dst is not 2-byte aligned"));
   }
-  const bool dd = Dense(dst), sd = Dense(src);
-  if (dd && sd) return {{d, s, src.nbytes()}};
-  if (!dd && !sd) {
-    throw StatusError(
-        Status::InvalidArgument("cast_update: dst or src must be C-contiguous (both are strided)"));
-  }
-  std::vector<int64_t> starts;
-  std::vector<StreamRun> runs;
-  if (dd) {  // gather: strided float32 rows into packed bfloat16
-    const size_t run = RowRuns(src, "src", &starts);
-    runs.reserve(starts.size());
-    for (size_t i = 0; i < starts.size(); ++i)
-      runs.push_back({d + i * run / 2, s + starts[i], run});
-  } else {  // scatter: packed float32 into strided bfloat16 rows
-    const size_t run = RowRuns(dst, "dst", &starts);
-    runs.reserve(starts.size());
-    for (size_t i = 0; i < starts.size(); ++i) {
-      runs.push_back({d + starts[i], s + i * run * 2, run * 2});
-    }
-  }
-  return runs;
+  return Runs(dst, src, "cast_update", 2);
 }
 
 // The Python face of Checksum64Stream, held through a pointer so its 64-byte aligned state never
