@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "../tier/mock_tier.h"
+#include "../tier/test_io.h"
 #include "tpusync/tier/disk_tier.h"
 #include "tpusync/tier/host_tier.h"
 
@@ -433,28 +434,8 @@ TEST(KVStore, RealTiersWarmRestart) {
 // closes cleanly leaves a manifest; the next store takes it without one header read.
 class KVStoreManifest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = (std::filesystem::temp_directory_path() /
-            ("tpusync-kvmanifest-" + std::to_string(getpid()) + "-" +
-             std::to_string(std::random_device{}())))
-               .string();
-  }
+  void SetUp() override { dir_ = tier::UniqueTestDir("kvmanifest"); }
   void TearDown() override { std::filesystem::remove_all(dir_); }
-
-  class CountingIo final : public tier::IoBackend {
-   public:
-    CountingIo(std::unique_ptr<tier::IoBackend> in, std::atomic<uint64_t>* ops)
-        : inner_(std::move(in)), ops_(ops) {}
-    std::string_view name() const override { return inner_->name(); }
-    void Run(std::span<tier::IoOp> ops) override {
-      *ops_ += ops.size();
-      inner_->Run(ops);
-    }
-
-   private:
-    std::unique_ptr<tier::IoBackend> inner_;
-    std::atomic<uint64_t>* ops_;
-  };
 
   // The disk tier in dir_: segments of 8 slots, fingerprint "m1".
   tier::DiskTierOptions DiskOptions(size_t disk_blocks) {
@@ -479,7 +460,7 @@ class KVStoreManifest : public ::testing::Test {
     }
     tier::DiskTierOptions d = DiskOptions(disk_blocks);
     d.wrap_io = [this](std::unique_ptr<tier::IoBackend> in) -> std::unique_ptr<tier::IoBackend> {
-      return std::make_unique<CountingIo>(std::move(in), &io_ops_);
+      return std::make_unique<tier::CountingIo>(std::move(in), &io_ops_);
     };
     io_ops_ = 0;
     tiers.push_back(std::move(tier::DiskTier::Open(d).value()));

@@ -21,6 +21,7 @@
 
 #include <gtest/gtest.h>
 
+#include "test_io.h"
 #include "tpusync/base/checksum.h"
 #include "tpusync/tier/disk_tier.h"
 
@@ -32,31 +33,11 @@ namespace fs = std::filesystem;
 constexpr size_t kBytes = 8192;
 constexpr size_t kSlots = 64;
 
-// Counts every I/O the tier hands its backend (header reads at open included).
-class CountingIo final : public IoBackend {
- public:
-  CountingIo(std::unique_ptr<IoBackend> inner, std::atomic<uint64_t>* ops)
-      : inner_(std::move(inner)), ops_(ops) {}
-  std::string_view name() const override { return inner_->name(); }
-  void Run(std::span<IoOp> ops) override {
-    *ops_ += ops.size();
-    inner_->Run(ops);
-  }
-
- private:
-  std::unique_ptr<IoBackend> inner_;
-  std::atomic<uint64_t>* ops_;
-};
-
 using Blocks = std::map<std::string, std::pair<uint64_t, uint64_t>>;  // key -> (slot, sequence)
 
 class DiskManifestTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = (fs::temp_directory_path() / ("tpusync-manifest-" + std::to_string(getpid()) + "-" +
-                                         std::to_string(std::random_device{}())))
-               .string();
-  }
+  void SetUp() override { dir_ = UniqueTestDir("manifest"); }
   void TearDown() override { fs::remove_all(dir_); }
 
   DiskTierOptions Options(const std::string& fp = "model-a") {

@@ -17,6 +17,8 @@
 
 #include <gtest/gtest.h>
 
+#include "test_io.h"
+
 namespace tpusync::tier {
 namespace {
 
@@ -24,11 +26,7 @@ namespace fs = std::filesystem;
 
 class DiskTierTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = (fs::temp_directory_path() / ("tpusync-disk-" + std::to_string(getpid()) + "-" +
-                                         std::to_string(std::random_device{}())))
-               .string();
-  }
+  void SetUp() override { dir_ = UniqueTestDir("disk"); }
   void TearDown() override { fs::remove_all(dir_); }
   DiskTierOptions Options(const std::string& fp = "model-a") {
     DiskTierOptions o;
@@ -204,33 +202,6 @@ TEST_F(DiskTierTest, AdjacentSlotsAcrossSegmentsRoundTripInOneBatch) {
   EXPECT_EQ(r[1].status.code(), StatusCode::kCorrupted);
   EXPECT_TRUE(r[2].status.ok());
 }
-
-// A filesystem that accepts O_DIRECT at open and refuses it per I/O (some FUSE and network
-// filesystems): every op on a descriptor that has O_DIRECT set fails with EINVAL, the others run.
-class RefusesDirectIo final : public IoBackend {
- public:
-  explicit RefusesDirectIo(std::unique_ptr<IoBackend> inner) : inner_(std::move(inner)) {}
-  std::string_view name() const override { return inner_->name(); }
-  void Run(std::span<IoOp> ops) override {
-    std::vector<IoOp> pass;
-    std::vector<size_t> where;
-    for (size_t i = 0; i < ops.size(); ++i) {
-      if (fcntl(ops[i].fd, F_GETFL) & O_DIRECT) {
-        ops[i].result = -EINVAL;
-        ++refused;
-      } else {
-        pass.push_back(ops[i]);
-        where.push_back(i);
-      }
-    }
-    inner_->Run(pass);
-    for (size_t j = 0; j < pass.size(); ++j) ops[where[j]].result = pass[j].result;
-  }
-  std::atomic<int> refused{0};
-
- private:
-  std::unique_ptr<IoBackend> inner_;
-};
 
 TEST_F(DiskTierTest, DirectIoRefusedPerIoFallsBackToBufferedWithoutLosingBlocks) {
   DiskTierOptions o = Options();

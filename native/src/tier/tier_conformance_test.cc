@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "mock_tier.h"
+#include "test_io.h"
 #include "tpusync/node/remote_tier.h"
 #include "tpusync/node/store_node.h"
 #include "tpusync/tier/disk_tier.h"
@@ -24,11 +25,9 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string TempDir(const std::string& tag) {
-  const fs::path p =
-      fs::temp_directory_path() / ("tpusync-conf-" + tag + "-" + std::to_string(getpid()) + "-" +
-                                   std::to_string(std::random_device{}()));
+  const std::string p = UniqueTestDir("conf-" + tag);
   fs::create_directories(p);
-  return p.string();
+  return p;
 }
 
 struct MockFactory {
