@@ -579,10 +579,18 @@ class TrainerSync:
         self._agreement[version][rank] = msg
         return {"op": "ok"}
 
-    def _lagging(self, base: int | None) -> list[str]:
-        """Rank 0: samplers polling for updates that do not hold ``base`` (LAGGING SAMPLERS)."""
+    def _delta_possible(self, version: int) -> bool:
+        """Rank 0: whether ``version`` may be a delta on this process's base: there is a base, no
+        failure forces a full update, and every sampler polling for updates holds the base
+        (LAGGING SAMPLERS; logged when one does not)."""
+        base = self._pub.base_version
+        if self._force_full or base is None:
+            return False
         with self._lock:
-            return sorted(k for k in self._members if self._have.get(k, 0) != base)
+            lagging = sorted(k for k in self._members if self._have.get(k, 0) != base)
+        if lagging:
+            log.info("version %d: samplers %s lack base %s: full update", version, lagging, base)
+        return not lagging
 
     def _agree(
         self, version: int, mine: set[str], names: set[str], deadline: float
@@ -605,11 +613,7 @@ class TrainerSync:
                 )
             time.sleep(0.005)
         base = self._pub.base_version
-        full = self._force_full or base is None
-        lagging = [] if full else self._lagging(base)
-        if lagging:
-            log.info("version %d: samplers %s lack base %s: full update", version, lagging, base)
-            full = True
+        full = not self._delta_possible(version)
         union = set(mine)
         for rank, m in sorted(got.items()):
             theirs = {str(n) for n in m.get("changed", ())}
@@ -977,15 +981,8 @@ class TrainerSync:
         agree = delta and len(self.ranks) < self.world  # other processes hold ranks
         if not agree:
             # One process holds every rank: its own changed set, over all of its shards.
-            use = delta and not self._force_full
-            base = self._pub.base_version
-            lagging = self._lagging(base) if use and base is not None else []
-            if lagging:  # LAGGING SAMPLERS
-                log.info(
-                    "version %d: samplers %s lack base %s: full update", version, lagging, base
-                )
-                use = False
-            changed = self._pub.changed(tensors) if use and base is not None else None
+            use = delta and self._delta_possible(version)
+            changed = self._pub.changed(tensors) if use else None
             manifest = self._pub.prepare(version, view, delta=use, changed=changed)
         elif self.rank == 0:
             self._pub.check_next(version)  # before the agreement: an old version stays decided
