@@ -246,6 +246,14 @@ class _Endpoint:
                 self._sent[st.request_id] = st
         return pending
 
+    def cancel_send(self, rid: int, why: str) -> None:
+        """End send ``rid`` as failed now (CANCEL CONTRACT); one that already ended (acknowledged
+        or expired) has nothing left to free."""
+        try:
+            self.producer.cancel(rid, why)
+        except NotFoundError:
+            pass
+
     def take_send(self, rid: int) -> Any | None:
         """The terminal status of send ``rid`` (removed from the ledger), None while pending."""
         return self._sent.pop(rid, None)
@@ -745,10 +753,7 @@ class TrainerSync:
         for rid in [r for r, k in outstanding.items() if k in failed]:
             key = outstanding.pop(rid)
             report.failed.setdefault(key, failed[key])
-            try:
-                self._ep.producer.cancel(rid, f"sampler {key} failed version {version}")
-            except NotFoundError:
-                pass  # it ended meanwhile (acknowledged or expired): nothing to free
+            self._ep.cancel_send(rid, f"sampler {key} failed version {version}")
 
     def _ask_failed(self, version: int) -> dict[str, str]:
         """Ranks > 0: rank 0's failed samplers of ``version``, asked at most every 0.2 s and
@@ -1394,10 +1399,7 @@ class SamplerSync:
                     continue
                 self._dead_children.add(j)
                 for rid in self._fwd.get(j, ()):
-                    try:
-                        self._ep.producer.cancel(rid, f"child {key} failed version {version}")
-                    except NotFoundError:
-                        pass  # already acknowledged or expired
+                    self._ep.cancel_send(rid, f"child {key} failed version {version}")
                 log.warning(
                     "sampler %d:%d: child %s failed version %d: forwarding to it stopped",
                     self.replica,
