@@ -105,7 +105,7 @@ TEST(Bf16, CastUpdateRunsHashesTheSourceAndCastsEveryRun) {
     std::vector<uint16_t> dst(elems);
     StreamRun run{reinterpret_cast<uint8_t*>(dst.data()), s, elems * 4};
     Checksum64Stream h(7);
-    h.CastF32ToBf16UpdateRuns(&run, 1);
+    h.CastUpdateRuns(&run, 1, F32ToBf16);
     EXPECT_EQ(h.Digest(), Checksum64(s, elems * 4, 7));
     EXPECT_EQ(dst, want);
   }
@@ -118,7 +118,7 @@ TEST(Bf16, CastUpdateRunsHashesTheSourceAndCastsEveryRun) {
           {reinterpret_cast<uint8_t*>(dst.data() + 2 * r * row), s + 4 * r * row, 4 * row});
     }
     Checksum64Stream h;
-    h.CastF32ToBf16UpdateRuns(runs.data(), runs.size());
+    h.CastUpdateRuns(runs.data(), runs.size(), F32ToBf16);
     EXPECT_EQ(h.Digest(), Checksum64(s, 4 * rows * row));
     for (size_t r = 0; r < rows; ++r) {
       for (size_t c = 0; c < row; ++c) {
@@ -137,7 +137,7 @@ TEST(Bf16, CastUpdateRunsHashesTheSourceAndCastsEveryRun) {
       ref.Update(s + 8 * r * row, 4 * row);
     }
     Checksum64Stream h;
-    h.CastF32ToBf16UpdateRuns(runs.data(), runs.size());
+    h.CastUpdateRuns(runs.data(), runs.size(), F32ToBf16);
     EXPECT_EQ(h.Digest(), ref.Digest());
     for (size_t r = 0; r < rows; ++r) {
       for (size_t c = 0; c < row; ++c) ASSERT_EQ(dst[r * row + c], want[2 * r * row + c]);

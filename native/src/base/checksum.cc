@@ -1,6 +1,5 @@
 #include "tpusync/base/checksum.h"
 
-#include "tpusync/base/bf16.h"
 #include "tpusync/base/stream_copy.h"
 
 #define XXH_INLINE_ALL
@@ -111,7 +110,7 @@ void Checksum64Stream::CopyUpdateRuns(const StreamRun* runs, size_t n, bool keep
   }
 }
 
-void Checksum64Stream::CastF32ToBf16UpdateRuns(const StreamRun* runs, size_t n) {
+void Checksum64Stream::CastUpdateRuns(const StreamRun* runs, size_t n, NarrowFn narrow) {
   size_t i = 0;
   while (i < n) {
     const StreamRun& r = runs[i];
@@ -120,7 +119,7 @@ void Checksum64Stream::CastF32ToBf16UpdateRuns(const StreamRun* runs, size_t n) 
       for (size_t off = 0; off < r.bytes; off += kFusedChunkBytes) {
         const size_t c = std::min(kFusedChunkBytes, r.bytes - off);
         Update(r.src + off, c);
-        F32ToBf16(d + off / 4, r.src + off, c / 4);
+        narrow(d + off / 4, r.src + off, c / 4);
       }
       ++i;
       continue;
@@ -134,7 +133,7 @@ void Checksum64Stream::CastF32ToBf16UpdateRuns(const StreamRun* runs, size_t n) 
     }
     Update(r.src, bytes);
     for (size_t k = i; k < j; ++k) {
-      F32ToBf16(reinterpret_cast<uint16_t*>(runs[k].dst), runs[k].src, runs[k].bytes / 4);
+      narrow(reinterpret_cast<uint16_t*>(runs[k].dst), runs[k].src, runs[k].bytes / 4);
     }
     i = j;
   }

@@ -7,7 +7,9 @@
 #include <vector>
 
 #include "bindings.h"
+#include "tpusync/base/bf16.h"
 #include "tpusync/base/checksum.h"
+#include "tpusync/base/f16.h"
 #include "tpusync/base/status.h"
 #include "tpusync/base/version.h"
 
@@ -87,7 +89,7 @@ size_t RowRuns(const Array& a, const char* what, std::vector<int64_t>* starts) {
 // The runs of copy_update / cast_update: one for two dense arrays; a gather (strided src) or a
 // scatter (strided dst) by rows otherwise, the packed side advancing contiguously. Each run's
 // `bytes` counts source bytes; the destination takes 1 / `shrink` of them (1: a copy, 2: float32
-// -> bfloat16, Checksum64Stream::CastF32ToBf16UpdateRuns). The callers check sizes and dtypes.
+// -> bfloat16 / float16, Checksum64Stream::CastUpdateRuns). The callers check sizes and dtypes.
 std::vector<StreamRun> Runs(const nb::ndarray<nb::device::cpu>& dst,
                             const nb::ndarray<nb::ro, nb::device::cpu>& src, const char* op,
                             size_t shrink) {
@@ -126,9 +128,11 @@ std::vector<StreamRun> CopyRuns(const nb::ndarray<nb::device::cpu>& dst,
   return Runs(dst, src, "copy_update", 1);
 }
 
-// float32 source -> bfloat16 (or uint16) destination, as many values on both sides.
+// float32 source -> bfloat16 (or uint16 holding bfloat16 bits) or float16 destination, as many
+// values on both sides. Sets `narrow` to the matching cast.
 std::vector<StreamRun> CastRuns(const nb::ndarray<nb::device::cpu>& dst,
-                                const nb::ndarray<nb::ro, nb::device::cpu>& src) {
+                                const nb::ndarray<nb::ro, nb::device::cpu>& src,
+                                Checksum64Stream::NarrowFn* narrow) {
   if (src.dtype() != nb::dtype<float>()) {
     throw StatusError(Status::InvalidArgument(
         StrCat("cast_update: src must be float32, not a ", src.itemsize() * 8, "-bit dtype")));
@@ -137,10 +141,13 @@ std::vector<StreamRun> CastRuns(const nb::ndarray<nb::device::cpu>& dst,
   const bool bf16 = (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) &&
                      dt.bits == 16 && dt.lanes == 1) ||
                     dt == nb::dtype<uint16_t>();
-  if (!bf16) {
+  const bool f16 = dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) &&
+                   dt.bits == 16 && dt.lanes == 1;
+  if (!bf16 && !f16) {
     throw StatusError(Status::InvalidArgument(
-        "cast_update: dst must be bfloat16 (or uint16 holding bfloat16 bits)"));
+        "cast_update: dst must be bfloat16, float16, or uint16 holding bfloat16 bits"));
   }
+  *narrow = f16 ? &F32ToF16 : &F32ToBf16;
   if (dst.size() != src.size()) {
     throw StatusError(Status::InvalidArgument(StrCat(
         "cast_update: ", src.size(), " source values into ", dst.size(), " destination values")));
@@ -242,15 +249,17 @@ void init_base(nb::module_& m) {
           "cast_update",
           [](PyChecksumStream& s, nb::ndarray<nb::device::cpu> dst,
              nb::ndarray<nb::ro, nb::device::cpu> src) {
-            const std::vector<StreamRun> runs = CastRuns(dst, src);
+            Checksum64Stream::NarrowFn narrow = nullptr;
+            const std::vector<StreamRun> runs = CastRuns(dst, src, &narrow);
             nb::gil_scoped_release release;
-            s.h->CastF32ToBf16UpdateRuns(runs.data(), runs.size());
+            s.h->CastUpdateRuns(runs.data(), runs.size(), narrow);
           },
           nb::arg("dst").noconvert(), nb::arg("src").noconvert(),
           "Hash the next piece (src: float32 host values, its bytes in C order) and write it into "
-          "dst as bfloat16 in the same pass: round to nearest even like torch's "
-          "tensor.to(torch.bfloat16) for every non-NaN value; NaN becomes 0x7FC0. dst is a "
-          "bfloat16 (or uint16) host array with as many values; both C-contiguous, or one of "
+          "dst as bfloat16 or float16 (dst's dtype; uint16 means bfloat16 bits) in the same pass: "
+          "round to nearest even like torch's tensor.to(dst dtype) for every non-NaN value; NaN "
+          "becomes 0x7FC0 (bfloat16) or sign | 0x7E00 (float16). dst is a host array with as "
+          "many values; both C-contiguous, or one of "
           "them strided with a contiguous innermost dimension; InvalidArgumentError otherwise.")
       .def(
           "digest", [](const PyChecksumStream& s) { return s.h->Digest(); },

@@ -188,12 +188,43 @@ def test_stream_cast_update_scatters_and_gathers_rows_at_a_stride():
     assert np.array_equal(packed, _bf16_by_value(np.ascontiguousarray(src[::2, 16:48])))
 
 
+def test_stream_cast_update_writes_float16_rounded_like_numpy_with_nan_made_quiet():
+    """A float16 destination: every sign / exponent / top-10-mantissa pattern with the low bits
+    that decide rounding (exact, just above, around the tie, the largest) and random bits give
+    numpy's IEEE round-to-nearest-even (subnormals, overflow to inf); NaN -> sign | 0x7E00."""
+    rng = np.random.default_rng(6)
+    tops = np.arange(1 << 19, dtype=np.uint32) << 13
+    lows = np.array([0, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x0ABC], np.uint32)
+    bits = (tops[:, None] | lows[None, :]).ravel()
+    bits = np.concatenate([bits, rng.integers(0, 2**32, 5000, dtype=np.uint32)])
+    x = bits.view(np.float32)
+    dst = np.full(len(x) + 2, 0xABCD, np.uint16)
+    h = tc.Checksum64Stream(seed=5)
+    h.cast_update(dst[1:-1].view(np.float16), x)
+    assert h.digest() == tc.checksum64(x.view(np.uint8), seed=5)
+    got = dst[1:-1]
+    nan = np.isnan(x)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    assert np.array_equal(got[~nan], want[~nan])
+    assert np.array_equal(got[nan], ((bits[nan] >> 16) & 0x8000 | 0x7E00).astype(np.uint16))
+    assert dst[0] == 0xABCD and dst[-1] == 0xABCD
+    big = np.zeros((64, 128), np.float16)  # scatter into a strided float16 box
+    src = rng.standard_normal((40, 64)).astype(np.float32)
+    h = tc.Checksum64Stream()
+    h.cast_update(big[8:48, 16:80], src)
+    assert h.digest() == tc.checksum64(src)
+    assert np.array_equal(big[8:48, 16:80], src.astype(np.float16))
+    assert not big[:8].any() and not big[:, :16].any() and not big[:, 80:].any()
+
+
 def test_stream_cast_update_refuses_wrong_dtypes_and_sizes_and_writes_nothing():
     src = np.ones(8, np.float32)
     h = tc.Checksum64Stream()
     cases = [
         (np.zeros(8, np.uint16), np.ones(8, np.float64), "src must be float32"),
-        (np.zeros(8, np.float32), src, "dst must be bfloat16"),
+        (np.zeros(8, np.float32), src, "dst must be bfloat16, float16"),
+        (np.zeros(8, np.int16), src, "dst must be bfloat16, float16"),
         (np.zeros(7, np.uint16), src, "8 source values into 7"),
         (np.zeros((8, 2), np.uint16)[:, 0], src, "innermost dimension is strided"),
         (

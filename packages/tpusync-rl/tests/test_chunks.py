@@ -305,10 +305,11 @@ def test_fused_receive_stages_and_hashes_every_byte_once(dtype):
     assert fused == received - 12 * 4 * 4  # all but embed's 192 bytes (fp32 on the wire)
 
 
-def test_fused_cast_rounds_like_torch_at_ties_overflow_and_subnormals():
-    """The fused fp32 -> bf16 staging cast gives torch's bits for the values where rounding is
-    decided: exact ties (both ways), just past a tie, the largest floats (overflow to inf),
-    subnormals, signed zeros and infinities; a NaN stays a NaN."""
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_fused_cast_rounds_like_torch_at_ties_overflow_and_subnormals(low):
+    """The fused fp32 -> bf16 / fp16 staging cast gives torch's bits for the values where
+    rounding is decided: exact ties (both ways), just past a tie, the largest floats (overflow to
+    inf), subnormals, signed zeros and infinities; a NaN stays a NaN."""
     from tpusync.core import Checksum64Stream, checksum64
 
     bits = [
@@ -329,12 +330,24 @@ def test_fused_cast_rounds_like_torch_at_ties_overflow_and_subnormals():
         0xFF800000,
         0x7FC00000,
         0xFFA00001,
+        # float16's deciding points: ties at 1 + 2^-11 (both ways), 65504 / 65520 (overflow),
+        # the smallest subnormal's half (2^-25, a tie to zero), just above it, the largest
+        # subnormal and its tie into the smallest normal
+        0x3F801000,
+        0x3F803000,
+        0x477FE000,
+        0x477FEFFF,
+        0x477FF000,
+        0x33000000,
+        0x33000001,
+        0x387FC000,
+        0x387FE000,
     ]
     rng = np.random.default_rng(3)
     raw = np.concatenate([np.array(bits, np.uint32), rng.integers(0, 2**32, 4096, np.uint32)])
     values = raw.view(np.float32).reshape(-1, 1)
     layouts = {"w": ShardLayout.replicated((len(raw), 1), [0])}
-    sub = WeightSubscriber(0, {"w": torch.zeros(len(raw), 1, dtype=torch.bfloat16)}, layouts)
+    sub = WeightSubscriber(0, {"w": torch.zeros(len(raw), 1, dtype=low)}, layouts)
     pub = WeightPublisher(0)
     t = {"w": (torch.from_numpy(values.copy()), layouts["w"])}
     m = pub.prepare(1, t)
@@ -346,7 +359,7 @@ def test_fused_cast_rounds_like_torch_at_ties_overflow_and_subnormals():
     sub.commit()
     assert sub.metrics["bytes_fused"] == raw.nbytes
     got = sub.weights["w"].view(torch.int16).numpy().ravel()
-    want_t = torch.from_numpy(values.copy()).to(torch.bfloat16)
+    want_t = torch.from_numpy(values.copy()).to(low)
     want = want_t.view(torch.int16).numpy().ravel()
     nan = np.isnan(values.ravel())
     assert (got[~nan] == want[~nan]).all()

@@ -58,14 +58,18 @@ class Checksum64Stream {
   // bytes in the order given, i.e. the packed bytes. Rejected: a torch gather / scatter copy plus
   // an Update of the packed range (a second pass; tpusync-rl's resharded pieces are such boxes).
   void CopyUpdateRuns(const StreamRun* runs, size_t n, bool keep_in_cache = false);
+  // A narrowing cast of n 4-byte source values (read at any alignment) into n 2-byte values:
+  // F32ToBf16 (base/bf16.h) or F32ToF16 (base/f16.h).
+  using NarrowFn = void (*)(uint16_t* dst, const void* src, size_t n);
   // CopyUpdateRuns with a cast: each run's `bytes` counts SOURCE bytes of float32 values (a
-  // multiple of 4) and its dst receives their bfloat16 (bytes / 2; base/bf16.h ROUNDING
-  // CONTRACT). The digest covers the source bytes in the order given. Each window of up to
-  // kFusedChunkBytes of contiguous source (one long run cut into chunks, or consecutive short
-  // runs of a packed source: a scatter into a strided bf16 box) is hashed, then converted while
-  // it is in L1. Rejected: hash, then a framework cast (tensor.copy_) - a second read of the
-  // source, which made the cast path of a sampler's staging ~1.6x slower.
-  void CastF32ToBf16UpdateRuns(const StreamRun* runs, size_t n);
+  // multiple of 4) and its dst receives their `narrow` cast (bytes / 2: bfloat16 by the ROUNDING
+  // CONTRACT of base/bf16.h, float16 by that of base/f16.h). The digest covers the source bytes
+  // in the order given. Each window of up to kFusedChunkBytes of contiguous source (one long run
+  // cut into chunks, or consecutive short runs of a packed source: a scatter into a strided box)
+  // is hashed, then converted while it is in L1. Rejected: hash, then a framework cast
+  // (tensor.copy_) - a second read of the source, which made the cast path of a sampler's
+  // staging ~1.6x slower.
+  void CastUpdateRuns(const StreamRun* runs, size_t n, NarrowFn narrow);
   uint64_t Digest() const;
 
   static constexpr size_t kStateBytes = 640;  // >= sizeof(XXH3_state_t), static_asserted

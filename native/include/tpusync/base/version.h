@@ -30,11 +30,12 @@
 //   8: Checksum64Stream.cast_update (float32 -> bfloat16 staging in the hash pass); disk tier
 //      clean-shutdown manifest (tier stats "recovery": cold / scan / manifest, "manifest_errors");
 //      PdProducer.cancel (end a registered send at once, its blocks freed when no pull holds them).
+//   9: Checksum64Stream.cast_update also casts float32 -> float16 (dst dtype float16).
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 8;
+inline constexpr int kApiVersion = 9;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

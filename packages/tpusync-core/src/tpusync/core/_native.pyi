@@ -10,7 +10,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-API_VERSION: int = 8
+API_VERSION: int = 9
 
 @overload
 def checksum64(data: bytes, seed: int = 0) -> int:
@@ -45,7 +45,7 @@ class Checksum64Stream:
 
     def cast_update(self, dst: Annotated[NDArray, dict(device='cpu')], src: Annotated[NDArray, dict(device='cpu', writable=False)]) -> None:
         """
-        Hash the next piece (src: float32 host values, its bytes in C order) and write it into dst as bfloat16 in the same pass: round to nearest even like torch's tensor.to(torch.bfloat16) for every non-NaN value; NaN becomes 0x7FC0. dst is a bfloat16 (or uint16) host array with as many values; both C-contiguous, or one of them strided with a contiguous innermost dimension; InvalidArgumentError otherwise.
+        Hash the next piece (src: float32 host values, its bytes in C order) and write it into dst as bfloat16 or float16 (dst's dtype; uint16 means bfloat16 bits) in the same pass: round to nearest even like torch's tensor.to(dst dtype) for every non-NaN value; NaN becomes 0x7FC0 (bfloat16) or sign | 0x7E00 (float16). dst is a host array with as many values; both C-contiguous, or one of them strided with a contiguous innermost dimension; InvalidArgumentError otherwise.
         """
 
     def digest(self) -> int:

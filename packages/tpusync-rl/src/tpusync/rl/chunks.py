@@ -38,6 +38,9 @@ from tpusync.rl.plan import ReshardPlan, Transfer
 
 log = logging.getLogger("tpusync.rl")
 
+# Staging casts the core does in the hash pass (Checksum64Stream.cast_update): float32 -> these.
+_FUSED_CASTS = (torch.bfloat16, torch.float16)
+
 
 class VersionSkewError(RuntimeError):
     """An update's version does not follow the subscriber's version (or delta base)."""
@@ -359,7 +362,8 @@ class WeightSubscriber:
         (staged, refused, or the update already failed), so the caller's block digest stays
         whole; where the target has contiguous rows (a whole shard, or a resharded box of it: a
         scatter) and the staging copy needs no cast (``copy_update``) or casts float32 to
-        bfloat16 (``cast_update``, torch's rounding), it is the same pass as the hash; otherwise
+        bfloat16 or float16 (``cast_update``, torch's rounding), it is the same pass as the hash;
+        otherwise
         (other casts, a strided innermost dimension) the bytes are hashed, then cast and copied. The caller
         compares the digest at the block's end and aborts the update on a mismatch: the bytes
         only ever reached shadow buffers that are never committed. In-place mode refuses a
@@ -425,8 +429,8 @@ class WeightSubscriber:
             if fusable and dst.dtype == dtype:
                 hasher.copy_update(dst, chunk.data)  # one pass: staging copy + block hash
                 self.metrics["bytes_fused"] += chunk.data.nbytes
-            elif fusable and dtype == torch.float32 and dst.dtype == torch.bfloat16:
-                # one pass: block hash of the fp32 bytes + cast into the bf16 staging buffer
+            elif fusable and dtype == torch.float32 and dst.dtype in _FUSED_CASTS:
+                # one pass: block hash of the fp32 bytes + cast into the bf16 / fp16 staging buffer
                 hasher.cast_update(dst, chunk.data.view(np.float32))
                 self.metrics["bytes_fused"] += chunk.data.nbytes
             else:
