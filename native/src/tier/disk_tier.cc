@@ -488,14 +488,12 @@ Status DiskTier::WriteCheckpoint(const std::function<void(const BlockVisitor&)>&
     stamps.push_back(st);
   }
   TPUSYNC_ASSIGN_OR_RETURN(
-      auto writer,
-      ManifestWriter::Begin(dir_, meta_, std::move(stamps),
-                            clean_close ? ManifestKind::kCleanClose : ManifestKind::kCheckpoint,
-                            gen));
+      auto writer, ManifestWriter::Begin(
+                       dir_, meta_, std::move(stamps),
+                       clean_close ? ManifestKind::kCleanClose : ManifestKind::kCheckpoint, gen));
   for (const ManifestEntry& e : entries) {
     if (e.key_len == 0) continue;
-    TPUSYNC_RETURN_IF_ERROR(
-        writer->Add(e.slot, e.sequence, std::string_view(e.key, e.key_len)));
+    TPUSYNC_RETURN_IF_ERROR(writer->Add(e.slot, e.sequence, std::string_view(e.key, e.key_len)));
   }
   TPUSYNC_RETURN_IF_ERROR(writer->Sync());
   {

@@ -88,7 +88,7 @@ struct KVStoreOptions {
   size_t disk_blocks = 0;
   size_t disk_segment_blocks = 0;
   bool disk_direct_io = true;
-  double disk_checkpoint_s = 60.0;            // CHECKPOINTS: 0 = no timed checkpoint
+  double disk_checkpoint_s = 60.0;           // CHECKPOINTS: 0 = no timed checkpoint
   size_t disk_checkpoint_writes = 1u << 16;  // CHECKPOINTS: 0 = no checkpoint by count
   std::string io_backend = "auto";
   size_t io_threads = 4;
@@ -114,8 +114,8 @@ struct StoreConfig {
   double put_wait_s = 5.0;
   bool write_through = false;
   size_t write_through_queue = size_t{1} << 16;  // queued keys at most (oldest dropped, counted)
-  double checkpoint_s = 60.0;                     // CHECKPOINTS
-  size_t checkpoint_writes = size_t{1} << 16;     // CHECKPOINTS
+  double checkpoint_s = 60.0;                    // CHECKPOINTS
+  size_t checkpoint_writes = size_t{1} << 16;    // CHECKPOINTS
   block::Recency index_recency = block::BlockIndex::kDefaultRecency;
 };
 
@@ -265,7 +265,7 @@ class KVStore {
   std::thread writeback_;
   std::thread wt_thread_;
   std::thread ckpt_thread_;
-  std::condition_variable ckpt_cv_;  // wakes the checkpoint thread to stop
+  std::condition_variable ckpt_cv_;   // wakes the checkpoint thread to stop
   std::condition_variable wt_cv_;     // wakes the write-through worker
   std::deque<std::string> wt_queue_;  // keys to copy to the last tier (mu_ held)
   bool wt_busy_ = false;              // a write-through batch is in flight

@@ -126,7 +126,7 @@ class ManifestWriter {
 struct ManifestContents {
   ManifestKind kind = ManifestKind::kCleanClose;
   uint64_t generation = 0;
-  std::vector<SegmentStamp> stamps;   // as written
+  std::vector<SegmentStamp> stamps;    // as written
   std::vector<RecoveredBlock> blocks;  // one per entry, in file order
 };
 

@@ -155,7 +155,7 @@ class DiskTier final : public BlockTier {
   Status WriteCheckpoint(const std::function<void(const BlockVisitor&)>& for_each_block,
                          bool clean_close);
   void Journal(std::span<const uint64_t> slots);  // JOURNAL CONTRACT: before the bytes change
-  void Free(uint64_t slot);  // mu_ held
+  void Free(uint64_t slot);                       // mu_ held
   void RunCoalesced(std::vector<IoOp>& ops);
   void RunIo(std::span<IoOp> ops);  // io_->Run, then the DIRECT I/O CONTRACT's per-I/O fallback
   void DropDirectIo();
@@ -189,9 +189,9 @@ class DiskTier final : public BlockTier {
   std::mutex ckpt_mu_;  // one checkpoint at a time
   std::mutex jmu_;      // journal_, generation_, manifest_generation_ (JOURNAL CONTRACT)
   std::unique_ptr<JournalWriter> journal_;  // null: not journaling (no manifest to follow)
-  uint64_t generation_ = 0;                       // newest journal generation created
-  uint64_t manifest_generation_ = 0;              // 0: no manifest of this tier on disk
-  std::atomic<uint64_t> changes_{0};              // slots journaled since the last manifest
+  uint64_t generation_ = 0;                 // newest journal generation created
+  uint64_t manifest_generation_ = 0;        // 0: no manifest of this tier on disk
+  std::atomic<uint64_t> changes_{0};        // slots journaled since the last manifest
   std::atomic<uint64_t> checkpoints_{0};
   uint64_t recovery_slots_read_ = 0;
 
