@@ -62,7 +62,8 @@ store::KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks,
                                    const std::string& policy, size_t writeback_batch,
                                    size_t writeback_headroom, double put_wait_s, bool prefault,
                                    bool huge_pages, bool write_through,
-                                   block::Recency index_recency);
+                                   block::Recency index_recency, double disk_checkpoint_s,
+                                   size_t disk_checkpoint_writes);
 
 void init_base(nb::module_& m);
 void init_memory(nb::module_& m);
