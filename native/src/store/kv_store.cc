@@ -186,6 +186,7 @@ void KVStore::CheckpointLoop() {
   const auto every = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(config_.checkpoint_s));
   std::vector<Clock::time_point> last(tiers_.size(), Clock::now());
+  std::vector<Clock::time_point> retry_at(tiers_.size(), Clock::time_point{});
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     ckpt_cv_.wait_for(lock, std::chrono::milliseconds(100), [this] { return stop_; });
@@ -198,12 +199,15 @@ void KVStore::CheckpointLoop() {
       const bool due = (config_.checkpoint_writes > 0 && changes >= config_.checkpoint_writes) ||
                        (config_.checkpoint_s > 0 && now - last[t] >= every);
       if (!due) continue;
+      if (now < retry_at[t]) continue;
       const Tier kind = tiers_[t]->kind();
       // Only the index lock is held while the tier copies the keys (CHECKPOINT HOOK); a failure
-      // is counted and logged by the tier.
-      (void)tiers_[t]->Checkpoint(
+      // is counted and logged by the tier, and retried after 30 s (a full disk is not retried,
+      // and logged, ten times a second).
+      const Status s = tiers_[t]->Checkpoint(
           [this, kind](const tier::BlockVisitor& visit) { index_.ForEachIn(kind, visit); });
       last[t] = Clock::now();
+      if (!s.ok()) retry_at[t] = last[t] + std::chrono::seconds(30);
     }
     lock.lock();
   }

@@ -158,12 +158,11 @@ void init_store(nb::module_& m) {
              double put_wait_s, bool prefault, bool huge_pages, bool write_through,
              block::Recency index_recency, double disk_checkpoint_s,
              size_t disk_checkpoint_writes) {
-            KVStoreOptions o =
-                StoreOptions(block_bytes, host_blocks, name_space, fingerprint, disk_dir,
-                             disk_blocks, disk_segment_blocks, disk_direct_io, io_backend,
-                             io_threads, policy, writeback_batch, writeback_headroom, put_wait_s,
-                             prefault, huge_pages, write_through, index_recency,
-                             disk_checkpoint_s, disk_checkpoint_writes);
+            KVStoreOptions o = StoreOptions(
+                block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
+                disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy,
+                writeback_batch, writeback_headroom, put_wait_s, prefault, huge_pages,
+                write_through, index_recency, disk_checkpoint_s, disk_checkpoint_writes);
             nb::gil_scoped_release release;
             return Unwrap(KVStore::Open(o, std::move(engine))).release();
           },

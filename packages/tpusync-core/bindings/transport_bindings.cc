@@ -302,11 +302,11 @@ void init_transport(nb::module_& m) {
          bool huge_pages, const std::string& name_space, const std::string& fingerprint,
          size_t replicas, size_t remote_blocks, double lease, double timeout, bool write_through,
          block::Recency index_recency, double disk_checkpoint_s, size_t disk_checkpoint_writes) {
-        const store::KVStoreOptions o = StoreOptions(
-            block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
-            disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy, writeback_batch,
-            writeback_headroom, put_wait_s, prefault, huge_pages, write_through, index_recency,
-            disk_checkpoint_s, disk_checkpoint_writes);
+        const store::KVStoreOptions o =
+            StoreOptions(block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
+                         disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy,
+                         writeback_batch, writeback_headroom, put_wait_s, prefault, huge_pages,
+                         write_through, index_recency, disk_checkpoint_s, disk_checkpoint_writes);
         node::RemoteTierOptions r;
         r.block_bytes = block_bytes;
         r.capacity_blocks = remote_blocks;

@@ -40,7 +40,7 @@ def served(s: tc.KVStore, ids: list[int]) -> set[int]:
     for row, ok in enumerate(found):
         if ok:
             np.testing.assert_array_equal(dst[row], want[row])
-    return {i for i, ok in zip(ids, found) if ok}
+    return {i for i, ok in zip(ids, found, strict=True) if ok}
 
 
 PRELUDE = textwrap.dedent(
@@ -113,7 +113,9 @@ def run_and_kill(tmp_path: Path, script: str, disk: Path) -> dict:
     """Runs the child until it prints its disk stats, then SIGKILLs it."""
     path = tmp_path / "child.py"
     path.write_text(script.format(block=BLOCK))
-    proc = subprocess.Popen([sys.executable, str(path), str(disk)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(path), str(disk)], stdout=subprocess.PIPE, text=True
+    )
     try:
         line = proc.stdout.readline()
         assert line, "the child died before it was ready"

@@ -288,7 +288,9 @@ def _restart(slots: int, repeats: int, work: Path) -> dict:
     def fill(store: KVStore, prefix: bytes, first: int, n: int) -> None:
         for at in range(first, first + n, len(src)):
             m = min(len(src), first + n - at)
-            if not all(store.put([prefix + b"%d" % i for i in range(at, at + m)], src[:m]).result(600)):
+            if not all(
+                store.put([prefix + b"%d" % i for i in range(at, at + m)], src[:m]).result(600)
+            ):
                 raise RuntimeError("bench tiers: restart fill was not stored")
 
     store = open_store()
@@ -303,8 +305,10 @@ def _restart(slots: int, repeats: int, work: Path) -> dict:
         seconds = time.perf_counter() - t0
         tier = store.stats()["tiers"]["disk"]
         store.close()  # writes the manifest again
-        if tier["recovery"] != how or tier["recovered"] != slots or (
-            slots_read is not None and tier["recovery_slots_read"] != slots_read
+        if (
+            tier["recovery"] != how
+            or tier["recovered"] != slots
+            or (slots_read is not None and tier["recovery_slots_read"] != slots_read)
         ):
             raise RuntimeError(f"bench tiers: restart by {how} recovered {tier}")
         return seconds
