@@ -65,7 +65,9 @@ Result<SegmentStamp> StampSegment(int fd, const std::string& path) {
 
 Result<std::unique_ptr<ManifestWriter>> ManifestWriter::Begin(const std::string& dir,
                                                               const DiskMeta& meta,
-                                                              std::vector<SegmentStamp> stamps) {
+                                                              std::vector<SegmentStamp> stamps,
+                                                              ManifestKind kind,
+                                                              uint64_t generation) {
   std::unique_ptr<ManifestWriter> w(new ManifestWriter());
   w->dir_ = dir;
   w->tmp_ = PathIn(dir, "manifest.tmp");
@@ -74,6 +76,8 @@ Result<std::unique_ptr<ManifestWriter>> ManifestWriter::Begin(const std::string&
   std::memset(&w->header_, 0, sizeof(w->header_));
   w->header_.magic = kManifestMagic;
   w->header_.version = kManifestVersion;
+  w->header_.kind = static_cast<uint16_t>(kind);
+  w->header_.generation = generation;
   w->header_.meta = meta;
   w->header_.num_segments = stamps.size();
   w->sum_ = std::make_unique<Checksum64Stream>();
@@ -117,7 +121,8 @@ Status ManifestWriter::Add(uint64_t slot, uint64_t sequence, std::string_view ke
   return Status::OK();
 }
 
-Status ManifestWriter::Commit() {
+Status ManifestWriter::Sync() {
+  if (synced_) return Status::OK();
   TPUSYNC_RETURN_IF_ERROR(Drain());
   header_.num_entries = num_entries_;
   header_.body_checksum = sum_->Digest();
@@ -128,6 +133,12 @@ Status ManifestWriter::Commit() {
     return Status::NoSpace(StrCat("writing manifest header ", tmp_, ": short write"));
   }
   if (fsync(fd_) != 0) return Status::FromErrno(errno, StrCat("fsync of manifest ", tmp_));
+  synced_ = true;
+  return Status::OK();
+}
+
+Status ManifestWriter::Commit() {
+  TPUSYNC_RETURN_IF_ERROR(Sync());
   close(fd_);
   fd_ = -1;
   const std::string path = PathIn(dir_, kManifestFile);
@@ -135,12 +146,14 @@ Status ManifestWriter::Commit() {
     return Status::FromErrno(errno, StrCat("renaming manifest ", tmp_));
   }
   committed_ = true;
-  return SyncDir(dir_);
+  return Status::OK();
 }
 
-Status ReadManifest(const std::string& dir, const DiskMeta& want,
-                    std::span<const SegmentStamp> stamps, uint64_t num_blocks,
-                    std::vector<RecoveredBlock>* out) {
+Status SyncManifestDir(const std::string& dir) { return SyncDir(dir); }
+
+Status ReadManifest(const std::string& dir, const DiskMeta& want, size_t num_segments,
+                    uint64_t num_blocks, ManifestContents* contents) {
+  std::vector<RecoveredBlock>* out = &contents->blocks;
   out->clear();
   const std::string path = PathIn(dir, kManifestFile);
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -170,10 +183,14 @@ Status ReadManifest(const std::string& dir, const DiskMeta& want,
   if (std::memcmp(&h.meta, &want, sizeof(DiskMeta)) != 0) {
     return Status::Corrupted("manifest was written under another tier.meta");
   }
-  if (h.num_segments != stamps.size() || h.num_entries > num_blocks) {
+  if (h.kind != static_cast<uint16_t>(ManifestKind::kCleanClose) &&
+      h.kind != static_cast<uint16_t>(ManifestKind::kCheckpoint)) {
+    return Status::Corrupted(StrCat("manifest kind ", h.kind, " is unknown"));
+  }
+  if (h.num_segments != num_segments || h.num_entries > num_blocks) {
     return Status::Corrupted(StrCat("manifest lists ", h.num_entries, " blocks in ", h.num_segments,
                                     " segments; the tier has ", num_blocks, " slots in ",
-                                    stamps.size()));
+                                    num_segments));
   }
   const uint64_t expect = sizeof(ManifestHeader) + h.num_segments * sizeof(SegmentStamp) +
                           h.num_entries * sizeof(ManifestEntry);
@@ -182,7 +199,7 @@ Status ReadManifest(const std::string& dir, const DiskMeta& want,
         StrCat("manifest is truncated or padded (", st.st_size, " bytes, expected ", expect, ")"));
   }
   Checksum64Stream sum;
-  std::vector<SegmentStamp> have(stamps.size());
+  std::vector<SegmentStamp> have(num_segments);
   const size_t stamp_bytes = have.size() * sizeof(SegmentStamp);
   if (ReadAll(fd, have.data(), stamp_bytes) != static_cast<ssize_t>(stamp_bytes)) {
     return Status::Corrupted("manifest is truncated (segment stamps)");
@@ -216,11 +233,21 @@ Status ReadManifest(const std::string& dir, const DiskMeta& want,
     out->clear();
     return Status::Corrupted("manifest checksum mismatch");
   }
-  for (size_t s = 0; s < stamps.size(); ++s) {
-    if (!(have[s] == stamps[s])) {
-      out->clear();
-      return Status::Corrupted(
-          StrCat("segment ", s, " changed after the manifest was written (size, inode or mtime)"));
+  contents->kind = static_cast<ManifestKind>(h.kind);
+  contents->generation = h.generation;
+  contents->stamps = std::move(have);
+  return Status::OK();
+}
+
+Status CheckStamps(std::span<const SegmentStamp> written, std::span<const SegmentStamp> now,
+                   bool with_mtime) {
+  for (size_t s = 0; s < written.size() && s < now.size(); ++s) {
+    const SegmentStamp& a = written[s];
+    const SegmentStamp& b = now[s];
+    if (a.size != b.size || a.inode != b.inode ||
+        (with_mtime && (a.mtime_s != b.mtime_s || a.mtime_ns != b.mtime_ns))) {
+      return Status::Corrupted(StrCat("segment ", s, " changed after the manifest was written (",
+                                      with_mtime ? "size, inode or mtime" : "size or inode", ")"));
     }
   }
   return Status::OK();

@@ -23,6 +23,7 @@
 
 #include "test_io.h"
 #include "tpusync/base/checksum.h"
+#include "tpusync/tier/disk_journal.h"
 #include "tpusync/tier/disk_tier.h"
 
 namespace tpusync::tier {
@@ -114,7 +115,7 @@ TEST_F(DiskManifestTest, CleanCloseThenOpenTakesTheManifestWithoutReadingAnyHead
   t = Open();
   EXPECT_EQ(io_ops_.load(), 0u) << "a manifest-based open must not read slot headers";
   EXPECT_EQ(t->stats().recovery, "manifest");
-  EXPECT_FALSE(HasManifest()) << "the manifest must be deleted before the tier serves";
+  EXPECT_TRUE(HasManifest()) << "the manifest stays: a new journal generation continues it";
   EXPECT_FALSE(fs::exists(dir_ + "/manifest.tmp"));
   EXPECT_EQ(t->stats().recovered, 40u);
   EXPECT_EQ(t->used(), 40u);
@@ -129,7 +130,8 @@ TEST_F(DiskManifestTest, CleanCloseThenOpenTakesTheManifestWithoutReadingAnyHead
   EXPECT_FALSE(t->Reserve().ok());
   t.reset();
 
-  // The same files without a manifest (the one above was consumed): a full scan finds the same.
+  // The same files without the manifest: a full scan finds the same.
+  fs::remove(ManifestPath());
   t = Open();
   EXPECT_EQ(t->stats().recovery, "scan");
   EXPECT_GE(io_ops_.load(), kSlots);  // one header read per slot
@@ -156,7 +158,7 @@ TEST_F(DiskManifestTest, OnlyBlocksTheTierHoldsGoIntoTheManifest) {
   for (const auto& [key, where] : real) EXPECT_EQ(got.count(key), 1u) << key;
 }
 
-TEST_F(DiskManifestTest, NoCleanCloseMeansAScanEvenAfterAManifestBasedOpen) {
+TEST_F(DiskManifestTest, ACrashAfterAManifestBasedOpenReadsOnlyTheJournaledSlots) {
   auto t = Open();
   Write(*t, 0, 10, 1);
   ASSERT_TRUE(Checkpoint(*t).ok());
@@ -166,26 +168,27 @@ TEST_F(DiskManifestTest, NoCleanCloseMeansAScanEvenAfterAManifestBasedOpen) {
   t->TakeRecovered();
   Write(*t, 10, 5, 11);
   t.reset();  // a crash: no CheckpointOnClose
-  testing::internal::CaptureStderr();
   t = Open();
-  const std::string err = testing::internal::GetCapturedStderr();
-  EXPECT_EQ(t->stats().recovery, "scan");
-  EXPECT_NE(err.find("no clean-shutdown manifest"), std::string::npos) << err;
+  EXPECT_EQ(t->stats().recovery, "checkpoint");
+  EXPECT_EQ(t->stats().recovery_slots_read, 5u);
+  EXPECT_EQ(io_ops_.load(), 5u) << "only the 5 journaled slot headers may be read";
   EXPECT_EQ(AsMap(t->TakeRecovered()), blocks_);
   ExpectAllReadable(*t);
 }
 
-TEST_F(DiskManifestTest, AWriteAfterTheCheckpointDeletesTheManifest) {
+TEST_F(DiskManifestTest, WritesAndForgettingReleasesAfterTheManifestAreJournaled) {
   auto t = Open();
   Write(*t, 0, 3, 1);
   ASSERT_TRUE(Checkpoint(*t).ok());
   ASSERT_TRUE(HasManifest());
+  EXPECT_EQ(t->stats().journaled, 0u);
   Write(*t, 3, 1, 4);
-  EXPECT_FALSE(HasManifest());
-  ASSERT_TRUE(Checkpoint(*t).ok());
-  ASSERT_TRUE(HasManifest());
+  EXPECT_TRUE(HasManifest());
+  EXPECT_EQ(t->stats().journaled, 1u);
   t->Release(blocks_["k0"].first, /*forget=*/true);
-  EXPECT_FALSE(HasManifest());
+  EXPECT_EQ(t->stats().journaled, 2u);
+  t->Release(blocks_["k1"].first, /*forget=*/false);  // an eviction changes no byte
+  EXPECT_EQ(t->stats().journaled, 2u);
 }
 
 // A damaged or foreign manifest: the open falls back to the scan, says why on stderr, recovers
@@ -262,7 +265,7 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple(Damage::kPadded, "manifest is truncated or padded"),
                       std::make_tuple(Damage::kEntryByte, "manifest checksum mismatch"),
                       std::make_tuple(Damage::kHeaderByte, "manifest header checksum mismatch"),
-                      std::make_tuple(Damage::kVersion, "manifest format version 2"),
+                      std::make_tuple(Damage::kVersion, "manifest format version 3"),
                       std::make_tuple(Damage::kSegmentTouched, "segment 0 changed after")),
     DamageName);
 
@@ -307,7 +310,11 @@ TEST_F(DiskManifestTest, EvenAStaleManifestThatPassesEveryCheckServesNoStaleByte
   t.reset();
   const std::string saved = dir_ + "-saved-manifest";
   fs::copy_file(ManifestPath(), saved);
-  t = Open();  // consumes the manifest
+  const std::vector<uint64_t> gens = ListJournals(dir_);
+  ASSERT_EQ(gens.size(), 1u);
+  const std::string saved_journal = dir_ + "-saved-journal";
+  fs::copy_file(JournalPath(dir_, gens[0]), saved_journal);
+  t = Open();
   ASSERT_EQ(t->stats().recovery, "manifest");
   const Blocks old = blocks_;
   // k0's slot is forgotten (zeroed header), k1's slot is reused for another key.
@@ -317,8 +324,12 @@ TEST_F(DiskManifestTest, EvenAStaleManifestThatPassesEveryCheckServesNoStaleByte
   Write(*t, 50, 1, 9);
   ASSERT_EQ(blocks_.at("k50").first, old.at("k1").first) << "test premise: the slot is reused";
   t.reset();  // no clean close
-  fs::copy_file(saved, ManifestPath());
+  // Put the old manifest and its (empty) journal back, as if nothing had been written since.
+  for (uint64_t g : ListJournals(dir_)) fs::remove(JournalPath(dir_, g));
+  fs::copy_file(saved, ManifestPath(), fs::copy_options::overwrite_existing);
+  fs::copy_file(saved_journal, JournalPath(dir_, gens[0]));
   fs::remove(saved);
+  fs::remove(saved_journal);
   for (const auto& [path, mtime] : before) {
     struct timespec times[2] = {{0, UTIME_OMIT}, mtime};
     ASSERT_EQ(utimensat(AT_FDCWD, path.c_str(), times, 0), 0);

@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "tpusync/base/checksum.h"
+#include "tpusync/tier/disk_journal.h"
 #include "tpusync/tier/disk_manifest.h"
 
 namespace tpusync::tier {
@@ -182,11 +183,13 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
   }
   t->state_.assign(t->num_blocks_, kFree);
   t->holds_.assign(t->num_blocks_, 0);
-  t->sequence_.assign(t->num_blocks_, kNoSequence);
+  t->sequence_ = std::make_unique<std::atomic<uint64_t>[]>(t->num_blocks_);
+  for (size_t i = 0; i < t->num_blocks_; ++i) t->sequence_[i].store(kNoSequence);
   TPUSYNC_RETURN_IF_ERROR(t->OpenSegments(cold));
   if (cold) {
-    // A manifest left beside discarded segments must never describe the new ones.
+    // A manifest or journal left beside discarded segments must never describe the new ones.
     TPUSYNC_RETURN_IF_ERROR(RemoveManifest(o.directory));
+    TPUSYNC_RETURN_IF_ERROR(RemoveJournals(o.directory, ~uint64_t{0}));
     t->recovery_ = "cold";
   } else {
     t->Recover();
@@ -229,46 +232,152 @@ Status DiskTier::OpenSegments(bool cold) {
 }
 
 void DiskTier::Recover() {
-  // MANIFEST CONTRACT (tier/disk_manifest.h): the manifest is read, then deleted whether it is
-  // used or not, before the tier serves a single call; it is used only if the deletion worked.
-  std::vector<SegmentStamp> stamps;
-  Status s;
+  // RESTART CONTRACT: the manifest plus its journals, else the scan.
+  std::string why;
+  const Status s = RecoverFromManifest(&why);
+  if (s.ok()) return;
+  recovered_.clear();
+  for (size_t i = 0; i < num_blocks_; ++i) {
+    state_[i] = kFree;
+    sequence_[i].store(kNoSequence, std::memory_order_relaxed);
+  }
+  num_used_ = 0;
+  std::fprintf(stderr, "tpusync: disk tier %s: %s: scanning %zu slot headers\n", dir_.c_str(),
+               why.c_str(), num_blocks_);
+  // Nothing of the old checkpoint may outlive the scan: the next one starts a new generation.
+  const std::vector<uint64_t> gens = ListJournals(dir_);
+  if (!gens.empty()) generation_ = std::max(generation_, gens.back());
+  Status removed = RemoveManifest(dir_);
+  const Status journals = RemoveJournals(dir_, ~uint64_t{0});
+  if (removed.ok()) removed = journals;
+  if (!removed.ok()) {
+    std::fprintf(stderr, "tpusync: disk tier %s: stale manifest or journal not deleted: %s\n",
+                 dir_.c_str(), removed.ToString().c_str());
+  }
+  Scan();
+  recovery_ = "scan";
+  recovery_slots_read_ = num_blocks_;
+  changes_ = recovered_.size();  // no manifest: a first checkpoint is due
+}
+
+Status DiskTier::RecoverFromManifest(std::string* why) {
+  std::vector<SegmentStamp> now;
   for (const SegmentFile& seg : segments_) {
     auto st = StampSegment(seg.fd(), seg.path());
     if (!st.ok()) {
-      s = st.status();
-      break;
+      *why = StrCat("manifest not used: ", st.status().message());
+      return st.status();
     }
-    stamps.push_back(*st);
+    now.push_back(*st);
   }
-  if (s.ok()) s = ReadManifest(dir_, meta_, stamps, num_blocks_, &recovered_);
-  const Status removed = RemoveManifest(dir_);
-  if (s.ok() && !removed.ok()) {
-    s = Status::IOError(
-        StrCat("the manifest cannot be deleted before serving (", removed.message(), ")"));
+  ManifestContents mc;
+  Status s = ReadManifest(dir_, meta_, segments_.size(), num_blocks_, &mc);
+  if (s.code() == StatusCode::kNotFound) {
+    *why = "no clean-shutdown manifest or checkpoint (last close was not clean)";
+    return s;
   }
-  if (s.ok()) {
-    for (const RecoveredBlock& b : recovered_) {
-      state_[b.location] = kUsed;
-      sequence_[b.location] = b.sequence;
+  if (!s.ok()) {
+    *why = StrCat("manifest not used: ", s.message());
+    return s;
+  }
+  generation_ = std::max(generation_, mc.generation);
+  JournalContents jc;
+  s = ReadJournals(dir_, meta_, mc.generation, num_blocks_, &jc);
+  if (!s.ok()) {
+    *why = StrCat("checkpoint not used: ", s.message());
+    return s;
+  }
+  generation_ = std::max(generation_, jc.last_generation);
+  s = CheckStamps(mc.stamps, now, /*with_mtime=*/jc.slots.empty());
+  if (!s.ok()) {
+    *why = StrCat("manifest not used: ", s.message());
+    return s;
+  }
+  // Continue the journal chain in a fresh generation (never append behind a record of a crashed
+  // process): the manifest stays valid with journals mc.generation .. generation_.
+  {
+    auto w = JournalWriter::Create(dir_, generation_ + 1, meta_);
+    if (!w.ok()) {
+      *why = StrCat("checkpoint not used: ", w.status().message());
+      return w.status();
     }
-    num_used_ = recovered_.size();
-    recovered_count_ = recovered_.size();
-    recovery_ = "manifest";
-    return;
+    journal_ = std::move(*w);
+    generation_ += 1;
+    manifest_generation_ = mc.generation;
   }
-  recovered_.clear();
-  const std::string why = s.code() == StatusCode::kNotFound
-                              ? std::string("no clean-shutdown manifest (last close was not clean)")
-                              : StrCat("manifest not used: ", s.message());
-  std::fprintf(stderr, "tpusync: disk tier %s: %s: scanning %zu slot headers\n", dir_.c_str(),
-               why.c_str(), num_blocks_);
-  Scan();
-  recovery_ = "scan";
+  std::vector<uint8_t> journaled(num_blocks_, 0);
+  std::vector<uint64_t> reread;
+  for (uint64_t slot : jc.slots) {
+    if (!journaled[slot]) reread.push_back(slot);
+    journaled[slot] = 1;
+  }
+  std::sort(reread.begin(), reread.end());
+  for (RecoveredBlock& b : mc.blocks) {
+    if (journaled[b.location]) continue;
+    state_[b.location] = kUsed;
+    sequence_[b.location].store(b.sequence, std::memory_order_relaxed);
+    recovered_.push_back(std::move(b));
+  }
+  // The journaled slots: their headers decide (a valid block, else a free slot).
+  std::vector<RecoveredBlock> fresh;
+  ReadHeaders(
+      reread.size(), [&](size_t i) { return reread[i]; },
+      [&](uint64_t slot, const SlotHeader* h) {
+        if (h == nullptr) return;
+        fresh.push_back({std::string(SlotKey(*h)), slot, h->sequence});
+      });
+  if (!fresh.empty()) {
+    // A key found in a journaled slot and elsewhere (a crash between writing a copy and freeing
+    // the old slot, or an evicted slot re-put): keep the newest write, like the scan.
+    std::unordered_map<std::string_view, size_t> by_key;
+    by_key.reserve(fresh.size());
+    std::vector<uint8_t> drop(fresh.size(), 0);
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      auto [it, inserted] = by_key.emplace(fresh[i].key, i);
+      if (inserted) continue;
+      size_t& keep = it->second;
+      const size_t lose = fresh[keep].sequence >= fresh[i].sequence ? i : keep;
+      drop[lose] = 1;
+      keep = lose == i ? keep : i;
+    }
+    std::vector<uint8_t> gone(recovered_.size(), 0);
+    for (size_t r = 0; r < recovered_.size(); ++r) {
+      auto it = by_key.find(recovered_[r].key);
+      if (it == by_key.end()) continue;
+      if (recovered_[r].sequence >= fresh[it->second].sequence) {
+        drop[it->second] = 1;
+      } else {
+        gone[r] = 1;
+      }
+    }
+    size_t w = 0;
+    for (size_t r = 0; r < recovered_.size(); ++r) {
+      if (gone[r]) {
+        state_[recovered_[r].location] = kFree;
+        sequence_[recovered_[r].location].store(kNoSequence, std::memory_order_relaxed);
+      } else {
+        if (w != r) recovered_[w] = std::move(recovered_[r]);
+        ++w;
+      }
+    }
+    recovered_.resize(w);
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      if (drop[i]) continue;
+      state_[fresh[i].location] = kUsed;
+      sequence_[fresh[i].location].store(fresh[i].sequence, std::memory_order_relaxed);
+      recovered_.push_back(std::move(fresh[i]));
+    }
+  }
+  num_used_ = recovered_.size();
+  recovered_count_ = recovered_.size();
+  recovery_slots_read_ = reread.size();
+  recovery_ = jc.slots.empty() && mc.kind == ManifestKind::kCleanClose ? "manifest" : "checkpoint";
+  changes_ = reread.size();
+  return Status::OK();
 }
 
 Status DiskTier::CheckpointOnClose(const std::function<void(const BlockVisitor&)>& for_each_block) {
-  Status s = WriteManifest(for_each_block);
+  Status s = WriteCheckpoint(for_each_block, /*clean_close=*/true);
   if (!s.ok()) {
     ++manifest_errors_;
     std::fprintf(stderr,
@@ -279,32 +388,155 @@ Status DiskTier::CheckpointOnClose(const std::function<void(const BlockVisitor&)
   return s;
 }
 
-Status DiskTier::WriteManifest(const std::function<void(const BlockVisitor&)>& for_each_block) {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<SegmentStamp> stamps;
-  for (const SegmentFile& seg : segments_) {
-    TPUSYNC_ASSIGN_OR_RETURN(auto st, StampSegment(seg.fd(), seg.path()));
-    stamps.push_back(st);
+Status DiskTier::Checkpoint(const std::function<void(const BlockVisitor&)>& for_each_block) {
+  Status s = WriteCheckpoint(for_each_block, /*clean_close=*/false);
+  if (s.ok()) {
+    ++checkpoints_;
+  } else {
+    ++manifest_errors_;
+    std::fprintf(stderr,
+                 "tpusync: disk tier %s: checkpoint not written (%s); a restart after a crash "
+                 "uses the previous one or scans\n",
+                 dir_.c_str(), s.ToString().c_str());
   }
-  TPUSYNC_ASSIGN_OR_RETURN(auto writer, ManifestWriter::Begin(dir_, meta_, std::move(stamps)));
-  std::vector<uint8_t> listed(num_blocks_, 0);
-  Status err;
-  uint64_t skipped = 0;
-  for_each_block([&](std::string_view key, uint64_t location) {
-    if (!err.ok()) return;
-    // Only slots this tier knows hold a completely written block, each once.
-    if (location >= num_blocks_ || state_[location] != kUsed ||
-        sequence_[location] == kNoSequence || listed[location]) {
-      ++skipped;
-      return;
+  return s;
+}
+
+uint64_t DiskTier::ChangesSinceCheckpoint() const {
+  const uint64_t c = changes_.load(std::memory_order_relaxed);
+  return c;
+}
+
+void DiskTier::Journal(std::span<const uint64_t> slots) {
+  changes_.fetch_add(slots.size(), std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(jmu_);
+  if (!journal_) return;
+  const Status s = journal_->Append(slots);
+  if (s.ok()) return;
+  // The manifest no longer describes the disk together with its journals: it must go before
+  // these bytes change. Journaling restarts with the next checkpoint.
+  journal_.reset();
+  manifest_generation_ = 0;
+  ++manifest_errors_;
+  const Status removed = RemoveManifest(dir_);
+  std::fprintf(stderr,
+               "tpusync: disk tier %s: slot journal not written (%s); manifest %s: the next "
+               "restart after a crash scans every slot header\n",
+               dir_.c_str(), s.ToString().c_str(),
+               removed.ok() ? "deleted" : removed.ToString().c_str());
+}
+
+Status DiskTier::WriteCheckpoint(const std::function<void(const BlockVisitor&)>& for_each_block,
+                                 bool clean_close) {
+  std::lock_guard<std::mutex> ckpt(ckpt_mu_);
+  // 1. ROTATE (CHECKPOINT CONTRACT): changes from now on go to generation `gen`.
+  uint64_t gen = 0;
+  uint64_t changes_before = 0;
+  {
+    std::lock_guard<std::mutex> lock(jmu_);
+    gen = generation_ + 1;
+    TPUSYNC_ASSIGN_OR_RETURN(auto w, JournalWriter::Create(dir_, gen, meta_));
+    journal_ = std::move(w);
+    generation_ = gen;
+    changes_before = changes_.load(std::memory_order_relaxed);
+  }
+  std::unique_ptr<ManifestWriter> writer;
+  auto begin = [&]() -> Status {
+    std::vector<SegmentStamp> stamps;
+    for (const SegmentFile& seg : segments_) {
+      TPUSYNC_ASSIGN_OR_RETURN(auto st, StampSegment(seg.fd(), seg.path()));
+      stamps.push_back(st);
     }
-    listed[location] = 1;
-    err = writer->Add(location, sequence_[location], key);
-  });
-  TPUSYNC_RETURN_IF_ERROR(err);
-  TPUSYNC_RETURN_IF_ERROR(writer->Commit());
-  manifest_live_.store(true, std::memory_order_release);
-  if (skipped > 0) {
+    TPUSYNC_ASSIGN_OR_RETURN(
+        writer, ManifestWriter::Begin(
+                    dir_, meta_, std::move(stamps),
+                    clean_close ? ManifestKind::kCleanClose : ManifestKind::kCheckpoint, gen));
+    return Status::OK();
+  };
+  auto valid = [this](std::string_view key, uint64_t location) {
+    return !key.empty() && key.size() <= block::kMaxKeyBytes && location < num_blocks_;
+  };
+  std::vector<uint8_t> listed(num_blocks_, 0);
+  uint64_t skipped = 0;
+  if (clean_close) {
+    // 2-3. Nothing writes the tier any more (CLEAN-CLOSE CONTRACT): the entries stream straight
+    // into the file (no per-key memory) and no slot is in flight.
+    TPUSYNC_RETURN_IF_ERROR(begin());
+    Status err;
+    std::lock_guard<std::mutex> lock(mu_);
+    for_each_block([&](std::string_view key, uint64_t location) {
+      if (!err.ok()) return;
+      const uint64_t seq =
+          valid(key, location) ? sequence_[location].load(std::memory_order_relaxed) : kNoSequence;
+      if (seq == kNoSequence || state_[location] == kFree || listed[location]) {
+        ++skipped;
+        return;
+      }
+      listed[location] = 1;
+      err = writer->Add(location, seq, key);
+    });
+    TPUSYNC_RETURN_IF_ERROR(err);
+  } else {
+    // 2. WALK: copy (slot, key) under the caller's index lock only (80 bytes per key, no I/O).
+    std::vector<ManifestEntry> entries;
+    entries.reserve(used());
+    for_each_block([&](std::string_view key, uint64_t location) {
+      if (!valid(key, location)) {
+        ++skipped;
+        return;
+      }
+      ManifestEntry& e = entries.emplace_back();
+      std::memset(&e, 0, sizeof(e));
+      e.slot = static_cast<uint32_t>(location);
+      e.key_len = static_cast<uint8_t>(key.size());
+      std::memcpy(e.key, key.data(), key.size());
+    });
+    std::vector<uint64_t> unsettled;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (ManifestEntry& e : entries) {
+        const uint64_t seq = sequence_[e.slot].load(std::memory_order_relaxed);
+        if (listed[e.slot] || state_[e.slot] == kFree || seq == kNoSequence) {
+          e.key_len = 0;  // left out
+          ++skipped;
+          continue;
+        }
+        listed[e.slot] = 1;
+        e.sequence = seq;
+      }
+      // Held but not listed: a write or a forgetting release in flight, or a write not indexed
+      // yet. Their headers decide at a restart.
+      for (size_t i = 0; i < num_blocks_; ++i) {
+        if (state_[i] != kFree && !listed[i]) unsettled.push_back(i);
+      }
+    }
+    if (!unsettled.empty()) {
+      std::lock_guard<std::mutex> lock(jmu_);
+      if (!journal_ || journal_->generation() != gen) {
+        return Status::IOError("the slot journal failed during the checkpoint");
+      }
+      TPUSYNC_RETURN_IF_ERROR(journal_->Append(unsettled));
+    }
+    // 3. WRITE the manifest of generation `gen`.
+    TPUSYNC_RETURN_IF_ERROR(begin());
+    for (const ManifestEntry& e : entries) {
+      if (e.key_len == 0) continue;
+      TPUSYNC_RETURN_IF_ERROR(writer->Add(e.slot, e.sequence, std::string_view(e.key, e.key_len)));
+    }
+  }
+  TPUSYNC_RETURN_IF_ERROR(writer->Sync());
+  {
+    std::lock_guard<std::mutex> lock(jmu_);
+    if (!journal_ || journal_->generation() != gen) {
+      return Status::IOError("the slot journal failed during the checkpoint");
+    }
+    TPUSYNC_RETURN_IF_ERROR(writer->Commit());
+    manifest_generation_ = gen;
+  }
+  TPUSYNC_RETURN_IF_ERROR(SyncManifestDir(dir_));
+  TPUSYNC_RETURN_IF_ERROR(RemoveJournals(dir_, gen));
+  changes_.fetch_sub(std::min(changes_before, changes_.load()), std::memory_order_relaxed);
+  if (clean_close && skipped > 0) {
     std::fprintf(stderr,
                  "tpusync: disk tier %s: %llu indexed blocks left out of the manifest (their slot "
                  "holds no completed write); they are dropped at the next open\n",
@@ -313,57 +545,62 @@ Status DiskTier::WriteManifest(const std::function<void(const BlockVisitor&)>& f
   return Status::OK();
 }
 
-void DiskTier::InvalidateManifest() {
-  if (!manifest_live_.exchange(false, std::memory_order_acq_rel)) return;
-  const Status s = RemoveManifest(dir_);
-  if (!s.ok()) {
-    std::fprintf(stderr, "tpusync: disk tier %s: written after its manifest, which %s\n",
-                 dir_.c_str(), s.ToString().c_str());
+void DiskTier::ReadHeaders(size_t n, const std::function<uint64_t(size_t)>& slot_at,
+                           const std::function<void(uint64_t, const SlotHeader*)>& visit) {
+  constexpr size_t kBatch = 256;
+  AlignedBuf buf = Aligned(kBatch * kSlotHeaderBytes);
+  std::vector<IoOp> ops;
+  for (size_t first = 0; first < n; first += kBatch) {
+    const size_t m = std::min(kBatch, n - first);
+    ops.assign(m, IoOp{});
+    for (size_t i = 0; i < m; ++i) {
+      const uint64_t slot = slot_at(first + i);
+      ops[i].fd = SegmentOf(slot).fd();
+      ops[i].offset = SlotOffset(slot);
+      ops[i].iov = {{buf.get() + i * kSlotHeaderBytes, kSlotHeaderBytes}};
+    }
+    RunIo(ops);
+    for (size_t i = 0; i < m; ++i) {
+      const uint64_t slot = slot_at(first + i);
+      if (ops[i].result != static_cast<int64_t>(kSlotHeaderBytes)) {
+        visit(slot, nullptr);
+        continue;
+      }
+      const auto* h = reinterpret_cast<const SlotHeader*>(buf.get() + i * kSlotHeaderBytes);
+      const Status s = CheckSlotHeader(*h, block_bytes_, fingerprint_);
+      if (!s.ok() && s.code() != StatusCode::kNotFound) {
+        ++corrupted_;  // reclaimed: the slot stays free and is overwritten by a later block
+      }
+      visit(slot, s.ok() ? h : nullptr);
+    }
   }
 }
 
 void DiskTier::Scan() {
-  constexpr size_t kBatch = 256;
-  AlignedBuf buf = Aligned(kBatch * kSlotHeaderBytes);
   std::unordered_map<std::string, size_t> by_key;  // key -> index in recovered_
-  for (size_t first = 0; first < num_blocks_; first += kBatch) {
-    const size_t n = std::min(kBatch, num_blocks_ - first);
-    std::vector<IoOp> ops(n);
-    for (size_t i = 0; i < n; ++i) {
-      ops[i].fd = SegmentOf(first + i).fd();
-      ops[i].offset = SlotOffset(first + i);
-      ops[i].iov = {{buf.get() + i * kSlotHeaderBytes, kSlotHeaderBytes}};
-    }
-    RunIo(ops);
-    for (size_t i = 0; i < n; ++i) {
-      if (ops[i].result != static_cast<int64_t>(kSlotHeaderBytes)) continue;
-      const auto* h = reinterpret_cast<const SlotHeader*>(buf.get() + i * kSlotHeaderBytes);
-      const Status s = CheckSlotHeader(*h, block_bytes_, fingerprint_);
-      if (s.code() == StatusCode::kNotFound) continue;
-      if (!s.ok()) {
-        ++corrupted_;  // reclaimed: the slot stays free and is overwritten by a later block
-        continue;
-      }
-      const std::string key(SlotKey(*h));
-      auto [it, fresh] = by_key.emplace(key, recovered_.size());
-      if (!fresh) {
-        // The same key twice (a crash between writing a copy and freeing the old one): keep the
-        // newest; both hold the same content by the key contract.
-        RecoveredBlock& prev = recovered_[it->second];
-        if (prev.sequence >= h->sequence) continue;
-        state_[prev.location] = kFree;
-        sequence_[prev.location] = kNoSequence;
-        --num_used_;
-        prev.location = first + i;
-        prev.sequence = h->sequence;
-      } else {
-        recovered_.push_back({key, first + i, h->sequence});
-      }
-      state_[first + i] = kUsed;
-      sequence_[first + i] = h->sequence;
-      ++num_used_;
-    }
-  }
+  ReadHeaders(
+      num_blocks_, [](size_t i) { return uint64_t{i}; },
+      [&](uint64_t slot, const SlotHeader* h) {
+        if (h == nullptr) return;
+        const std::string key(SlotKey(*h));
+        auto [it, fresh] = by_key.emplace(key, recovered_.size());
+        if (!fresh) {
+          // The same key twice (a crash between writing a copy and freeing the old one): keep
+          // the newest; both hold the same content by the key contract.
+          RecoveredBlock& prev = recovered_[it->second];
+          if (prev.sequence >= h->sequence) return;
+          state_[prev.location] = kFree;
+          sequence_[prev.location].store(kNoSequence, std::memory_order_relaxed);
+          --num_used_;
+          prev.location = slot;
+          prev.sequence = h->sequence;
+        } else {
+          recovered_.push_back({key, slot, h->sequence});
+        }
+        state_[slot] = kUsed;
+        sequence_[slot].store(h->sequence, std::memory_order_relaxed);
+        ++num_used_;
+      });
   recovered_count_ = recovered_.size();
 }
 
@@ -405,8 +642,9 @@ void DiskTier::Free(uint64_t slot) {
 
 void DiskTier::Release(uint64_t location, bool forget) {
   if (location >= num_blocks_) return;
-  if (manifest_live_.load(std::memory_order_acquire)) InvalidateManifest();
   if (forget) {
+    const uint64_t slot[1] = {location};
+    Journal(slot);  // JOURNAL CONTRACT: before the header is zeroed
     // One zeroed header page: a restart will not resurrect a removed or corrupted block.
     AlignedBuf zero = Aligned(kSlotHeaderBytes);
     std::memset(zero.get(), 0, kSlotHeaderBytes);
@@ -524,7 +762,11 @@ void DiskTier::DropDirectIo() {
 
 void DiskTier::WriteBatch(std::span<BlockWrite> ops) {
   const uint64_t t0 = NowNs();
-  if (manifest_live_.load(std::memory_order_acquire)) InvalidateManifest();
+  {
+    std::vector<uint64_t> slots(ops.size());
+    for (size_t i = 0; i < ops.size(); ++i) slots[i] = ops[i].location;
+    Journal(slots);  // JOURNAL CONTRACT: before any of these slots changes
+  }
   AlignedBuf headers = Aligned(ops.size() * kSlotHeaderBytes);
   std::vector<AlignedBuf> bounce(ops.size());
   std::vector<IoOp> io(ops.size());
@@ -636,6 +878,9 @@ TierStats DiskTier::stats() const {
   s.cold_start_reason = cold_start_reason_;
   s.recovery = recovery_;
   s.manifest_errors = manifest_errors_;
+  s.recovery_slots_read = recovery_slots_read_;
+  s.checkpoints = checkpoints_;
+  s.journaled = changes_;
   return s;
 }
 

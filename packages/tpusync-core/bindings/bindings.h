@@ -54,15 +54,13 @@ engine::RowBuffer WriteRows(const WriteArray& a, size_t n, size_t block_bytes,
 
 // The host / disk tier options shared by KVStoreNative.open and open_remote_kv_store (the Python
 // keyword arguments of both, in one place).
-store::KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks,
-                                   const std::string& name_space, const std::string& fingerprint,
-                                   const std::string& disk_dir, size_t disk_blocks,
-                                   size_t disk_segment_blocks, bool disk_direct_io,
-                                   const std::string& io_backend, size_t io_threads,
-                                   const std::string& policy, size_t writeback_batch,
-                                   size_t writeback_headroom, double put_wait_s, bool prefault,
-                                   bool huge_pages, bool write_through,
-                                   block::Recency index_recency);
+store::KVStoreOptions StoreOptions(
+    size_t block_bytes, size_t host_blocks, const std::string& name_space,
+    const std::string& fingerprint, const std::string& disk_dir, size_t disk_blocks,
+    size_t disk_segment_blocks, bool disk_direct_io, const std::string& io_backend,
+    size_t io_threads, const std::string& policy, size_t writeback_batch, size_t writeback_headroom,
+    double put_wait_s, bool prefault, bool huge_pages, bool write_through,
+    block::Recency index_recency, double disk_checkpoint_s, size_t disk_checkpoint_writes);
 
 void init_base(nb::module_& m);
 void init_memory(nb::module_& m);

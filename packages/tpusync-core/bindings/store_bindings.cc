@@ -101,6 +101,10 @@ nb::dict Stats(const store::StoreStats& s) {
     e["huge_pages"] = t.tier.huge_pages;
     e["cold_start_reason"] = t.tier.cold_start_reason;
     e["recovery"] = t.tier.recovery;
+    e["recovery_slots_read"] = t.tier.recovery_slots_read;
+    e["checkpoints"] = t.tier.checkpoints;
+    e["manifest_errors"] = t.tier.manifest_errors;
+    e["journaled"] = t.tier.journaled;
     tiers[nb::str(std::string(block::TierName(t.kind)).c_str())] = e;
   }
   d["tiers"] = tiers;
@@ -115,7 +119,8 @@ KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks, const std::s
                             const std::string& io_backend, size_t io_threads,
                             const std::string& policy, size_t writeback_batch,
                             size_t writeback_headroom, double put_wait_s, bool prefault,
-                            bool huge_pages, bool write_through, block::Recency index_recency) {
+                            bool huge_pages, bool write_through, block::Recency index_recency,
+                            double disk_checkpoint_s, size_t disk_checkpoint_writes) {
   KVStoreOptions o;
   o.block_bytes = block_bytes;
   o.host_blocks = host_blocks;
@@ -135,6 +140,8 @@ KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks, const std::s
   o.huge_pages = huge_pages;
   o.write_through = write_through;
   o.index_recency = index_recency;
+  o.disk_checkpoint_s = disk_checkpoint_s;
+  o.disk_checkpoint_writes = disk_checkpoint_writes;
   return o;
 }
 
@@ -149,12 +156,13 @@ void init_store(nb::module_& m) {
              bool disk_direct_io, const std::string& io_backend, size_t io_threads,
              const std::string& policy, size_t writeback_batch, size_t writeback_headroom,
              double put_wait_s, bool prefault, bool huge_pages, bool write_through,
-             block::Recency index_recency) {
-            KVStoreOptions o =
-                StoreOptions(block_bytes, host_blocks, name_space, fingerprint, disk_dir,
-                             disk_blocks, disk_segment_blocks, disk_direct_io, io_backend,
-                             io_threads, policy, writeback_batch, writeback_headroom, put_wait_s,
-                             prefault, huge_pages, write_through, index_recency);
+             block::Recency index_recency, double disk_checkpoint_s,
+             size_t disk_checkpoint_writes) {
+            KVStoreOptions o = StoreOptions(
+                block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
+                disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy,
+                writeback_batch, writeback_headroom, put_wait_s, prefault, huge_pages,
+                write_through, index_recency, disk_checkpoint_s, disk_checkpoint_writes);
             nb::gil_scoped_release release;
             return Unwrap(KVStore::Open(o, std::move(engine))).release();
           },
@@ -167,6 +175,7 @@ void init_store(nb::module_& m) {
           nb::arg("prefault") = true, nb::arg("huge_pages") = false,
           nb::arg("write_through") = false,
           nb::arg("index_recency") = block::BlockIndex::kDefaultRecency,
+          nb::arg("disk_checkpoint_s") = 60.0, nb::arg("disk_checkpoint_writes") = 1 << 16,
           nb::rv_policy::take_ownership)
       .def_prop_ro("block_bytes", &KVStore::block_bytes)
       .def_prop_ro("index_recency", &KVStore::index_recency,

@@ -301,11 +301,12 @@ void init_transport(nb::module_& m) {
          size_t writeback_batch, size_t writeback_headroom, double put_wait_s, bool prefault,
          bool huge_pages, const std::string& name_space, const std::string& fingerprint,
          size_t replicas, size_t remote_blocks, double lease, double timeout, bool write_through,
-         block::Recency index_recency) {
-        const store::KVStoreOptions o = StoreOptions(
-            block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
-            disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy, writeback_batch,
-            writeback_headroom, put_wait_s, prefault, huge_pages, write_through, index_recency);
+         block::Recency index_recency, double disk_checkpoint_s, size_t disk_checkpoint_writes) {
+        const store::KVStoreOptions o =
+            StoreOptions(block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
+                         disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy,
+                         writeback_batch, writeback_headroom, put_wait_s, prefault, huge_pages,
+                         write_through, index_recency, disk_checkpoint_s, disk_checkpoint_writes);
         node::RemoteTierOptions r;
         r.block_bytes = block_bytes;
         r.capacity_blocks = remote_blocks;
@@ -333,7 +334,9 @@ void init_transport(nb::module_& m) {
       nb::arg("name_space") = "", nb::arg("fingerprint") = "", nb::arg("replicas") = 1,
       nb::arg("remote_blocks") = 1 << 16, nb::arg("lease") = 10.0, nb::arg("timeout") = 10.0,
       nb::arg("write_through") = false,
-      nb::arg("index_recency") = block::BlockIndex::kDefaultRecency, nb::rv_policy::take_ownership,
+      nb::arg("index_recency") = block::BlockIndex::kDefaultRecency,
+      nb::arg("disk_checkpoint_s") = 60.0, nb::arg("disk_checkpoint_writes") = 1 << 16,
+      nb::rv_policy::take_ownership,
       "A KVStore over host [-> disk] -> store nodes (host demotes to disk first, then remote).");
 }
 

@@ -84,6 +84,8 @@ def test_bench_tiers_json_schema(tmp_path):
     restart = data["restart"]
     assert restart["slots"] == 1024 and restart["manifest_bytes"] > 1024 * 80
     assert restart["manifest_open_s"] > 0 and restart["scan_open_s"] > 0
+    assert [c["journaled_slots"] for c in restart["crash_checkpoint"]] == [128]
+    assert restart["crash_checkpoint"][0]["open_s"] > 0
     session = data["long_session"]
     assert session["device_footprint_bounded"] is True
     assert session["verified_blocks"] == session["offloaded_blocks"] > 0

@@ -1,8 +1,9 @@
 """Clean-shutdown manifest of the disk tier (docs/tiers.md "Crash semantics").
 
 A KVStore that closes cleanly leaves ``<disk_dir>/manifest``; the next store on that directory
-takes its blocks from it instead of reading every slot header, and deletes it before serving. A
-store killed with SIGKILL leaves none, so the next open scans the headers (as before manifests).
+takes its blocks from it instead of reading every slot header and keeps it, journaling every slot
+it changes after it, so a store killed with SIGKILL after that is restarted from the manifest plus
+the headers of only the journaled slots (test_store_checkpoint.py has the periodic checkpoints).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ KILLED = textwrap.dedent(
     """
     import sys, time, numpy as np, tpusync.core as tc
     disk = sys.argv[1]
-    s = tc.KVStore({block}, 4, disk_dir=disk, disk_blocks=64, writeback_batch=2)
+    s = tc.KVStore({block}, 4, disk_dir=disk, disk_blocks=64, writeback_batch=2,
+                   checkpoint_s=0, checkpoint_writes=0)
     print(s.stats()["tiers"]["disk"]["recovery"], flush=True)
     base = np.arange({block}, dtype=np.uint32)
     for i in range(24, 32):
@@ -60,7 +62,9 @@ KILLED = textwrap.dedent(
 )
 
 
-def test_clean_close_reopens_from_the_manifest_and_a_sigkill_means_a_scan(tmp_path, capfd):
+def test_clean_close_reopens_from_the_manifest_and_a_later_sigkill_reads_the_journal(
+    tmp_path, capfd
+):
     disk = tmp_path / "disk"
     manifest = disk / "manifest"
     ids = list(range(24))
@@ -79,14 +83,14 @@ def test_clean_close_reopens_from_the_manifest_and_a_sigkill_means_a_scan(tmp_pa
     st = s.stats()["tiers"]["disk"]
     assert st["recovery"] == "manifest"
     assert st["recovered"] == on_disk and st["indexed"] == on_disk
-    assert not manifest.exists()  # deleted before serving
+    assert manifest.is_file()  # kept: a new journal generation continues it
     assert check_disk_blocks(s, ids) == on_disk
     assert s.stats()["corrupted"] == 0
     s.close()
     assert manifest.is_file()
 
-    # A process that opened from the manifest, wrote more, and was killed: no manifest is left,
-    # the next open scans every header (saying so on stderr) and finds every block.
+    # A process that opened from the manifest, wrote more (no checkpoint of its own), and was
+    # killed: the next open takes the manifest and reads the headers of the journaled slots only.
     script = tmp_path / "killed.py"
     script.write_text(KILLED.format(block=BLOCK))
     proc = subprocess.Popen(
@@ -96,16 +100,15 @@ def test_clean_close_reopens_from_the_manifest_and_a_sigkill_means_a_scan(tmp_pa
         assert proc.stdout.readline().strip() == "manifest"
         assert proc.stdout.readline().strip() == "READY"
     finally:
-        proc.kill()  # SIGKILL: no destructor, no manifest
+        proc.kill()  # SIGKILL: no destructor, no new manifest
         assert proc.wait(30) == -9
-    assert not manifest.exists()
+    assert manifest.is_file()
     capfd.readouterr()
     s = open_store(disk)
     st = s.stats()["tiers"]["disk"]
-    assert st["recovery"] == "scan"
-    assert "no clean-shutdown manifest (last close was not clean): scanning 64 slot headers" in (
-        capfd.readouterr().err
-    )
+    assert st["recovery"] == "checkpoint"
+    assert 0 < st["recovery_slots_read"] < 64
+    assert "scanning" not in capfd.readouterr().err
     assert st["recovered"] >= on_disk
     assert check_disk_blocks(s, list(range(32))) == st["indexed"]
     assert s.stats()["corrupted"] == 0

@@ -40,22 +40,33 @@
 namespace tpusync::tier {
 
 inline constexpr uint32_t kManifestMagic = 0x4e4d5354;  // "TSMN" little-endian
-inline constexpr uint16_t kManifestVersion = 1;
+// Version 2 added `kind` and `generation` (the slot journal, tier/disk_journal.h); a version-1
+// manifest left by an older build is not used (one scan).
+inline constexpr uint16_t kManifestVersion = 2;
 inline constexpr char kManifestFile[] = "manifest";
+
+enum class ManifestKind : uint16_t {
+  kCleanClose = 1,  // written by CheckpointOnClose: nothing was writing the tier
+  kCheckpoint = 2,  // written while the tier served (DiskTier::Checkpoint)
+};
 
 struct ManifestHeader {
   uint32_t magic;
   uint16_t version;
-  uint16_t reserved0;
+  uint16_t kind;  // ManifestKind
   DiskMeta meta;  // byte copy of the tier.meta the manifest was written under
   uint64_t num_segments;
   uint64_t num_entries;
+  // JOURNAL CONTRACT (tier/disk_journal.h): every slot changed after the entries were taken is
+  // listed in journal-<generation> or a later generation.
+  uint64_t generation;
   uint64_t body_checksum;    // XXH3-64 of the stamps and entries, in file order
   uint64_t header_checksum;  // XXH3-64 of every byte above
 };
-static_assert(sizeof(ManifestHeader) == 192, "ManifestHeader is an on-disk format");
+static_assert(sizeof(ManifestHeader) == 200, "ManifestHeader is an on-disk format");
 static_assert(offsetof(ManifestHeader, meta) == 8);
-static_assert(offsetof(ManifestHeader, header_checksum) == 184);
+static_assert(offsetof(ManifestHeader, generation) == 176);
+static_assert(offsetof(ManifestHeader, header_checksum) == 192);
 
 struct SegmentStamp {
   uint64_t size;
@@ -84,14 +95,17 @@ Result<SegmentStamp> StampSegment(int fd, const std::string& path);
 class ManifestWriter {
  public:
   static Result<std::unique_ptr<ManifestWriter>> Begin(const std::string& dir, const DiskMeta& meta,
-                                                       std::vector<SegmentStamp> stamps);
+                                                       std::vector<SegmentStamp> stamps,
+                                                       ManifestKind kind, uint64_t generation);
   ~ManifestWriter();
   ManifestWriter(const ManifestWriter&) = delete;
   ManifestWriter& operator=(const ManifestWriter&) = delete;
 
   // Appends one entry (buffered). The caller lists each slot once.
   Status Add(uint64_t slot, uint64_t sequence, std::string_view key);
-  // Writes the header, fsyncs, renames over <dir>/manifest and fsyncs the directory.
+  // Writes the header and fsyncs the temp file (Commit does it when not done yet).
+  Status Sync();
+  // Renames the temp file over <dir>/manifest (SyncManifestDir then makes that durable).
   Status Commit();
   uint64_t entries() const { return num_entries_; }
 
@@ -102,19 +116,33 @@ class ManifestWriter {
   std::string dir_, tmp_;
   int fd_ = -1;
   bool committed_ = false;
+  bool synced_ = false;
   ManifestHeader header_{};
   uint64_t num_entries_ = 0;
   std::vector<uint8_t> buf_;
   std::unique_ptr<Checksum64Stream> sum_;
 };
 
-// Reads <dir>/manifest and checks it against the tier's current meta, its segments' current
-// stamps and its slot count (MANIFEST CONTRACT). kNotFound when there is none; kCorrupted (with
-// the reason) when it must not be trusted; an errno status when it cannot be read. On success
-// *out holds one RecoveredBlock per entry, in file order. Reads nothing but the manifest.
-Status ReadManifest(const std::string& dir, const DiskMeta& want,
-                    std::span<const SegmentStamp> stamps, uint64_t num_blocks,
-                    std::vector<RecoveredBlock>* out);
+struct ManifestContents {
+  ManifestKind kind = ManifestKind::kCleanClose;
+  uint64_t generation = 0;
+  std::vector<SegmentStamp> stamps;    // as written
+  std::vector<RecoveredBlock> blocks;  // one per entry, in file order
+};
+
+// Reads <dir>/manifest and checks it against the tier's current meta and its segment and slot
+// counts (MANIFEST CONTRACT). kNotFound when there is none; kCorrupted (with the reason) when it
+// must not be trusted; an errno status when it cannot be read. Reads nothing but the manifest.
+// The segment stamps are compared by CheckStamps (the caller knows whether the journal is empty).
+Status ReadManifest(const std::string& dir, const DiskMeta& want, size_t num_segments,
+                    uint64_t num_blocks, ManifestContents* out);
+
+// kCorrupted naming the first segment whose size or inode (and, with `with_mtime`, mtime) differs.
+Status CheckStamps(std::span<const SegmentStamp> written, std::span<const SegmentStamp> now,
+                   bool with_mtime);
+
+// fsync of the directory (after a Commit; a filesystem refusing it on a directory is fine).
+Status SyncManifestDir(const std::string& dir);
 
 // Deletes <dir>/manifest and a leftover <dir>/manifest.tmp, then fsyncs the directory so the
 // deletion survives a crash of the machine too. OK when there was nothing to delete.

@@ -14,36 +14,59 @@
 // (checksum) or the slot reads as corrupted and is reclaimed. No fsync per block: a KV cache can
 // always be recomputed; power-loss durability is out of scope (docs/tiers.md: crash semantics).
 //
-//   <dir>/manifest        present only between a clean close and the next open: the blocks the
-//                         tier held at close (tier/disk_manifest.h), so that open reads no header
+//   <dir>/manifest        the blocks the tier held at its last checkpoint or clean close, with the
+//                         generation of the journal that follows it (tier/disk_manifest.h)
+//   <dir>/journal-<gen>   slot journal: the slots changed after that manifest (tier/disk_journal.h)
 //
 // RESTART CONTRACT: a tier.meta that disagrees with the options (fingerprint, block size, segment
-// size, slot count) means a cold start: old segments (and any manifest) are deleted with one
-// stderr line naming the reason. Otherwise Open rebuilds the slot table one of two ways, then
-// deletes the manifest before serving (stats().recovery says which way was taken):
-// - "manifest": the store closed cleanly (CheckpointOnClose) and left a manifest that passes every
-//   check of the MANIFEST CONTRACT (tier/disk_manifest.h): its entries are taken as they are, with
-//   no header read - one sequential read of ~80 bytes per block instead of a 4 KiB random read
-//   per slot (~10 us each on the development VM: 0.6 s at 60k slots, minutes at 16M);
-// - "scan": anything else (no manifest: a crash or SIGKILL; or a truncated, checksum-failing,
-//   stale or mismatching one: one stderr line names why) - one 4 KiB header read per slot,
-//   batched through the io backend, as before manifests existed.
-// Payload checksums are verified on every read, never at open, so either way a wrong slot table
+// size, slot count) means a cold start: old segments, manifest and journals are deleted with one
+// stderr line naming the reason. Otherwise Open rebuilds the slot table one of three ways
+// (stats().recovery says which; stats().recovery_slots_read how many slot headers it read):
+// - "manifest": the store closed cleanly (CheckpointOnClose) and nothing was journaled after it:
+//   the manifest's entries are taken as they are, with no header read - one sequential read of
+//   ~80 bytes per block instead of a 4 KiB random read per slot (~10 us each on the development
+//   VM: 0.6 s at 60k slots, minutes at 16M);
+// - "checkpoint": a manifest (periodic checkpoint or clean close) followed by journaled slots,
+//   typically after a crash or SIGKILL: the entries are taken, then the headers of ONLY the
+//   journaled slots are read (batched through the io backend) and override them: a valid header
+//   is that block, an empty or invalid one a free slot (a duplicate key keeps the newest write);
+// - "scan": anything else (no manifest: a crash before any checkpoint; a truncated, checksum-
+//   failing or mismatching manifest; a journal missing, truncated mid-record, damaged or of
+//   another generation: one stderr line names why) - one 4 KiB header read per slot.
+// After "manifest" / "checkpoint" the files stay and a new journal generation continues them; after
+// "scan" or "cold" they are deleted before the tier serves and journaling starts with the next
+// checkpoint. Payload checksums are verified on every read, never at open, so a wrong slot table
 // can cost a counted miss but never serve stale bytes (CHECKSUM CONTRACT).
 //
-// CLEAN-CLOSE CONTRACT (CheckpointOnClose): called by the store after its last write to the tier
-// finished (write-back and write-through joined, every op drained). The keys come from the
-// store's index (a streaming walk of the keys it places in this tier); the write sequence of
-// each slot comes from this tier, which keeps one uint64_t per slot (sequence_: 128 MiB at 16M
-// slots, next to the ~9 bytes per slot of state_/holds_/free_ and the index's >= 128 bytes per
-// key). Rejected alternatives: the tier keeping every slot's key too (up to 72 bytes per slot,
-// ~1.1 GiB at 16M slots, a second copy of what the index holds); a full index Snapshot() at
-// close (~130 bytes per key allocated at once, ~2 GB at 16M keys); sequences synthesised from the
-// index's recency order (no per-slot memory, but the order and sequence counter a later crash
-// scan would find in the headers would disagree with the manifest's). Any write or release after
-// the manifest was written deletes it again (a caller that keeps using the tier cannot leave a
-// stale one). A failure (disk full, I/O error) only leaves no manifest: counted in
-// stats().manifest_errors, one stderr line; the tier and its blocks are untouched.
+// CHECKPOINT CONTRACT (Checkpoint, CheckpointOnClose): a manifest is written while the tier serves,
+// and every later change of a slot's bytes is journaled (tier/disk_journal.h JOURNAL CONTRACT:
+// the slot number is appended before the write or the zeroed header of Release(forget); plain
+// evictions change no byte and are not journaled). One checkpoint, serialised with the others:
+//   1. ROTATE: under the journal lock, journal-<G+1> is created and becomes the current journal;
+//      journal-<G> and the manifest of G stay valid (a crash now replays G and G+1).
+//   2. WALK: the store lists the keys it places in this tier (its index, under the index lock only;
+//      the visitor copies 80 bytes per key, no I/O), the tier fills in each slot's sequence under
+//      its own lock, and journals into G+1 every slot it holds that the walk did not list (a write
+//      or a forgetting release in flight, or a write done but not yet indexed): a block that
+//      moved during the walk is therefore either in the manifest or in journal G+1.
+//   3. WRITE: manifest.tmp (stamps, entries, generation G+1), fsync; then, under the journal lock
+//      (so a failed journal append cannot slip in between), rename over manifest and fsync the
+//      directory; then journals below G+1 are deleted. Puts and gets only wait on the index lock
+//      for the copy in 2 and on the journal lock for one rename (the dir fsync is after it).
+// A journal append that fails (disk full) deletes the manifest and stops journaling until the next
+// checkpoint: the next crash restart scans. A failed checkpoint is counted (manifest_errors) and
+// logged; the previous manifest and its journals stay valid. The clean close is the same
+// procedure with nothing in flight (kind "clean close"; nothing listed-but-unheld is journaled).
+// The segment stamps' mtime is compared only when the journals are empty: the tier's own writes
+// change it, and those are journaled (a writer that knows no journal - an older tpusync - is then
+// caught only by size / inode; correctness never rested on the manifest anyway).
+// Rejected alternatives: the tier keeping every slot's key (up to 72 bytes per slot, a second
+// copy of the index); a full index Snapshot() (~130 bytes per key allocated under the store lock);
+// the journal rotated AFTER the walk (a block written between the visit of its slot and the
+// rotation would be in neither file); waiting for in-flight writes at the rotation (a stalled
+// write would stall the checkpoint; the unlisted-slot pass in 2 needs no wait); replaying every
+// journal ever written (unbounded restart time); an fsync per journal append (the crash model is
+// a process crash; the page cache keeps the appends in order).
 #pragma once
 
 #include <atomic>
@@ -59,6 +82,8 @@
 #include "tpusync/tier/tier.h"
 
 namespace tpusync::tier {
+
+class JournalWriter;  // tier/disk_journal.h
 
 struct DiskTierOptions {
   std::string directory;
@@ -110,6 +135,8 @@ class DiskTier final : public BlockTier {
   std::vector<RecoveredBlock> TakeRecovered() override;
   TierStats stats() const override;
   Status CheckpointOnClose(const std::function<void(const BlockVisitor&)>& for_each_block) override;
+  Status Checkpoint(const std::function<void(const BlockVisitor&)>& for_each_block) override;
+  uint64_t ChangesSinceCheckpoint() const override;
 
   size_t slot_bytes() const { return slot_bytes_; }
   // Where a location lives (for tests that damage slots on purpose).
@@ -119,11 +146,16 @@ class DiskTier final : public BlockTier {
  private:
   DiskTier() = default;
   Status OpenSegments(bool cold);
-  void Recover();  // RESTART CONTRACT: the manifest, else Scan
+  void Recover();  // RESTART CONTRACT: the manifest (+ journal), else Scan
+  Status RecoverFromManifest(std::string* why);
   void Scan();
-  Status WriteManifest(const std::function<void(const BlockVisitor&)>& for_each_block);
-  void InvalidateManifest();
-  void Free(uint64_t slot);  // mu_ held
+  // Reads the slot headers of slot_at(0 .. n-1), batched; visit(slot, header or nullptr).
+  void ReadHeaders(size_t n, const std::function<uint64_t(size_t)>& slot_at,
+                   const std::function<void(uint64_t, const SlotHeader*)>& visit);
+  Status WriteCheckpoint(const std::function<void(const BlockVisitor&)>& for_each_block,
+                         bool clean_close);
+  void Journal(std::span<const uint64_t> slots);  // JOURNAL CONTRACT: before the bytes change
+  void Free(uint64_t slot);                       // mu_ held
   void RunCoalesced(std::vector<IoOp>& ops);
   void RunIo(std::span<IoOp> ops);  // io_->Run, then the DIRECT I/O CONTRACT's per-I/O fallback
   void DropDirectIo();
@@ -149,10 +181,19 @@ class DiskTier final : public BlockTier {
   static constexpr uint64_t kNoSequence = ~uint64_t{0};
   // Write sequence of the block in each slot (kNoSequence: none completely written). Written by
   // WriteBatch for the slots it owns (between Reserve and Release), read at CheckpointOnClose.
-  std::vector<uint64_t> sequence_;
+  // Atomic: checkpoints read it while WriteBatch writes other slots' entries.
+  std::unique_ptr<std::atomic<uint64_t>[]> sequence_;
   DiskMeta meta_{};
-  std::atomic<bool> manifest_live_{false};  // a manifest this tier wrote is on disk
   std::string recovery_;
+
+  std::mutex ckpt_mu_;  // one checkpoint at a time
+  std::mutex jmu_;      // journal_, generation_, manifest_generation_ (JOURNAL CONTRACT)
+  std::unique_ptr<JournalWriter> journal_;  // null: not journaling (no manifest to follow)
+  uint64_t generation_ = 0;                 // newest journal generation created
+  uint64_t manifest_generation_ = 0;        // 0: no manifest of this tier on disk
+  std::atomic<uint64_t> changes_{0};        // slots journaled since the last manifest
+  std::atomic<uint64_t> checkpoints_{0};
+  uint64_t recovery_slots_read_ = 0;
 
   std::vector<RecoveredBlock> recovered_;
   uint64_t recovered_count_ = 0;

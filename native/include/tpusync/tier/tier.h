@@ -72,8 +72,13 @@ struct TierStats {
   std::string io_backend;         // disk: "io_uring" or "pread"
   std::string huge_pages;         // host: "on", "collapsing" (HostPool HUGE-PAGE CONTRACT), "off"
   std::string cold_start_reason;  // non-empty when existing storage was discarded at attach
-  std::string recovery;           // disk: how Open found its blocks: "cold", "scan" or "manifest"
-  uint64_t manifest_errors = 0;   // disk: clean-close manifests that could not be written
+  // disk: how Open found its blocks: "cold", "scan", "manifest" (a clean-close manifest, nothing
+  // journaled after it) or "checkpoint" (a manifest plus the headers of the journaled slots).
+  std::string recovery;
+  uint64_t recovery_slots_read = 0;  // disk: slot headers read by Open (all of them for "scan")
+  uint64_t manifest_errors = 0;      // disk: manifests (clean-close or checkpoint) not written
+  uint64_t checkpoints = 0;          // disk: checkpoint manifests written while serving
+  uint64_t journaled = 0;            // disk: slots journaled since the last manifest
 };
 
 // Called once per block by a BlockTier::CheckpointOnClose enumerator.
@@ -128,6 +133,18 @@ class BlockTier {
     (void)for_each_block;
     return Status::OK();
   }
+
+  // CHECKPOINT HOOK: the same list, taken while the store serves (puts and gets keep running),
+  // by the store's checkpoint thread when ChangesSinceCheckpoint() says it is worth it. for_each_
+  // block may visit keys that move meanwhile: the tier must make that safe (the disk tier's
+  // journal, tier/disk_tier.h CHECKPOINT CONTRACT). The default does nothing and reports 0.
+  virtual Status Checkpoint(const std::function<void(const BlockVisitor&)>& for_each_block) {
+    (void)for_each_block;
+    return Status::OK();
+  }
+  // Slots changed since the last checkpoint (or, with none on disk, blocks held: a first one is
+  // due). 0: nothing to checkpoint.
+  virtual uint64_t ChangesSinceCheckpoint() const { return 0; }
 };
 
 }  // namespace tpusync::tier

@@ -134,6 +134,14 @@ class KVStore:
             ``"exact_lru"`` (every lookup moves the block to the most-recent end: exact LRU order,
             more memory traffic per lookup). A ``tpusync.core._native.Recency`` is accepted too.
             Read it back from :attr:`recency`.
+        checkpoint_s, checkpoint_writes: disk tier checkpoints while the store serves (docs/tiers.md
+            "Crash semantics"): a manifest of the disk tier's blocks is written in the background
+            when ``checkpoint_writes`` slots changed since the last one, or when any changed and
+            ``checkpoint_s`` seconds passed (0 turns either trigger off). Every later slot change
+            is journaled, so a restart after a crash (SIGKILL) reads the manifest plus the headers
+            of only the journaled slots instead of every slot header. ``stats()["tiers"]["disk"]``
+            reports ``recovery`` ("cold", "scan", "manifest" or "checkpoint"),
+            ``recovery_slots_read``, ``checkpoints``, ``manifest_errors`` and ``journaled``.
     """
 
     def __init__(
@@ -165,6 +173,8 @@ class KVStore:
         lease_s: float = 10.0,
         write_through: bool = False,
         recency: str | _native.Recency = "clock",
+        checkpoint_s: float = 60.0,
+        checkpoint_writes: int = 1 << 16,
     ) -> None:
         self._engine = engine or default_engine()
         self._block_bytes = block_bytes
@@ -185,6 +195,8 @@ class KVStore:
             huge_pages=huge_pages,
             write_through=write_through,
             index_recency=_recency(recency),
+            disk_checkpoint_s=checkpoint_s,
+            disk_checkpoint_writes=checkpoint_writes,
         )
         if remote:
             from tpusync.core.pd import load_secret

@@ -10,7 +10,9 @@
   latency of a 32-key request and of a single-key call (see ``_lookup``).
 * restart: reopening a full disk tier of 16 KiB blocks (one slot per 4 KiB of ``total_bytes``:
   65536 slots at the default) from its clean-shutdown manifest vs by the header scan (the
-  manifest deleted), same files, same run. The page cache is not dropped (that needs root and
+  manifest deleted), same files, same run; and the restart after a crash (SIGKILL) from a
+  checkpoint manifest plus K journaled slots (``crash_checkpoint``, K = 1024 and slots / 8), the
+  files as the kill left them (saved before the clean close). The page cache is not dropped (that needs root and
   disturbs other processes): the scan's header reads are O_DIRECT where ``direct_io`` holds,
   the manifest is read through the page cache.
 * long_session: a synthetic 1M-token KV stream through a "device" buffer holding 10% of it; cold
@@ -273,36 +275,99 @@ def _disk(block: int, total: int, repeats: int, work: Path) -> dict:
 
 
 def _restart(slots: int, repeats: int, work: Path) -> dict:
-    """Open time of a full disk tier: from the clean-shutdown manifest vs the header scan."""
+    """Open time of a full disk tier: from the clean-shutdown manifest, after a crash from a
+    checkpoint manifest plus K journaled slots, and by the header scan - same files, same run."""
     block = 16 << 10
     d = work / "restart"
     src = aligned(min(slots, 2048) * block, 3).reshape(-1, block)
 
     def open_store() -> KVStore:
-        return KVStore(block, 0, disk_dir=d, disk_blocks=slots)
+        # No periodic checkpoint: the files each open finds are the ones set up below.
+        return KVStore(block, 0, disk_dir=d, disk_blocks=slots, checkpoint_s=0, checkpoint_writes=0)
+
+    def fill(store: KVStore, prefix: bytes, first: int, n: int) -> None:
+        for at in range(first, first + n, len(src)):
+            m = min(len(src), first + n - at)
+            if not all(
+                store.put([prefix + b"%d" % i for i in range(at, at + m)], src[:m]).result(600)
+            ):
+                raise RuntimeError("bench tiers: restart fill was not stored")
 
     store = open_store()
-    for first in range(0, slots, len(src)):
-        m = min(len(src), slots - first)
-        if not all(store.put([b"r%d" % i for i in range(first, first + m)], src[:m]).result(600)):
-            raise RuntimeError("bench tiers: restart fill was not stored")
+    fill(store, b"r", 0, slots)
     store.close()  # clean close: writes the manifest
     manifest = d / "manifest"
     manifest_bytes = manifest.stat().st_size
+
+    def timed_open(how: str, slots_read: int | None = None) -> float:
+        t0 = time.perf_counter()
+        store = open_store()
+        seconds = time.perf_counter() - t0
+        tier = store.stats()["tiers"]["disk"]
+        store.close()  # writes the manifest again
+        if (
+            tier["recovery"] != how
+            or tier["recovered"] != slots
+            or (slots_read is not None and tier["recovery_slots_read"] != slots_read)
+        ):
+            raise RuntimeError(f"bench tiers: restart by {how} recovered {tier}")
+        return seconds
+
+    # Crash states: K slots re-written after the manifest (K removed, K new keys into their slots),
+    # the manifest and journals saved as a SIGKILL would have left them, the store then closed.
+    journaled = sorted({k for k in (1024, slots // 8) if 0 < k < slots})
+    crash_files: dict[int, Path] = {}
+    for k in journaled:
+        store = open_store()
+        store.remove([b"r%d" % i for i in range(k)])
+        fill(store, b"c%d-" % k, 0, k)
+        saved = work / f"crash-{k}"
+        saved.mkdir()
+        for f in d.iterdir():
+            if f.name == "manifest" or f.name.startswith("journal-"):
+                shutil.copy2(f, saved / f.name)
+        store.close()
+        crash_files[k] = saved
+        store = open_store()  # back to the r-keys for the next K (and the clean-close manifest)
+        store.remove([b"c%d-%d" % (k, i) for i in range(k)])
+        fill(store, b"r", 0, k)
+        store.close()
+
+    def restore(saved: Path) -> None:
+        for f in d.iterdir():
+            if f.name == "manifest" or f.name.startswith("journal-"):
+                f.unlink()
+        for f in saved.iterdir():
+            shutil.copy2(f, d / f.name)
+
     times: dict[str, list[float]] = {"manifest": [], "scan": []}
+    crash_times: dict[int, list[float]] = {k: [] for k in journaled}
+    clean = work / "clean-close"
+    clean.mkdir()
+    for f in d.iterdir():
+        if f.name == "manifest" or f.name.startswith("journal-"):
+            shutil.copy2(f, clean / f.name)
     for _ in range(repeats):
-        for how in ("manifest", "scan"):
-            if how == "scan":
-                manifest.unlink()
-            t0 = time.perf_counter()
-            store = open_store()
-            times[how].append(time.perf_counter() - t0)
-            tier = store.stats()["tiers"]["disk"]
-            store.close()  # writes the manifest again
-            if tier["recovery"] != how or tier["recovered"] != slots:
-                raise RuntimeError(f"bench tiers: restart by {how} recovered {tier}")
+        restore(clean)
+        times["manifest"].append(timed_open("manifest", 0))
+        for k in journaled:
+            restore(crash_files[k])
+            crash_times[k].append(timed_open("checkpoint", k))
+        manifest.unlink()
+        times["scan"].append(timed_open("scan", slots))
+        restore(clean)
     shutil.rmtree(d, ignore_errors=True)
     m, sc = statistics.median(times["manifest"]), statistics.median(times["scan"])
+    crash = []
+    for k in journaled:
+        c = statistics.median(crash_times[k])
+        crash.append(
+            {
+                "journaled_slots": k,
+                "open_s": round(c, 4),
+                "speedup_vs_scan": round(sc / c, 1),
+            }
+        )
     return {
         "slots": slots,
         "block_bytes": block,
@@ -311,6 +376,7 @@ def _restart(slots: int, repeats: int, work: Path) -> dict:
         "scan_open_s": round(sc, 4),
         "scan_us_per_slot": round(sc / slots * 1e6, 2),
         "speedup": round(sc / m, 1),
+        "crash_checkpoint": crash,
         "better": "higher",
         "page_cache": "not dropped; scan header reads are O_DIRECT where direct_io holds",
     }
