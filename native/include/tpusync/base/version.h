@@ -30,7 +30,10 @@
 //   8: Checksum64Stream.cast_update (float32 -> bfloat16 staging in the hash pass); disk tier
 //      clean-shutdown manifest (tier stats "recovery": cold / scan / manifest, "manifest_errors");
 //      PdProducer.cancel (end a registered send at once, its blocks freed when no pull holds them).
-//   9: Checksum64Stream.cast_update also casts float32 -> float16 (dst dtype float16).
+//   9: Checksum64Stream.cast_update also casts float32 -> float16 (dst dtype float16); disk tier
+//      checkpoints while serving plus a slot journal (KVStoreNative.open / open_remote_kv_store
+//      disk_checkpoint_s= / disk_checkpoint_writes=, KVStore(checkpoint_s=, checkpoint_writes=);
+//      disk stats recovery "checkpoint", recovery_slots_read, checkpoints, journaled).
 #pragma once
 
 namespace tpusync {
