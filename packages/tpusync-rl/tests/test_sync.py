@@ -411,6 +411,99 @@ def test_slow_live_sampler_keeps_beating_and_is_not_presumed_dead():
         trainer.close()
 
 
+def three_idle_replicas(q, silence, per=None, updates=2):
+    """Trainer rank 0 (60 s deadline, ``silence``) and three single-rank float32 replicas (fanout
+    3) that committed version 1 (``U.full_weights(41)``); returns the trainer, the processes and
+    the engine-name layouts."""
+    trainer, eng = rank0(tp_layouts(1, {}), fanout=3, deadline=60.0, silence=silence)
+    procs = start_samplers(
+        q, trainer.control_address, eng, 3, 1, updates, per=per, common={"dtype": "float32"}
+    )
+    try:
+        trainer.wait_for_samplers(3, timeout=30)
+        assert trainer.publish(1, U.full_weights(41)).ok
+        collect(q, 3)
+    except BaseException:
+        join_all(procs)
+        trainer.close()
+        raise
+    return trainer, procs, eng
+
+
+def test_sampler_killed_while_idle_is_reported_by_its_silence_not_the_deadline(caplog):
+    """HEARTBEAT CONTRACT: replica 2 is SIGKILLed while idle (waiting for version 2, before the
+    trainer announces it: it never fetches the announcement). Its idle beats stop, so version 2
+    reports it within seconds of the 2 s silence, not at the 60 s deadline; replicas 0 and 1
+    commit, and version 3 goes to them only."""
+    import os
+    import signal
+
+    q = U.ctx().Queue()
+    trainer, procs, eng = three_idle_replicas(q, silence=2.0, updates=3)
+    try:
+        os.kill(procs[2].pid, signal.SIGKILL)
+        procs[2].join(10)
+        with caplog.at_level(logging.ERROR, logger="tpusync.rl"):
+            rep = trainer.publish(2, U.full_weights(42))
+        assert sorted(rep.committed) == ["0:0", "1:0"], rep
+        assert list(rep.failed) == ["2:0"], rep.failed
+        assert "no heartbeat" in rep.failed["2:0"], rep.failed
+        assert rep.seconds < 30.0, f"waited {rep.seconds:.1f} s for a sampler killed while idle"
+        assert "sampler 2:0 failed version 2" in caplog.text
+        assert trainer._ep.producer.pending == 0  # its sends were cancelled
+        assert trainer._ep.pool.num_free == trainer._ep.pool.num_blocks
+        full = U.full_weights(42)
+        for key, info in collect(q, 2).items():
+            assert info["ok"] and info["digest"] == U.expected_digest(full, eng, 0, torch.float32)
+        assert trainer.samplers == ["0:0", "1:0"]
+        rep3 = trainer.publish(3, U.full_weights(43))
+        assert rep3.ok and sorted(rep3.committed) == ["0:0", "1:0"], rep3
+        collect(q, 2)
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_idle_live_sampler_that_does_not_poll_is_not_presumed_dead():
+    """HEARTBEAT CONTRACT: replica 1 stays idle for 4 s (4x the 1 s silence) without polling
+    while version 2 is in flight; its idle beats keep it alive, so it is not reported: it polls,
+    fetches version 2 late and commits, like the others."""
+    q = U.ctx().Queue()
+    trainer, procs, eng = three_idle_replicas(q, silence=1.0, per={(1, 0): {"idle_before": {1: 4.0}}})
+    try:
+        get(q, "idle", match=lambda it: it[1] == 1)
+        rep = trainer.publish(2, U.full_weights(44))
+        assert rep.ok and sorted(rep.committed) == ["0:0", "1:0", "2:0"], rep
+        assert rep.seconds > 2.0  # replica 1 really was silent on the poll path for > silence
+        full = U.full_weights(44)
+        for info in collect(q, 3).values():
+            assert info["ok"] and info["digest"] == U.expected_digest(full, eng, 0, torch.float32)
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_cleanly_closed_sampler_says_goodbye_and_is_not_reported_dead():
+    """HEARTBEAT CONTRACT: replica 2 takes one update and closes cleanly (it says ``bye``); the
+    next version, published after more than the silence timeout, goes to replicas 0 and 1 only
+    and reports nobody: the closed sampler is neither presumed dead nor waited for."""
+    q = U.ctx().Queue()
+    trainer, procs, _eng = three_idle_replicas(q, silence=1.0, per={(2, 0): {"updates": 1}})
+    try:
+        get(q, "closed", match=lambda it: it[1] == 2)
+        procs[2].join(20)
+        assert procs[2].exitcode == 0
+        time.sleep(1.5)  # longer than the silence: a sampler that merely vanished would be dead
+        assert trainer.samplers == ["0:0", "1:0"]
+        rep = trainer.publish(2, U.full_weights(45))
+        assert rep.ok and sorted(rep.committed) == ["0:0", "1:0"], rep
+        assert rep.seconds < 30.0
+        collect(q, 2)
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
 def test_dead_middle_of_a_chain_is_reported_its_child_fails_and_the_rest_commit():
     """Chain trainer -> 0 -> 1 -> 2 (fanout 1, TCP): replica 1 dies after its first block of
     version 2. Replica 0 commits (and cancels what it forwarded to 1 once a beat reply names 1),

@@ -42,12 +42,20 @@ again; the others commit. When the trainer dies, samplers' pulls fail by their d
 keep serving the version they have. A digest mismatch or a stale block rejects the update (logged,
 nothing committed); an announcement that does not follow the sampler's version is refused.
 
-HEARTBEAT CONTRACT (a sampler dying mid-update, on any host): while a sampler applies a version it
-sends a ``beat`` to trainer rank 0 on the control channel every ``silence / 4`` seconds, from a
-thread of its own (so a slow but live sampler keeps beating while its pulling thread waits or
-copies). Rank 0 counts a sampler that fetched the version and then stayed silent for ``silence``
+HEARTBEAT CONTRACT (a sampler dying, idle or mid-update, on any host): from its first poll until
+it closes, a sampler sends a ``beat`` to trainer rank 0 on the control channel every
+``silence / 4`` seconds, from a thread of its own (so a slow but live sampler keeps beating while
+its pulling thread waits or copies, and an idle one keeps beating while nobody calls
+:meth:`SamplerSync.update`): an idle beat names no version, a beat while it applies a version (and
+while it still forwards that version to children) names it. One small message per sampler per
+``silence / 4``; the poll reply tells a sampler ``silence``. Rank 0 counts a member of the version
+in flight that has not reported and was not heard from (poll, beat or report) for ``silence``
 seconds (``TrainerSync(silence=)``, default 10 s, well below the deadline) as having reported a
-failure, like a process exit on the same host (EXIT WATCH CONTRACT). A sampler that failed
+failure, like a process exit on the same host (EXIT WATCH CONTRACT): whether it died in the middle
+of the update or before it fetched the announcement (a sampler killed while idle is found out
+within ``silence`` of its last beat, not at the deadline). A sampler that closes cleanly says
+``bye`` and leaves the group: it is not counted as dead, and a version in flight that counted on
+it records that it left. A sampler that failed
 either way has every transport send registered for it cancelled at once
 (``PdProducer.cancel``, CANCEL CONTRACT in pd_stream.h): each trainer rank cancels its own (ranks
 > 0 ask rank 0 which samplers failed), and a forwarding sampler cancels what it registered for a
@@ -55,12 +63,14 @@ failed child when a beat reply names that child, so no pool stays held for a dea
 next version starts on free pools. Its fan-out descendants cannot get the version from it: a beat
 reply tells each of them to give up at once (they report the failure themselves, or fail on the
 lost connection first) and the others commit; the next version's tree leaves the dead sampler
-out until it polls again (a restarted sampler rejoins by polling). A sampler that dies before it
-fetched the announcement is still found out by the deadline. Rejected: connection loss seen by
+out until it polls again (a restarted sampler rejoins by polling). A live sampler that is idle
+for a long time is still a member: a version it has not fetched waits for it until the deadline
+(it is alive, it may poll). Rejected: connection loss seen by
 the producer (a host that died sends no FIN, links are pooled and idle between pulls, and the
 death of a forwarded-to child is seen by its parent sampler's producer, not by the trainer, so it
-would need relaying anyway) and a progress timeout on the pulling thread (it fires on a sampler
-that is slow, e.g. staging a large bucket, but alive).
+would need relaying anyway), a progress timeout on the pulling thread (it fires on a sampler
+that is slow, e.g. staging a large bucket, but alive), and judging liveness by polls (a live
+sampler whose engine does not call ``update`` for a while would be presumed dead).
 """
 
 from __future__ import annotations
@@ -474,10 +484,11 @@ class TrainerSync:
         self._sharing: int | None = None
         self._quit: set[str] = set()  # readers that reported a failure of the shared version
         self._next_watch = 0.0  # EXIT WATCH CONTRACT: when to look at same-host samplers again
-        # HEARTBEAT CONTRACT (rank 0, under _lock): (version, key) -> when the sampler was last
-        # heard from while applying that version. Ranks > 0: when rank 0 was last asked which
-        # samplers failed, and its answer.
-        self._heard: dict[tuple[int, str], float] = {}
+        # HEARTBEAT CONTRACT (rank 0, under _lock): key -> when the sampler was last heard from
+        # (a poll, a beat, idle or applying, or a report). Ranks > 0: when rank 0 was last asked
+        # which samplers failed, and its answer.
+        self._alive: dict[str, float] = {}
+        self._collected = 0  # rank 0: the newest version whose reports were collected
         self._failed_past: dict[int, dict[str, str]] = {}  # failed samplers of collected versions
         self._asked: tuple[float, dict[str, str]] = (0.0, {})
         self._progress = 0.0  # ranks > 0: when a send was last registered or acknowledged
@@ -527,16 +538,25 @@ class TrainerSync:
                 have = int(msg["have"])
                 self._members[key] = msg["addr"]
                 self._have[key] = have
+                self._alive[key] = time.monotonic()
                 newer = [v for v in self._announced if v > have]
                 if newer:
                     ann = self._announced[max(newer)]
                     if key in ann["members"]:
-                        self._heard[(int(ann["version"]), key)] = time.monotonic()
                         return ann
-                return {"op": "none"}
+                # The beat interval, for the sampler's heartbeat from its first poll on.
+                return {"op": "none", "silence": self.silence}
+            if op == "bye":  # a sampler closed cleanly: it leaves, it did not die (HEARTBEAT)
+                key = _key(int(msg["replica"]), int(msg["rank"]))
+                self._leave(key)
+                return {"op": "ok"}
             if op == "beat":  # HEARTBEAT CONTRACT
                 key = _key(int(msg["replica"]), int(msg["rank"]))
                 version = int(msg["version"])
+                if key in self._members:
+                    self._alive[key] = time.monotonic()
+                if version == 0:  # idle: alive, applying nothing
+                    return {"op": "ok"}
                 failed = self._failed(version)
                 mine = self._reports.get(version, {}).get(key)
                 if mine is not None:  # reported (a committed parent still serves its children)
@@ -544,7 +564,6 @@ class TrainerSync:
                         return {"op": "ok", "failed": sorted(failed)}
                     why = mine.get("reason") or "failed"
                     return {"op": "abort", "reason": f"trainer rank 0 counts {key} failed: {why}"}
-                self._heard[(version, key)] = time.monotonic()
                 why = self._ancestor_failed(version, key, failed)
                 if why:
                     return {"op": "abort", "reason": why}
@@ -561,6 +580,8 @@ class TrainerSync:
                 return self._record_changed(msg)
             if op == "report":
                 key = _key(int(msg["replica"]), int(msg["rank"]))
+                if key in self._members:
+                    self._alive[key] = time.monotonic()
                 self._record_report(int(msg["version"]), key, msg)
                 return {"op": "ok"}
             if op in ("bucket", "release"):
@@ -683,6 +704,18 @@ class TrainerSync:
             except TimeoutError:
                 continue
 
+    def _leave(self, key: str) -> None:
+        """Sampler ``key`` said goodbye (lock held): out of the group, not counted as dead; a
+        version in flight that counted on it is told it left (it will not report)."""
+        self._members.pop(key, None)
+        self._have.pop(key, None)
+        self._alive.pop(key, None)
+        for version, ann in self._announced.items():
+            if key in ann["members"] and key not in self._reports.get(version, {}):
+                if version > self._collected:
+                    why = f"sampler {key} closed (left the group) before applying version {version}"
+                    self._record_report(version, key, {"ok": False, "reason": why})
+
     def _record_report(self, version: int, key: str, msg: dict) -> None:
         """Sampler ``key``'s outcome of ``version`` (lock held)."""
         self._reports[version][key] = msg
@@ -722,8 +755,9 @@ class TrainerSync:
         return None
 
     def _watch_silence(self, ann: dict) -> None:
-        """HEARTBEAT CONTRACT (rank 0): a member heard from during ``ann``'s version that has not
-        reported and has been silent for ``silence`` seconds counts as failed."""
+        """HEARTBEAT CONTRACT (rank 0): a member of ``ann``'s version that has not reported and
+        has been silent for ``silence`` seconds (no poll, beat or report; whether it fetched the
+        version or not) counts as failed."""
         if self._server is None:
             return
         version = int(ann["version"])
@@ -731,12 +765,12 @@ class TrainerSync:
         with self._lock:
             got = self._reports[version]
             for key in ann["members"]:
-                last = self._heard.get((version, key))
+                last = self._alive.get(key)
                 if key in got or last is None or now - last <= self.silence:
                     continue
                 why = (
-                    f"no heartbeat for {now - last:.1f} s during the update (silence timeout "
-                    f"{self.silence:g} s): sampler presumed dead"
+                    f"no heartbeat for {now - last:.1f} s (silence timeout {self.silence:g} s, "
+                    "idle or during the update): sampler presumed dead"
                 )
                 self._record_report(version, key, {"ok": False, "reason": why})
 
@@ -960,8 +994,6 @@ class TrainerSync:
             self._announced[manifest.version] = ann
             for old in [v for v in self._announced if v < manifest.version - 4]:
                 del self._announced[old]
-            for old in [vk for vk in self._heard if vk[0] < manifest.version - 4]:
-                del self._heard[old]
             for old in [v for v in self._failed_past if v < manifest.version - 4]:
                 del self._failed_past[old]
             return ann
@@ -1264,6 +1296,7 @@ class TrainerSync:
                 f"refused: version skew: sampler {key} already has version {have} >= {version}"
             )
         with self._lock:
+            self._collected = max(self._collected, int(version))
             reports = self._reports.pop(version, {})
             for key in sorted(expected):
                 rep = reports.get(key)
@@ -1278,6 +1311,7 @@ class TrainerSync:
                 )
                 report.failed[key] = why
                 self._members.pop(key, None)  # out of the next tree until it polls again
+                self._alive.pop(key, None)
             # Parents still serving their children ask after the version ended (HEARTBEAT CONTRACT).
             self._failed_past[version] = {k: str(w) for k, w in report.failed.items()}
 
@@ -1337,7 +1371,11 @@ class SamplerSync:
         self._control = control
         self._beat_client: ControlClient | None = None
         self._abort: str | None = None
-        self._beating: tuple[threading.Thread, threading.Event, threading.Event] | None = None
+        self._beating: tuple[threading.Thread, threading.Event] | None = None
+        self._beat_lock = threading.Lock()
+        self._beat_for: tuple[int, float, bool] | None = None  # (version, deadline, applied)
+        self._beat_interval = 1.0
+        self._joined = False  # polled trainer rank 0 at least once: say goodbye on close
         self._fwd_lock = threading.Lock()
         self._fwd: dict[int, list[int]] = {}  # child index -> request ids registered for it
         self._child_keys: dict[int, str] = {}
@@ -1348,44 +1386,69 @@ class SamplerSync:
     def version(self) -> int:
         return self.sub.version
 
-    def _beats(self, ann: dict, deadline: float) -> None:
-        """Beat for ``ann``'s version (HEARTBEAT CONTRACT) until :meth:`_stop_beats`, or, once
-        :meth:`_apply` marked the update done, until no forwarded send is pending any more (a
-        beat reply names failed children, whose sends are then cancelled), or ``deadline``.
-        Nothing when the trainer announced no silence timeout."""
-        self._stop_beats()
-        silence = ann.get("silence")
+    def _start_beats(self, silence: Any) -> None:
+        """HEARTBEAT CONTRACT: from this sampler's first poll until :meth:`close`, one thread
+        beats every ``silence / 4`` seconds (the trainer's ``silence``, from its poll reply or
+        announcement): an idle beat (version 0) while nothing is applied, a beat for the version
+        while :meth:`_apply` runs and, after it, while forwarded sends are pending or until the
+        version's deadline. A reply to a version's beat may abort that update (``_abort``) or
+        name failed children, whose forwarded sends are then cancelled. Nothing when the trainer
+        announced no silence timeout."""
         if not silence:
+            return
+        self._beat_interval = float(silence) / 4
+        if self._beating is not None:
             return
         if self._beat_client is None:
             self._beat_client = ControlClient(self._secret, self._control)
-        client, version, interval = self._beat_client, int(ann["version"]), float(silence) / 4
-        stop, done = threading.Event(), threading.Event()
-        msg = {"op": "beat", "version": version, "replica": self.replica, "rank": self.sub.rank}
+        client, stop = self._beat_client, threading.Event()
+        who = {"replica": self.replica, "rank": self.sub.rank}
 
         def run() -> None:
-            while not stop.wait(interval):
-                if time.monotonic() >= deadline or (
-                    done.is_set() and self._ep.producer.pending == 0
-                ):
-                    return
+            while not stop.wait(self._beat_interval):
+                with self._beat_lock:
+                    cur = self._beat_for
+                    if cur is not None and (
+                        time.monotonic() >= cur[1]
+                        or (cur[2] and self._ep.producer.pending == 0)
+                    ):
+                        cur = self._beat_for = None  # the version is over here: idle beats
+                version = cur[0] if cur is not None else 0
                 try:
-                    reply = client.request(msg, timeout=max(interval, 0.5))
+                    reply = client.request(
+                        {"op": "beat", "version": version, **who},
+                        timeout=max(self._beat_interval, 0.5),
+                    )
                 except (TimeoutError, RuntimeError) as e:
                     log.debug("sampler %d:%d: beat failed: %s", self.replica, self.sub.rank, e)
                     continue
+                if not version:
+                    continue
                 if reply.get("op") == "abort":
-                    self._abort = str(reply.get("reason") or "aborted by trainer rank 0")
+                    with self._beat_lock:
+                        if self._beat_for is not None and self._beat_for[0] == version:
+                            self._abort = str(reply.get("reason") or "aborted by trainer rank 0")
                 elif reply.get("failed"):
                     self._cancel_children(version, {str(k) for k in reply["failed"]})
 
         thread = threading.Thread(target=run, name="tpusync-rl-beat", daemon=True)
         thread.start()
-        self._beating = (thread, stop, done)
+        self._beating = (thread, stop)
+
+    def _beat_version(self, version: int, deadline: float) -> None:
+        """Beats name ``version`` from now until :meth:`_beat_done` and its forwarded sends end."""
+        with self._beat_lock:
+            self._abort = None
+            self._beat_for = (version, deadline, False)
+
+    def _beat_done(self) -> None:
+        with self._beat_lock:
+            if self._beat_for is not None:
+                self._beat_for = (*self._beat_for[:2], True)
 
     def _stop_beats(self) -> None:
         if self._beating is not None:
-            thread, stop, _done = self._beating
+            thread, stop = self._beating
             self._beating = None
             stop.set()
             thread.join(timeout=5)
@@ -1435,6 +1498,8 @@ class SamplerSync:
                 log.debug("sampler %d:%d: poll failed: %s", self.replica, self.sub.rank, e)
                 time.sleep(self._poll)
                 continue
+            self._joined = True
+            self._start_beats(reply.get("silence"))  # HEARTBEAT CONTRACT: from the first poll
             if reply.get("op") == "announce":
                 self._seen = max(self._seen, int(reply["version"]))
                 result = self._apply(reply)
@@ -1485,8 +1550,8 @@ class SamplerSync:
             return result
         forwarded = 0
         path = ""
-        self._abort = None
-        self._beats(ann, deadline)
+        self._start_beats(ann.get("silence"))
+        self._beat_version(version, deadline)
         # Children of the previous version that are no members of this one failed it or left:
         # what was forwarded to them will not be pulled (HEARTBEAT CONTRACT).
         self._cancel_children(
@@ -1538,8 +1603,7 @@ class SamplerSync:
             log.error("sampler %d:%d rejects version %d: %s", self.replica, me, version, e)
             result = UpdateResult(version, False, str(e), time.monotonic() - t0, 0, forwarded, path)
         self._report(result)
-        if self._beating is not None:
-            self._beating[2].set()  # beats go on while forwarded sends are pending
+        self._beat_done()  # beats name the version while forwarded sends are pending
         return result
 
     def _pull(
@@ -1885,6 +1949,13 @@ class SamplerSync:
                 left,
             )
         self._stop_beats()
+        if self._joined:  # HEARTBEAT CONTRACT: a clean close leaves the group, it did not die
+            try:
+                self._client.request(
+                    {"op": "bye", "replica": self.replica, "rank": self.sub.rank}, timeout=2.0
+                )
+            except (TimeoutError, RuntimeError) as e:  # rank 0 gone: nobody to tell
+                log.debug("sampler %d:%d: goodbye lost: %s", self.replica, self.sub.rank, e)
         self._hashers.shutdown(wait=True)
         self._unmap()
         self._client.close()
