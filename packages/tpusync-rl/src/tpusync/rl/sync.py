@@ -105,6 +105,7 @@ from tpusync.rl.chunks import (
     WeightSubscriber,
     _as_torch,
     _torch_dtype,
+    merge_runs,
 )
 from tpusync.rl.control import ControlClient, ControlServer
 from tpusync.rl.layout import Box, ShardLayout
@@ -360,6 +361,11 @@ def _normalize(
     return out
 
 
+def _partial(changed: Mapping[str, Any]) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The tensors of a changed set sent in part: name -> row runs (whole ones left out)."""
+    return {n: tuple(runs) for n, runs in changed.items() if runs is not None}
+
+
 def _first(tensors: Mapping[str, tuple[dict[int, Any], ShardLayout]]) -> dict[str, tuple]:
     """``(one local shard, layout)`` per tensor: what the manifest and delta digests look at."""
     out = {}
@@ -460,7 +466,8 @@ class TrainerSync:
         self._fillers = concurrent.futures.ThreadPoolExecutor(
             FILL_THREADS, thread_name_prefix="tpusync-rl-fill"
         )
-        self._pub = WeightPublisher(rank)
+        # CHUNK DELTA CONTRACT (tpusync.rl.chunks): a delta chunk is about one block of rows.
+        self._pub = WeightPublisher(rank, chunk_bytes=block_bytes)
         self._lock = threading.Lock()
         self._members: dict[str, dict] = {}  # rank 0: "replica:rank" -> address
         self._have: dict[str, int] = {}  # rank 0: the version each sampler last said it has
@@ -622,10 +629,11 @@ class TrainerSync:
         return not lagging
 
     def _agree(
-        self, version: int, mine: set[str], names: set[str], deadline: float
-    ) -> set[str] | None:
-        """Rank 0: the union of every process's changed set, or None for a full update
-        (AGREEMENT CONTRACT). Raises TimeoutError when a process did not report by ``deadline``."""
+        self, version: int, mine: Mapping[str, Any], names: set[str], deadline: float
+    ) -> dict[str, tuple[tuple[int, int], ...] | None] | None:
+        """Rank 0: the union of every process's changed set (tensor -> changed row runs, None:
+        whole), or None for a full update (AGREEMENT CONTRACT). Raises TimeoutError when a
+        process did not report by ``deadline``."""
         want = set(range(self.world)) - set(self.ranks)
         while True:
             with self._lock:
@@ -643,7 +651,7 @@ class TrainerSync:
             time.sleep(0.005)
         base = self._pub.base_version
         full = not self._delta_possible(version)
-        union = set(mine)
+        union: dict[str, Any] = dict(mine)
         for rank, m in sorted(got.items()):
             theirs = {str(n) for n in m.get("changed", ())}
             unknown = sorted(theirs - names)
@@ -652,7 +660,14 @@ class TrainerSync:
                     f"delta agreement on version {version}: trainer rank {rank} changed tensors "
                     f"rank 0 does not publish: {unknown}"
                 )
-            union |= theirs
+            # CHUNK DELTA CONTRACT: the row runs unite; whole on any rank is whole.
+            rows = m.get("rows") or {}
+            for name in theirs:
+                runs = rows.get(name)
+                if runs is None or (name in union and union[name] is None):
+                    union[name] = None
+                else:
+                    union[name] = merge_runs([*(union.get(name) or ()), *map(tuple, runs)])
             if m.get("full") or m.get("base") != base:
                 log.info(
                     "version %d: trainer rank %d has base %s, wants full %s (rank 0: base %s): "
@@ -679,8 +694,11 @@ class TrainerSync:
                 for v in [v for v in old if v < version - 4]:
                     del old[v]
 
-    def _report_changed(self, version: int, changed: set[str], deadline: float) -> None:
-        """Ranks > 0: hand rank 0 this process's changed set (AGREEMENT CONTRACT)."""
+    def _report_changed(
+        self, version: int, changed: Mapping[str, Any], deadline: float
+    ) -> None:
+        """Ranks > 0: hand rank 0 this process's changed set (AGREEMENT CONTRACT) with the row
+        runs of tensors changed only in part (CHUNK DELTA CONTRACT)."""
         assert self._client is not None
         msg = {
             "op": "delta",
@@ -688,6 +706,7 @@ class TrainerSync:
             "rank": self.rank,
             "ranks": list(self.ranks),
             "changed": sorted(changed),
+            "rows": {n: [list(r) for r in runs] for n, runs in _partial(changed).items()},
             "base": self._pub.base_version,
             "full": self._force_full,
         }
@@ -1019,14 +1038,22 @@ class TrainerSync:
         if not agree:
             # One process holds every rank: its own changed set, over all of its shards.
             use = delta and self._delta_possible(version)
-            changed = self._pub.changed(tensors) if use else None
-            manifest = self._pub.prepare(version, view, delta=use, changed=changed)
+            mine = self._pub.changed_rows(tensors) if use else {}
+            manifest = self._pub.prepare(
+                version, view, delta=use, changed=set(mine), rows=_partial(mine)
+            )
         elif self.rank == 0:
             self._pub.check_next(version)  # before the agreement: an old version stays decided
             try:
-                mine = self._pub.changed(tensors)
+                mine = self._pub.changed_rows(tensors)
                 union = self._agree(version, mine, set(tensors), t0 + self.deadline)
-                manifest = self._pub.prepare(version, view, delta=union is not None, changed=union)
+                manifest = self._pub.prepare(
+                    version,
+                    view,
+                    delta=union is not None,
+                    changed=None if union is None else set(union),
+                    rows=None if union is None else _partial(union),
+                )
             except Exception as e:
                 self._end_agreement(version, f"{type(e).__name__}: {e}")
                 raise
@@ -1036,12 +1063,12 @@ class TrainerSync:
                 version,
                 "full update"
                 if manifest.base_version is None
-                else f"delta of {len(manifest.tensors)} of {len(view)} tensors on "
-                f"{manifest.base_version}",
+                else f"delta of {len(manifest.tensors)} of {len(view)} tensors "
+                f"({len(manifest.rows)} in changed rows only) on {manifest.base_version}",
             )
         else:
             self._pub.check_next(version)
-            self._report_changed(version, self._pub.changed(tensors), t0 + self.deadline)
+            self._report_changed(version, self._pub.changed_rows(tensors), t0 + self.deadline)
         if self.rank == 0:
             ann = self._announce(manifest)
         else:
@@ -1056,11 +1083,18 @@ class TrainerSync:
                     )
                 is_delta = theirs.base_version is not None
                 manifest = self._pub.prepare(
-                    version, view, delta=is_delta, changed=names if is_delta else None
+                    version,
+                    view,
+                    delta=is_delta,
+                    changed=names if is_delta else None,
+                    rows=theirs.rows if is_delta else None,
                 )
-            if [(m.name, m.dtype, m.layout) for m in theirs.tensors] != [
-                (m.name, m.dtype, m.layout) for m in manifest.tensors
-            ] or theirs.base_version != manifest.base_version:
+            if (
+                [(m.name, m.dtype, m.layout) for m in theirs.tensors]
+                != [(m.name, m.dtype, m.layout) for m in manifest.tensors]
+                or theirs.base_version != manifest.base_version
+                or theirs.rows != manifest.rows
+            ):
                 raise ValueError(
                     f"trainer rank {self.rank} disagrees with rank 0 on version {version}"
                 )
