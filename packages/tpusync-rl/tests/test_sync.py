@@ -413,11 +413,11 @@ def test_slow_live_sampler_keeps_beating_and_is_not_presumed_dead():
         trainer.close()
 
 
-def three_idle_replicas(q, silence, per=None, updates=2):
-    """Trainer rank 0 (60 s deadline, ``silence``) and three single-rank float32 replicas (fanout
-    3) that committed version 1 (``U.full_weights(41)``); returns the trainer, the processes and
-    the engine-name layouts."""
-    trainer, eng = rank0(tp_layouts(1, {}), fanout=3, deadline=60.0, silence=silence)
+def three_idle_replicas(q, silence, per=None, updates=2, fanout=3):
+    """Trainer rank 0 (60 s deadline, ``silence``) and three single-rank float32 replicas
+    (``fanout``) that committed version 1 (``U.full_weights(41)``); returns the trainer, the
+    processes and the engine-name layouts."""
+    trainer, eng = rank0(tp_layouts(1, {}), fanout=fanout, deadline=60.0, silence=silence)
     procs = start_samplers(
         q, trainer.control_address, eng, 3, 1, updates, per=per, common={"dtype": "float32"}
     )
@@ -432,34 +432,41 @@ def three_idle_replicas(q, silence, per=None, updates=2):
     return trainer, procs, eng
 
 
-def test_sampler_killed_while_idle_is_reported_by_its_silence_not_the_deadline(caplog):
-    """HEARTBEAT CONTRACT: replica 2 is SIGKILLed while idle (waiting for version 2, before the
+@pytest.mark.parametrize("fanout, dead, pause", [(3, 2, 0.0), (1, 0, 2.5)])
+def test_sampler_killed_while_idle_is_reported_by_its_silence_not_the_deadline(
+    caplog, fanout, dead, pause
+):
+    """HEARTBEAT CONTRACT: a replica is SIGKILLed while idle (waiting for version 2, before the
     trainer announces it: it never fetches the announcement). Its idle beats stop, so version 2
-    reports it within seconds of the 2 s silence, not at the 60 s deadline; replicas 0 and 1
-    commit, and version 3 goes to them only."""
+    reports it within seconds of the 2 s silence, not at the 60 s deadline, and the others
+    commit. Fanout 3, published at once: the trainer cancels the sends it registered for the
+    dead replica. A chain (fanout 1) whose head dies, published after the silence: the dead
+    replica is in no tree, so the chain trainer -> 1 -> 2 still delivers."""
     import os
     import signal
 
     q = U.ctx().Queue()
-    trainer, procs, eng = three_idle_replicas(q, silence=2.0, updates=3)
+    trainer, procs, eng = three_idle_replicas(q, silence=2.0, updates=3, fanout=fanout)
+    live = sorted(f"{r}:0" for r in range(3) if r != dead)
     try:
-        os.kill(procs[2].pid, signal.SIGKILL)
-        procs[2].join(10)
+        os.kill(procs[dead].pid, signal.SIGKILL)
+        procs[dead].join(10)
+        time.sleep(pause)
         with caplog.at_level(logging.ERROR, logger="tpusync.rl"):
             rep = trainer.publish(2, U.full_weights(42))
-        assert sorted(rep.committed) == ["0:0", "1:0"], rep
-        assert list(rep.failed) == ["2:0"], rep.failed
-        assert "no heartbeat" in rep.failed["2:0"], rep.failed
+        assert sorted(rep.committed) == live, rep
+        assert list(rep.failed) == [f"{dead}:0"], rep.failed
+        assert "no heartbeat" in rep.failed[f"{dead}:0"], rep.failed
         assert rep.seconds < 30.0, f"waited {rep.seconds:.1f} s for a sampler killed while idle"
-        assert "sampler 2:0 failed version 2" in caplog.text
-        assert trainer._ep.producer.pending == 0  # its sends were cancelled
+        assert f"sampler {dead}:0 failed version 2" in caplog.text
+        assert trainer._ep.producer.pending == 0  # nothing held for the dead replica
         assert trainer._ep.pool.num_free == trainer._ep.pool.num_blocks
         full = U.full_weights(42)
-        for key, info in collect(q, 2).items():
+        for info in collect(q, 2).values():
             assert info["ok"] and info["digest"] == U.expected_digest(full, eng, 0, torch.float32)
-        assert trainer.samplers == ["0:0", "1:0"]
+        assert trainer.samplers == live
         rep3 = trainer.publish(3, U.full_weights(43))
-        assert rep3.ok and sorted(rep3.committed) == ["0:0", "1:0"], rep3
+        assert rep3.ok and sorted(rep3.committed) == live, rep3
         collect(q, 2)
     finally:
         join_all(procs)
@@ -471,7 +478,9 @@ def test_idle_live_sampler_that_does_not_poll_is_not_presumed_dead():
     while version 2 is in flight; its idle beats keep it alive, so it is not reported: it polls,
     fetches version 2 late and commits, like the others."""
     q = U.ctx().Queue()
-    trainer, procs, eng = three_idle_replicas(q, silence=1.0, per={(1, 0): {"idle_before": {1: 4.0}}})
+    trainer, procs, eng = three_idle_replicas(
+        q, silence=1.0, per={(1, 0): {"idle_before": {1: 4.0}}}
+    )
     try:
         get(q, "idle", match=lambda it: it[1] == 1)
         rep = trainer.publish(2, U.full_weights(44))

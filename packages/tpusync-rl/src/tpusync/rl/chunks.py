@@ -147,7 +147,9 @@ def _digest(local: Any, layout: ShardLayout, rank: int, chunk_bytes: int) -> tup
     ``(dtype, global shape, ((box, chunk_rows, first chunk, (digest, ...)), ...))``."""
     shards = _shard_boxes(local, layout, rank)
     dtype = _dtype_name(shards[0][1]) if shards else ""
-    rows = chunk_rows(tuple(layout.shape), _torch_dtype(dtype).itemsize if dtype else 1, chunk_bytes)
+    rows = chunk_rows(
+        tuple(layout.shape), _torch_dtype(dtype).itemsize if dtype else 1, chunk_bytes
+    )
     out = []
     for box, t in shards:
         if rows == 0 or t.dim() == 0 or tuple(t.shape) != box.shape:

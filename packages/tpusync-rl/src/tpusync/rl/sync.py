@@ -694,9 +694,7 @@ class TrainerSync:
                 for v in [v for v in old if v < version - 4]:
                     del old[v]
 
-    def _report_changed(
-        self, version: int, changed: Mapping[str, Any], deadline: float
-    ) -> None:
+    def _report_changed(self, version: int, changed: Mapping[str, Any], deadline: float) -> None:
         """Ranks > 0: hand rank 0 this process's changed set (AGREEMENT CONTRACT) with the row
         runs of tensors changed only in part (CHUNK DELTA CONTRACT)."""
         assert self._client is not None
@@ -989,7 +987,14 @@ class TrainerSync:
             }
             topo: dict[int, list[int]] = collections.defaultdict(list)
             readers: dict[int, list[int]] = collections.defaultdict(list)
+            # HEARTBEAT CONTRACT: a member already silent for `silence` (it died while idle) is
+            # in no tree and no reader set, so no live sampler waits on it as a parent; it stays
+            # a member, to be reported failed by the first silence check.
+            now = time.monotonic()
+            silent = {k for k in members if now - self._alive.get(k, now) > self.silence}
             for key in members:
+                if key in silent:
+                    continue
                 replica, rank = (int(x) for x in key.split(":"))
                 (readers if key in shared else topo)[rank].append(replica)
             ann = {
@@ -1443,8 +1448,7 @@ class SamplerSync:
                 with self._beat_lock:
                     cur = self._beat_for
                     if cur is not None and (
-                        time.monotonic() >= cur[1]
-                        or (cur[2] and self._ep.producer.pending == 0)
+                        time.monotonic() >= cur[1] or (cur[2] and self._ep.producer.pending == 0)
                     ):
                         cur = self._beat_for = None  # the version is over here: idle beats
                 version = cur[0] if cur is not None else 0
@@ -1606,6 +1610,11 @@ class SamplerSync:
                 self._pull_shared(version, me, streams, ann["trainers"], deadline)
             else:
                 topo = [int(x) for x in ann["topo"].get(me, [])]
+                if self.replica not in topo:
+                    raise UpdateRejectedError(
+                        f"trainer rank 0 left this sampler out of version {version}'s tree "
+                        "(it had not heard from it for its silence timeout: presumed dead)"
+                    )
                 parent, slot = _parent(topo, self.replica, ann["fanout"])
                 children = _children(topo, self.replica, ann["fanout"])
                 if parent is None:
