@@ -195,7 +195,9 @@ class WeightPublisher:
     *published* version (its ``base_version``), judged by the digests :meth:`published` took.
     A multi-rank trainer must send one set on every rank, the UNION of the ranks' changed sets,
     against one base that every rank published (the AGREEMENT CONTRACT of
-    :class:`tpusync.rl.sync.TrainerSync`): pass it as ``changed`` to :meth:`prepare`.
+    :class:`tpusync.rl.sync.TrainerSync`): pass it as ``changed`` to :meth:`prepare`, and the
+    union of the ranks' changed row runs (:meth:`changed_rows`) as ``rows`` to send only the
+    changed chunks of those tensors (CHUNK DELTA CONTRACT); without ``rows`` they go whole.
     """
 
     rank: int

@@ -53,7 +53,9 @@ in flight that has not reported and was not heard from (poll, beat or report) fo
 seconds (``TrainerSync(silence=)``, default 10 s, well below the deadline) as having reported a
 failure, like a process exit on the same host (EXIT WATCH CONTRACT): whether it died in the middle
 of the update or before it fetched the announcement (a sampler killed while idle is found out
-within ``silence`` of its last beat, not at the deadline). A sampler that closes cleanly says
+within ``silence`` of its last beat, not at the deadline; one already silent when a version is
+announced is put in no fan-out tree, so no live sampler waits on it as a parent, and a sampler
+that fetches an announcement leaving it out rejects that version). A sampler that closes cleanly says
 ``bye`` and leaves the group: it is not counted as dead, and a version in flight that counted on
 it records that it left. A sampler that failed
 either way has every transport send registered for it cancelled at once
