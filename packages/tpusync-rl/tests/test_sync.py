@@ -979,16 +979,16 @@ def test_sampler_that_joins_late_gets_a_full_update_instead_of_a_delta_it_cannot
 
 
 def test_chunk_delta_from_one_trainer_to_shadow_and_inplace_samplers_is_bit_equal(capsys):
-    """CHUNK DELTA CONTRACT, one trainer process -> TP=2 samplers (embed resharded by columns),
-    a shadow replica and an in-place replica (engine paused), both pulling from the trainer
-    (fanout 2). Version 2 changes one element of layers.1.w (row 200) and one of embed (row 250):
+    """CHUNK DELTA CONTRACT, one trainer process -> TP=2 samplers (embed resharded by columns):
+    a shadow replica pulling over TCP and an in-place replica (engine paused) reading the
+    trainer's shared segment on the same host. Version 2 changes one element of layers.1.w (row 200) and one of embed (row 250):
     only the 64 KiB chunks holding them go out (rows 170..254 and 204..255), every sampler ends
     bit-equal to the trainer's tensors (full-tensor digests) and the trainer puts fewer blocks
     on the wire than a per-tensor delta of the same two tensors would."""
     q = U.ctx().Queue()
     dst = tp_layouts(2, {"embed": 1})
-    trainer, eng = rank0(dst, fanout=2, bucket_blocks=2, deadline=30.0)
-    inplace = {"mode": "inplace", "paused": True, "dtype": "float32"}
+    trainer, eng = rank0(dst, fanout=2, bucket_blocks=2, deadline=30.0, same_host=True)
+    inplace = {"mode": "inplace", "paused": True, "dtype": "float32", "same_host": True}
     per = {(1, 0): inplace, (1, 1): inplace}
     procs = start_samplers(
         q, trainer.control_address, eng, 2, 2, 3, per=per, common={"dtype": "float32"}
@@ -1004,8 +1004,9 @@ def test_chunk_delta_from_one_trainer_to_shadow_and_inplace_samplers_is_bit_equa
         assert rep.ok and len(rep.committed) == 4, rep
         rows = bump_rows(tp_layouts(1, {}), bumps)
         assert rows == {"layers.1.w": ((170, 255),), "embed": ((204, 256),)}
-        for (_replica, rank), info in collect(q, 4).items():
+        for (replica, rank), info in collect(q, 4).items():
             assert info["ok"] and info["serving"] == 2, info
+            assert info["path"] == ("shared-segment" if replica else "tcp"), info
             assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32), rank
             assert info["bytes"] == own_bytes(eng, rank, rows, rows), (rank, info)
         # A per-tensor delta of the same two tensors: its blocks, once per replica.
