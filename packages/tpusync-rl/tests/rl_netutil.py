@@ -121,7 +121,11 @@ def sampler_main(spec: dict, q) -> None:
         sampler._stage_view = sleepy_stage
     q.put(("joined", spec["replica"], rank, None))
     timeouts = spec.get("timeouts", [spec.get("timeout", 30)] * spec["updates"])
+    idle = spec.get("idle_before", {})  # update index -> seconds without polling first
     for i in range(spec["updates"]):
+        if idle.get(i):
+            q.put(("idle", spec["replica"], rank, i))
+            time.sleep(idle[i])
         t0 = time.monotonic()
         if spec.get("paused"):
             with sub.paused():
@@ -144,6 +148,7 @@ def sampler_main(spec: dict, q) -> None:
             }
         q.put(("update", spec["replica"], rank, info))
     sampler.close()
+    q.put(("closed", spec["replica"], rank, None))
 
 
 def trainer_rank_main(spec: dict, q) -> None:

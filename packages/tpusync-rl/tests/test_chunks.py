@@ -407,3 +407,100 @@ def test_inplace_refuses_unverified_chunks():
             subs[0].receive(dataclasses.replace(chunk, digest=None), hasher=Checksum64Stream())
     for n, t in before.items():
         assert torch.equal(subs[0].weights[n], t)
+
+
+@pytest.mark.parametrize("mode", ["shadow", "inplace"])
+def test_chunk_delta_sends_only_the_changed_rows_resharded_and_commits_bit_equal(mode):
+    """CHUNK DELTA CONTRACT: TP=2 trainer (embed split by columns, layers.0.w by rows) -> TP=4
+    samplers (embed by columns, layers.0.w by rows), chunks of 32 bytes (embed: 2 rows, layers.0.w:
+    1 row, the 8-element bias: one chunk). Rank 0 changes one element of embed row 9, rank 1 one
+    row of layers.0.w: the union is embed rows 8..9 (sent by BOTH ranks, each its columns) and
+    layers.0.w row 5; only those bytes move, and every sampler ends bit-equal to the new model
+    (shadow: built from its committed version, which readers keep seeing until the commit;
+    in place: only the changed rows written). A changed one-chunk tensor is sent whole."""
+    subs = make_samplers(dtype=torch.float32, mode=mode)
+    full = full_weights(1)
+    dims = {"embed": 1}
+    shards = trainer_shards(full, dims=dims)
+    pubs = [WeightPublisher(r, chunk_bytes=32) for r in shards]
+    m1 = [p.prepare(1, shards[p.rank]) for p in pubs][0]
+
+    def deliver(manifest, shards):
+        ctx = [s.paused() for s in subs] if mode == "inplace" else []
+        for c in ctx:
+            c.__enter__()
+        try:
+            for s in subs:
+                s.begin(manifest)
+            dst = subs[0].layouts_by_trainer_name(manifest)
+            for p in pubs:
+                for chunk in p.chunks(manifest, shards[p.rank], dst):
+                    subs[chunk.dst_rank].receive(chunk)
+            return [s.commit() for s in subs]
+        finally:
+            for c in ctx:
+                c.__exit__(None, None, None)
+
+    deliver(m1, shards)
+    for p in pubs:
+        p.published(m1, shards[p.rank])
+    full2 = {n: t.clone() for n, t in full.items()}
+    full2["embed"][9, 0] += 1.0  # trainer rank 0's columns
+    full2["layers.0.w"][5, 2] -= 3.0  # trainer rank 1's rows
+    shards2 = trainer_shards(full2, dims=dims)
+    own = [p.changed_rows(shards2[p.rank]) for p in pubs]
+    assert own == [{"embed": ((8, 10),)}, {"layers.0.w": ((5, 6),)}]
+    union = {"embed": ((8, 10),), "layers.0.w": ((5, 6),)}
+    manifests = [
+        p.prepare(2, shards2[p.rank], delta=True, changed=set(union), rows=union) for p in pubs
+    ]
+    assert manifests[0].to_bytes() == manifests[1].to_bytes()
+    m2 = manifests[0]
+    assert m2.rows == union and m2.base_version == 1
+    assert type(m2).from_bytes(m2.to_bytes()) == m2
+    before = [dict(s.weights) for s in subs]
+    old = [{n: t.clone() for n, t in b.items()} for b in before]
+    bytes_before = [s.metrics["bytes_received"] for s in subs]
+    senders = {}
+    dst = subs[0].layouts_by_trainer_name(m2)
+    for p in pubs:
+        for chunk in p.chunks(m2, shards2[p.rank], dst):
+            senders.setdefault(chunk.name, set()).add(p.rank)
+    assert senders == {"embed": {0, 1}, "layers.0.w": {1}}  # rank 1 sends embed: the union
+    assert deliver(m2, shards2) == [2] * 4
+    expect_equal(subs, full2, torch.float32)
+    got = sum(s.metrics["bytes_received"] - b for s, b in zip(subs, bytes_before, strict=True))
+    assert got == (2 * 4 + 1 * 6) * 4  # embed rows 8..9 (4 columns) + one row of layers.0.w
+    if mode == "shadow":  # the committed dicts readers held were never written
+        for b, o in zip(before, old, strict=True):
+            assert all(torch.equal(b[n], o[n]) for n in o)
+    # Changed rows whose union covers the whole tensor (the bias: one 8-row chunk, each trainer
+    # rank holds half of it) send it whole, without rows.
+    for p in pubs:
+        p.published(m2, shards2[p.rank])
+    full3 = {n: t.clone() for n, t in full2.items()}
+    full3["layers.0.b"] += 1.0
+    shards3 = trainer_shards(full3, dims=dims)
+    own = [p.changed_rows(shards3[p.rank]) for p in pubs]
+    assert own == [{"layers.0.b": ((0, 4),)}, {"layers.0.b": ((4, 8),)}]
+    union = {"layers.0.b": ((0, 4), (4, 8))}
+    m3 = pubs[0].prepare(3, shards3[0], delta=True, changed=set(union), rows=union)
+    pubs[1].prepare(3, shards3[1], delta=True, changed=set(union), rows=union)
+    assert [t.name for t in m3.tensors] == ["layers.0.b"] and not m3.rows
+    deliver(m3, shards3)
+    expect_equal(subs, full3, torch.float32)
+
+
+def test_chunk_delta_manifest_refuses_bad_rows():
+    lay = ShardLayout.replicated((6, 2), [0])
+    pub = WeightPublisher(0, chunk_bytes=8)
+    t = {"w": (torch.zeros(6, 2), lay)}
+    pub.published(pub.prepare(1, t), t)
+    with pytest.raises(ValueError, match="does not send"):
+        pub.prepare(2, t, delta=True, changed=set(), rows={"w": ((0, 1),)})
+    m = pub.prepare(3, t, delta=True, changed={"w"}, rows={"w": ((4, 6), (0, 2), (1, 3))})
+    assert m.rows == {"w": ((0, 3), (4, 6))}  # merged, sorted
+    with pytest.raises(ValueError, match="sorted, disjoint runs"):
+        dataclasses.replace(m, rows={"w": ((0, 7),)})
+    with pytest.raises(ValueError, match="only a delta manifest"):
+        dataclasses.replace(m, base_version=None)

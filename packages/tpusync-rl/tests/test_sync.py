@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 
 import pytest
@@ -16,6 +17,7 @@ import rl_netutil as U
 import torch
 
 from tpusync.rl import ShardLayout, TrainerSync
+from tpusync.rl.layout import Box
 from tpusync.rl.manifest import Manifest, TensorMeta
 from tpusync.rl.pack import TRAILER, pack_streams
 
@@ -411,6 +413,108 @@ def test_slow_live_sampler_keeps_beating_and_is_not_presumed_dead():
         trainer.close()
 
 
+def three_idle_replicas(q, silence, per=None, updates=2, fanout=3):
+    """Trainer rank 0 (60 s deadline, ``silence``) and three single-rank float32 replicas
+    (``fanout``) that committed version 1 (``U.full_weights(41)``); returns the trainer, the
+    processes and the engine-name layouts."""
+    trainer, eng = rank0(tp_layouts(1, {}), fanout=fanout, deadline=60.0, silence=silence)
+    procs = start_samplers(
+        q, trainer.control_address, eng, 3, 1, updates, per=per, common={"dtype": "float32"}
+    )
+    try:
+        trainer.wait_for_samplers(3, timeout=30)
+        assert trainer.publish(1, U.full_weights(41)).ok
+        collect(q, 3)
+    except BaseException:
+        join_all(procs)
+        trainer.close()
+        raise
+    return trainer, procs, eng
+
+
+@pytest.mark.parametrize("fanout, dead, pause", [(3, 2, 0.0), (1, 0, 2.5)])
+def test_sampler_killed_while_idle_is_reported_by_its_silence_not_the_deadline(
+    caplog, fanout, dead, pause
+):
+    """HEARTBEAT CONTRACT: a replica is SIGKILLed while idle (waiting for version 2, before the
+    trainer announces it: it never fetches the announcement). Its idle beats stop, so version 2
+    reports it within seconds of the 2 s silence, not at the 60 s deadline, and the others
+    commit. Fanout 3, published at once: the trainer cancels the sends it registered for the
+    dead replica. A chain (fanout 1) whose head dies, published after the silence: the dead
+    replica is in no tree, so the chain trainer -> 1 -> 2 still delivers."""
+    import os
+    import signal
+
+    q = U.ctx().Queue()
+    trainer, procs, eng = three_idle_replicas(q, silence=2.0, updates=3, fanout=fanout)
+    live = sorted(f"{r}:0" for r in range(3) if r != dead)
+    try:
+        os.kill(procs[dead].pid, signal.SIGKILL)
+        procs[dead].join(10)
+        time.sleep(pause)
+        with caplog.at_level(logging.ERROR, logger="tpusync.rl"):
+            rep = trainer.publish(2, U.full_weights(42))
+        assert sorted(rep.committed) == live, rep
+        assert list(rep.failed) == [f"{dead}:0"], rep.failed
+        assert "no heartbeat" in rep.failed[f"{dead}:0"], rep.failed
+        assert rep.seconds < 30.0, f"waited {rep.seconds:.1f} s for a sampler killed while idle"
+        assert f"sampler {dead}:0 failed version 2" in caplog.text
+        assert trainer._ep.producer.pending == 0  # nothing held for the dead replica
+        assert trainer._ep.pool.num_free == trainer._ep.pool.num_blocks
+        full = U.full_weights(42)
+        for info in collect(q, 2).values():
+            assert info["ok"] and info["digest"] == U.expected_digest(full, eng, 0, torch.float32)
+        assert trainer.samplers == live
+        rep3 = trainer.publish(3, U.full_weights(43))
+        assert rep3.ok and sorted(rep3.committed) == live, rep3
+        collect(q, 2)
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_idle_live_sampler_that_does_not_poll_is_not_presumed_dead():
+    """HEARTBEAT CONTRACT: replica 1 stays idle for 4 s (4x the 1 s silence) without polling
+    while version 2 is in flight; its idle beats keep it alive, so it is not reported: it polls,
+    fetches version 2 late and commits, like the others."""
+    q = U.ctx().Queue()
+    trainer, procs, eng = three_idle_replicas(
+        q, silence=1.0, per={(1, 0): {"idle_before": {1: 4.0}}}
+    )
+    try:
+        get(q, "idle", match=lambda it: it[1] == 1)
+        rep = trainer.publish(2, U.full_weights(44))
+        assert rep.ok and sorted(rep.committed) == ["0:0", "1:0", "2:0"], rep
+        assert rep.seconds > 2.0  # replica 1 really was silent on the poll path for > silence
+        full = U.full_weights(44)
+        for info in collect(q, 3).values():
+            assert info["ok"] and info["digest"] == U.expected_digest(full, eng, 0, torch.float32)
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def test_cleanly_closed_sampler_says_goodbye_and_is_not_reported_dead():
+    """HEARTBEAT CONTRACT: replica 2 takes one update and closes cleanly (it says ``bye``); the
+    next version, published after more than the silence timeout, goes to replicas 0 and 1 only
+    and reports nobody: the closed sampler is neither presumed dead nor waited for."""
+    q = U.ctx().Queue()
+    trainer, procs, _eng = three_idle_replicas(q, silence=1.0, per={(2, 0): {"updates": 1}})
+    try:
+        get(q, "closed", match=lambda it: it[1] == 2)
+        procs[2].join(20)
+        assert procs[2].exitcode == 0
+        time.sleep(1.5)  # longer than the silence: a sampler that merely vanished would be dead
+        assert trainer.samplers == ["0:0", "1:0"]
+        rep = trainer.publish(2, U.full_weights(45))
+        assert rep.ok and sorted(rep.committed) == ["0:0", "1:0"], rep
+        assert rep.seconds < 30.0
+        collect(q, 2)
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
 def test_dead_middle_of_a_chain_is_reported_its_child_fails_and_the_rest_commit():
     """Chain trainer -> 0 -> 1 -> 2 (fanout 1, TCP): replica 1 dies after its first block of
     version 2. Replica 0 commits (and cancels what it forwarded to 1 once a beat reply names 1),
@@ -705,15 +809,42 @@ def test_multicontroller_jax_2x2_mesh_to_tp4_torch_samplers():
 # ------------------------------------------------------- delta updates from a multi-rank trainer
 
 
-def own_bytes(eng, rank, names):
-    """Bytes of sampler ``rank``'s shards of trainer tensors ``names`` (fp32)."""
-    return sum(eng[U.engine_name(n)].box_of(rank).size * 4 for n in names)
+def own_bytes(eng, rank, names, rows=None):
+    """Bytes of sampler ``rank``'s shards of trainer tensors ``names`` (fp32); a tensor in
+    ``rows`` only in those row runs (a per-chunk delta)."""
+    total = 0
+    for n in names:
+        box = eng[U.engine_name(n)].box_of(rank)
+        runs = (rows or {}).get(n)
+        if runs is None:
+            total += box.size * 4
+            continue
+        for r0, r1 in runs:
+            part = box.intersect(Box((r0, *box.lo[1:]), (r1, *box.hi[1:])))
+            total += 0 if part is None else part.size * 4
+    return total
 
 
-def tp2_delta_group(q, dst, versions, rank1_deadline=30.0, **rank0_kw):
-    """Trainer rank 0 here and rank 1 in its own process (TP=2 on dim 0), two fp32 sampler
-    ranks; rank 1 publishes ``versions`` ((v, seed, {"delta", "bumps"}) each) once it joined."""
-    src = tp_layouts(2, {})
+def bump_rows(src, bumps, before=()):
+    """The rows a per-chunk delta sends for the ``bumps`` not in ``before`` (CHUNK DELTA
+    CONTRACT with BB-byte chunks of fp32 rows): the chunk of each bumped row, clipped to the
+    rows of the trainer shard holding the element."""
+    out: dict = {}
+    for name, index, _ in [b for b in bumps if b not in before]:
+        shape = U.SHAPES[name]
+        per = max(1, BB // (math.prod(shape[1:]) * 4))
+        c = index[0] // per
+        at = Box(tuple(index), tuple(i + 1 for i in index))
+        box = next(b for _, b in src[name].shards if b.contains(at))
+        out.setdefault(name, set()).add((max(c * per, box.lo[0]), min((c + 1) * per, box.hi[0])))
+    return {n: tuple(sorted(r)) for n, r in out.items()}
+
+
+def tp2_delta_group(q, dst, versions, rank1_deadline=30.0, src_dims=None, **rank0_kw):
+    """Trainer rank 0 here and rank 1 in its own process (TP=2 on dim 0, or ``src_dims``), two
+    fp32 sampler ranks; rank 1 publishes ``versions`` ((v, seed, {"delta", "bumps"}) each) once
+    it joined."""
+    src = tp_layouts(2, src_dims or {})
     rank0_kw.setdefault("deadline", 30.0)
     trainer, eng = rank0(dst, 2, bucket_blocks=2, pool_bytes=2 << 20, **rank0_kw)
     return (
@@ -753,28 +884,34 @@ ONLY_RANK0 = [("embed", (5, 7), -2.0)]
 
 
 def test_tp2_trainer_delta_sends_the_union_of_the_ranks_changed_sets():
-    """AGREEMENT CONTRACT: only rank 1's shard of layers.0.w changes, yet both trainer ranks send
-    their pieces of layers.0.w (rank 0's shard unchanged) and nothing else; then only rank 0's
-    shard of embed; then nothing (an empty delta). The samplers end bit-equal to a full update
-    of each version, and received only the agreed tensors."""
+    """AGREEMENT CONTRACT with per-chunk deltas (CHUNK DELTA CONTRACT): embed is split by columns
+    on both sides (trainer rank r -> sampler rank r), layers.0.w by rows. Version 2 changes one
+    element in rank 1's rows of layers.0.w: only that chunk's rows (128..191) go out, from rank 1.
+    Version 3 changes one element of embed in rank 0's columns: the union is embed rows 0..101,
+    and rank 1 sends its columns of them too although its shard did not change (sampler 1 gets
+    them only from rank 1). Version 4 changes nothing (an empty delta). The samplers end bit-equal
+    to a full update of each version and received exactly the agreed rows."""
     q = U.ctx().Queue()
-    dst = tp_layouts(2, {"embed": 1})  # embed resharded: each sampler pulls from both trainers
+    dst = tp_layouts(2, {"embed": 1})
     seed = 71
+    bump0 = [("embed", (5, 7), -2.0)]  # column 7: trainer rank 0's half of embed
     steps = [  # version, rank 0's bumps = rank 1's bumps, tensors expected in the delta
         (1, [], sorted(U.SHAPES)),  # no published base yet: full
         (2, ONLY_RANK1, ["layers.0.w"]),
-        (3, ONLY_RANK1 + ONLY_RANK0, ["embed"]),
-        (4, ONLY_RANK1 + ONLY_RANK0, []),
+        (3, ONLY_RANK1 + bump0, ["embed"]),
+        (4, ONLY_RANK1 + bump0, []),
     ]
     versions = [(v, seed, {"delta": True, "bumps": bumps}) for v, bumps, _ in steps]
-    src, trainer, eng, rank1 = tp2_delta_group(q, dst, versions)
+    src, trainer, eng, rank1 = tp2_delta_group(q, dst, versions, src_dims={"embed": 1})
     procs = start_samplers(q, trainer.control_address, eng, 1, 2, 4, common={"dtype": "float32"})
     try:
         trainer.wait_for_samplers(2, timeout=30)
         start_rank1(trainer, rank1)
-        sent = {}
+        sent, before = {}, []
         for v, bumps, names in steps:
             full = U.full_weights(seed, bumps)
+            rows = {} if v == 1 else bump_rows(src, bumps, before)
+            before = bumps
             rep = trainer.publish(v, rank0_shards(src, full), delta=True)
             assert rep.ok, rep.failed
             sent[v] = rep.bytes_sent
@@ -783,12 +920,15 @@ def test_tp2_trainer_delta_sends_the_union_of_the_ranks_changed_sets():
                 assert info["ok"] and info["serving"] == v, (v, info)
                 want = U.expected_digest(full, eng, rank, torch.float32)
                 assert info["digest"] == want, (v, rank)
-                assert info["bytes"] == own_bytes(eng, rank, names), (v, rank, names)
+                assert info["bytes"] == own_bytes(eng, rank, names, rows), (v, rank, names)
             pub = get(q, "published")
             assert pub[1] == v and pub[2]["failed"] == {}, pub
-        # Rank 0's shard of layers.0.w did not change, but rank 0 sent it (the union): sampler 0
-        # holds rows 0..95 and gets them only from trainer rank 0.
-        assert 0 < sent[2] < sent[1] and sent[4] == 0, sent
+            if v == 3:  # rank 1's embed shard did not change, yet it sent its columns (union)
+                assert got[(0, 1)]["bytes"] == 102 * 80 * 4, got
+                assert pub[2]["bytes"] > 0, pub
+        # Rank 0 (this process) sent nothing of version 2: the changed rows are rank 1's.
+        assert rows == {} and sent[2] == sent[4] == 0 and 0 < sent[3] < sent[1], sent
+        assert bump_rows(src, ONLY_RANK1) == {"layers.0.w": ((128, 192),)}
     finally:
         join_all(procs + ([rank1] if rank1.pid is not None else []))
         trainer.close()
@@ -828,12 +968,66 @@ def test_sampler_that_joins_late_gets_a_full_update_instead_of_a_delta_it_cannot
             rep = trainer.publish(v, mine(full), delta=True)
             assert rep.ok and len(rep.committed) == 4, rep
             names = sorted(U.SHAPES) if v == 2 else ["embed"]  # full, then a delta again
+            rows = {} if v == 2 else bump_rows(tp_layouts(2, {}), bumps, ONLY_RANK1)
             for (_replica, rank), info in collect(q, 4).items():
                 assert info["ok"] and info["serving"] == v, (v, info)
                 assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32)
-                assert info["bytes"] == own_bytes(eng, rank, names), (v, rank, info)
+                assert info["bytes"] == own_bytes(eng, rank, names, rows), (v, rank, info)
     finally:
         join_all(procs + ([rank1] if rank1 is not None and rank1.pid is not None else []))
+        trainer.close()
+
+
+def test_chunk_delta_from_one_trainer_to_shadow_and_inplace_samplers_is_bit_equal(capsys):
+    """CHUNK DELTA CONTRACT, one trainer process -> TP=2 samplers (embed resharded by columns):
+    a shadow replica pulling over TCP and an in-place replica (engine paused) reading the
+    trainer's shared segment on the same host. Version 2 changes one element of layers.1.w (row 200) and one of embed (row 250):
+    only the 64 KiB chunks holding them go out (rows 170..254 and 204..255), every sampler ends
+    bit-equal to the trainer's tensors (full-tensor digests) and the trainer puts fewer blocks
+    on the wire than a per-tensor delta of the same two tensors would."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {"embed": 1})
+    trainer, eng = rank0(dst, fanout=2, bucket_blocks=2, deadline=30.0, same_host=True)
+    inplace = {"mode": "inplace", "paused": True, "dtype": "float32", "same_host": True}
+    per = {(1, 0): inplace, (1, 1): inplace}
+    procs = start_samplers(
+        q, trainer.control_address, eng, 2, 2, 3, per=per, common={"dtype": "float32"}
+    )
+    seed = 75
+    bumps = [("layers.1.w", (200, 1), 0.5), ("embed", (250, 3), 1.0)]
+    try:
+        trainer.wait_for_samplers(4, timeout=30)
+        assert trainer.publish(1, U.full_weights(seed), delta=True).ok
+        collect(q, 4)
+        full = U.full_weights(seed, bumps)
+        rep = trainer.publish(2, full, delta=True)
+        assert rep.ok and len(rep.committed) == 4, rep
+        rows = bump_rows(tp_layouts(1, {}), bumps)
+        assert rows == {"layers.1.w": ((170, 255),), "embed": ((204, 256),)}
+        for (replica, rank), info in collect(q, 4).items():
+            assert info["ok"] and info["serving"] == 2, info
+            assert info["path"] == ("shared-segment" if replica else "tcp"), info
+            assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32), rank
+            assert info["bytes"] == own_bytes(eng, rank, rows, rows), (rank, info)
+        # A per-tensor delta of the same two tensors: its blocks, once per replica.
+        layout = tp_layouts(1, {})
+        whole = Manifest(
+            2, tuple(TensorMeta(n, "float32", layout[n]) for n in sorted(rows)), base_version=1
+        )
+        plans = pack_streams(whole, dst, BB, 2)
+        per_tensor = 2 * sum(len(p.blocks) for p in plans.values()) * BB
+        assert 0 < rep.bytes_sent < per_tensor, (rep.bytes_sent, per_tensor)
+        with capsys.disabled():
+            print(
+                f"\nchunk delta: {rep.bytes_sent} bytes on the wire, per-tensor delta "
+                f"{per_tensor} ({rep.bytes_sent / per_tensor:.2f}x)"
+            )
+        # Nothing changed: an empty delta (no bytes), still committed everywhere.
+        rep3 = trainer.publish(3, full, delta=True)
+        assert rep3.ok and rep3.bytes_sent == 0, rep3
+        assert all(i["ok"] and i["serving"] == 3 for i in collect(q, 4).values())
+    finally:
+        join_all(procs)
         trainer.close()
 
 
@@ -862,7 +1056,10 @@ def test_failed_version_forces_the_next_one_full_on_every_trainer_rank():
     try:
         trainer.wait_for_samplers(2, timeout=30)
         start_rank1(trainer, rank1)
+        before: list = []
         for v, bumps, names in steps:
+            full_update = names == sorted(U.SHAPES)
+            rows, before = ({} if full_update else bump_rows(src, bumps, before)), bumps
             # The sampler that failed version 2 is back in the group once it polled again.
             end = time.monotonic() + 30
             while len(trainer.samplers) < 2 and time.monotonic() < end:
@@ -882,7 +1079,7 @@ def test_failed_version_forces_the_next_one_full_on_every_trainer_rank():
                 assert info["ok"] and info["serving"] == v, (v, info)
                 want = U.expected_digest(full, eng, rank, torch.float32)
                 assert info["digest"] == want, (v, rank)
-                assert info["bytes"] == own_bytes(eng, rank, names), (v, rank, names)
+                assert info["bytes"] == own_bytes(eng, rank, names, rows), (v, rank, names)
     finally:
         join_all(procs + ([rank1] if rank1.pid is not None else []))
         trainer.close()
@@ -995,13 +1192,16 @@ def test_multicontroller_jax_delta_sees_a_change_on_any_local_device():
     versions = [(v, 63, {"delta": True, "bumps": b}) for v, b, _ in steps]
     procs = start_jax_trainers(q, dst, versions, updates=3)
     try:
+        before: list = []
         for v, bumps, names in steps:
+            # The 2 x 2 mesh splits the rows of every 2-D leaf in halves, as TP=2 on dim 0.
+            rows, before = ({} if v == 1 else bump_rows(tp_layouts(2, {}), bumps, before)), bumps
             got = collect(q, 4, timeout=120)
             full = U.full_weights(63, bumps)
             for (_replica, rank), info in got.items():
                 assert info["ok"] and info["version"] == v, info
                 assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32), rank
-                assert info["bytes"] == own_bytes(eng, rank, names), (v, rank, names)
+                assert info["bytes"] == own_bytes(eng, rank, names, rows), (v, rank, names)
             pubs = published_by_each_process(q, v)
             assert all(p[2]["failed"] == {} for p in pubs), pubs
     finally:

@@ -19,6 +19,14 @@ times of the last version (trainer rank 0 and each sampler; docs/rl.md explains 
   ranks, split on dim 1 (resharded: every piece is a strided box) or on dim 0 (plain: shards map
   one to one); the figure is the time ratio (lower is better).
 
+- ``delta_*_chunk_vs_tensor``: bytes a ``delta=True`` publish puts on the wire per sampler when
+  1% of the model's rows changed, per-chunk deltas (CHUNK DELTA CONTRACT in
+  :mod:`tpusync.rl.chunks`, 4 MiB chunks) against per-tensor deltas (every changed tensor whole):
+  ``contiguous`` (each tensor's changed rows in one run, like a few updated embedding rows) and
+  ``scattered`` (1% of the rows picked at random: nearly every chunk holds one, so per-chunk
+  deltas save little). Counted from the digests and the packing plan the trainer uses (the
+  blocks it registers), not timed.
+
 GOALS: chain >= 2x gloo, chain >= 0.8x iperf3, resharded <= 1.3x plain.
 """
 
@@ -261,6 +269,42 @@ def _gloo(shapes, repeats: int) -> list[float]:
                 p.kill()
 
 
+def _delta_bytes(shapes: dict[str, tuple[int, int]], scattered: bool) -> dict:
+    """Wire bytes per sampler of a 1%-of-rows delta: per-chunk vs per-tensor (module doc)."""
+    from tpusync.rl import ShardLayout
+    from tpusync.rl.chunks import WeightPublisher
+    from tpusync.rl.pack import pack_streams
+
+    layouts = {n: ShardLayout.replicated(s, [0]) for n, s in shapes.items()}
+    g = torch.Generator().manual_seed(7)
+    tensors = {n: (torch.randn(s, generator=g), layouts[n]) for n, s in shapes.items()}
+    pub = WeightPublisher(0, chunk_bytes=BLOCK)
+    pub.published(pub.prepare(1, tensors), tensors)
+    for t, _ in tensors.values():
+        k = max(t.shape[0] // 100, 1)
+        rows = torch.randperm(t.shape[0], generator=g)[:k] if scattered else torch.arange(k) + 7
+        t[rows, 0] += 1.0
+    changed = pub.changed_rows(tensors)
+    rows = {n: r for n, r in changed.items() if r is not None}
+
+    def wire(manifest) -> int:
+        plans = pack_streams(manifest, layouts, BLOCK, 8)
+        return sum(len(p.blocks) for p in plans.values()) * BLOCK
+
+    chunk = wire(pub.prepare(2, tensors, delta=True, changed=set(changed), rows=rows))
+    tensor = wire(pub.prepare(3, tensors, delta=True, changed=set(changed)))
+    return {
+        "bytes": chunk,
+        "limit_bytes": tensor,
+        "limit": "a per-tensor delta of the same change (every changed tensor whole), same run",
+        "ratio": round(chunk / tensor, 4),
+        "better": "lower",
+        "path": f"per-chunk delta, 1% of rows changed "
+        f"({'random rows' if scattered else 'one run per tensor'}), {BLOCK >> 20} MiB chunks "
+        "and blocks, bytes per sampler stream",
+    }
+
+
 def run(total_bytes: int, repeats: int, show_progress: bool = True) -> dict:
     from tpusync.rl import ShardLayout
 
@@ -333,6 +377,9 @@ def run(total_bytes: int, repeats: int, show_progress: bool = True) -> dict:
         "path": f"2 trainer processes -> 2 sampler ranks, loopback TCP (samplers reported: "
         f"{', '.join(resh_info.get('paths', [])) or '?'})",
     }
+    for kind in ("contiguous", "scattered"):
+        _log(f"delta bytes, 1% of rows changed ({kind}): per-chunk vs per-tensor")
+        paths[f"delta_{kind}_chunk_vs_tensor"] = _delta_bytes(shapes, kind == "scattered")
     result["paths"] = paths
     result["seconds"] = {
         "chain_tcp": tcp,

@@ -94,11 +94,100 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _digest(local: Any) -> tuple[int, ...]:
-    """The XXH3-64 of each local shard: ``local`` is one shard, or ``{rank: shard}`` when a
-    process holds several ranks of the layout (digested in rank order)."""
-    shards = [local[r] for r in sorted(local)] if isinstance(local, Mapping) else [local]
-    return tuple(checksum64(_bytes_of(_as_torch(x))) for x in shards)
+# CHUNK DELTA CONTRACT: a delta chunk of a tensor is a run of ``chunk_rows`` consecutive rows
+# (dim-0 indices) of the GLOBAL tensor, ``chunk_rows = max(1, chunk_bytes // bytes per row)``
+# (``WeightPublisher.chunk_bytes``; :class:`tpusync.rl.sync.TrainerSync` uses its block size, so
+# a changed chunk is about one host block on the wire). Chunk ``c`` covers rows
+# ``[c * chunk_rows, (c + 1) * chunk_rows)``; each local shard is digested per chunk on the rows
+# it holds (a contiguous row slice of the shard: hashed in place, no copy). A delta names the
+# changed rows as sorted, disjoint runs of global rows (``Manifest.rows``), so the changed sets of
+# several trainer ranks unite by plain row union whatever their shardings or chunk sizes, and a
+# run maps to sampler boxes through the ordinary reshard plan (each transfer cut to the runs).
+# 0-d tensors are one chunk. Rejected: chunks as packed host blocks (a block's content depends on
+# the packing of one stream, i.e. on both layouts and on what else changed, so neither the ranks
+# nor two versions would agree on what a block holds), and chunks in flat element order (a
+# column-sharded shard's flat span is strided in the global tensor).
+DELTA_CHUNK_BYTES = 4 << 20
+
+
+def chunk_rows(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> int:
+    """Rows per delta chunk of a tensor of global ``shape`` (0 for a 0-d tensor: one chunk)."""
+    if not shape:
+        return 0
+    row = itemsize
+    for n in shape[1:]:
+        row *= n
+    return max(1, chunk_bytes // max(row, 1))
+
+
+def merge_runs(runs: Collection[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted, disjoint row runs covering the union of ``runs`` (touching runs are joined)."""
+    out: list[list[int]] = []
+    for r0, r1 in sorted((int(a), int(b)) for a, b in runs if b > a):
+        if out and r0 <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], r1)
+        else:
+            out.append([r0, r1])
+    return tuple((a, b) for a, b in out)
+
+
+def _shard_boxes(local: Any, layout: ShardLayout, rank: int) -> list[tuple[Box, torch.Tensor]]:
+    """``(global box, shard)`` of each local shard (``{rank: shard}`` in rank order, or one)."""
+    items = sorted(local.items()) if isinstance(local, Mapping) else [(rank, local)]
+    out = []
+    for r, x in items:
+        t = _as_torch(x)
+        try:
+            box = layout.box_of(r)
+        except KeyError:  # not a layout rank: only a whole-tensor copy can be told apart
+            box = Box((0,) * t.dim(), tuple(t.shape))
+        out.append((box, t))
+    return out
+
+
+def _digest(local: Any, layout: ShardLayout, rank: int, chunk_bytes: int) -> tuple:
+    """Per-chunk XXH3-64 digests of every local shard (CHUNK DELTA CONTRACT):
+    ``(dtype, global shape, ((box, chunk_rows, first chunk, (digest, ...)), ...))``."""
+    shards = _shard_boxes(local, layout, rank)
+    dtype = _dtype_name(shards[0][1]) if shards else ""
+    rows = chunk_rows(
+        tuple(layout.shape), _torch_dtype(dtype).itemsize if dtype else 1, chunk_bytes
+    )
+    out = []
+    for box, t in shards:
+        if rows == 0 or t.dim() == 0 or tuple(t.shape) != box.shape:
+            out.append((box, 0, 0, (checksum64(_bytes_of(t)),)))
+            continue
+        b0, b1 = box.lo[0], box.hi[0]
+        first = b0 // rows
+        digs = []
+        c = first
+        while c * rows < b1:
+            lo, hi = max(c * rows, b0), min((c + 1) * rows, b1)
+            digs.append(checksum64(_bytes_of(t[lo - b0 : hi - b0])))
+            c += 1
+        out.append((box, rows, first, tuple(digs)))
+    return (dtype, tuple(layout.shape), tuple(out))
+
+
+def _changed_runs(old: tuple | None, new: tuple) -> tuple[tuple[int, int], ...] | None:
+    """The global row runs whose chunks differ between two :func:`_digest` results; None when
+    the whole tensor counts as changed (no base, another dtype, shape or sharding, or 0-d)."""
+    if old is None or old[:2] != new[:2] or len(old[2]) != len(new[2]):
+        return None
+    runs = []
+    for (obox, orows, ofirst, od), (nbox, nrows, nfirst, nd) in zip(old[2], new[2], strict=True):
+        if (obox, orows, ofirst, len(od)) != (nbox, nrows, nfirst, len(nd)):
+            return None
+        if od == nd:
+            continue
+        if nrows == 0:
+            return None
+        for k, (a, b) in enumerate(zip(od, nd, strict=True)):
+            if a != b:
+                c = nfirst + k
+                runs.append((max(c * nrows, nbox.lo[0]), min((c + 1) * nrows, nbox.hi[0])))
+    return merge_runs(runs)
 
 
 @dataclass
@@ -109,11 +198,14 @@ class WeightPublisher:
     *published* version (its ``base_version``), judged by the digests :meth:`published` took.
     A multi-rank trainer must send one set on every rank, the UNION of the ranks' changed sets,
     against one base that every rank published (the AGREEMENT CONTRACT of
-    :class:`tpusync.rl.sync.TrainerSync`): pass it as ``changed`` to :meth:`prepare`.
+    :class:`tpusync.rl.sync.TrainerSync`): pass it as ``changed`` to :meth:`prepare`, and the
+    union of the ranks' changed row runs (:meth:`changed_rows`) as ``rows`` to send only the
+    changed chunks of those tensors (CHUNK DELTA CONTRACT); without ``rows`` they go whole.
     """
 
     rank: int
-    _last_digests: dict[str, tuple[int, ...]] = field(default_factory=dict)  # last published
+    chunk_bytes: int = DELTA_CHUNK_BYTES  # the delta chunk (CHUNK DELTA CONTRACT)
+    _last_digests: dict[str, tuple] = field(default_factory=dict)  # last published, per chunk
     _last_version: int | None = None  # last published (the base of a delta)
     _last_prepared: int | None = None  # versions only grow, published or not
 
@@ -135,13 +227,16 @@ class WeightPublisher:
         tensors: Mapping[str, tuple[Any, ShardLayout]],
         delta: bool = False,
         changed: Collection[str] | None = None,
+        rows: Mapping[str, Collection[tuple[int, int]]] | None = None,
     ) -> Manifest:
         """Manifest of ``version``; with ``delta``, only tensors whose local shard changed.
 
         In a multi-rank trainer every rank must agree on the delta set: pass ``delta=False`` unless
         the caller combines the ranks' changed sets (see :meth:`changed`) and passes the
         combined set as ``changed`` (names outside ``tensors`` are refused). Without a published
-        base a delta is a full update.
+        base a delta is a full update. ``rows`` (with ``delta``; the ranks' unions of
+        :meth:`changed_rows`) sends only those row runs of the tensors it names (a per-chunk
+        delta, CHUNK DELTA CONTRACT); without it every tensor in the delta is sent whole.
         """
         self.check_next(version)
         if changed is not None:
@@ -149,8 +244,16 @@ class WeightPublisher:
             if unknown:
                 raise ValueError(f"delta set names tensors this rank does not publish: {unknown}")
         self._last_prepared = version
+        part: dict[str, tuple[tuple[int, int], ...]] = {}
         if delta and self._last_version is not None:
             names = set(changed) if changed is not None else self.changed(tensors)
+            for name, runs in (rows or {}).items():
+                if name not in names:
+                    raise ValueError(f"delta rows name {name!r}, which the delta does not send")
+                shape = tuple(tensors[name][1].shape)
+                merged = merge_runs(runs)
+                if shape and merged != ((0, shape[0]),):
+                    part[name] = merged  # an empty run list: nothing of it is sent
         else:
             names = set(tensors)
         metas = tuple(
@@ -159,15 +262,27 @@ class WeightPublisher:
             if n in names
         )
         base = self._last_version if delta and self._last_version is not None else None
-        return Manifest(version, metas, base_version=base)
+        return Manifest(version, metas, base_version=base, rows=part)
 
     def changed(self, tensors: Mapping[str, tuple[Any, ShardLayout]]) -> set[str]:
         """Names whose local shard (or any of this process's shards) differs from the last
         published digests; every name when none were taken."""
-        out = set()
-        for name, (local, _layout) in tensors.items():
-            if self._last_digests.get(name) != _digest(local):
-                out.add(name)
+        return set(self.changed_rows(tensors))
+
+    def changed_rows(
+        self, tensors: Mapping[str, tuple[Any, ShardLayout]]
+    ) -> dict[str, tuple[tuple[int, int], ...] | None]:
+        """Changed tensors -> the global row runs of this process's changed chunks, or None when
+        the whole tensor counts as changed (CHUNK DELTA CONTRACT; no digests taken, another
+        dtype, shape or sharding, a 0-d tensor). Unchanged tensors are absent."""
+        out = {}
+        for name, (local, layout) in tensors.items():
+            new = _digest(local, layout, self.rank, self.chunk_bytes)
+            old = self._last_digests.get(name)
+            if old == new:
+                continue
+            runs = _changed_runs(old, new)
+            out[name] = None if runs is not None and runs == ((0, layout.shape[0]),) else runs
         return out
 
     def chunks(
@@ -179,7 +294,9 @@ class WeightPublisher:
         """Every chunk this rank sends for ``manifest``, given the samplers' layouts by trainer name."""
         for meta in manifest.tensors:
             local = _as_torch(tensors[meta.name][0])
-            plan = ReshardPlan.build(meta.layout, dst_layouts[meta.name])
+            plan = ReshardPlan.build(
+                meta.layout, dst_layouts[meta.name], manifest.rows_of(meta.name)
+            )
             for t in plan.sent_by(self.rank):
                 data = _bytes_of(local[t.src_index])
                 yield Chunk(
@@ -208,8 +325,8 @@ class WeightPublisher:
         """
         self._last_digests.clear()
         if digests:
-            for name, (local, _layout) in tensors.items():
-                self._last_digests[name] = _digest(local)
+            for name, (local, layout) in tensors.items():
+                self._last_digests[name] = _digest(local, layout, self.rank, self.chunk_bytes)
         self._last_version = manifest.version
 
 
@@ -329,12 +446,16 @@ class WeightSubscriber:
                         f"{meta.name} -> {engine}: trainer shape {meta.layout.shape} != "
                         f"sampler shape {self._layouts[engine].shape}"
                     )
-                plan = ReshardPlan.build(meta.layout, self._layouts[engine])
-                for t in plan.to(self.rank):
+                rows = manifest.rows_of(meta.name)
+                plan = ReshardPlan.build(meta.layout, self._layouts[engine], rows)
+                mine = plan.to(self.rank)
+                for t in mine:
                     expected[(meta.name, t.box)] = t
                 live = self._weights[engine]
+                if rows is not None and not mine:
+                    continue  # a per-chunk delta that changed none of this rank's rows
                 if self.mode == "inplace":
-                    staging[engine] = live
+                    staging[engine] = live  # a per-chunk delta writes only the changed rows
                 else:
                     spare = self._spare.pop(engine, None)
                     ok = (
@@ -343,6 +464,12 @@ class WeightSubscriber:
                         and spare.dtype == live.dtype
                     )
                     staging[engine] = spare if ok else torch.empty_like(live)
+                    if rows is not None:
+                        # CHUNK DELTA CONTRACT, shadow mode: the shadow starts as a copy of the
+                        # committed tensor and takes the changed rows, so the commit still swaps
+                        # in a whole new version. Rejected: writing the rows into the live tensor
+                        # (a reader would see a mix of versions).
+                        staging[engine].copy_(live)
             if self.mode == "inplace":
                 self.dirty = True
             by_name: dict[str, list[Transfer]] = {}

@@ -107,7 +107,7 @@ def pack_streams(
             continue
         if meta.layout.shape and math.prod(meta.layout.shape) == 0:
             continue
-        plan = ReshardPlan.build(meta.layout, dst_layouts[meta.name])
+        plan = ReshardPlan.build(meta.layout, dst_layouts[meta.name], manifest.rows_of(meta.name))
         for t in plan.transfers:
             transfers.setdefault((t.src_rank, t.dst_rank), []).append(
                 (meta.name, meta.dtype, t.box)

@@ -11,6 +11,7 @@ sends it, spreading the load of a replicated trainer over its replicas.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tpusync.rl.layout import Box, ShardLayout
@@ -36,9 +37,16 @@ class ReshardPlan:
     transfers: tuple[Transfer, ...]
 
     @classmethod
-    def build(cls, src: ShardLayout, dst: ShardLayout) -> ReshardPlan:
+    def build(
+        cls, src: ShardLayout, dst: ShardLayout, rows: Sequence[tuple[int, int]] | None = None
+    ) -> ReshardPlan:
+        """The plan moving every element, or with ``rows`` only the rows (dim-0 index ranges
+        ``[r0, r1)``, sorted, disjoint) that a per-chunk delta sends (CHUNK DELTA CONTRACT in
+        :mod:`tpusync.rl.chunks`): each transfer is cut to its intersections with the runs."""
         if src.shape != dst.shape:
             raise ValueError(f"layouts describe different shapes: {src.shape} vs {dst.shape}")
+        if rows is not None and not src.shape:
+            raise ValueError("a 0-d tensor has no rows to send part of")
         replicas: dict[Box, list[int]] = defaultdict(list)
         for rank, box in src.shards:
             replicas[box].append(rank)
@@ -52,11 +60,16 @@ class ReshardPlan:
                 # A rank that holds the data on both sides sends to itself: a local copy.
                 src_rank = dst_rank if dst_rank in ranks else min(ranks, key=lambda r: (load[r], r))
                 load[src_rank] += part.size
-                transfers.append(
-                    Transfer(
-                        src_rank, dst_rank, part, sbox.local_slices(part), dbox.local_slices(part)
+                for piece in [part] if rows is None else _cut_rows(part, rows):
+                    transfers.append(
+                        Transfer(
+                            src_rank,
+                            dst_rank,
+                            piece,
+                            sbox.local_slices(piece),
+                            dbox.local_slices(piece),
+                        )
                     )
-                )
         return cls(src, dst, tuple(transfers))
 
     def to(self, dst_rank: int) -> list[Transfer]:
@@ -70,3 +83,13 @@ class ReshardPlan:
         for t in self.transfers:
             out[t.src_rank] += t.elements
         return dict(out)
+
+
+def _cut_rows(box: Box, rows: Sequence[tuple[int, int]]) -> list[Box]:
+    """The parts of ``box`` inside the row runs ``rows`` (dim-0 ranges), in row order."""
+    out = []
+    for r0, r1 in rows:
+        part = box.intersect(Box((r0, *box.lo[1:]), (r1, *box.hi[1:])))
+        if part is not None:
+            out.append(part)
+    return out

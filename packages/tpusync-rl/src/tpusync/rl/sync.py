@@ -42,12 +42,22 @@ again; the others commit. When the trainer dies, samplers' pulls fail by their d
 keep serving the version they have. A digest mismatch or a stale block rejects the update (logged,
 nothing committed); an announcement that does not follow the sampler's version is refused.
 
-HEARTBEAT CONTRACT (a sampler dying mid-update, on any host): while a sampler applies a version it
-sends a ``beat`` to trainer rank 0 on the control channel every ``silence / 4`` seconds, from a
-thread of its own (so a slow but live sampler keeps beating while its pulling thread waits or
-copies). Rank 0 counts a sampler that fetched the version and then stayed silent for ``silence``
+HEARTBEAT CONTRACT (a sampler dying, idle or mid-update, on any host): from its first poll until
+it closes, a sampler sends a ``beat`` to trainer rank 0 on the control channel every
+``silence / 4`` seconds, from a thread of its own (so a slow but live sampler keeps beating while
+its pulling thread waits or copies, and an idle one keeps beating while nobody calls
+:meth:`SamplerSync.update`): an idle beat names no version, a beat while it applies a version (and
+while it still forwards that version to children) names it. One small message per sampler per
+``silence / 4``; the poll reply tells a sampler ``silence``. Rank 0 counts a member of the version
+in flight that has not reported and was not heard from (poll, beat or report) for ``silence``
 seconds (``TrainerSync(silence=)``, default 10 s, well below the deadline) as having reported a
-failure, like a process exit on the same host (EXIT WATCH CONTRACT). A sampler that failed
+failure, like a process exit on the same host (EXIT WATCH CONTRACT): whether it died in the middle
+of the update or before it fetched the announcement (a sampler killed while idle is found out
+within ``silence`` of its last beat, not at the deadline; one already silent when a version is
+announced is put in no fan-out tree, so no live sampler waits on it as a parent, and a sampler
+that fetches an announcement leaving it out rejects that version). A sampler that closes cleanly says
+``bye`` and leaves the group: it is not counted as dead, and a version in flight that counted on
+it records that it left. A sampler that failed
 either way has every transport send registered for it cancelled at once
 (``PdProducer.cancel``, CANCEL CONTRACT in pd_stream.h): each trainer rank cancels its own (ranks
 > 0 ask rank 0 which samplers failed), and a forwarding sampler cancels what it registered for a
@@ -55,12 +65,14 @@ failed child when a beat reply names that child, so no pool stays held for a dea
 next version starts on free pools. Its fan-out descendants cannot get the version from it: a beat
 reply tells each of them to give up at once (they report the failure themselves, or fail on the
 lost connection first) and the others commit; the next version's tree leaves the dead sampler
-out until it polls again (a restarted sampler rejoins by polling). A sampler that dies before it
-fetched the announcement is still found out by the deadline. Rejected: connection loss seen by
+out until it polls again (a restarted sampler rejoins by polling). A live sampler that is idle
+for a long time is still a member: a version it has not fetched waits for it until the deadline
+(it is alive, it may poll). Rejected: connection loss seen by
 the producer (a host that died sends no FIN, links are pooled and idle between pulls, and the
 death of a forwarded-to child is seen by its parent sampler's producer, not by the trainer, so it
-would need relaying anyway) and a progress timeout on the pulling thread (it fires on a sampler
-that is slow, e.g. staging a large bucket, but alive).
+would need relaying anyway), a progress timeout on the pulling thread (it fires on a sampler
+that is slow, e.g. staging a large bucket, but alive), and judging liveness by polls (a live
+sampler whose engine does not call ``update`` for a while would be presumed dead).
 """
 
 from __future__ import annotations
@@ -95,6 +107,7 @@ from tpusync.rl.chunks import (
     WeightSubscriber,
     _as_torch,
     _torch_dtype,
+    merge_runs,
 )
 from tpusync.rl.control import ControlClient, ControlServer
 from tpusync.rl.layout import Box, ShardLayout
@@ -350,6 +363,11 @@ def _normalize(
     return out
 
 
+def _partial(changed: Mapping[str, Any]) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The tensors of a changed set sent in part: name -> row runs (whole ones left out)."""
+    return {n: tuple(runs) for n, runs in changed.items() if runs is not None}
+
+
 def _first(tensors: Mapping[str, tuple[dict[int, Any], ShardLayout]]) -> dict[str, tuple]:
     """``(one local shard, layout)`` per tensor: what the manifest and delta digests look at."""
     out = {}
@@ -450,7 +468,8 @@ class TrainerSync:
         self._fillers = concurrent.futures.ThreadPoolExecutor(
             FILL_THREADS, thread_name_prefix="tpusync-rl-fill"
         )
-        self._pub = WeightPublisher(rank)
+        # CHUNK DELTA CONTRACT (tpusync.rl.chunks): a delta chunk is about one block of rows.
+        self._pub = WeightPublisher(rank, chunk_bytes=block_bytes)
         self._lock = threading.Lock()
         self._members: dict[str, dict] = {}  # rank 0: "replica:rank" -> address
         self._have: dict[str, int] = {}  # rank 0: the version each sampler last said it has
@@ -474,10 +493,11 @@ class TrainerSync:
         self._sharing: int | None = None
         self._quit: set[str] = set()  # readers that reported a failure of the shared version
         self._next_watch = 0.0  # EXIT WATCH CONTRACT: when to look at same-host samplers again
-        # HEARTBEAT CONTRACT (rank 0, under _lock): (version, key) -> when the sampler was last
-        # heard from while applying that version. Ranks > 0: when rank 0 was last asked which
-        # samplers failed, and its answer.
-        self._heard: dict[tuple[int, str], float] = {}
+        # HEARTBEAT CONTRACT (rank 0, under _lock): key -> when the sampler was last heard from
+        # (a poll, a beat, idle or applying, or a report). Ranks > 0: when rank 0 was last asked
+        # which samplers failed, and its answer.
+        self._alive: dict[str, float] = {}
+        self._collected = 0  # rank 0: the newest version whose reports were collected
         self._failed_past: dict[int, dict[str, str]] = {}  # failed samplers of collected versions
         self._asked: tuple[float, dict[str, str]] = (0.0, {})
         self._progress = 0.0  # ranks > 0: when a send was last registered or acknowledged
@@ -527,16 +547,25 @@ class TrainerSync:
                 have = int(msg["have"])
                 self._members[key] = msg["addr"]
                 self._have[key] = have
+                self._alive[key] = time.monotonic()
                 newer = [v for v in self._announced if v > have]
                 if newer:
                     ann = self._announced[max(newer)]
                     if key in ann["members"]:
-                        self._heard[(int(ann["version"]), key)] = time.monotonic()
                         return ann
-                return {"op": "none"}
+                # The beat interval, for the sampler's heartbeat from its first poll on.
+                return {"op": "none", "silence": self.silence}
+            if op == "bye":  # a sampler closed cleanly: it leaves, it did not die (HEARTBEAT)
+                key = _key(int(msg["replica"]), int(msg["rank"]))
+                self._leave(key)
+                return {"op": "ok"}
             if op == "beat":  # HEARTBEAT CONTRACT
                 key = _key(int(msg["replica"]), int(msg["rank"]))
                 version = int(msg["version"])
+                if key in self._members:
+                    self._alive[key] = time.monotonic()
+                if version == 0:  # idle: alive, applying nothing
+                    return {"op": "ok"}
                 failed = self._failed(version)
                 mine = self._reports.get(version, {}).get(key)
                 if mine is not None:  # reported (a committed parent still serves its children)
@@ -544,7 +573,6 @@ class TrainerSync:
                         return {"op": "ok", "failed": sorted(failed)}
                     why = mine.get("reason") or "failed"
                     return {"op": "abort", "reason": f"trainer rank 0 counts {key} failed: {why}"}
-                self._heard[(version, key)] = time.monotonic()
                 why = self._ancestor_failed(version, key, failed)
                 if why:
                     return {"op": "abort", "reason": why}
@@ -561,6 +589,8 @@ class TrainerSync:
                 return self._record_changed(msg)
             if op == "report":
                 key = _key(int(msg["replica"]), int(msg["rank"]))
+                if key in self._members:
+                    self._alive[key] = time.monotonic()
                 self._record_report(int(msg["version"]), key, msg)
                 return {"op": "ok"}
             if op in ("bucket", "release"):
@@ -601,10 +631,11 @@ class TrainerSync:
         return not lagging
 
     def _agree(
-        self, version: int, mine: set[str], names: set[str], deadline: float
-    ) -> set[str] | None:
-        """Rank 0: the union of every process's changed set, or None for a full update
-        (AGREEMENT CONTRACT). Raises TimeoutError when a process did not report by ``deadline``."""
+        self, version: int, mine: Mapping[str, Any], names: set[str], deadline: float
+    ) -> dict[str, tuple[tuple[int, int], ...] | None] | None:
+        """Rank 0: the union of every process's changed set (tensor -> changed row runs, None:
+        whole), or None for a full update (AGREEMENT CONTRACT). Raises TimeoutError when a
+        process did not report by ``deadline``."""
         want = set(range(self.world)) - set(self.ranks)
         while True:
             with self._lock:
@@ -622,7 +653,7 @@ class TrainerSync:
             time.sleep(0.005)
         base = self._pub.base_version
         full = not self._delta_possible(version)
-        union = set(mine)
+        union: dict[str, Any] = dict(mine)
         for rank, m in sorted(got.items()):
             theirs = {str(n) for n in m.get("changed", ())}
             unknown = sorted(theirs - names)
@@ -631,7 +662,14 @@ class TrainerSync:
                     f"delta agreement on version {version}: trainer rank {rank} changed tensors "
                     f"rank 0 does not publish: {unknown}"
                 )
-            union |= theirs
+            # CHUNK DELTA CONTRACT: the row runs unite; whole on any rank is whole.
+            rows = m.get("rows") or {}
+            for name in theirs:
+                runs = rows.get(name)
+                if runs is None or (name in union and union[name] is None):
+                    union[name] = None
+                else:
+                    union[name] = merge_runs([*(union.get(name) or ()), *map(tuple, runs)])
             if m.get("full") or m.get("base") != base:
                 log.info(
                     "version %d: trainer rank %d has base %s, wants full %s (rank 0: base %s): "
@@ -658,8 +696,9 @@ class TrainerSync:
                 for v in [v for v in old if v < version - 4]:
                     del old[v]
 
-    def _report_changed(self, version: int, changed: set[str], deadline: float) -> None:
-        """Ranks > 0: hand rank 0 this process's changed set (AGREEMENT CONTRACT)."""
+    def _report_changed(self, version: int, changed: Mapping[str, Any], deadline: float) -> None:
+        """Ranks > 0: hand rank 0 this process's changed set (AGREEMENT CONTRACT) with the row
+        runs of tensors changed only in part (CHUNK DELTA CONTRACT)."""
         assert self._client is not None
         msg = {
             "op": "delta",
@@ -667,6 +706,7 @@ class TrainerSync:
             "rank": self.rank,
             "ranks": list(self.ranks),
             "changed": sorted(changed),
+            "rows": {n: [list(r) for r in runs] for n, runs in _partial(changed).items()},
             "base": self._pub.base_version,
             "full": self._force_full,
         }
@@ -682,6 +722,18 @@ class TrainerSync:
                 return
             except TimeoutError:
                 continue
+
+    def _leave(self, key: str) -> None:
+        """Sampler ``key`` said goodbye (lock held): out of the group, not counted as dead; a
+        version in flight that counted on it is told it left (it will not report)."""
+        self._members.pop(key, None)
+        self._have.pop(key, None)
+        self._alive.pop(key, None)
+        for version, ann in self._announced.items():
+            if key in ann["members"] and key not in self._reports.get(version, {}):
+                if version > self._collected:
+                    why = f"sampler {key} closed (left the group) before applying version {version}"
+                    self._record_report(version, key, {"ok": False, "reason": why})
 
     def _record_report(self, version: int, key: str, msg: dict) -> None:
         """Sampler ``key``'s outcome of ``version`` (lock held)."""
@@ -722,8 +774,9 @@ class TrainerSync:
         return None
 
     def _watch_silence(self, ann: dict) -> None:
-        """HEARTBEAT CONTRACT (rank 0): a member heard from during ``ann``'s version that has not
-        reported and has been silent for ``silence`` seconds counts as failed."""
+        """HEARTBEAT CONTRACT (rank 0): a member of ``ann``'s version that has not reported and
+        has been silent for ``silence`` seconds (no poll, beat or report; whether it fetched the
+        version or not) counts as failed."""
         if self._server is None:
             return
         version = int(ann["version"])
@@ -731,12 +784,12 @@ class TrainerSync:
         with self._lock:
             got = self._reports[version]
             for key in ann["members"]:
-                last = self._heard.get((version, key))
+                last = self._alive.get(key)
                 if key in got or last is None or now - last <= self.silence:
                     continue
                 why = (
-                    f"no heartbeat for {now - last:.1f} s during the update (silence timeout "
-                    f"{self.silence:g} s): sampler presumed dead"
+                    f"no heartbeat for {now - last:.1f} s (silence timeout {self.silence:g} s, "
+                    "idle or during the update): sampler presumed dead"
                 )
                 self._record_report(version, key, {"ok": False, "reason": why})
 
@@ -936,7 +989,14 @@ class TrainerSync:
             }
             topo: dict[int, list[int]] = collections.defaultdict(list)
             readers: dict[int, list[int]] = collections.defaultdict(list)
+            # HEARTBEAT CONTRACT: a member already silent for `silence` (it died while idle) is
+            # in no tree and no reader set, so no live sampler waits on it as a parent; it stays
+            # a member, to be reported failed by the first silence check.
+            now = time.monotonic()
+            silent = {k for k in members if now - self._alive.get(k, now) > self.silence}
             for key in members:
+                if key in silent:
+                    continue
                 replica, rank = (int(x) for x in key.split(":"))
                 (readers if key in shared else topo)[rank].append(replica)
             ann = {
@@ -960,8 +1020,6 @@ class TrainerSync:
             self._announced[manifest.version] = ann
             for old in [v for v in self._announced if v < manifest.version - 4]:
                 del self._announced[old]
-            for old in [vk for vk in self._heard if vk[0] < manifest.version - 4]:
-                del self._heard[old]
             for old in [v for v in self._failed_past if v < manifest.version - 4]:
                 del self._failed_past[old]
             return ann
@@ -987,14 +1045,22 @@ class TrainerSync:
         if not agree:
             # One process holds every rank: its own changed set, over all of its shards.
             use = delta and self._delta_possible(version)
-            changed = self._pub.changed(tensors) if use else None
-            manifest = self._pub.prepare(version, view, delta=use, changed=changed)
+            mine = self._pub.changed_rows(tensors) if use else {}
+            manifest = self._pub.prepare(
+                version, view, delta=use, changed=set(mine), rows=_partial(mine)
+            )
         elif self.rank == 0:
             self._pub.check_next(version)  # before the agreement: an old version stays decided
             try:
-                mine = self._pub.changed(tensors)
+                mine = self._pub.changed_rows(tensors)
                 union = self._agree(version, mine, set(tensors), t0 + self.deadline)
-                manifest = self._pub.prepare(version, view, delta=union is not None, changed=union)
+                manifest = self._pub.prepare(
+                    version,
+                    view,
+                    delta=union is not None,
+                    changed=None if union is None else set(union),
+                    rows=None if union is None else _partial(union),
+                )
             except Exception as e:
                 self._end_agreement(version, f"{type(e).__name__}: {e}")
                 raise
@@ -1004,12 +1070,12 @@ class TrainerSync:
                 version,
                 "full update"
                 if manifest.base_version is None
-                else f"delta of {len(manifest.tensors)} of {len(view)} tensors on "
-                f"{manifest.base_version}",
+                else f"delta of {len(manifest.tensors)} of {len(view)} tensors "
+                f"({len(manifest.rows)} in changed rows only) on {manifest.base_version}",
             )
         else:
             self._pub.check_next(version)
-            self._report_changed(version, self._pub.changed(tensors), t0 + self.deadline)
+            self._report_changed(version, self._pub.changed_rows(tensors), t0 + self.deadline)
         if self.rank == 0:
             ann = self._announce(manifest)
         else:
@@ -1024,11 +1090,18 @@ class TrainerSync:
                     )
                 is_delta = theirs.base_version is not None
                 manifest = self._pub.prepare(
-                    version, view, delta=is_delta, changed=names if is_delta else None
+                    version,
+                    view,
+                    delta=is_delta,
+                    changed=names if is_delta else None,
+                    rows=theirs.rows if is_delta else None,
                 )
-            if [(m.name, m.dtype, m.layout) for m in theirs.tensors] != [
-                (m.name, m.dtype, m.layout) for m in manifest.tensors
-            ] or theirs.base_version != manifest.base_version:
+            if (
+                [(m.name, m.dtype, m.layout) for m in theirs.tensors]
+                != [(m.name, m.dtype, m.layout) for m in manifest.tensors]
+                or theirs.base_version != manifest.base_version
+                or theirs.rows != manifest.rows
+            ):
                 raise ValueError(
                     f"trainer rank {self.rank} disagrees with rank 0 on version {version}"
                 )
@@ -1264,6 +1337,7 @@ class TrainerSync:
                 f"refused: version skew: sampler {key} already has version {have} >= {version}"
             )
         with self._lock:
+            self._collected = max(self._collected, int(version))
             reports = self._reports.pop(version, {})
             for key in sorted(expected):
                 rep = reports.get(key)
@@ -1278,6 +1352,7 @@ class TrainerSync:
                 )
                 report.failed[key] = why
                 self._members.pop(key, None)  # out of the next tree until it polls again
+                self._alive.pop(key, None)
             # Parents still serving their children ask after the version ended (HEARTBEAT CONTRACT).
             self._failed_past[version] = {k: str(w) for k, w in report.failed.items()}
 
@@ -1337,7 +1412,11 @@ class SamplerSync:
         self._control = control
         self._beat_client: ControlClient | None = None
         self._abort: str | None = None
-        self._beating: tuple[threading.Thread, threading.Event, threading.Event] | None = None
+        self._beating: tuple[threading.Thread, threading.Event] | None = None
+        self._beat_lock = threading.Lock()
+        self._beat_for: tuple[int, float, bool] | None = None  # (version, deadline, applied)
+        self._beat_interval = 1.0
+        self._joined = False  # polled trainer rank 0 at least once: say goodbye on close
         self._fwd_lock = threading.Lock()
         self._fwd: dict[int, list[int]] = {}  # child index -> request ids registered for it
         self._child_keys: dict[int, str] = {}
@@ -1348,44 +1427,68 @@ class SamplerSync:
     def version(self) -> int:
         return self.sub.version
 
-    def _beats(self, ann: dict, deadline: float) -> None:
-        """Beat for ``ann``'s version (HEARTBEAT CONTRACT) until :meth:`_stop_beats`, or, once
-        :meth:`_apply` marked the update done, until no forwarded send is pending any more (a
-        beat reply names failed children, whose sends are then cancelled), or ``deadline``.
-        Nothing when the trainer announced no silence timeout."""
-        self._stop_beats()
-        silence = ann.get("silence")
+    def _start_beats(self, silence: Any) -> None:
+        """HEARTBEAT CONTRACT: from this sampler's first poll until :meth:`close`, one thread
+        beats every ``silence / 4`` seconds (the trainer's ``silence``, from its poll reply or
+        announcement): an idle beat (version 0) while nothing is applied, a beat for the version
+        while :meth:`_apply` runs and, after it, while forwarded sends are pending or until the
+        version's deadline. A reply to a version's beat may abort that update (``_abort``) or
+        name failed children, whose forwarded sends are then cancelled. Nothing when the trainer
+        announced no silence timeout."""
         if not silence:
+            return
+        self._beat_interval = float(silence) / 4
+        if self._beating is not None:
             return
         if self._beat_client is None:
             self._beat_client = ControlClient(self._secret, self._control)
-        client, version, interval = self._beat_client, int(ann["version"]), float(silence) / 4
-        stop, done = threading.Event(), threading.Event()
-        msg = {"op": "beat", "version": version, "replica": self.replica, "rank": self.sub.rank}
+        client, stop = self._beat_client, threading.Event()
+        who = {"replica": self.replica, "rank": self.sub.rank}
 
         def run() -> None:
-            while not stop.wait(interval):
-                if time.monotonic() >= deadline or (
-                    done.is_set() and self._ep.producer.pending == 0
-                ):
-                    return
+            while not stop.wait(self._beat_interval):
+                with self._beat_lock:
+                    cur = self._beat_for
+                    if cur is not None and (
+                        time.monotonic() >= cur[1] or (cur[2] and self._ep.producer.pending == 0)
+                    ):
+                        cur = self._beat_for = None  # the version is over here: idle beats
+                version = cur[0] if cur is not None else 0
                 try:
-                    reply = client.request(msg, timeout=max(interval, 0.5))
+                    reply = client.request(
+                        {"op": "beat", "version": version, **who},
+                        timeout=max(self._beat_interval, 0.5),
+                    )
                 except (TimeoutError, RuntimeError) as e:
                     log.debug("sampler %d:%d: beat failed: %s", self.replica, self.sub.rank, e)
                     continue
+                if not version:
+                    continue
                 if reply.get("op") == "abort":
-                    self._abort = str(reply.get("reason") or "aborted by trainer rank 0")
+                    with self._beat_lock:
+                        if self._beat_for is not None and self._beat_for[0] == version:
+                            self._abort = str(reply.get("reason") or "aborted by trainer rank 0")
                 elif reply.get("failed"):
                     self._cancel_children(version, {str(k) for k in reply["failed"]})
 
         thread = threading.Thread(target=run, name="tpusync-rl-beat", daemon=True)
         thread.start()
-        self._beating = (thread, stop, done)
+        self._beating = (thread, stop)
+
+    def _beat_version(self, version: int, deadline: float) -> None:
+        """Beats name ``version`` from now until :meth:`_beat_done` and its forwarded sends end."""
+        with self._beat_lock:
+            self._abort = None
+            self._beat_for = (version, deadline, False)
+
+    def _beat_done(self) -> None:
+        with self._beat_lock:
+            if self._beat_for is not None:
+                self._beat_for = (*self._beat_for[:2], True)
 
     def _stop_beats(self) -> None:
         if self._beating is not None:
-            thread, stop, _done = self._beating
+            thread, stop = self._beating
             self._beating = None
             stop.set()
             thread.join(timeout=5)
@@ -1435,6 +1538,8 @@ class SamplerSync:
                 log.debug("sampler %d:%d: poll failed: %s", self.replica, self.sub.rank, e)
                 time.sleep(self._poll)
                 continue
+            self._joined = True
+            self._start_beats(reply.get("silence"))  # HEARTBEAT CONTRACT: from the first poll
             if reply.get("op") == "announce":
                 self._seen = max(self._seen, int(reply["version"]))
                 result = self._apply(reply)
@@ -1485,8 +1590,8 @@ class SamplerSync:
             return result
         forwarded = 0
         path = ""
-        self._abort = None
-        self._beats(ann, deadline)
+        self._start_beats(ann.get("silence"))
+        self._beat_version(version, deadline)
         # Children of the previous version that are no members of this one failed it or left:
         # what was forwarded to them will not be pulled (HEARTBEAT CONTRACT).
         self._cancel_children(
@@ -1507,6 +1612,11 @@ class SamplerSync:
                 self._pull_shared(version, me, streams, ann["trainers"], deadline)
             else:
                 topo = [int(x) for x in ann["topo"].get(me, [])]
+                if self.replica not in topo:
+                    raise UpdateRejectedError(
+                        f"trainer rank 0 left this sampler out of version {version}'s tree "
+                        "(it had not heard from it for its silence timeout: presumed dead)"
+                    )
                 parent, slot = _parent(topo, self.replica, ann["fanout"])
                 children = _children(topo, self.replica, ann["fanout"])
                 if parent is None:
@@ -1538,8 +1648,7 @@ class SamplerSync:
             log.error("sampler %d:%d rejects version %d: %s", self.replica, me, version, e)
             result = UpdateResult(version, False, str(e), time.monotonic() - t0, 0, forwarded, path)
         self._report(result)
-        if self._beating is not None:
-            self._beating[2].set()  # beats go on while forwarded sends are pending
+        self._beat_done()  # beats name the version while forwarded sends are pending
         return result
 
     def _pull(
@@ -1885,6 +1994,13 @@ class SamplerSync:
                 left,
             )
         self._stop_beats()
+        if self._joined:  # HEARTBEAT CONTRACT: a clean close leaves the group, it did not die
+            try:
+                self._client.request(
+                    {"op": "bye", "replica": self.replica, "rank": self.sub.rank}, timeout=2.0
+                )
+            except (TimeoutError, RuntimeError) as e:  # rank 0 gone: nobody to tell
+                log.debug("sampler %d:%d: goodbye lost: %s", self.replica, self.sub.rank, e)
         self._hashers.shutdown(wait=True)
         self._unmap()
         self._client.close()
