@@ -134,10 +134,12 @@ class KVStore:
             ``"exact_lru"`` (every lookup moves the block to the most-recent end: exact LRU order,
             more memory traffic per lookup). A ``tpusync.core._native.Recency`` is accepted too.
             Read it back from :attr:`recency`.
-        checkpoint_s, checkpoint_writes: disk tier checkpoints while the store serves (docs/tiers.md
-            "Crash semantics"): a manifest of the disk tier's blocks is written in the background
-            when ``checkpoint_writes`` slots changed since the last one, or when any changed and
-            ``checkpoint_s`` seconds passed (0 turns either trigger off). Every later slot change
+        checkpoint_s: disk tier checkpoints while the store serves (docs/tiers.md "Crash
+            semantics"): a manifest of the disk tier's blocks is written in the background when
+            any slot changed and ``checkpoint_s`` seconds passed since the last one (0: never by
+            time).
+        checkpoint_writes: a checkpoint is also written when ``checkpoint_writes`` slots changed
+            since the last one (0: never by count). Every later slot change
             is journaled, so a restart after a crash (SIGKILL) reads the manifest plus the headers
             of only the journaled slots instead of every slot header. ``stats()["tiers"]["disk"]``
             reports ``recovery`` ("cold", "scan", "manifest" or "checkpoint"),
