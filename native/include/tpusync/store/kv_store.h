@@ -213,6 +213,10 @@ class KVStore {
   void Clear();
   // Waits until the write-back worker has nothing left to write (or the timeout passes).
   Status Flush(std::chrono::nanoseconds timeout);
+  // Writes a checkpoint of every tier now (CHECKPOINTS; tier.h CHECKPOINT HOOK), whatever the
+  // counts, while puts and gets go on: for benchmarks, tests and operators. Serialised with the
+  // checkpoint thread's by the tier. The first failure is returned (every tier is still tried).
+  Status CheckpointNow();
   StoreStats stats() const;
 
   // Starts (capacity > 0) or stops (0) recording StoreEvents; stopping drops the queue.
@@ -234,6 +238,7 @@ class KVStore {
   void WritebackLoop();
   void WriteThroughLoop();
   void CheckpointLoop();  // CHECKPOINTS
+  tier::BlockChunks WalkOf(block::Tier kind);  // a chunked walk of the index (tier.h CHUNKED WALK)
   // One write-through batch (mu_ held through `lock`, released during the copy); true when every
   // copy it attempted succeeded.
   bool WriteThroughBatch(std::unique_lock<std::mutex>& lock);

@@ -134,9 +134,10 @@ class DiskTier final : public BlockTier {
   void ReadBatch(std::span<BlockRead> ops) override;
   std::vector<RecoveredBlock> TakeRecovered() override;
   TierStats stats() const override;
-  Status CheckpointOnClose(const std::function<void(const BlockVisitor&)>& for_each_block) override;
-  Status Checkpoint(const std::function<void(const BlockVisitor&)>& for_each_block) override;
+  Status CheckpointOnClose(const BlockChunks& next_chunk) override;
+  Status Checkpoint(const BlockChunks& next_chunk) override;
   uint64_t ChangesSinceCheckpoint() const override;
+  bool CheckpointMissing() const override;
 
   size_t slot_bytes() const { return slot_bytes_; }
   // Where a location lives (for tests that damage slots on purpose).
@@ -152,8 +153,7 @@ class DiskTier final : public BlockTier {
   // Reads the slot headers of slot_at(0 .. n-1), batched; visit(slot, header or nullptr).
   void ReadHeaders(size_t n, const std::function<uint64_t(size_t)>& slot_at,
                    const std::function<void(uint64_t, const SlotHeader*)>& visit);
-  Status WriteCheckpoint(const std::function<void(const BlockVisitor&)>& for_each_block,
-                         bool clean_close);
+  Status WriteCheckpoint(const BlockChunks& next_chunk, bool clean_close);
   void Journal(std::span<const uint64_t> slots);  // JOURNAL CONTRACT: before the bytes change
   void Free(uint64_t slot);                       // mu_ held
   void RunCoalesced(std::vector<IoOp>& ops);
@@ -187,7 +187,7 @@ class DiskTier final : public BlockTier {
   std::string recovery_;
 
   std::mutex ckpt_mu_;  // one checkpoint at a time
-  std::mutex jmu_;      // journal_, generation_, manifest_generation_ (JOURNAL CONTRACT)
+  mutable std::mutex jmu_;  // journal_, generation_, manifest_generation_ (JOURNAL CONTRACT)
   std::unique_ptr<JournalWriter> journal_;  // null: not journaling (no manifest to follow)
   uint64_t generation_ = 0;                 // newest journal generation created
   uint64_t manifest_generation_ = 0;        // 0: no manifest of this tier on disk
