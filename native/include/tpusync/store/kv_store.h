@@ -44,8 +44,10 @@
 // CHECKPOINTS (tier.h CHECKPOINT HOOK, tier/disk_tier.h CHECKPOINT CONTRACT): a checkpoint thread
 // asks each tier every 100 ms how many slots changed since its last checkpoint and has it write
 // one when `checkpoint_writes` changed (0: never by count) or when any changed and
-// `checkpoint_s` passed since the last (0: never by time). The walk holds only the index lock
-// while copying the keys; puts and gets go on. With both 0 there is no thread (and a crash restart
+// `checkpoint_s` passed since the last (0: never by time), and at once when a tier has none on
+// disk (tier.h FIRST CHECKPOINT: inside Open for an empty tier, else on the thread). The walk is
+// chunked (tier.h CHUNKED WALK): the index lock is held for 4096 keys at a time; puts and gets go
+// on between chunks. With both 0 there is no thread and no first checkpoint (a crash restart
 // scans). Defaults: 60 s or 65536 changed slots (at ~10 us per header read, a crash restart reads
 // at most ~0.7 s of headers after the manifest, however large the tier).
 //

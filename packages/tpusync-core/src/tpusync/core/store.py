@@ -137,7 +137,9 @@ class KVStore:
         checkpoint_s, checkpoint_writes: disk tier checkpoints while the store serves (docs/tiers.md
             "Crash semantics"): a manifest of the disk tier's blocks is written in the background
             when ``checkpoint_writes`` slots changed since the last one, or when any changed and
-            ``checkpoint_s`` seconds passed (0 turns either trigger off). Every later slot change
+            ``checkpoint_s`` seconds passed (0 turns either trigger off; with both 0 there are
+            none). A disk tier without a checkpoint on disk (a cold start, an open by scan) gets
+            one at once: at open when it is empty, else in the background. Every later slot change
             is journaled, so a restart after a crash (SIGKILL) reads the manifest plus the headers
             of only the journaled slots instead of every slot header. ``stats()["tiers"]["disk"]``
             reports ``recovery`` ("cold", "scan", "manifest" or "checkpoint"),
