@@ -778,13 +778,16 @@ TEST(BlockIndex, ChunkedWalkWithoutChangesMatchesForEachIn) {
 // A Clear() between chunks ends the walk (ids restart at 0) instead of reading freed entries.
 TEST(BlockIndex, ChunkedWalkEndsAfterAClear) {
   BlockIndex idx;
-  for (int i = 0; i < 100; ++i) ASSERT_TRUE(idx.Insert("k" + std::to_string(i), Tier::kDisk, i).ok());
+  for (int i = 0; i < 100; ++i)
+    ASSERT_TRUE(idx.Insert("k" + std::to_string(i), Tier::kDisk, i).ok());
   uint64_t cursor = 0;
   size_t n = 0;
-  EXPECT_TRUE(idx.ForEachInChunk(Tier::kDisk, &cursor, 50, [&](std::string_view, uint64_t) { ++n; }));
+  EXPECT_TRUE(
+      idx.ForEachInChunk(Tier::kDisk, &cursor, 50, [&](std::string_view, uint64_t) { ++n; }));
   idx.Clear();
   ASSERT_TRUE(idx.Insert("after", Tier::kDisk, 1).ok());
-  EXPECT_FALSE(idx.ForEachInChunk(Tier::kDisk, &cursor, 50, [&](std::string_view, uint64_t) { ++n; }));
+  EXPECT_FALSE(
+      idx.ForEachInChunk(Tier::kDisk, &cursor, 50, [&](std::string_view, uint64_t) { ++n; }));
   EXPECT_EQ(n, 50u);
 }
 

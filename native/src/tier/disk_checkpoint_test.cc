@@ -362,7 +362,7 @@ TEST_F(DiskCheckpointTest, ChunkedWalkWithBlocksMovingBetweenChunksLosesNothing)
       }
     }
     ++calls;
-    if (calls == 1) {  // a0, a1, a2 visited
+    if (calls == 1) {                                   // a0, a1, a2 visited
       index_["late"] = {late.location, late.sequence};  // behind the cursor: never visited
       Evict(*t, "a0");
       Put(*t, "b0");  // a0's slot (the free list is LIFO)

@@ -239,7 +239,7 @@ class KVStore {
   bool DropVictim(size_t t);  // mu_ held
   void WritebackLoop();
   void WriteThroughLoop();
-  void CheckpointLoop();  // CHECKPOINTS
+  void CheckpointLoop();                       // CHECKPOINTS
   tier::BlockChunks WalkOf(block::Tier kind);  // a chunked walk of the index (tier.h CHUNKED WALK)
   // One write-through batch (mu_ held through `lock`, released during the copy); true when every
   // copy it attempted succeeded.

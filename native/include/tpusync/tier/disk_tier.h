@@ -212,7 +212,7 @@ class DiskTier final : public BlockTier {
   DiskMeta meta_{};
   std::string recovery_;
 
-  std::mutex ckpt_mu_;  // one checkpoint at a time
+  std::mutex ckpt_mu_;      // one checkpoint at a time
   mutable std::mutex jmu_;  // journal_, generation_, manifest_generation_ (JOURNAL CONTRACT)
   std::unique_ptr<JournalWriter> journal_;  // null: not journaling (no manifest to follow)
   uint64_t generation_ = 0;                 // newest journal generation created

@@ -140,10 +140,10 @@ class BlockTier {
 
   // CLEAN-CLOSE HOOK: the store calls this once when it closes cleanly, after its last write to
   // the tier finished and before the tier is destroyed. next_chunk(visit) calls visit(key,
-  // location) for the blocks the store indexes in this tier, one chunk per call (CHUNKED WALK). A tier whose next attach can skip
-  // work with that list records it (the disk tier's manifest, tier/disk_tier.h CLEAN-CLOSE
-  // CONTRACT); the default does nothing. A failure costs the next attach its shortcut, nothing
-  // else (the tier counts and logs it).
+  // location) for the blocks the store indexes in this tier, one chunk per call (CHUNKED WALK). A
+  // tier whose next attach can skip work with that list records it (the disk tier's manifest,
+  // tier/disk_tier.h CLEAN-CLOSE CONTRACT); the default does nothing. A failure costs the next
+  // attach its shortcut, nothing else (the tier counts and logs it).
   virtual Status CheckpointOnClose(const BlockChunks& next_chunk) {
     (void)next_chunk;
     return Status::OK();

@@ -281,6 +281,13 @@ class KVStore:
         """Wait until write-back (and write-through) have nothing left to write."""
         self.native.flush(timeout)
 
+    def checkpoint(self) -> None:
+        """Write a checkpoint of the disk tier now, whatever ``checkpoint_s`` /
+        ``checkpoint_writes`` say (docs/tiers.md "Crash semantics"): puts and gets go on while it
+        runs (the index is walked in chunks). Raises when the manifest cannot be written (the
+        previous one and its journals stay valid). A store without a disk tier does nothing."""
+        self.native.checkpoint()
+
     def stats(self) -> dict[str, Any]:
         """Counters: hits / misses per tier, bytes moved, evictions, errors, queues, latencies."""
         return self.native.stats()
