@@ -585,7 +585,8 @@ bool BlockIndex::ForEachInChunk(
   std::lock_guard<std::mutex> lock(mu_);
   const uint8_t bit = static_cast<uint8_t>(1u << static_cast<unsigned>(tier));
   const size_t t = static_cast<size_t>(tier);
-  const size_t max_looked = std::max<size_t>(1, max_keys) * 8;
+  max_keys = std::max<size_t>(1, max_keys);  // 0 would never advance the cursor
+  const size_t max_looked = max_keys * 8;
   char key[kMaxKeyBytes];
   uint64_t id = *cursor;
   size_t visited = 0, looked = 0;
