@@ -579,6 +579,36 @@ void BlockIndex::ForEachIn(
   }
 }
 
+bool BlockIndex::ForEachInChunk(
+    Tier tier, uint64_t* cursor, size_t max_keys,
+    const std::function<void(std::string_view key, uint64_t location)>& fn) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint8_t bit = static_cast<uint8_t>(1u << static_cast<unsigned>(tier));
+  const size_t t = static_cast<size_t>(tier);
+  max_keys = std::max<size_t>(1, max_keys);  // 0 would never advance the cursor
+  const size_t max_looked = max_keys * 8;
+  char key[kMaxKeyBytes];
+  uint64_t id = *cursor;
+  size_t visited = 0, looked = 0;
+  for (; id < next_id_ && visited < max_keys && looked < max_looked; ++id, ++looked) {
+    const uint32_t i = static_cast<uint32_t>(id);
+    const Hot& h = HotAt(i);
+    if (!(h.tier_mask & bit)) continue;
+    const size_t len = h.key_len;
+    std::memcpy(key, h.key, std::min(len, kHotKey));
+    if (len > kHotKey) {
+      std::memcpy(key + kHotKey, ColdAt(i).key, std::min(len, kHotKey + kColdKey) - kHotKey);
+    }
+    if (len > kHotKey + kColdKey) {
+      std::memcpy(key + kHotKey + kColdKey, Tail(i), len - kHotKey - kColdKey);
+    }
+    fn(std::string_view(key, len), PlacementOf(i).location[t]);
+    ++visited;
+  }
+  *cursor = id;
+  return id < next_id_;
+}
+
 void BlockIndex::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   // Capacity is kept (a cleared store refills to the same size); entries are reused from id 0.

@@ -712,5 +712,84 @@ TEST(BlockIndex, LocationsMoveByRankAsTiersComeAndGo) {
   EXPECT_EQ(idx.EvictionCandidates(Tier::kRemote, 1)[0].location, 40u);
 }
 
+// CURSOR CONTRACT: a chunked walk survives inserts (rehashes included), removals and re-inserts
+// between its chunks: every key that stays in the tier throughout is visited exactly once, no
+// call visits more than max_keys, and a key that left and came back is visited at most twice.
+TEST(BlockIndex, ChunkedWalkVisitsEveryStableKeyOnceAcrossRehashes) {
+  BlockIndex idx;
+  auto key = [](const char* p, int i) { return std::string(p) + std::to_string(i); };
+  for (int i = 0; i < 300; ++i) {
+    ASSERT_TRUE(idx.Insert(key("stable-", i), Tier::kDisk, i).ok());
+    ASSERT_TRUE(idx.Insert(key("going-", i), Tier::kDisk, 1000 + i).ok());
+    ASSERT_TRUE(idx.Insert(key("host-", i), Tier::kHost, i).ok());  // another tier: never visited
+  }
+  std::map<std::string, int> seen;
+  uint64_t cursor = 0;
+  int calls = 0;
+  int added = 0;
+  for (bool more = true; more; ++calls) {
+    size_t visited = 0;
+    more = idx.ForEachInChunk(Tier::kDisk, &cursor, 7, [&](std::string_view k, uint64_t loc) {
+      ++visited;
+      ++seen[std::string(k)];
+      if (k.starts_with("stable-")) EXPECT_EQ(loc, std::stoul(std::string(k.substr(7))));
+    });
+    EXPECT_LE(visited, 7u);
+    // Between chunks: grow the table (2000 more keys over the walk: several rehashes), drop a
+    // "going" key and re-insert an earlier one (a freed id, maybe below the cursor).
+    for (int j = 0; j < 50 && calls < 60; ++j, ++added) {
+      ASSERT_TRUE(idx.Insert(key("new-", added), Tier::kDisk, 5000 + added).ok());
+    }
+    if (calls < 300) {
+      ASSERT_TRUE(idx.Remove(key("going-", calls), Tier::kDisk).ok());
+      if (calls % 2 == 0) ASSERT_TRUE(idx.Insert(key("going-", calls), Tier::kDisk, 9).ok());
+    }
+    ASSERT_LT(calls, 10000) << "the walk does not end";
+  }
+  for (int i = 0; i < 300; ++i) {
+    EXPECT_EQ(seen[key("stable-", i)], 1) << i;
+    EXPECT_LE(seen[key("going-", i)], 2) << i;
+    EXPECT_EQ(seen.count(key("host-", i)), 0u);
+  }
+  EXPECT_GT(added, 2000);
+}
+
+// Without changes, a walk in chunks of any size visits exactly what ForEachIn visits, once each.
+TEST(BlockIndex, ChunkedWalkWithoutChangesMatchesForEachIn) {
+  BlockIndex idx;
+  for (int i = 0; i < 200; ++i) {
+    ASSERT_TRUE(idx.Insert("d" + std::to_string(i), Tier::kDisk, i).ok());
+    if (i % 3 == 0) ASSERT_TRUE(idx.Insert("h" + std::to_string(i), Tier::kHost, i).ok());
+  }
+  std::map<std::string, uint64_t> all;
+  idx.ForEachIn(Tier::kDisk, [&](std::string_view k, uint64_t loc) { all[std::string(k)] = loc; });
+  ASSERT_EQ(all.size(), 200u);
+  for (size_t chunk : {1, 2, 5, 64, 1000}) {
+    std::map<std::string, uint64_t> got;
+    uint64_t cursor = 0;
+    while (idx.ForEachInChunk(Tier::kDisk, &cursor, chunk, [&](std::string_view k, uint64_t loc) {
+      EXPECT_TRUE(got.emplace(std::string(k), loc).second) << "visited twice: " << k;
+    })) {
+    }
+    EXPECT_EQ(got, all) << "chunks of " << chunk;
+  }
+}
+
+// A Clear() between chunks ends the walk (ids restart at 0) instead of reading freed entries.
+TEST(BlockIndex, ChunkedWalkEndsAfterAClear) {
+  BlockIndex idx;
+  for (int i = 0; i < 100; ++i)
+    ASSERT_TRUE(idx.Insert("k" + std::to_string(i), Tier::kDisk, i).ok());
+  uint64_t cursor = 0;
+  size_t n = 0;
+  EXPECT_TRUE(
+      idx.ForEachInChunk(Tier::kDisk, &cursor, 50, [&](std::string_view, uint64_t) { ++n; }));
+  idx.Clear();
+  ASSERT_TRUE(idx.Insert("after", Tier::kDisk, 1).ok());
+  EXPECT_FALSE(
+      idx.ForEachInChunk(Tier::kDisk, &cursor, 50, [&](std::string_view, uint64_t) { ++n; }));
+  EXPECT_EQ(n, 50u);
+}
+
 }  // namespace
 }  // namespace tpusync::block

@@ -146,6 +146,12 @@ Status KVStore::Start() {
   bool has_disk = false;
   for (const auto& t : tiers_) has_disk = has_disk || t->kind() == Tier::kDisk;
   if (has_disk && (config_.checkpoint_s > 0 || config_.checkpoint_writes > 0)) {
+    // FIRST CHECKPOINT (tier.h): an empty tier without one (a cold start) gets it now - an empty
+    // walk, a few small files - so it journals from its very first write; a tier holding blocks
+    // (an open by scan) gets it from the checkpoint thread, in the background, at once.
+    for (auto& t : tiers_) {
+      if (t->CheckpointMissing() && t->used() == 0) (void)t->Checkpoint(WalkOf(t->kind()));
+    }
     ckpt_thread_ = std::thread([this] { CheckpointLoop(); });
   }
   started_ = true;
@@ -177,9 +183,18 @@ KVStore::~KVStore() {
   if (!started_) return;
   for (auto& t : tiers_) {
     const Tier kind = t->kind();
-    (void)t->CheckpointOnClose(
-        [this, kind](const tier::BlockVisitor& visit) { index_.ForEachIn(kind, visit); });
+    (void)t->CheckpointOnClose(WalkOf(kind));
   }
+}
+
+tier::BlockChunks KVStore::WalkOf(Tier kind) {
+  // CHUNKED WALK (tier.h): the index lock per kWalkChunk keys, released between chunks; the
+  // cursor is an entry id (block/block_index.h CURSOR CONTRACT: no rehash moves an entry).
+  constexpr size_t kWalkChunk = 4096;
+  auto cursor = std::make_shared<uint64_t>(0);
+  return [this, kind, cursor](const tier::BlockVisitor& visit) {
+    return index_.ForEachInChunk(kind, cursor.get(), kWalkChunk, visit);
+  };
 }
 
 void KVStore::CheckpointLoop() {
@@ -188,15 +203,20 @@ void KVStore::CheckpointLoop() {
   std::vector<Clock::time_point> last(tiers_.size(), Clock::now());
   std::vector<Clock::time_point> retry_at(tiers_.size(), Clock::time_point{});
   std::unique_lock<std::mutex> lock(mu_);
+  bool first = true;  // FIRST CHECKPOINT: a tier without one is not kept waiting 100 ms
   while (!stop_) {
-    ckpt_cv_.wait_for(lock, std::chrono::milliseconds(100), [this] { return stop_; });
+    if (!first) ckpt_cv_.wait_for(lock, std::chrono::milliseconds(100), [this] { return stop_; });
+    first = false;
     if (stop_) break;
     lock.unlock();
     for (size_t t = 0; t < tiers_.size(); ++t) {
+      // FIRST CHECKPOINT (tier.h): a tier with nothing on disk to restart from gets one at once.
+      const bool missing = tiers_[t]->CheckpointMissing();
       const uint64_t changes = tiers_[t]->ChangesSinceCheckpoint();
-      if (changes == 0) continue;
+      if (changes == 0 && !missing) continue;
       const Clock::time_point now = Clock::now();
-      const bool due = (config_.checkpoint_writes > 0 && changes >= config_.checkpoint_writes) ||
+      const bool due = missing ||
+                       (config_.checkpoint_writes > 0 && changes >= config_.checkpoint_writes) ||
                        (config_.checkpoint_s > 0 && now - last[t] >= every);
       if (!due) continue;
       if (now < retry_at[t]) continue;
@@ -204,13 +224,22 @@ void KVStore::CheckpointLoop() {
       // Only the index lock is held while the tier copies the keys (CHECKPOINT HOOK); a failure
       // is counted and logged by the tier, and retried after 30 s (a full disk is not retried,
       // and logged, ten times a second).
-      const Status s = tiers_[t]->Checkpoint(
-          [this, kind](const tier::BlockVisitor& visit) { index_.ForEachIn(kind, visit); });
+      const Status s = tiers_[t]->Checkpoint(WalkOf(kind));
       last[t] = Clock::now();
       if (!s.ok()) retry_at[t] = last[t] + std::chrono::seconds(30);
     }
     lock.lock();
   }
+}
+
+Status KVStore::CheckpointNow() {
+  Status first;
+  for (auto& t : tiers_) {
+    const Tier kind = t->kind();
+    const Status s = t->Checkpoint(WalkOf(kind));
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
 }
 
 void KVStore::OpBegin() {

@@ -450,7 +450,7 @@ class KVStoreManifest : public ::testing::Test {
 
   // A store over an anonymous host tier (0: none) and a disk tier in dir_; io_ops_ counts the
   // disk tier's I/O from its Open on.
-  std::unique_ptr<KVStore> Open(size_t host_blocks, size_t disk_blocks) {
+  std::unique_ptr<KVStore> Open(size_t host_blocks, size_t disk_blocks, bool checkpoints = true) {
     std::vector<std::unique_ptr<tier::BlockTier>> tiers;
     if (host_blocks > 0) {
       tier::HostTierOptions h;
@@ -468,6 +468,7 @@ class KVStoreManifest : public ::testing::Test {
     StoreConfig cfg;
     cfg.writeback_batch = 2;
     cfg.put_wait_s = 2.0;
+    if (!checkpoints) cfg.checkpoint_s = 0, cfg.checkpoint_writes = 0;
     return std::move(KVStore::Open(std::move(tiers), cfg, engine_).value());
   }
   concurrency::Future PutAsync(KVStore& s, const std::vector<int>& ids,
@@ -527,8 +528,8 @@ TEST_F(KVStoreManifest, CleanCloseThenReopenServesEveryDiskBlockWithoutReadingHe
   ASSERT_TRUE(s->Flush(kWait).ok());
   const std::vector<int> on_disk = OnDisk(*s, 20);
   ASSERT_GE(on_disk.size(), 16u);
-  EXPECT_FALSE(HasManifest());
-  s.reset();  // clean close
+  EXPECT_TRUE(HasManifest());  // the cold open's first checkpoint (tier.h FIRST CHECKPOINT)
+  s.reset();                   // clean close
   ASSERT_TRUE(HasManifest());
 
   s = Open(4, 32);
@@ -540,6 +541,54 @@ TEST_F(KVStoreManifest, CleanCloseThenReopenServesEveryDiskBlockWithoutReadingHe
   EXPECT_TRUE(HasManifest());  // continued by a new journal generation
   EXPECT_EQ(Get(*s, on_disk), std::vector<uint8_t>(on_disk.size(), 1));
   EXPECT_EQ(s->stats().corrupted, 0u);
+}
+
+// FIRST CHECKPOINT (tier.h): a cold-started disk tier is checkpointed inside Open (an empty walk),
+// so it journals from its first write and a crash before any periodic checkpoint costs no scan;
+// a store with checkpoints off writes none.
+TEST_F(KVStoreManifest, AColdOpenWritesTheFirstCheckpointBeforeServing) {
+  auto s = Open(0, 16);
+  EXPECT_TRUE(HasManifest());
+  EXPECT_EQ(s->stats().tiers[0].tier.checkpoints, 1u);
+  EXPECT_FALSE(s->tier_at(0).CheckpointMissing());
+  EXPECT_EQ(s->tier_at(0).ChangesSinceCheckpoint(), 0u);
+  Put(*s, {1, 2});
+  EXPECT_EQ(s->tier_at(0).ChangesSinceCheckpoint(), 2u);
+  s.reset();
+  std::filesystem::remove_all(dir_);
+  s = Open(0, 16, /*checkpoints=*/false);
+  EXPECT_FALSE(HasManifest());
+  EXPECT_TRUE(s->tier_at(0).CheckpointMissing());
+  EXPECT_EQ(s->stats().tiers[0].tier.checkpoints, 0u);
+}
+
+// FIRST CHECKPOINT: a store that opened its disk tier by scan (holding blocks, no manifest) has
+// it checkpointed by the checkpoint thread at once, though neither trigger (60 s, 65536 writes)
+// would fire; Open itself does not wait for it.
+TEST_F(KVStoreManifest, AnOpenByScanIsCheckpointedInTheBackgroundAtOnce) {
+  {
+    auto t = std::move(tier::DiskTier::Open(DiskOptions(16)).value());
+    std::vector<uint8_t> data(kBytes, 7);
+    for (int i = 0; i < 3; ++i) {
+      const std::string key = Key(i);
+      tier::BlockWrite w{key, data.data(), *t->Reserve(), static_cast<uint64_t>(i + 1), {}};
+      t->WriteBatch({&w, 1});
+      ASSERT_TRUE(w.status.ok());
+    }
+  }  // destroyed without CheckpointOnClose: what a crash leaves
+  testing::internal::CaptureStderr();
+  auto s = Open(0, 16);
+  testing::internal::GetCapturedStderr();
+  EXPECT_EQ(s->stats().tiers[0].tier.recovery, "scan");
+  EXPECT_EQ(s->stats().tiers[0].indexed, 3u);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (s->stats().tiers[0].tier.checkpoints == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(s->stats().tiers[0].tier.checkpoints, 1u);
+  EXPECT_TRUE(HasManifest());
+  EXPECT_FALSE(s->tier_at(0).CheckpointMissing());
+  EXPECT_EQ(s->tier_at(0).ChangesSinceCheckpoint(), 0u);
 }
 
 TEST_F(KVStoreManifest, WriteOrderAndTheSequenceCounterSurviveAManifestRestart) {

@@ -77,9 +77,9 @@ class DiskManifestTest : public ::testing::Test {
     }
   }
   Status Checkpoint(DiskTier& t) {
-    return t.CheckpointOnClose([this](const BlockVisitor& visit) {
+    return t.CheckpointOnClose(OneChunk([this](const BlockVisitor& visit) {
       for (const auto& [key, where] : blocks_) visit(key, where.first);
-    });
+    }));
   }
   static Blocks AsMap(const std::vector<RecoveredBlock>& rec) {
     Blocks m;

@@ -288,7 +288,11 @@ Status DiskTier::RecoverFromManifest(std::string* why) {
     return s;
   }
   generation_ = std::max(generation_, jc.last_generation);
-  s = CheckStamps(mc.stamps, now, /*with_mtime=*/jc.slots.empty());
+  // The mtime only for a clean-close manifest with nothing journaled after it: a periodic
+  // checkpoint's stamps are taken at its rotation, while the tier's own writes (in flight then,
+  // journaled in the previous generation) may still move the mtime (CHECKPOINT CONTRACT).
+  s = CheckStamps(mc.stamps, now,
+                  /*with_mtime=*/jc.slots.empty() && mc.kind == ManifestKind::kCleanClose);
   if (!s.ok()) {
     *why = StrCat("manifest not used: ", s.message());
     return s;
@@ -376,8 +380,8 @@ Status DiskTier::RecoverFromManifest(std::string* why) {
   return Status::OK();
 }
 
-Status DiskTier::CheckpointOnClose(const std::function<void(const BlockVisitor&)>& for_each_block) {
-  Status s = WriteCheckpoint(for_each_block, /*clean_close=*/true);
+Status DiskTier::CheckpointOnClose(const BlockChunks& next_chunk) {
+  Status s = WriteCheckpoint(next_chunk, /*clean_close=*/true);
   if (!s.ok()) {
     ++manifest_errors_;
     std::fprintf(stderr,
@@ -388,8 +392,8 @@ Status DiskTier::CheckpointOnClose(const std::function<void(const BlockVisitor&)
   return s;
 }
 
-Status DiskTier::Checkpoint(const std::function<void(const BlockVisitor&)>& for_each_block) {
-  Status s = WriteCheckpoint(for_each_block, /*clean_close=*/false);
+Status DiskTier::Checkpoint(const BlockChunks& next_chunk) {
+  Status s = WriteCheckpoint(next_chunk, /*clean_close=*/false);
   if (s.ok()) {
     ++checkpoints_;
   } else {
@@ -405,6 +409,11 @@ Status DiskTier::Checkpoint(const std::function<void(const BlockVisitor&)>& for_
 uint64_t DiskTier::ChangesSinceCheckpoint() const {
   const uint64_t c = changes_.load(std::memory_order_relaxed);
   return c;
+}
+
+bool DiskTier::CheckpointMissing() const {
+  std::lock_guard<std::mutex> lock(jmu_);
+  return manifest_generation_ == 0;
 }
 
 void DiskTier::Journal(std::span<const uint64_t> slots) {
@@ -426,8 +435,7 @@ void DiskTier::Journal(std::span<const uint64_t> slots) {
                removed.ok() ? "deleted" : removed.ToString().c_str());
 }
 
-Status DiskTier::WriteCheckpoint(const std::function<void(const BlockVisitor&)>& for_each_block,
-                                 bool clean_close) {
+Status DiskTier::WriteCheckpoint(const BlockChunks& next_chunk, bool clean_close) {
   std::lock_guard<std::mutex> ckpt(ckpt_mu_);
   // 1. ROTATE (CHECKPOINT CONTRACT): changes from now on go to generation `gen`.
   uint64_t gen = 0;
@@ -441,7 +449,7 @@ Status DiskTier::WriteCheckpoint(const std::function<void(const BlockVisitor&)>&
     changes_before = changes_.load(std::memory_order_relaxed);
   }
   std::unique_ptr<ManifestWriter> writer;
-  auto begin = [&]() -> Status {
+  {
     std::vector<SegmentStamp> stamps;
     for (const SegmentFile& seg : segments_) {
       TPUSYNC_ASSIGN_OR_RETURN(auto st, StampSegment(seg.fd(), seg.path()));
@@ -451,50 +459,29 @@ Status DiskTier::WriteCheckpoint(const std::function<void(const BlockVisitor&)>&
         writer, ManifestWriter::Begin(
                     dir_, meta_, std::move(stamps),
                     clean_close ? ManifestKind::kCleanClose : ManifestKind::kCheckpoint, gen));
-    return Status::OK();
-  };
-  auto valid = [this](std::string_view key, uint64_t location) {
-    return !key.empty() && key.size() <= block::kMaxKeyBytes && location < num_blocks_;
-  };
+  }
+  // 2. WALK, one chunk at a time (tier.h CHUNKED WALK): the enumerator copies a chunk's (slot,
+  // key) pairs under the index lock only; then, under this tier's lock, each gets its slot's
+  // sequence (or is left out: a free slot, no completed write, a slot listed already); then the
+  // chunk streams into manifest.tmp with no lock held. Memory: one chunk, one byte per slot.
   std::vector<uint8_t> listed(num_blocks_, 0);
+  std::vector<ManifestEntry> chunk;
   uint64_t skipped = 0;
-  if (clean_close) {
-    // 2-3. Nothing writes the tier any more (CLEAN-CLOSE CONTRACT): the entries stream straight
-    // into the file (no per-key memory) and no slot is in flight.
-    TPUSYNC_RETURN_IF_ERROR(begin());
-    Status err;
-    std::lock_guard<std::mutex> lock(mu_);
-    for_each_block([&](std::string_view key, uint64_t location) {
-      if (!err.ok()) return;
-      const uint64_t seq =
-          valid(key, location) ? sequence_[location].load(std::memory_order_relaxed) : kNoSequence;
-      if (seq == kNoSequence || state_[location] == kFree || listed[location]) {
+  for (bool more = true; more;) {
+    chunk.clear();
+    more = next_chunk([&](std::string_view key, uint64_t location) {
+      if (key.empty() || key.size() > block::kMaxKeyBytes || location >= num_blocks_) {
         ++skipped;
         return;
       }
-      listed[location] = 1;
-      err = writer->Add(location, seq, key);
-    });
-    TPUSYNC_RETURN_IF_ERROR(err);
-  } else {
-    // 2. WALK: copy (slot, key) under the caller's index lock only (80 bytes per key, no I/O).
-    std::vector<ManifestEntry> entries;
-    entries.reserve(used());
-    for_each_block([&](std::string_view key, uint64_t location) {
-      if (!valid(key, location)) {
-        ++skipped;
-        return;
-      }
-      ManifestEntry& e = entries.emplace_back();
-      std::memset(&e, 0, sizeof(e));
+      ManifestEntry& e = chunk.emplace_back();
       e.slot = static_cast<uint32_t>(location);
       e.key_len = static_cast<uint8_t>(key.size());
       std::memcpy(e.key, key.data(), key.size());
     });
-    std::vector<uint64_t> unsettled;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (ManifestEntry& e : entries) {
+      for (ManifestEntry& e : chunk) {
         const uint64_t seq = sequence_[e.slot].load(std::memory_order_relaxed);
         if (listed[e.slot] || state_[e.slot] == kFree || seq == kNoSequence) {
           e.key_len = 0;  // left out
@@ -504,9 +491,23 @@ Status DiskTier::WriteCheckpoint(const std::function<void(const BlockVisitor&)>&
         listed[e.slot] = 1;
         e.sequence = seq;
       }
-      // Held but not listed: a write or a forgetting release in flight, or a write not indexed
-      // yet. Their headers decide at a restart.
-      for (size_t i = 0; i < num_blocks_; ++i) {
+    }
+    for (const ManifestEntry& e : chunk) {
+      if (e.key_len == 0) continue;
+      TPUSYNC_RETURN_IF_ERROR(writer->Add(e.slot, e.sequence, std::string_view(e.key, e.key_len)));
+    }
+  }
+  if (!clean_close) {
+    // Held but not listed, AFTER the whole walk: a write or a forgetting release in flight, a
+    // write not indexed yet, or a block indexed under an id the cursor had passed. Their headers
+    // decide at a restart. Taken in slot ranges (this tier's lock per range): a slot reserved
+    // after the rotation is journaled by its own write anyway.
+    constexpr size_t kSlotsPerLock = size_t{1} << 16;
+    std::vector<uint64_t> unsettled;
+    for (size_t first = 0; first < num_blocks_; first += kSlotsPerLock) {
+      std::lock_guard<std::mutex> lock(mu_);
+      const size_t end = std::min(num_blocks_, first + kSlotsPerLock);
+      for (size_t i = first; i < end; ++i) {
         if (state_[i] != kFree && !listed[i]) unsettled.push_back(i);
       }
     }
@@ -517,13 +518,8 @@ Status DiskTier::WriteCheckpoint(const std::function<void(const BlockVisitor&)>&
       }
       TPUSYNC_RETURN_IF_ERROR(journal_->Append(unsettled));
     }
-    // 3. WRITE the manifest of generation `gen`.
-    TPUSYNC_RETURN_IF_ERROR(begin());
-    for (const ManifestEntry& e : entries) {
-      if (e.key_len == 0) continue;
-      TPUSYNC_RETURN_IF_ERROR(writer->Add(e.slot, e.sequence, std::string_view(e.key, e.key_len)));
-    }
   }
+  // 3. WRITE: publish the manifest of generation `gen`.
   TPUSYNC_RETURN_IF_ERROR(writer->Sync());
   {
     std::lock_guard<std::mutex> lock(jmu_);

@@ -257,6 +257,13 @@ void init_store(nb::module_& m) {
                 std::chrono::duration<double>(timeout))));
           },
           nb::arg("timeout"))
+      .def(
+          "checkpoint",
+          [](KVStore& s) {
+            nb::gil_scoped_release release;
+            ThrowIfError(s.CheckpointNow());
+          },
+          "Write a checkpoint of every tier now (disk: manifest + new journal generation).")
       .def("stats", [](const KVStore& s) { return Stats(s.stats()); })
       .def("enable_events", &KVStore::EnableEvents, nb::arg("capacity"),
            "Record placement changes (capacity > 0: queue bound; 0: off).")

@@ -86,6 +86,10 @@ def test_bench_tiers_json_schema(tmp_path):
     assert restart["manifest_open_s"] > 0 and restart["scan_open_s"] > 0
     assert [c["journaled_slots"] for c in restart["crash_checkpoint"]] == [128]
     assert restart["crash_checkpoint"][0]["open_s"] > 0
+    ck = data["checkpoint"]
+    assert ck["slots"] == 1024 and ck["checkpoints"] >= 3 and ck["checkpoint_s"] > 0
+    assert ck["put_without"]["n"] > 0 and ck["put_during"]["n"] > 0
+    assert ck["better"] == "lower"
     session = data["long_session"]
     assert session["device_footprint_bounded"] is True
     assert session["verified_blocks"] == session["offloaded_blocks"] > 0

@@ -65,10 +65,12 @@ AFTER_A_CHECKPOINT = PRELUDE + textwrap.dedent(
     """
     s = tc.KVStore({block}, 0, disk_dir=disk, disk_blocks=30, checkpoint_s=0,
                    checkpoint_writes=24)
+    # The cold open wrote the first (empty) checkpoint: every put is journaled after it.
+    assert disk_stats(s)["checkpoints"] == 1
     for i in range(24):
         put(s, i)
     # 24 changed slots: the checkpoint thread writes one within ~100 ms.
-    wait_for(lambda: disk_stats(s)["checkpoints"] == 1 and disk_stats(s)["journaled"] == 0,
+    wait_for(lambda: disk_stats(s)["checkpoints"] == 2 and disk_stats(s)["journaled"] == 0,
              "no checkpoint")
     s.remove([b"blk-0", b"blk-1", b"blk-2"])  # forgotten: journaled
     for i in range(24, 34):  # 10 more: the 31st block evicts blk-3, its slot is re-used
@@ -109,6 +111,22 @@ NO_CHECKPOINT = PRELUDE + textwrap.dedent(
 )
 
 
+SCAN_OPEN_THEN_MORE = PRELUDE + textwrap.dedent(
+    """
+    # Opened by scan (the last run was killed before any checkpoint): the first checkpoint comes
+    # at once, in the background, though neither trigger would fire for a long time.
+    s = tc.KVStore({block}, 0, disk_dir=disk, disk_blocks=64, checkpoint_s=3600,
+                   checkpoint_writes=1000)
+    assert disk_stats(s)["recovery"] == "scan"
+    wait_for(lambda: disk_stats(s)["checkpoints"] == 1, "no first checkpoint after the scan")
+    for i in range(20, 23):
+        put(s, i)
+    print(json.dumps(disk_stats(s)), flush=True)
+    time.sleep(120)
+    """
+)
+
+
 def run_and_kill(tmp_path: Path, script: str, disk: Path) -> dict:
     """Runs the child until it prints its disk stats, then SIGKILLs it."""
     path = tmp_path / "child.py"
@@ -140,7 +158,7 @@ def scan_of_a_copy(disk: Path, tmp_path: Path, disk_blocks: int, ids: list[int])
 def test_sigkill_after_a_checkpoint_reads_only_the_journaled_slots(tmp_path, capfd):
     disk = tmp_path / "disk"
     at_kill = run_and_kill(tmp_path, AFTER_A_CHECKPOINT, disk)
-    assert at_kill["checkpoints"] == 1
+    assert at_kill["checkpoints"] == 2  # the cold open's, then the one after 24 changes
     assert at_kill["journaled"] == 13  # 3 forgotten + 10 written slots
     ids = list(range(34))
     scan = scan_of_a_copy(disk, tmp_path, 30, ids)
@@ -184,4 +202,26 @@ def test_sigkill_before_any_checkpoint_scans(tmp_path, capfd):
         capfd.readouterr().err
     )
     assert served(s, list(range(5))) == set(range(5))
+    s.close()
+
+
+NO_CHECKPOINT_20 = NO_CHECKPOINT.replace("disk_blocks=16", "disk_blocks=64").replace(
+    "range(5)", "range(20)"
+)
+
+
+def test_a_second_sigkill_soon_after_a_scan_open_reads_only_the_journaled_slots(tmp_path, capfd):
+    disk = tmp_path / "disk"
+    run_and_kill(tmp_path, NO_CHECKPOINT_20, disk)  # killed before any checkpoint: next open scans
+    capfd.readouterr()
+    at_kill = run_and_kill(tmp_path, SCAN_OPEN_THEN_MORE, disk)
+    assert at_kill["recovery"] == "scan" and at_kill["checkpoints"] == 1
+    assert at_kill["journaled"] == 3
+    capfd.readouterr()
+    s = tc.KVStore(BLOCK, 0, disk_dir=disk, disk_blocks=64, checkpoint_s=0)
+    st = s.stats()["tiers"]["disk"]
+    assert st["recovery"] == "checkpoint"
+    assert st["recovery_slots_read"] == 3  # the 3 puts after the first checkpoint, not 64
+    assert "scanning" not in capfd.readouterr().err
+    assert served(s, list(range(23))) == set(range(23))
     s.close()

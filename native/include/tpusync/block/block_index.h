@@ -138,6 +138,22 @@ class BlockIndex {
   // time, O(1) memory where Snapshot() is O(size) memory). fn must not call into the index.
   void ForEachIn(Tier tier,
                  const std::function<void(std::string_view key, uint64_t location)>& fn) const;
+  // CURSOR CONTRACT (a chunked walk: the disk tier's checkpoint, tier.h CHUNKED WALK): visits the
+  // keys held in `tier` whose entry id is >= *cursor, in id order, under the index lock held for
+  // THIS CALL ONLY: it stops after max_keys (at least 1) visits or 8 * max_keys ids looked at,
+  // stores the next id to look at in *cursor and returns true while ids remain (false: the walk is
+  // complete). What a cursor may rely on between calls: an entry id never changes while its key is
+  // indexed in any tier - Grow (rehash / resize) and backward-shift deletion move only the 8-byte
+  // buckets, never entries, and entry chunks are never reallocated - so no rehash, insert or
+  // removal between chunks makes the walk skip or repeat a key that stays in `tier` throughout: it
+  // is visited exactly once. A key that enters `tier` during the walk may or may not be visited (a
+  // freed id below the cursor is reused first); one that leaves it may or may not be; one that
+  // leaves and re-enters (a new id) may be visited twice, with two locations. Clear() restarts
+  // ids at 0: a cursor at or past the highest id ends the walk. The walk ends: a new id past the
+  // cursor appears only when the index holds more keys than ever before (freed ids are reused
+  // first). fn must not call into the index.
+  bool ForEachInChunk(Tier tier, uint64_t* cursor, size_t max_keys,
+                      const std::function<void(std::string_view key, uint64_t location)>& fn) const;
   void Clear();
 
  private:

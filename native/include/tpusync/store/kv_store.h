@@ -44,8 +44,10 @@
 // CHECKPOINTS (tier.h CHECKPOINT HOOK, tier/disk_tier.h CHECKPOINT CONTRACT): a checkpoint thread
 // asks each tier every 100 ms how many slots changed since its last checkpoint and has it write
 // one when `checkpoint_writes` changed (0: never by count) or when any changed and
-// `checkpoint_s` passed since the last (0: never by time). The walk holds only the index lock
-// while copying the keys; puts and gets go on. With both 0 there is no thread (and a crash restart
+// `checkpoint_s` passed since the last (0: never by time), and at once when a tier has none on
+// disk (tier.h FIRST CHECKPOINT: inside Open for an empty tier, else on the thread). The walk is
+// chunked (tier.h CHUNKED WALK): the index lock is held for 4096 keys at a time; puts and gets go
+// on between chunks. With both 0 there is no thread and no first checkpoint (a crash restart
 // scans). Defaults: 60 s or 65536 changed slots (at ~10 us per header read, a crash restart reads
 // at most ~0.7 s of headers after the manifest, however large the tier).
 //
@@ -213,6 +215,10 @@ class KVStore {
   void Clear();
   // Waits until the write-back worker has nothing left to write (or the timeout passes).
   Status Flush(std::chrono::nanoseconds timeout);
+  // Writes a checkpoint of every tier now (CHECKPOINTS; tier.h CHECKPOINT HOOK), whatever the
+  // counts, while puts and gets go on: for benchmarks, tests and operators. Serialised with the
+  // checkpoint thread's by the tier. The first failure is returned (every tier is still tried).
+  Status CheckpointNow();
   StoreStats stats() const;
 
   // Starts (capacity > 0) or stops (0) recording StoreEvents; stopping drops the queue.
@@ -233,7 +239,8 @@ class KVStore {
   bool DropVictim(size_t t);  // mu_ held
   void WritebackLoop();
   void WriteThroughLoop();
-  void CheckpointLoop();  // CHECKPOINTS
+  void CheckpointLoop();                       // CHECKPOINTS
+  tier::BlockChunks WalkOf(block::Tier kind);  // a chunked walk of the index (tier.h CHUNKED WALK)
   // One write-through batch (mu_ held through `lock`, released during the copy); true when every
   // copy it attempted succeeded.
   bool WriteThroughBatch(std::unique_lock<std::mutex>& lock);

@@ -44,24 +44,50 @@
 // evictions change no byte and are not journaled). One checkpoint, serialised with the others:
 //   1. ROTATE: under the journal lock, journal-<G+1> is created and becomes the current journal;
 //      journal-<G> and the manifest of G stay valid (a crash now replays G and G+1).
-//   2. WALK: the store lists the keys it places in this tier (its index, under the index lock only;
-//      the visitor copies 80 bytes per key, no I/O), the tier fills in each slot's sequence under
-//      its own lock, and journals into G+1 every slot it holds that the walk did not list (a write
-//      or a forgetting release in flight, or a write done but not yet indexed): a block that
-//      moved during the walk is therefore either in the manifest or in journal G+1.
-//   3. WRITE: manifest.tmp (stamps, entries, generation G+1), fsync; then, under the journal lock
-//      (so a failed journal append cannot slip in between), rename over manifest and fsync the
-//      directory; then journals below G+1 are deleted. Puts and gets only wait on the index lock
-//      for the copy in 2 and on the journal lock for one rename (the dir fsync is after it).
+//   2. WALK, in chunks (tier.h CHUNKED WALK): the store's enumerator visits the keys it places
+//      in this tier a chunk at a time (4096 keys under its index lock, released between chunks);
+//      after each chunk the tier, under its own lock, gives each entry its slot's sequence
+//      (leaving out a free slot, a slot with no completed write, a slot listed already) and
+//      streams the chunk into manifest.tmp with no lock held - no copy of the whole tier, the
+//      index lock never held for more than one chunk. AFTER the whole walk it journals into
+//      G+1 every slot it holds that the walk did not list (a write or a forgetting release in
+//      flight, a write done but not indexed yet, a block indexed under an entry id the cursor
+//      had already passed), scanning its slots in ranges of 65536 under its own lock.
+//      WHY A CHUNKED WALK KEEPS THE ARGUMENT: the manifest's entries must be right only for
+//      slots whose bytes do not change after the rotation (any change after it is journaled in
+//      G+1 and its header overrides the entry at a restart). For such a slot S holding key K:
+//      - K stays indexed at S through the walk: its entry id does not move (block_index.h CURSOR
+//        CONTRACT: no rehash or resize moves an entry), so it is visited exactly once, listed;
+//      - K is indexed at S only after the cursor passed its id (a write finished before the
+//        rotation, indexed later), or was moved out and back in under a new id: S is held and
+//        unlisted after the walk, so the pass journals it;
+//      - K left S during the walk (evicted: no byte changes; S may stay free) - it may be listed
+//        or not; listed, a restart finds K's intact bytes at S (what a scan finds too: every
+//        read verifies key and checksum), unlisted, S is free at a restart, like in the store.
+//      A slot visited twice (K evicted after its visit, S re-used by K2 visited later) is listed
+//      once; S's new bytes were journaled by K2's write. Keys inserted, moved or removed between
+//      chunks are thus all covered by the rotation BEFORE the walk plus the pass AFTER it.
+//   3. WRITE: the header, fsync; then, under the journal lock (so a failed journal append
+//      cannot slip in between), rename over manifest and fsync the directory; then journals
+//      below G+1 are deleted. Puts and gets wait on the index lock for one chunk at most, on
+//      this tier's lock for one chunk's sequences or one range of slots, and on the journal
+//      lock for one rename (the dir fsync is after it). The segment stamps are taken at the
+//      rotation; their mtime is compared at a restart only for a clean-close manifest with
+//      nothing journaled after it (a write in flight at the rotation may still move it).
+// FIRST CHECKPOINT (tier.h): CheckpointMissing() is true while no manifest of this tier is on disk
+// (cold start, scan, failed journal); the store then checkpoints at once (inside Open for an empty
+// tier), so a crash soon after a cold start or an open by scan does not cost another scan.
 // A journal append that fails (disk full) deletes the manifest and stops journaling until the next
 // checkpoint: the next crash restart scans. A failed checkpoint is counted (manifest_errors) and
 // logged; the previous manifest and its journals stay valid. The clean close is the same
-// procedure with nothing in flight (kind "clean close"; nothing listed-but-unheld is journaled).
-// The segment stamps' mtime is compared only when the journals are empty: the tier's own writes
-// change it, and those are journaled (a writer that knows no journal - an older tpusync - is then
-// caught only by size / inode; correctness never rested on the manifest anyway).
+// procedure with nothing in flight (kind "clean close"; nothing held-but-unlisted is journaled).
+// The segment stamps' mtime is compared only for a clean-close manifest with empty journals: the
+// tier's own writes change it, and those are journaled (a writer that knows no journal - an older
+// tpusync - is then caught only by size / inode; correctness never rested on the manifest).
 // Rejected alternatives: the tier keeping every slot's key (up to 72 bytes per slot, a second
 // copy of the index); a full index Snapshot() (~130 bytes per key allocated under the store lock);
+// one walk of the whole index under its lock, copying 80 bytes per key (the walk before tiers8:
+// at 10^6 disk blocks the index lock held ~60 ms at a time, 77 MiB allocated; docs/tiers.md);
 // the journal rotated AFTER the walk (a block written between the visit of its slot and the
 // rotation would be in neither file); waiting for in-flight writes at the rotation (a stalled
 // write would stall the checkpoint; the unlisted-slot pass in 2 needs no wait); replaying every
@@ -134,9 +160,10 @@ class DiskTier final : public BlockTier {
   void ReadBatch(std::span<BlockRead> ops) override;
   std::vector<RecoveredBlock> TakeRecovered() override;
   TierStats stats() const override;
-  Status CheckpointOnClose(const std::function<void(const BlockVisitor&)>& for_each_block) override;
-  Status Checkpoint(const std::function<void(const BlockVisitor&)>& for_each_block) override;
+  Status CheckpointOnClose(const BlockChunks& next_chunk) override;
+  Status Checkpoint(const BlockChunks& next_chunk) override;
   uint64_t ChangesSinceCheckpoint() const override;
+  bool CheckpointMissing() const override;
 
   size_t slot_bytes() const { return slot_bytes_; }
   // Where a location lives (for tests that damage slots on purpose).
@@ -152,8 +179,7 @@ class DiskTier final : public BlockTier {
   // Reads the slot headers of slot_at(0 .. n-1), batched; visit(slot, header or nullptr).
   void ReadHeaders(size_t n, const std::function<uint64_t(size_t)>& slot_at,
                    const std::function<void(uint64_t, const SlotHeader*)>& visit);
-  Status WriteCheckpoint(const std::function<void(const BlockVisitor&)>& for_each_block,
-                         bool clean_close);
+  Status WriteCheckpoint(const BlockChunks& next_chunk, bool clean_close);
   void Journal(std::span<const uint64_t> slots);  // JOURNAL CONTRACT: before the bytes change
   void Free(uint64_t slot);                       // mu_ held
   void RunCoalesced(std::vector<IoOp>& ops);
@@ -186,8 +212,8 @@ class DiskTier final : public BlockTier {
   DiskMeta meta_{};
   std::string recovery_;
 
-  std::mutex ckpt_mu_;  // one checkpoint at a time
-  std::mutex jmu_;      // journal_, generation_, manifest_generation_ (JOURNAL CONTRACT)
+  std::mutex ckpt_mu_;      // one checkpoint at a time
+  mutable std::mutex jmu_;  // journal_, generation_, manifest_generation_ (JOURNAL CONTRACT)
   std::unique_ptr<JournalWriter> journal_;  // null: not journaling (no manifest to follow)
   uint64_t generation_ = 0;                 // newest journal generation created
   uint64_t manifest_generation_ = 0;        // 0: no manifest of this tier on disk

@@ -139,7 +139,9 @@ class KVStore:
             any slot changed and ``checkpoint_s`` seconds passed since the last one (0: never by
             time).
         checkpoint_writes: a checkpoint is also written when ``checkpoint_writes`` slots changed
-            since the last one (0: never by count). Every later slot change
+            since the last one (0: never by count; with both 0 there are no checkpoints). A disk
+            tier without a checkpoint on disk (a cold start, an open by scan) gets one at once: at
+            open when it is empty, else in the background. Every later slot change
             is journaled, so a restart after a crash (SIGKILL) reads the manifest plus the headers
             of only the journaled slots instead of every slot header. ``stats()["tiers"]["disk"]``
             reports ``recovery`` ("cold", "scan", "manifest" or "checkpoint"),
@@ -280,6 +282,13 @@ class KVStore:
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until write-back (and write-through) have nothing left to write."""
         self.native.flush(timeout)
+
+    def checkpoint(self) -> None:
+        """Write a checkpoint of the disk tier now, whatever ``checkpoint_s`` /
+        ``checkpoint_writes`` say (docs/tiers.md "Crash semantics"): puts and gets go on while it
+        runs (the index is walked in chunks). Raises when the manifest cannot be written (the
+        previous one and its journals stay valid). A store without a disk tier does nothing."""
+        self.native.checkpoint()
 
     def stats(self) -> dict[str, Any]:
         """Counters: hits / misses per tier, bytes moved, evictions, errors, queues, latencies."""

@@ -15,6 +15,8 @@
   files as the kill left them (saved before the clean close). The page cache is not dropped (that needs root and
   disturbs other processes): the scan's header reads are O_DIRECT where ``direct_io`` holds,
   the manifest is read through the page cache.
+* checkpoint: put latency (p50 / p99 / max) of a caller while disk checkpoints run back to back
+  vs without, same store, same run, and the checkpoint's duration (``_checkpoint``).
 * long_session: a synthetic 1M-token KV stream through a "device" buffer holding 10% of it; cold
   blocks are offloaded to the store (DRAM then disk) and the whole stream is read back and
   verified at the end. The device-side footprint is reported and must stay within the budget.
@@ -28,6 +30,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -69,7 +72,7 @@ def run(
     out: dict = {"suite": "tiers", "engine_threads": engine.num_threads, "repeats": repeats}
     try:
         with progress(show_progress) as bar:
-            task = bar.add_task("bench tiers", total=len(block_sizes) * 2 + 3)
+            task = bar.add_task("bench tiers", total=len(block_sizes) * 2 + 4)
             out["host"] = []
             for b in block_sizes:
                 out["host"].append(_host(b, total_bytes, repeats))
@@ -81,6 +84,8 @@ def run(
             out["lookup"] = _lookup(lookup_sizes)
             bar.advance(task)
             out["restart"] = _restart(max(1024, total_bytes // 4096), repeats, work)
+            bar.advance(task)
+            out["checkpoint"] = _checkpoint(max(1024, total_bytes // 4096), work)
             bar.advance(task)
             out["long_session"] = _long_session(session_tokens, session_token_bytes, work)
             bar.advance(task)
@@ -380,6 +385,86 @@ def _restart(slots: int, repeats: int, work: Path) -> dict:
         "better": "higher",
         "page_cache": "not dropped; scan header reads are O_DIRECT where direct_io holds",
     }
+
+
+def _checkpoint(slots: int, work: Path, seconds: float = 1.0) -> dict:
+    """Put latency while disk checkpoints run vs without, same store, same run.
+
+    A disk-only store of 4 KiB blocks holding ``slots`` blocks (no periodic checkpoints); one
+    thread puts one new block (evicting the oldest) every 200 us and times each put. For
+    ``seconds`` nothing else runs ("without"), then checkpoints run back to back for ``seconds``
+    (``KVStore.checkpoint``: the chunked walk, the manifest streamed and fsynced) and the puts
+    that started and ended meanwhile are "during". Lower is better for the ratio (during p99 /
+    without p99)."""
+    block = 4096
+    d = work / "checkpoint"
+    store = KVStore(block, 0, disk_dir=d, disk_blocks=slots, checkpoint_s=0, checkpoint_writes=0)
+    try:
+        src = aligned(min(slots, 1024) * block, 5).reshape(-1, block)
+        for at in range(0, slots, len(src)):
+            m = min(len(src), slots - at)
+            if not all(store.put([b"f%d" % i for i in range(at, at + m)], src[:m]).result(600)):
+                raise RuntimeError("bench tiers: checkpoint fill was not stored")
+        store.checkpoint()  # the first one (not timed): the rest are steady-state ones
+        phase = {"v": "without"}
+        lat: dict[str, list[float]] = {"without": [], "during": []}
+        stop = threading.Event()
+
+        def putter() -> None:
+            i = 0
+            while not stop.is_set():
+                before = phase["v"]
+                t0 = time.perf_counter()
+                store.put([b"p%d" % i], src[:1]).result(60)
+                dt = time.perf_counter() - t0
+                if before == phase["v"] and before in lat:
+                    lat[before].append(dt)
+                i += 1
+                time.sleep(200e-6)
+
+        th = threading.Thread(target=putter, daemon=True)
+        th.start()
+        time.sleep(seconds)
+        phase["v"] = "during"
+        ck: list[float] = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end or len(ck) < 3:
+            t0 = time.perf_counter()
+            store.checkpoint()
+            ck.append(time.perf_counter() - t0)
+        phase["v"] = "after"
+        stop.set()
+        th.join(60)
+    finally:
+        store.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+    def pct(v: list[float], q: float) -> float:
+        v = sorted(v)
+        return round(v[min(len(v) - 1, int(len(v) * q))] * 1e6, 1) if v else 0.0
+
+    row = {
+        "slots": slots,
+        "block_bytes": block,
+        "checkpoints": len(ck),
+        "checkpoint_s": round(statistics.median(ck), 4),
+    }
+    for name in ("without", "during"):
+        row[f"put_{name}"] = {
+            "n": len(lat[name]),
+            "p50_us": pct(lat[name], 0.5),
+            "p99_us": pct(lat[name], 0.99),
+            "max_us": round(max(lat[name]) * 1e6, 1) if lat[name] else 0.0,
+        }
+    # Bench CONVENTION: the figure (put p99 during checkpoints), the same-run reference (put p99
+    # without one), their ratio, and which way is better.
+    base = row["put_without"]["p99_us"]
+    row["p99_us"] = row["put_during"]["p99_us"]
+    row["limit_us"] = base
+    row["limit"] = "put p99 of the same caller without a checkpoint, same store, same run"
+    row["ratio"] = round(row["p99_us"] / base, 2) if base else None
+    row["better"] = "lower"
+    return row
 
 
 LOOKUP_BATCH = 1024  # keys per call for the per-key figure (the ratio)
