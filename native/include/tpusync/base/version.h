@@ -33,7 +33,8 @@
 //   9: Checksum64Stream.cast_update also casts float32 -> float16 (dst dtype float16); disk tier
 //      checkpoints while serving plus a slot journal (KVStoreNative.open / open_remote_kv_store
 //      disk_checkpoint_s= / disk_checkpoint_writes=, KVStore(checkpoint_s=, checkpoint_writes=);
-//      disk stats recovery "checkpoint", recovery_slots_read, checkpoints, journaled).
+//      disk stats recovery "checkpoint", recovery_slots_read, checkpoints, journaled);
+//      KVStore.checkpoint() (checkpoint the disk tier now); a cold disk tier checkpoints at open.
 #pragma once
 
 namespace tpusync {

@@ -324,6 +324,11 @@ class KVStoreNative:
 
     def flush(self, timeout: float) -> None: ...
 
+    def checkpoint(self) -> None:
+        """
+        Write a checkpoint of every tier now (disk: manifest + new journal generation).
+        """
+
     def stats(self) -> dict: ...
 
     def enable_events(self, capacity: int) -> None:
