@@ -674,9 +674,11 @@ def test_chain_head_killed_mid_update_its_descendants_commit_the_version(
 
 def test_tree_inner_node_killed_mid_update_both_children_commit():
     """RE-PARENTING CONTRACT in a tree (fanout 2): replicas 0 and 1 pull from the trainer, 2 and
-    3 from replica 0. Replica 0 is SIGKILLed after its first block of version 2: its two
-    children are re-parented to the trainer (two child slots) and commit version 2 bit-equal
-    with replica 1; replica 0 is reported, all well before the 60 s deadline."""
+    3 from replica 0. Version 2 is a per-chunk delta (rows changed in every tensor, several
+    buckets). Replica 0 is SIGKILLed after its first block of it: its two children are
+    re-parented to the trainer (two child slots), get the rest of the delta re-filled and commit
+    version 2 bit-equal with replica 1; replica 0 is reported, all well before the 60 s
+    deadline."""
     q = U.ctx().Queue()
     trainer, eng = rank0(
         tp_layouts(1, {}),
@@ -698,15 +700,24 @@ def test_tree_inner_node_killed_mid_update_both_children_commit():
     )
     try:
         trainer.wait_for_samplers(4, timeout=30)
-        assert trainer.publish(1, U.full_weights(61)).ok
-        collect(q, 4)
-        rep = trainer.publish(2, U.full_weights(62))
+        assert trainer.publish(1, U.full_weights(61), delta=True).ok  # the delta base
+        v1 = collect(q, 4)
+        bumps = [
+            ("embed", (0, 3), 1.0),
+            ("embed", (200, 7), 2.0),
+            ("layers.0.w", (5, 1), 3.0),
+            ("layers.0.w", (150, 2), 4.0),
+            ("layers.1.w", (9, 4), 5.0),
+            ("layers.1.w", (220, 5), 6.0),
+        ]
+        rep = trainer.publish(2, U.full_weights(61, bumps), delta=True)
         assert sorted(rep.committed) == ["1:0", "2:0", "3:0"], rep
         assert list(rep.failed) == ["0:0"], rep.failed
         assert rep.reparented == {"2:0": "0:0", "3:0": "0:0"}, rep.reparented
         assert rep.seconds < 30.0, f"waited {rep.seconds:.1f} s for a dead inner node"
-        full = U.full_weights(62)
+        full = U.full_weights(61, bumps)
         got = collect(q, 3)
+        assert got[(1, 0)]["bytes"] < v1[(1, 0)]["bytes"], (got, v1)  # a chunk delta indeed
         for key in ((1, 0), (2, 0), (3, 0)):
             assert got[key]["ok"] and got[key]["version"] == 2, got[key]
             assert got[key]["digest"] == U.expected_digest(full, eng, 0, torch.float32)
