@@ -41,8 +41,8 @@ sampler's pool (the trainer process would do every copy for every sampler).
 FAULT CONTRACT: every wait has a deadline. A sampler that dies or fails an update is reported by
 trainer rank 0 (:class:`PublishReport`) and dropped from the next version's tree until it polls
 again; the others commit, its descendants in the fan-out tree included (RE-PARENTING CONTRACT:
-its children get the rest of the version from the trainer). When the trainer dies, samplers' pulls fail by their deadline and they
-keep serving the version they have. A digest mismatch or a stale block rejects the update (logged,
+its children get the rest of the version from the trainer). When the trainer dies, samplers'
+pulls fail by their deadline and they keep serving the version they have. A digest mismatch or a stale block rejects the update (logged,
 nothing committed); an announcement that does not follow the sampler's version is refused.
 
 HEARTBEAT CONTRACT (a sampler dying, idle or mid-update, on any host): from its first poll until
