@@ -110,6 +110,30 @@ def sampler_main(spec: dict, q) -> None:
                 os._exit(3)
 
         sampler._stage_view = dying_stage
+    kill = spec.get("kill_at_version")
+    if kill is not None:  # fault injection: SIGKILL (or SIGSTOP: hung, sockets open, silent)
+        # itself after staging the first block of `kill`
+        kstage = sampler._stage_view
+
+        def killed_stage(version, *a, **kw):
+            kstage(version, *a, **kw)
+            if version == kill:
+                import signal
+
+                if spec.get("kill_stamp"):  # when it died, for the test's figures
+                    with open(spec["kill_stamp"], "w") as f:
+                        f.write(repr(time.time()))
+                os.kill(os.getpid(), getattr(signal, spec.get("kill_signal", "SIGKILL")))
+
+        sampler._stage_view = killed_stage
+    staged: dict[int, int] = {}  # version -> blocks staged (each must be staged exactly once)
+    cstage = sampler._stage_view
+
+    def counted_stage(version, *a, **kw):
+        cstage(version, *a, **kw)
+        staged[version] = staged.get(version, 0) + 1
+
+    sampler._stage_view = counted_stage
     delay = spec.get("stage_delay")
     if delay:  # a slow sampler: sleeps after staging each block
         slow_stage = sampler._stage_view
@@ -145,6 +169,8 @@ def sampler_main(spec: dict, q) -> None:
                 "digest": weights_digest(sub.weights),
                 "fused": sub.metrics["bytes_fused"],
                 "waited": time.monotonic() - t0,
+                "staged": staged.get(res.version, 0),
+                "done_at": time.time(),
             }
         q.put(("update", spec["replica"], rank, info))
     sampler.close()

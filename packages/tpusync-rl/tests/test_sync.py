@@ -515,27 +515,33 @@ def test_cleanly_closed_sampler_says_goodbye_and_is_not_reported_dead():
         trainer.close()
 
 
-def test_dead_middle_of_a_chain_is_reported_its_child_fails_and_the_rest_commit():
+def test_dead_middle_of_a_chain_is_reported_and_its_child_is_reparented():
     """Chain trainer -> 0 -> 1 -> 2 (fanout 1, TCP): replica 1 dies after its first block of
     version 2. Replica 0 commits (and cancels what it forwarded to 1 once a beat reply names 1),
-    replica 2 cannot get the version from its dead parent and is reported failed, all well
-    before the 60 s deadline; version 3 then runs over the chain 0 -> 2 and both commit."""
+    replica 2 is re-parented to the trainer within the version and commits it too
+    (RE-PARENTING CONTRACT), all well before the 60 s deadline; version 3 then runs over the
+    chain 0 -> 2 and both commit."""
     q = U.ctx().Queue()
     trainer, procs, eng = three_replicas_one_dying(q, fanout=1, dying=1, seed=11)
     try:
         rep = trainer.publish(2, U.full_weights(12))
-        assert rep.committed == ["0:0"], rep
-        assert sorted(rep.failed) == ["1:0", "2:0"], rep.failed
-        assert "no heartbeat" in rep.failed["1:0"], rep.failed
+        assert sorted(rep.committed) == ["0:0", "2:0"], rep
+        assert sorted(rep.failed) == ["1:0"], rep.failed
+        assert "no heartbeat" in rep.failed["1:0"] or "exited" in rep.failed["1:0"], rep.failed
+        assert rep.reparented == {"2:0": "1:0"}, rep.reparented
         assert rep.seconds < 30.0, f"waited {rep.seconds:.1f} s for a dead chain member"
         got = collect(q, 2)
-        assert got[(0, 0)]["ok"] and got[(0, 0)]["version"] == 2
-        assert not got[(2, 0)]["ok"] and got[(2, 0)]["serving"] == 1, got[(2, 0)]
+        full = U.full_weights(12)
+        for key in ((0, 0), (2, 0)):
+            assert got[key]["ok"] and got[key]["version"] == 2, got[key]
+            assert got[key]["digest"] == U.expected_digest(full, eng, 0, torch.bfloat16)
+        # Each block staged exactly once on the orphan, as on its live parent.
+        assert got[(2, 0)]["staged"] == got[(0, 0)]["staged"] > 0, got
         assert got[(2, 0)]["waited"] < 30.0
-        # Replica 2 polls again and rejoins; replica 1 stays out.
         assert trainer.wait_for_samplers(2, timeout=30) == ["0:0", "2:0"]
         rep3 = trainer.publish(3, U.full_weights(13))
         assert rep3.ok and sorted(rep3.committed) == ["0:0", "2:0"], rep3
+        assert not rep3.reparented
         got = collect(q, 2)
         full = U.full_weights(13)
         for key in ((0, 0), (2, 0)):
@@ -545,6 +551,178 @@ def test_dead_middle_of_a_chain_is_reported_its_child_fails_and_the_rest_commit(
         # wait for those sends (DRAIN CONTRACT: up to 30 s) and it exits cleanly.
         procs[0].join(20)
         assert procs[0].exitcode == 0
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
+def chain_with_killed_head(q, trainer_world, seed, stamp, signal="SIGKILL"):
+    """Trainer (``trainer_world`` processes: rank 0 here, rank 1 spawned) -> replica 0 -> 1 -> 2
+    (fanout 1, float32, 60 s deadline, 2 s silence, one-block buckets); replica 0 SIGKILLs
+    itself after staging its first block of version 2. Version 1 (``seed``) is committed
+    everywhere. Returns (trainer, rank 1 process or None, sampler processes, engine layouts,
+    ``mine(seed)``: rank 0's tensors of a version)."""
+    src = tp_layouts(trainer_world, {})
+    dst = tp_layouts(1, {})
+    kw = {"bucket_blocks": 1, "fanout": 1, "pool_bytes": 2 << 20, "deadline": 60.0}
+    trainer, eng = rank0(dst, trainer_world, silence=2.0, **kw)
+    procs = start_samplers(
+        q,
+        trainer.control_address,
+        eng,
+        3,
+        1,
+        3,
+        common={"dtype": "float32"},
+        per={(0, 0): {"kill_at_version": 2, "kill_stamp": stamp, "kill_signal": signal}},
+    )
+    rank1 = None
+    if trainer_world == 2:
+        rank1 = trainer_rank1(
+            q,
+            dst_layouts=dst,
+            src_layouts=src,
+            control=trainer.control_address,
+            block_bytes=BB,
+            versions=[(1, seed), (2, seed + 1), (3, seed + 2)],
+            **kw,
+        )
+        rank1.start()
+
+    def mine(v_seed):
+        full = U.full_weights(v_seed)
+        if trainer_world == 1:
+            return full
+        return {n: (U.shard(t, src[n].box_of(0)).clone(), src[n]) for n, t in full.items()}
+
+    try:
+        trainer.wait_for_samplers(3, timeout=30)
+        assert trainer.publish(1, mine(seed)).ok
+        collect(q, 3)
+        if rank1 is not None:
+            assert get(q, "published")[1] == 1
+    except BaseException:
+        join_all(procs + ([rank1] if rank1 else []))
+        trainer.close()
+        raise
+    return trainer, rank1, procs, eng, mine
+
+
+@pytest.mark.parametrize("trainer_world, signal", [(1, "SIGKILL"), (2, "SIGKILL"), (1, "SIGSTOP")])
+def test_chain_head_killed_mid_update_its_descendants_commit_the_version(
+    trainer_world, signal, tmp_path
+):
+    """RE-PARENTING CONTRACT: chain trainer -> A (0) -> B (1) -> C (2); A is SIGKILLed after its
+    first block of version 2. B is re-parented to the trainer (with two trainer processes, TP=2,
+    both ranks serve it their pieces), C keeps pulling from B; both commit version 2 bit-equal to
+    the trainer's tensors, each block staged once; A is reported; everything ends well before the
+    60 s deadline; version 3 then goes down the chain B -> C as usual. SIGSTOP: A hangs with its
+    sockets open (like a host gone without a FIN), so B's pulls hang instead of failing: B learns
+    from a beat reply, once A's heartbeat silence (2 s) counts it failed."""
+    import os
+
+    q = U.ctx().Queue()
+    stamp = str(tmp_path / "killed_at")
+    trainer, rank1, procs, eng, mine = chain_with_killed_head(q, trainer_world, 51, stamp, signal)
+    everyone = procs + ([rank1] if rank1 else [])
+    try:
+        rep = trainer.publish(2, mine(52))
+        assert sorted(rep.committed) == ["1:0", "2:0"], rep
+        assert list(rep.failed) == ["0:0"], rep.failed
+        if signal == "SIGSTOP":
+            assert "no heartbeat" in rep.failed["0:0"], rep.failed
+        assert rep.reparented == {"1:0": "0:0"}, rep.reparented
+        assert rep.seconds < 30.0, f"waited {rep.seconds:.1f} s for a dead chain head"
+        full = U.full_weights(52)
+        got = collect(q, 2)
+        for key in ((1, 0), (2, 0)):
+            assert got[key]["ok"] and got[key]["version"] == 2, got[key]
+            assert got[key]["digest"] == U.expected_digest(full, eng, 0, torch.float32)
+        # B resumed where it stood: every block staged exactly once, as on C.
+        assert got[(1, 0)]["staged"] == got[(2, 0)]["staged"] > 0, got
+        if signal == "SIGSTOP":
+            os.kill(procs[0].pid, 9)
+        procs[0].join(10)
+        assert procs[0].exitcode == -9
+        killed_at = float(open(stamp).read())
+        death_to_commit = max(got[k]["done_at"] for k in got) - killed_at
+        print(
+            f"{trainer_world} trainer(s), {signal}: A -> B, C committed in {death_to_commit:.2f} s"
+        )
+        assert 0 < death_to_commit < 30.0
+        if rank1 is not None:
+            _, v, info = get(q, "published")
+            assert v == 2 and list(info["failed"]) == ["0:0"], info
+            assert info["seconds"] < 30.0, f"rank 1 waited {info['seconds']:.1f} s"
+        assert trainer.samplers == ["1:0", "2:0"]
+        rep3 = trainer.publish(3, mine(53))
+        assert rep3.ok and sorted(rep3.committed) == ["1:0", "2:0"], rep3
+        assert not rep3.reparented
+        full = U.full_weights(53)
+        got = collect(q, 2)
+        for key in ((1, 0), (2, 0)):
+            assert got[key]["ok"] and got[key]["version"] == 3, got[key]
+            assert got[key]["digest"] == U.expected_digest(full, eng, 0, torch.float32)
+        assert got[(1, 0)]["forwarded"] > 0 and got[(2, 0)]["forwarded"] == 0  # B -> C again
+        if rank1 is not None:
+            _, v, info = get(q, "published")
+            assert v == 3 and not info["failed"], info
+    finally:
+        join_all(everyone)
+        trainer.close()
+
+
+def test_tree_inner_node_killed_mid_update_both_children_commit():
+    """RE-PARENTING CONTRACT in a tree (fanout 2): replicas 0 and 1 pull from the trainer, 2 and
+    3 from replica 0. Version 2 is a per-chunk delta (rows changed in every tensor, several
+    buckets). Replica 0 is SIGKILLed after its first block of it: its two children are
+    re-parented to the trainer (two child slots), get the rest of the delta re-filled and commit
+    version 2 bit-equal with replica 1; replica 0 is reported, all well before the 60 s
+    deadline."""
+    q = U.ctx().Queue()
+    trainer, eng = rank0(
+        tp_layouts(1, {}),
+        bucket_blocks=1,
+        fanout=2,
+        pool_bytes=2 << 20,
+        deadline=60.0,
+        silence=2.0,
+    )
+    procs = start_samplers(
+        q,
+        trainer.control_address,
+        eng,
+        4,
+        1,
+        2,
+        common={"dtype": "float32"},
+        per={(0, 0): {"kill_at_version": 2}},
+    )
+    try:
+        trainer.wait_for_samplers(4, timeout=30)
+        assert trainer.publish(1, U.full_weights(61), delta=True).ok  # the delta base
+        v1 = collect(q, 4)
+        bumps = [
+            ("embed", (0, 3), 1.0),
+            ("embed", (200, 7), 2.0),
+            ("layers.0.w", (5, 1), 3.0),
+            ("layers.0.w", (150, 2), 4.0),
+            ("layers.1.w", (9, 4), 5.0),
+            ("layers.1.w", (220, 5), 6.0),
+        ]
+        rep = trainer.publish(2, U.full_weights(61, bumps), delta=True)
+        assert sorted(rep.committed) == ["1:0", "2:0", "3:0"], rep
+        assert list(rep.failed) == ["0:0"], rep.failed
+        assert rep.reparented == {"2:0": "0:0", "3:0": "0:0"}, rep.reparented
+        assert rep.seconds < 30.0, f"waited {rep.seconds:.1f} s for a dead inner node"
+        full = U.full_weights(61, bumps)
+        got = collect(q, 3)
+        assert got[(1, 0)]["bytes"] < v1[(1, 0)]["bytes"], (got, v1)  # a chunk delta indeed
+        for key in ((1, 0), (2, 0), (3, 0)):
+            assert got[key]["ok"] and got[key]["version"] == 2, got[key]
+            assert got[key]["digest"] == U.expected_digest(full, eng, 0, torch.float32)
+            assert got[key]["staged"] == got[(1, 0)]["staged"] > 0, got
+        assert trainer._ep.producer.pending == 0
     finally:
         join_all(procs)
         trainer.close()

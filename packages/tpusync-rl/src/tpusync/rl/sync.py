@@ -15,6 +15,8 @@ FAN-OUT CONTRACT: for each sampler rank ``r`` the live replicas form a tree of d
 (``fanout=1``: a chain). Only the tree's first level pulls from the trainer; every other replica
 pulls the same blocks from its parent, which registers each bucket for its children as soon as
 it landed (forwarding while receiving), so the trainer sends each byte ``fanout`` times, not N.
+A replica whose parent is lost in the middle of a version is re-parented to the trainer for the
+rest of that version (RE-PARENTING CONTRACT below); its own subtree stays below it.
 
 RESHARD CONTRACT: trainer rank ``t`` sends sampler rank ``r`` only the intersections of its
 shards with ``r``'s shards (:class:`tpusync.rl.plan.ReshardPlan`); no process ever holds more of
@@ -38,8 +40,9 @@ sampler's pool (the trainer process would do every copy for every sampler).
 
 FAULT CONTRACT: every wait has a deadline. A sampler that dies or fails an update is reported by
 trainer rank 0 (:class:`PublishReport`) and dropped from the next version's tree until it polls
-again; the others commit. When the trainer dies, samplers' pulls fail by their deadline and they
-keep serving the version they have. A digest mismatch or a stale block rejects the update (logged,
+again; the others commit, its descendants in the fan-out tree included (RE-PARENTING CONTRACT:
+its children get the rest of the version from the trainer). When the trainer dies, samplers'
+pulls fail by their deadline and they keep serving the version they have. A digest mismatch or a stale block rejects the update (logged,
 nothing committed); an announcement that does not follow the sampler's version is refused.
 
 HEARTBEAT CONTRACT (a sampler dying, idle or mid-update, on any host): from its first poll until
@@ -62,10 +65,9 @@ either way has every transport send registered for it cancelled at once
 (``PdProducer.cancel``, CANCEL CONTRACT in pd_stream.h): each trainer rank cancels its own (ranks
 > 0 ask rank 0 which samplers failed), and a forwarding sampler cancels what it registered for a
 failed child when a beat reply names that child, so no pool stays held for a dead peer and the
-next version starts on free pools. Its fan-out descendants cannot get the version from it: a beat
-reply tells each of them to give up at once (they report the failure themselves, or fail on the
-lost connection first) and the others commit; the next version's tree leaves the dead sampler
-out until it polls again (a restarted sampler rejoins by polling). A live sampler that is idle
+next version starts on free pools. Its fan-out children are re-parented to the trainer within the
+same version (RE-PARENTING CONTRACT below) and commit it with the others; the next version's
+tree leaves the dead sampler out until it polls again (a restarted sampler rejoins by polling). A live sampler that is idle
 for a long time is still a member: a version it has not fetched waits for it until the deadline
 (it is alive, it may poll). Rejected: connection loss seen by
 the producer (a host that died sends no FIN, links are pooled and idle between pulls, and the
@@ -73,6 +75,36 @@ death of a forwarded-to child is seen by its parent sampler's producer, not by t
 would need relaying anyway), a progress timeout on the pulling thread (it fires on a sampler
 that is slow, e.g. staging a large bucket, but alive), and judging liveness by polls (a live
 sampler whose engine does not call ``update`` for a while would be presumed dead).
+
+RE-PARENTING CONTRACT (a tree or chain member lost in the middle of a version): a replica whose
+parent sampler is gone (the parent failed the version: heartbeat silence, exit watch, its own
+failure report; or it committed and then went silent, left, or its same-host process exited)
+gets the rest of that version from the TRAINER, as a late direct child. It learns of the loss
+from a failed pull from the parent or from a beat reply (``adopt``), drops its pulls from the
+parent and sends rank 0 an ``adopt`` request naming, per trainer rank, the first bucket it has
+not staged yet (buckets are staged in pull order, so what it lacks is a suffix of every stream).
+Rank 0 grants it a child slot at or above ``fanout`` (unique per version and sampler rank; slots
+end at 63) once it counts the parent gone, answers ``wait`` while the parent may still serve it,
+and records the adoption; every trainer rank (ranks > 0 learn adoptions with the failed samplers
+from rank 0) fills those buckets again from the version's tensors, which ``publish`` holds until
+it returns, and registers them at that slot, at most ``REFILL_AHEAD`` unacknowledged per orphan
+and stream, never blocking on its pool. The orphan pulls them, verifies each against the fresh
+block checksums, forwards each to its own children under the same request ids as before (its
+subtree does not notice) and stages it: every bucket is staged exactly once, all of one version
+(the block trailer names it), so the COMMIT and DIGEST checks hold as for any update. Deltas and
+resharding need nothing more: the buckets come from the same plan. To serve orphans every trainer
+rank's ``publish`` returns only once every member reported (ranks > 0 ask rank 0; one that hears
+nothing from rank 0 for ``silence`` stops waiting). Every wait has its deadline: an orphan whose
+parent stays alive for ``2 * silence`` after a failed pull (it failed for another reason), or
+that rank 0 cannot re-parent (version over, no slot left) or does not by the deadline, fails the
+version with that reason, as before. A forwarding sampler that fails a version cancels what it
+forwarded, so its children move at once. Shared-segment readers have no parent (they read the
+trainer's pool) and are never orphans. Rejected: the dead node's parent or another ancestor
+forwarding the missing buckets (an ancestor frees a forwarded bucket once its own children
+acknowledged it, DRAIN CONTRACT, so it may no longer hold the orphan's buckets, and a second
+forwarding path per sampler would need its own flow control); re-forming the whole tree within
+the version (every live member would change parent mid-stream); and failing the descendants,
+the old behaviour (samplers that did nothing wrong miss a version).
 """
 
 from __future__ import annotations
@@ -124,6 +156,10 @@ __all__ = ["PublishReport", "SamplerSync", "TrainerSync", "UpdateResult", "reque
 FILL_THREADS = 2
 
 _VERSION_BITS, _RANK_BITS, _CHILD_BITS, _BUCKET_BITS = 20, 10, 6, 18
+
+# RE-PARENTING CONTRACT: buckets a trainer rank keeps registered, unacknowledged, per adopted
+# orphan and stream (the orphan pulls them in order; more would only pin the trainer's pool).
+REFILL_AHEAD = 3
 
 
 def request_id(version: int, src: int, dst: int, child: int, bucket: int) -> int:
@@ -310,6 +346,20 @@ class _Endpoint:
 
 
 @dataclass
+class _Refill:
+    """What a publishing trainer rank needs to fill a bucket again for an adopted orphan: the
+    version, its stream plans ``(src, dst) -> plan``, the local shards and their boxes per
+    source rank; cursors and registrations per ``(orphan key, src)``."""
+
+    version: int
+    plans: Mapping[tuple[int, int], StreamPlan]
+    local: Mapping[int, Mapping[str, torch.Tensor]]
+    boxes: Mapping[int, Mapping[str, Box]]
+    cursor: dict[tuple[str, int], int] = field(default_factory=dict)
+    rids: dict[int, tuple[str, int]] = field(default_factory=dict)
+
+
+@dataclass
 class PublishReport:
     """What happened to one version: ``failed`` maps ``"replica:rank"`` to a reason."""
 
@@ -317,9 +367,12 @@ class PublishReport:
     committed: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
-    # Block bytes the trainer served: sent to its direct tree children, plus read by each
-    # shared-segment reader.
+    # Block bytes the trainer served: sent to its direct tree children (adopted orphans
+    # included), plus read by each shared-segment reader.
     bytes_sent: int = 0
+    # RE-PARENTING CONTRACT (rank 0): orphan "replica:rank" -> the failed parent it was moved
+    # away from; the orphan got the rest of the version from the trainer.
+    reparented: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -376,6 +429,10 @@ def _first(tensors: Mapping[str, tuple[dict[int, Any], ShardLayout]]) -> dict[st
             raise ValueError(f"{name}: this process holds no shard of it")
         out[name] = (local[min(local)], layout)
     return out
+
+
+class _ParentLost(Exception):
+    """A sampler's parent in the fan-out tree no longer serves the version (RE-PARENTING)."""
 
 
 class TrainerSync:
@@ -499,7 +556,15 @@ class TrainerSync:
         self._alive: dict[str, float] = {}
         self._collected = 0  # rank 0: the newest version whose reports were collected
         self._failed_past: dict[int, dict[str, str]] = {}  # failed samplers of collected versions
-        self._asked: tuple[float, dict[str, str]] = (0.0, {})
+        # Ranks > 0: when rank 0 was last asked (and answered) about the version in flight, and
+        # its answer: {"keys": failed samplers, "adopted": orphans, "over": bool}.
+        self._asked: tuple[float, dict[str, Any]] = (0.0, {})
+        self._answered = 0.0
+        # RE-PARENTING CONTRACT (rank 0, under _lock): version -> orphan key -> {"slot", "rank",
+        # "resume": {trainer rank: first bucket it lacks}, "parent": the failed parent's key}.
+        self._adoptions: dict[int, dict[str, dict]] = collections.defaultdict(dict)
+        # Every rank, while it publishes: what it needs to fill an orphan's buckets again.
+        self._refill: _Refill | None = None
         self._progress = 0.0  # ranks > 0: when a send was last registered or acknowledged
         self._released: set[tuple[tuple[int, int, int, int], str]] = set()  # (slot, reader)
         self.metrics = {"versions_published": 0, "bytes_sent": 0, "last_publish_s": 0.0}
@@ -573,12 +638,21 @@ class TrainerSync:
                         return {"op": "ok", "failed": sorted(failed)}
                     why = mine.get("reason") or "failed"
                     return {"op": "abort", "reason": f"trainer rank 0 counts {key} failed: {why}"}
-                why = self._ancestor_failed(version, key, failed)
-                if why:
-                    return {"op": "abort", "reason": why}
+                why = self._orphaned(version, key, failed)
+                if why:  # RE-PARENTING CONTRACT: the sampler asks for a new source (``adopt``)
+                    return {"op": "adopt", "reason": why, "failed": sorted(failed)}
                 return {"op": "ok", "failed": sorted(failed)}
+            if op == "adopt":  # RE-PARENTING CONTRACT: an orphan asks for a new source
+                return self._adopt(msg)
             if op == "failed":  # a trainer rank > 0 asks which samplers to stop sending to
-                return {"op": "failed", "keys": self._failed(int(msg["version"]))}
+                version = int(msg["version"])
+                return {
+                    "op": "failed",
+                    "keys": self._failed(version),
+                    # RE-PARENTING CONTRACT: orphans it serves too, and whether it may stop.
+                    "adopted": self._adoptions.get(version, {}),
+                    "over": self._over(version),
+                }
             if op == "get":
                 version = int(msg["version"])
                 if version in self._aborted:
@@ -756,22 +830,122 @@ class TrainerSync:
             },
         }
 
-    def _ancestor_failed(self, version: int, key: str, failed: Mapping[str, str]) -> str | None:
-        """Why ``key`` cannot get ``version``: a failed ancestor in its fan-out tree (lock held)."""
+    def _tree_parent(self, version: int, key: str) -> str | None:
+        """``key``'s parent sampler in ``version``'s fan-out tree (None: the trainer, or not in
+        the tree) (lock held)."""
         ann = self._announced.get(version)
-        if ann is None or not failed:
+        if ann is None:
             return None
         replica, rank = (int(x) for x in key.split(":"))
         topo = [int(x) for x in ann["topo"].get(rank, [])]
-        while replica in topo:
-            parent, _slot = _parent(topo, replica, int(ann["fanout"]))
-            if parent is None:
-                return None
-            pkey = _key(parent, rank)
-            if pkey in failed:
-                return f"its parent {pkey} in the fan-out tree failed version {version}: {failed[pkey]}"
-            replica = parent
+        if replica not in topo:
+            return None
+        parent, _slot = _parent(topo, replica, int(ann["fanout"]))
+        return None if parent is None else _key(parent, rank)
+
+    def _parent_gone(self, version: int, pkey: str, failed: Mapping[str, str]) -> str | None:
+        """Why parent ``pkey`` no longer serves ``version`` to its children, None while it may
+        (lock held): it failed the version; or it committed but is gone since (silent for
+        ``silence``, left the group, or its same-host process exited: EXIT WATCH CONTRACT)."""
+        if pkey in failed:
+            return failed[pkey]
+        ann = self._announced[version]
+        last = self._alive.get(pkey)
+        if last is None:
+            return f"{pkey} left the group"
+        if time.monotonic() - last > self.silence:
+            return f"no heartbeat from {pkey} for {time.monotonic() - last:.1f} s"
+        addr = ann["members"].get(pkey) or {}
+        proc = addr.get("proc") or {}
+        mine = self._ep.address
+        if (
+            proc
+            and addr.get("host") == mine["host"]
+            and proc.get("pidns") == mine["proc"].get("pidns")
+            and _process_gone(proc)
+        ):
+            why = f"sampler process {proc['pid']} exited during the update"
+            if pkey not in self._reports.get(version, {}):
+                self._record_report(version, pkey, {"ok": False, "reason": why})
+            return why
         return None
+
+    def _orphaned(self, version: int, key: str, failed: Mapping[str, str]) -> str | None:
+        """Why ``key`` must ask for a new source of ``version`` (lock held): its parent in the
+        fan-out tree is gone and it was not re-parented yet. A failed grandparent is no reason:
+        the parent itself is re-parented (RE-PARENTING CONTRACT)."""
+        if key in self._adoptions.get(version, {}):
+            return None
+        pkey = self._tree_parent(version, key)
+        if pkey is None:
+            return None
+        why = self._parent_gone(version, pkey, failed)
+        return (
+            f"its parent {pkey} in the fan-out tree failed version {version}: {why}"
+            if why
+            else None
+        )
+
+    def _adopt(self, msg: dict) -> dict:
+        """RE-PARENTING CONTRACT (rank 0, lock held): an orphan's request for a new source.
+        ``adopted`` with its child slot at every trainer rank once its parent is gone, ``wait``
+        while the parent may still serve it, ``abort`` (with the reason) when it cannot be."""
+        version = int(msg["version"])
+        key = _key(int(msg["replica"]), int(msg["rank"]))
+        ann = self._announced.get(version)
+        if key in self._members:
+            self._alive[key] = time.monotonic()
+        if ann is None or version <= self._collected:
+            return {"op": "abort", "reason": f"version {version} is over on trainer rank 0"}
+        have = self._adoptions[version].get(key)
+        if have is not None:  # a retry whose first reply was lost
+            return {"op": "adopted", **have}
+        if key in self._reports[version]:
+            return {"op": "abort", "reason": f"{key} already reported version {version}"}
+        pkey = self._tree_parent(version, key)
+        if pkey is None:
+            return {
+                "op": "abort",
+                "reason": f"{key} pulls version {version} from the trainer: no parent to replace",
+            }
+        why = self._parent_gone(version, pkey, self._failed(version))
+        if why is None:
+            return {"op": "wait"}
+        rank = int(msg["rank"])
+        slot = int(ann["fanout"]) + sum(
+            1 for a in self._adoptions[version].values() if a["rank"] == rank
+        )
+        if slot >= 1 << _CHILD_BITS:
+            return {
+                "op": "abort",
+                "reason": f"too many orphans of version {version} at sampler rank {rank} "
+                f"(child slots end at {(1 << _CHILD_BITS) - 1})",
+            }
+        adoption = {
+            "slot": slot,
+            "rank": rank,
+            "resume": {int(s): int(b) for s, b in msg["resume"].items()},
+            "parent": pkey,
+        }
+        self._adoptions[version][key] = adoption
+        log.warning(
+            "version %d: sampler %s re-parented to the trainer (child slot %d): its parent %s is "
+            "gone: %s",
+            version,
+            key,
+            slot,
+            pkey,
+            why,
+        )
+        return {"op": "adopted", **adoption}
+
+    def _over(self, version: int) -> bool:
+        """Rank 0: every member of ``version`` reported (or it was collected): no orphan can
+        need its buckets any more (lock held)."""
+        ann = self._announced.get(version)
+        if version <= self._collected or ann is None:
+            return True
+        return set(ann["members"]) <= set(self._reports.get(version, {}))
 
     def _watch_silence(self, ann: dict) -> None:
         """HEARTBEAT CONTRACT (rank 0): a member of ``ann``'s version that has not reported and
@@ -809,20 +983,105 @@ class TrainerSync:
             self._ep.cancel_send(rid, f"sampler {key} failed version {version}")
 
     def _ask_failed(self, version: int) -> dict[str, str]:
-        """Ranks > 0: rank 0's failed samplers of ``version``, asked at most every 0.2 s and
-        only while this rank's sends make no progress (0.5 s without a registration or an
-        acknowledgement: a round trip to rank 0 is not worth it while everyone keeps pulling)."""
-        when, keys = self._asked
+        """Ranks > 0: rank 0's failed samplers of ``version`` (see :meth:`_ask_rank0`)."""
+        return {str(k): str(v) for k, v in self._ask_rank0(version).get("keys", {}).items()}
+
+    def _ask_rank0(self, version: int) -> dict[str, Any]:
+        """Ranks > 0: rank 0's word on ``version``: failed samplers, adopted orphans and whether
+        every member reported. Asked at most every 0.2 s, and while this rank's sends make
+        progress (a registration or an acknowledgement in the last 0.5 s: a round trip to rank 0
+        is not worth more while everyone keeps pulling) only every second, so an orphan waits at
+        most about a second for this rank's first re-filled bucket (RE-PARENTING CONTRACT)."""
+        when, last = self._asked
         now = time.monotonic()
-        if now - when < 0.2 or now - self._progress < 0.5 or self._client is None:
-            return keys
+        busy = now - self._progress < 0.5
+        if now - when < (1.0 if busy else 0.2) or self._client is None:
+            return last
         try:
-            reply = self._client.request({"op": "failed", "version": version}, timeout=1.0)
-            keys = {str(k): str(v) for k, v in reply.get("keys", {}).items()}
+            last = self._client.request({"op": "failed", "version": version}, timeout=1.0)
+            self._answered = time.monotonic()
         except (TimeoutError, RuntimeError) as e:
             log.debug("trainer rank %d: asking rank 0 for failed samplers: %s", self.rank, e)
-        self._asked = (time.monotonic(), keys)
-        return keys
+        self._asked = (time.monotonic(), last)
+        return last
+
+    def _version_over(self, ann: dict) -> bool:
+        """Whether no orphan can need this rank's buckets of ``ann``'s version any more
+        (RE-PARENTING CONTRACT): every member reported. A rank > 0 that has not heard from rank 0
+        for the version's ``silence`` stops waiting (rank 0 gone: nobody can adopt)."""
+        version = int(ann["version"])
+        if self._server is not None:
+            with self._lock:
+                return self._over(version)
+        if self._ask_rank0(version).get("over"):
+            return True
+        quiet = time.monotonic() - self._answered
+        if quiet > float(ann.get("silence") or 10.0):
+            log.warning(
+                "trainer rank %d: no word from trainer rank 0 on version %d for %.1f s: "
+                "stops serving orphans",
+                self.rank,
+                version,
+                quiet,
+            )
+            return True
+        return False
+
+    def _adoptions_of(self, version: int) -> dict[str, dict]:
+        """The orphans of ``version`` this rank serves (RE-PARENTING CONTRACT)."""
+        if self._server is not None:
+            with self._lock:
+                return dict(self._adoptions.get(version, {}))
+        return dict(self._ask_rank0(version).get("adopted") or {})
+
+    def _serve_orphans(
+        self, ann: dict, outstanding: dict[int, str], report: PublishReport, deadline: float
+    ) -> None:
+        """RE-PARENTING CONTRACT: fill again and register, as a late direct child at its child
+        slot, the buckets each adopted orphan lacks, in bucket order, at most
+        ``REFILL_AHEAD`` unacknowledged per orphan and stream. Never blocks on the pool: a round
+        without free blocks leaves the rest to the next round (the main sends and
+        acknowledgements free them)."""
+        ctx = self._refill
+        if ctx is None:
+            return
+        version = int(ann["version"])
+        for key, ad in sorted(self._adoptions_of(version).items()):
+            if key in report.failed:
+                continue
+            rank, slot = int(ad["rank"]), int(ad["slot"])
+            resume = {int(s): int(b) for s, b in (ad.get("resume") or {}).items()}
+            for s in self.ranks:
+                plan = ctx.plans.get((s, rank))
+                if plan is None or s not in resume:
+                    continue
+                cur = ctx.cursor.setdefault((key, s), resume[s])
+                busy = sum(
+                    1 for rid, ks in ctx.rids.items() if ks == (key, s) and rid in outstanding
+                )
+                while cur < len(plan.buckets) and busy < REFILL_AHEAD:
+                    first, end = plan.buckets[cur]
+                    try:
+                        ids = self._ep.pool.alloc(end - first)
+                    except PoolExhaustedError:
+                        return
+                    try:
+                        sums = self._fill_bucket(
+                            ids, plan, first, ctx.version, ctx.local[s], ctx.boxes[s]
+                        )
+                        rid = request_id(version, s, rank, slot, cur)
+                        self._ep.producer.register_send(
+                            rid, ids, max(deadline - time.monotonic(), 0), checksums=sums
+                        )
+                    finally:
+                        self._ep.pool.free(ids)  # the producer holds its own reference
+                    outstanding[rid] = key
+                    ctx.rids[rid] = (key, s)
+                    report.bytes_sent += (end - first) * self.block_bytes
+                    self._progress = time.monotonic()
+                    cur += 1
+                    busy += 1
+                    ctx.cursor[(key, s)] = cur
 
     def _watch_exits(self, ann: dict) -> None:
         """EXIT WATCH CONTRACT (rank 0): while a version is in flight, a shared-segment reader
@@ -1022,6 +1281,8 @@ class TrainerSync:
                 del self._announced[old]
             for old in [v for v in self._failed_past if v < manifest.version - 4]:
                 del self._failed_past[old]
+            for old in [v for v in self._adoptions if v < manifest.version - 4]:
+                del self._adoptions[old]
             return ann
 
     # ---------------------------------------------------------------------------- publishing
@@ -1106,6 +1367,7 @@ class TrainerSync:
                     f"trainer rank {self.rank} disagrees with rank 0 on version {version}"
                 )
         report = PublishReport(version)
+        self._answered = time.monotonic()
         self.stages = dict.fromkeys(self.stages, 0.0)
         try:
             outstanding = self._send(ann, manifest, tensors, report, t0 + self.deadline)
@@ -1113,6 +1375,7 @@ class TrainerSync:
             self._wait_sent(outstanding, ann, report, t0 + self.deadline)
             self.stages["ack_wait_s"] = time.monotonic() - t1
         finally:
+            self._refill = None
             for key in self._end_sharing(version):
                 report.failed.setdefault(key, "did not read every shared bucket by the deadline")
         if self.rank == 0:
@@ -1195,14 +1458,20 @@ class TrainerSync:
             s: {n: lay.box_of(s) for n, (shards, lay) in tensors.items() if s in shards}
             for s in self.ranks
         }
+        # RE-PARENTING CONTRACT: until publish returns, this rank can fill any bucket again.
+        self._refill = _Refill(manifest.version, mine, local, boxes)
+
+        def between() -> None:
+            self._drop_failed(ann, outstanding, report)
+            self._serve_orphans(ann, outstanding, report, deadline)
+
         for n, (s, r, b) in enumerate(order):
+            between()
             plan = mine[(s, r)]
             first, end = plan.buckets[b]
             t1 = time.monotonic()
             try:
-                ids = self._ep.alloc(
-                    end - first, deadline, lambda: self._drop_failed(ann, outstanding, report)
-                )
+                ids = self._ep.alloc(end - first, deadline, between)
             except PoolExhaustedError:
                 # Children that never acknowledged hold the pool until the deadline: whoever has
                 # not got every bucket by now fails this version (reported), nobody waits longer.
@@ -1220,18 +1489,7 @@ class TrainerSync:
                 # FILL CONTRACT: the blocks of a bucket are packed and hashed on FILL_THREADS
                 # threads (the copy and the hash release the GIL), each block by one thread, so
                 # a block's checksum is still taken right after that block was filled.
-                n_blk = end - first
-                sums = list(
-                    self._fillers.map(
-                        self._fill,
-                        ids,
-                        [plan] * n_blk,
-                        range(first, end),
-                        [manifest.version] * n_blk,
-                        [local[s]] * n_blk,
-                        [boxes[s]] * n_blk,
-                    )
-                )
+                sums = self._fill_bucket(ids, plan, first, manifest.version, local[s], boxes[s])
                 self.stages["fill_s"] += time.monotonic() - t2
                 readers = [_key(replica, r) for replica in shared.get(r, [])]
                 if readers:
@@ -1250,6 +1508,29 @@ class TrainerSync:
             finally:
                 self._ep.pool.free(ids)  # the producer holds its own reference until acked
         return outstanding
+
+    def _fill_bucket(
+        self,
+        ids: list[int],
+        plan: StreamPlan,
+        first: int,
+        version: int,
+        local: Mapping[str, torch.Tensor],
+        boxes: Mapping[str, Box],
+    ) -> list[int]:
+        """Fill pool blocks ``ids`` with blocks ``first ..`` of ``plan`` (FILL CONTRACT)."""
+        n_blk = len(ids)
+        return list(
+            self._fillers.map(
+                self._fill,
+                ids,
+                [plan] * n_blk,
+                range(first, first + n_blk),
+                [version] * n_blk,
+                [local] * n_blk,
+                [boxes] * n_blk,
+            )
+        )
 
     def _fill(
         self,
@@ -1303,11 +1584,19 @@ class TrainerSync:
     def _wait_sent(
         self, outstanding: dict[int, str], ann: dict, report: PublishReport, deadline: float
     ) -> None:
-        left = dict(outstanding)
+        # Registrations for adopted orphans join ``outstanding`` as they are made.
+        left = outstanding
         version = int(ann["version"])
-        while (left or self._holding(version)) and time.monotonic() < deadline + 1.0:
+
+        def busy() -> bool:
+            # RE-PARENTING CONTRACT: until every member reported, an orphan may still need this
+            # rank's buckets (the tensors are only held until publish returns).
+            return bool(left) or bool(self._holding(version)) or not self._version_over(ann)
+
+        while busy() and time.monotonic() < deadline + 1.0:
             # A sampler that reported a failure or was found dead gave up: its sends are cancelled.
             self._drop_failed(ann, left, report)
+            self._serve_orphans(ann, left, report, deadline)
             self._ep.poll_sends()
             for rid in list(left):
                 st = self._ep.take_send(rid)
@@ -1319,6 +1608,8 @@ class TrainerSync:
                     report.failed[key] = f"transfer failed: {st.reason}"
             if left or self._holding(version):
                 time.sleep(0.002)
+            elif busy():
+                time.sleep(0.01)  # only waiting for reports: no send to poll
         for key in left.values():
             report.failed.setdefault(key, "transfer not acknowledged by the deadline")
 
@@ -1353,6 +1644,9 @@ class TrainerSync:
                 report.failed[key] = why
                 self._members.pop(key, None)  # out of the next tree until it polls again
                 self._alive.pop(key, None)
+            report.reparented = {
+                k: str(a["parent"]) for k, a in self._adoptions.pop(version, {}).items()
+            }
             # Parents still serving their children ask after the version ended (HEARTBEAT CONTRACT).
             self._failed_past[version] = {k: str(w) for k, w in report.failed.items()}
 
@@ -1412,6 +1706,10 @@ class SamplerSync:
         self._control = control
         self._beat_client: ControlClient | None = None
         self._abort: str | None = None
+        # RE-PARENTING CONTRACT: why this sampler's parent no longer serves the version in flight
+        # (from a beat reply), until it was re-parented to the trainer.
+        self._orphaned: str | None = None
+        self._adopted = 0  # the version this sampler was re-parented in
         self._beating: tuple[threading.Thread, threading.Event] | None = None
         self._beat_lock = threading.Lock()
         self._beat_for: tuple[int, float, bool] | None = None  # (version, deadline, applied)
@@ -1468,7 +1766,16 @@ class SamplerSync:
                     with self._beat_lock:
                         if self._beat_for is not None and self._beat_for[0] == version:
                             self._abort = str(reply.get("reason") or "aborted by trainer rank 0")
-                elif reply.get("failed"):
+                    continue
+                if reply.get("op") == "adopt":  # RE-PARENTING CONTRACT: the parent is gone
+                    with self._beat_lock:
+                        if (
+                            self._beat_for is not None
+                            and self._beat_for[0] == version
+                            and self._adopted != version
+                        ):
+                            self._orphaned = str(reply.get("reason") or "its parent is gone")
+                if reply.get("failed"):
                     self._cancel_children(version, {str(k) for k in reply["failed"]})
 
         thread = threading.Thread(target=run, name="tpusync-rl-beat", daemon=True)
@@ -1479,6 +1786,7 @@ class SamplerSync:
         """Beats name ``version`` from now until :meth:`_beat_done` and its forwarded sends end."""
         with self._beat_lock:
             self._abort = None
+            self._orphaned = None
             self._beat_for = (version, deadline, False)
 
     def _beat_done(self) -> None:
@@ -1514,6 +1822,89 @@ class SamplerSync:
     def _check_abort(self) -> None:
         if self._abort is not None:
             raise UpdateRejectedError(self._abort)
+        if self._orphaned is not None:
+            raise _ParentLost(self._orphaned)
+
+    def _cancel_forwards(self, version: int, why: str) -> None:
+        """This sampler failed ``version``: end every send it forwarded, so its children stop
+        waiting on it and ask trainer rank 0 for a new source (RE-PARENTING CONTRACT)."""
+        with self._fwd_lock:
+            if self._fwd_version != version:
+                return
+            for j, rids in self._fwd.items():
+                if j in self._dead_children:
+                    continue
+                self._dead_children.add(j)
+                for rid in rids:
+                    self._ep.cancel_send(rid, f"forwarding sampler failed version {version}: {why}")
+
+    def _adopt(
+        self,
+        version: int,
+        me: int,
+        parent: str,
+        rest: list[tuple[int, int]],
+        why: str,
+        deadline: float,
+    ) -> dict:
+        """RE-PARENTING CONTRACT: ask trainer rank 0 for a new source of ``version``: the rest
+        ``rest`` (``(source rank, bucket)`` in pull order) comes from the trainer ranks. Returns
+        rank 0's adoption; raises UpdateRejectedError when the parent stays alive (rank 0 still
+        hears from it ``2 * silence`` seconds on: the pull failed for another reason), when rank 0
+        refuses, or at the deadline."""
+        resume: dict[int, int] = {}
+        for s, b in rest:
+            resume.setdefault(s, b)
+        silence = self._beat_interval * 4
+        give_up = min(deadline, time.monotonic() + 2 * silence + 1.0)
+        msg = {
+            "op": "adopt",
+            "version": version,
+            "replica": self.replica,
+            "rank": me,
+            "resume": resume,
+        }
+        while True:
+            if self._abort is not None:
+                raise UpdateRejectedError(self._abort)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise UpdateRejectedError(
+                    f"version {version}: lost its parent {parent} ({why}) and trainer rank 0 did "
+                    "not re-parent it by the deadline"
+                )
+            try:
+                reply = self._client.request(msg, timeout=min(2.0, left))
+            except TimeoutError:
+                continue
+            except RuntimeError as e:
+                raise UpdateRejectedError(f"version {version}: re-parenting refused: {e}") from e
+            op = reply.get("op")
+            if op == "adopted":
+                with self._beat_lock:
+                    self._orphaned = None
+                    self._adopted = version
+                log.warning(
+                    "sampler %d:%d: parent %s lost (%s): pulls the rest of version %d from the "
+                    "trainer",
+                    self.replica,
+                    me,
+                    parent,
+                    why,
+                    version,
+                )
+                return reply
+            if op != "wait":
+                raise UpdateRejectedError(
+                    f"version {version}: lost its parent {parent} ({why}) and trainer rank 0 "
+                    f"cannot re-parent it: {reply.get('reason', reply)}"
+                )
+            if time.monotonic() >= give_up:
+                raise UpdateRejectedError(
+                    f"version {version}: pulling from parent {parent} failed ({why}) but trainer "
+                    f"rank 0 still hears from it after {2 * silence + 1.0:.1f} s: not re-parented"
+                )
+            time.sleep(0.05)
 
     def update(self, timeout: float) -> UpdateResult | None:
         """Wait up to ``timeout`` s for a version newer than ours and apply it.
@@ -1625,7 +2016,17 @@ class SamplerSync:
                     addr = self._ep.peer(ann["members"][_key(parent, me)])
                     peers = {s: addr for s in streams}
                 path = "unix" if any(p.startswith("unix:") for p in peers.values()) else "tcp"
-                forwarded = self._pull(version, me, streams, peers, slot, children, deadline)
+                forwarded = self._pull(
+                    version,
+                    me,
+                    streams,
+                    peers,
+                    slot,
+                    children,
+                    deadline,
+                    parent=None if parent is None else _key(parent, me),
+                    trainers=ann["trainers"],
+                )
             committed = self.sub.commit()
             result = UpdateResult(
                 committed,
@@ -1644,6 +2045,7 @@ class SamplerSync:
                 result.seconds,
             )
         except Exception as e:  # noqa: BLE001 - any failure rejects this update, never the sampler
+            self._cancel_forwards(version, str(e))  # RE-PARENTING CONTRACT: children move on
             self.sub.abort(str(e))
             log.error("sampler %d:%d rejects version %d: %s", self.replica, me, version, e)
             result = UpdateResult(version, False, str(e), time.monotonic() - t0, 0, forwarded, path)
@@ -1660,7 +2062,14 @@ class SamplerSync:
         slot: int,
         children: list[int],
         deadline: float,
+        parent: str | None = None,
+        trainers: Mapping[Any, Mapping[str, Any]] | None = None,
     ) -> int:
+        """Pull every bucket of ``streams`` from ``peers`` (the trainer ranks, or ``parent``'s
+        endpoint), forwarding each to ``children`` and staging it. RE-PARENTING CONTRACT: when
+        the parent sampler is lost (a pull from it failed, or a beat reply says it is gone), the
+        buckets not staged yet are pulled again from ``trainers`` at the child slot trainer rank 0
+        gives; a bucket is forwarded and staged once, whichever source it came from."""
         items = [
             (s, b)
             for b in range(max((len(p.buckets) for p in streams.values()), default=0))
@@ -1674,6 +2083,7 @@ class SamplerSync:
         forwarded = 0
         stages = self.stages = dict.fromkeys(self.stages, 0.0)
         finished: dict[int, Any] = {}  # terminal statuses polled before their turn
+        source = {"peers": dict(peers), "slot": slot, "parent": parent}
         with self._fwd_lock:
             self._fwd_version = version
             self._fwd = {j: [] for j in range(len(children))}
@@ -1696,10 +2106,10 @@ class SamplerSync:
                     raise
                 return False
             queue.popleft()
-            rid = request_id(version, s, me, slot, b)
+            rid = request_id(version, s, me, source["slot"], b)
             try:
                 ep.consumer.start_recv(
-                    rid, peers[s], ids, deadline=max(deadline - time.monotonic(), 0)
+                    rid, source["peers"][s], ids, deadline=max(deadline - time.monotonic(), 0)
                 )
             except Exception:
                 ep.pool.free(ids)
@@ -1709,33 +2119,59 @@ class SamplerSync:
 
         try:
             while queue or flight:
-                if not flight:
-                    start(block=True)
-                while queue and len(flight) < self._window and start():
-                    pass
-                s, b, rid, ids = flight.popleft()
-                t1 = time.monotonic()
-                st = self._wait(rid, finished, deadline)
-                stages["wire_wait_s"] += time.monotonic() - t1
-                if st.code == "NotFound" and time.monotonic() < deadline:
-                    # A pull waits ~10 s for its registration; a sender still busy (a loaded host,
-                    # a slow device -> host copy) is asked again until the version's deadline.
-                    ep.consumer.start_recv(
-                        rid, peers[s], ids, deadline=max(deadline - time.monotonic(), 0)
+                try:
+                    if not flight:
+                        start(block=True)
+                    while queue and len(flight) < self._window and start():
+                        pass
+                    s, b, rid, ids = flight[0]
+                    t1 = time.monotonic()
+                    st = self._wait(rid, finished, deadline)
+                    stages["wire_wait_s"] += time.monotonic() - t1
+                    if st.code == "NotFound" and time.monotonic() < deadline:
+                        # A pull waits ~10 s for its registration; a sender still busy (a loaded
+                        # host, a slow device -> host copy) is asked again until the deadline.
+                        ep.consumer.start_recv(
+                            rid,
+                            source["peers"][s],
+                            ids,
+                            deadline=max(deadline - time.monotonic(), 0),
+                        )
+                        continue
+                    if not st.done or len(st.checksums) != len(ids):
+                        why = st.reason or st.state if not st.done else "no origin checksums"
+                        if source["parent"] is not None:
+                            raise _ParentLost(f"bucket {b} from {source['parent']}: {why}")
+                        flight.popleft()
+                        ep.pool.free(ids)
+                        first, end = streams[s].buckets[b]
+                        names = sorted(
+                            {p.name for i in range(first, end) for p in streams[s].blocks[i]}
+                        )
+                        raise UpdateRejectedError(
+                            f"bucket {b} ({', '.join(names)}) from trainer rank {s} via "
+                            f"{source['peers'][s]}: {why}"
+                        )
+                    flight.popleft()
+                except _ParentLost as lost:
+                    if source["parent"] is None or trainers is None:
+                        raise UpdateRejectedError(str(lost)) from None
+                    # RE-PARENTING CONTRACT: drop the pulls from the lost parent (the transport
+                    # keeps its own reference to their blocks until each receive ends) and pull
+                    # what was not staged yet from the trainer ranks.
+                    rest = [(s2, b2) for s2, b2, _r, _i in flight] + list(queue)
+                    for _s, _b, _rid, old in flight:
+                        ep.pool.free(old)
+                    flight.clear()
+                    adoption = self._adopt(
+                        version, me, str(source["parent"]), rest, str(lost), deadline
                     )
-                    flight.appendleft((s, b, rid, ids))
+                    queue.clear()
+                    queue.extend(rest)
+                    source["peers"] = {s2: ep.peer(trainers[s2]) for s2 in streams}
+                    source["slot"] = int(adoption["slot"])
+                    source["parent"] = None
                     continue
-                if not st.done or len(st.checksums) != len(ids):
-                    ep.pool.free(ids)
-                    first, end = streams[s].buckets[b]
-                    names = sorted(
-                        {p.name for i in range(first, end) for p in streams[s].blocks[i]}
-                    )
-                    why = st.reason or st.state if not st.done else "no origin checksums"
-                    raise UpdateRejectedError(
-                        f"bucket {b} ({', '.join(names)}) from trainer rank {s} via {peers[s]}: "
-                        f"{why}"
-                    )
                 while queue and len(flight) < self._window and start():
                     pass
                 # Forward first (the children's pulls overlap our staging), then stage.
