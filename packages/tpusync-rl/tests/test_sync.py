@@ -66,17 +66,34 @@ def get(q, kind, timeout=60.0, match=None):
         stash.append(item)
 
 
+def coordinator_port() -> int:
+    """A port for JAX's coordinator, which binds ``[::]:port`` (every address) itself: picked
+    BELOW the kernel's ephemeral range, so no other test's connection (ports from that range)
+    can take it between this check and the coordinator's bind (a port from ``bind(0)`` could:
+    seen once as "Failed to add port to server"). Checked bindable on ``[::]``."""
+    import random
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        try:  # [::] is dual-stack here (bindv6only=0): it covers 0.0.0.0 too
+            with socket.socket(socket.AF_INET6) as sock:
+                sock.bind(("::", port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no free port below the ephemeral range (from {low})")
+
+
 def start_jax_trainers(q, dst, versions, updates):
     """Two multi-controller JAX trainer processes (``jax.distributed``, 2 CPU devices each) that
     publish ``versions`` to ``dst`` layouts, and four float32 torch sampler ranks (one replica)
     taking ``updates`` versions; returns every process once the trainers were told to go."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     base = {
-        "coordinator": f"127.0.0.1:{port}",
+        "coordinator": f"127.0.0.1:{coordinator_port()}",
         "processes": 2,
         "dst_layouts": dst,
         "block_bytes": BB,
