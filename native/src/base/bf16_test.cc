@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include "narrow_test.h"
 #include "tpusync/base/checksum.h"
 
 namespace tpusync {
@@ -70,22 +71,7 @@ TEST(Bf16, EveryExponentAndMantissaTopRoundsToNearestEven) {
 }
 
 TEST(Bf16, RandomBitsAtEveryLengthAndAlignment) {
-  std::mt19937 rng(5);
-  std::vector<uint8_t> src(4 * 300 + 3);
-  for (auto& b : src) b = static_cast<uint8_t>(rng());
-  for (size_t n : {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 65, 299}) {
-    for (size_t shift : {0, 1, 2, 3}) {
-      std::vector<uint16_t> out(n + 2, 0xabcd);
-      F32ToBf16(out.data() + 1, src.data() + shift, n);
-      for (size_t i = 0; i < n; ++i) {
-        uint32_t u;
-        std::memcpy(&u, src.data() + shift + 4 * i, 4);
-        ASSERT_EQ(out[1 + i], ReferenceBf16(u)) << "n " << n << " shift " << shift << " i " << i;
-      }
-      EXPECT_EQ(out[0], 0xabcd);
-      EXPECT_EQ(out[n + 1], 0xabcd);  // nothing written past the end
-    }
-  }
+  ExpectCastAtEveryLengthAndAlignment(F32ToBf16, ReferenceBf16);
 }
 
 // The fused form: digest of the source bytes in run order, every destination exactly the cast.

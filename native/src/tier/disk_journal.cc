@@ -13,6 +13,7 @@
 #include <filesystem>
 
 #include "tpusync/base/checksum.h"
+#include "tpusync/tier/file_write.h"
 
 namespace tpusync::tier {
 namespace {
@@ -25,19 +26,6 @@ constexpr size_t kHexDigits = 16;
 uint32_t RecordCheck(uint32_t slot, uint64_t generation) {
   const uint64_t v[2] = {slot, generation};
   return static_cast<uint32_t>(Checksum64(v, sizeof(v)));
-}
-
-Status WriteAll(int fd, const void* data, size_t bytes, const std::string& path) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (bytes > 0) {
-    const ssize_t n = write(fd, p, bytes);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return Status::FromErrno(errno, StrCat("writing journal ", path));
-    if (n == 0) return Status::NoSpace(StrCat("writing journal ", path, ": no space left"));
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
-  return Status::OK();
 }
 
 // The generation a journal file name encodes, or false for any other name (.tmp included).
@@ -78,7 +66,7 @@ Result<std::unique_ptr<JournalWriter>> JournalWriter::Create(const std::string& 
   h.generation = generation;
   h.meta_checksum = meta.header_checksum;
   h.header_checksum = Checksum64(&h, offsetof(JournalHeader, header_checksum));
-  Status s = WriteAll(w->fd_, &h, sizeof(h), tmp);
+  Status s = WriteAll(w->fd_, &h, sizeof(h), StrCat("journal ", tmp));
   if (s.ok() && rename(tmp.c_str(), w->path_.c_str()) != 0) {
     s = Status::FromErrno(errno, StrCat("renaming journal ", tmp));
   }
@@ -100,7 +88,7 @@ Status JournalWriter::Append(std::span<const uint64_t> slots) {
     recs[i].slot = static_cast<uint32_t>(slots[i]);
     recs[i].check = RecordCheck(recs[i].slot, generation_);
   }
-  return WriteAll(fd_, recs.data(), recs.size() * sizeof(JournalRecord), path_);
+  return WriteAll(fd_, recs.data(), recs.size() * sizeof(JournalRecord), StrCat("journal ", path_));
 }
 
 std::vector<uint64_t> ListJournals(const std::string& dir) {

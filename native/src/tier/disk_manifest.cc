@@ -7,26 +7,14 @@
 #include <cerrno>
 #include <cstring>
 
+#include "tpusync/tier/file_write.h"
+
 namespace tpusync::tier {
 namespace {
 
 constexpr size_t kBufBytes = size_t{1} << 20;
 
 std::string PathIn(const std::string& dir, const char* name) { return dir + "/" + name; }
-
-// write(2) until done: kNoSpace for ENOSPC / EDQUOT (FromErrno) and for a write that stores 0.
-Status WriteAll(int fd, const void* data, size_t bytes, const std::string& path) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (bytes > 0) {
-    const ssize_t n = write(fd, p, bytes);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return Status::FromErrno(errno, StrCat("writing manifest ", path));
-    if (n == 0) return Status::NoSpace(StrCat("writing manifest ", path, ": no space left"));
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
-  return Status::OK();
-}
 
 // read(2) until `bytes` or end of file; returns the count read, or -errno.
 ssize_t ReadAll(int fd, void* data, size_t bytes) {
@@ -97,7 +85,7 @@ ManifestWriter::~ManifestWriter() {
 
 Status ManifestWriter::Drain() {
   if (buf_.empty()) return Status::OK();
-  Status s = WriteAll(fd_, buf_.data(), buf_.size(), tmp_);
+  Status s = WriteAll(fd_, buf_.data(), buf_.size(), StrCat("manifest ", tmp_));
   buf_.clear();
   return s;
 }

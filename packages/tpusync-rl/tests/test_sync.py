@@ -354,6 +354,22 @@ def test_inplace_update_while_paused():
         trainer.close()
 
 
+def three_committed(q, trainer, eng, updates, seed, **kw):
+    """Three single-rank sampler replicas of ``trainer`` (``start_samplers`` options ``kw``)
+    taking ``updates`` versions, version 1 (``U.full_weights(seed)``) published and committed by
+    all three; the processes. On a failure everything started is stopped, the trainer closed."""
+    procs = start_samplers(q, trainer.control_address, eng, 3, 1, updates, **kw)
+    try:
+        trainer.wait_for_samplers(3, timeout=30)
+        assert trainer.publish(1, U.full_weights(seed)).ok
+        collect(q, 3)
+    except BaseException:
+        join_all(procs)
+        trainer.close()
+        raise
+    return procs
+
+
 def three_replicas_one_dying(q, fanout, dying, seed):
     """Trainer rank 0 (60 s deadline, 2 s silence timeout, one-block buckets) and three
     single-rank sampler replicas taking 3 updates, replica ``dying`` exiting after its first
@@ -367,17 +383,7 @@ def three_replicas_one_dying(q, fanout, dying, seed):
         deadline=60.0,
         silence=2.0,
     )
-    procs = start_samplers(
-        q, trainer.control_address, eng, 3, 1, 3, per={(dying, 0): {"die_at_version": 2}}
-    )
-    try:
-        trainer.wait_for_samplers(3, timeout=30)
-        assert trainer.publish(1, U.full_weights(seed)).ok
-        collect(q, 3)
-    except BaseException:
-        join_all(procs)
-        trainer.close()
-        raise
+    procs = three_committed(q, trainer, eng, 3, seed, per={(dying, 0): {"die_at_version": 2}})
     return trainer, procs, eng
 
 
@@ -435,17 +441,7 @@ def three_idle_replicas(q, silence, per=None, updates=2, fanout=3):
     (``fanout``) that committed version 1 (``U.full_weights(41)``); returns the trainer, the
     processes and the engine-name layouts."""
     trainer, eng = rank0(tp_layouts(1, {}), fanout=fanout, deadline=60.0, silence=silence)
-    procs = start_samplers(
-        q, trainer.control_address, eng, 3, 1, updates, per=per, common={"dtype": "float32"}
-    )
-    try:
-        trainer.wait_for_samplers(3, timeout=30)
-        assert trainer.publish(1, U.full_weights(41)).ok
-        collect(q, 3)
-    except BaseException:
-        join_all(procs)
-        trainer.close()
-        raise
+    procs = three_committed(q, trainer, eng, updates, 41, per=per, common={"dtype": "float32"})
     return trainer, procs, eng
 
 
