@@ -13,12 +13,6 @@
 namespace tpusync {
 namespace {
 
-float FromBits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // Round to nearest, ties to even, worked out on values (double arithmetic), not on bits: the two
 // bf16 neighbours of f, the nearer one, the even one on a tie. Past the largest bf16 the upper
 // neighbour is infinity, which stands for 2^128 when measuring the distance (IEEE overflow).

@@ -14,12 +14,6 @@
 namespace tpusync {
 namespace {
 
-float FromBits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // The value of a finite float16 code, worked out from the IEEE definition (not by a conversion).
 double F16Value(uint16_t h) {
   const int exp = (h >> 10) & 0x1f;

@@ -11,6 +11,13 @@
 
 namespace tpusync {
 
+// The float whose bits are u.
+inline float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // `cast` over random float bits at lengths around its vector width and every source alignment
 // equals `reference` value by value, and writes nothing before or past its n outputs.
 inline void ExpectCastAtEveryLengthAndAlignment(void (*cast)(uint16_t*, const void*, size_t),
