@@ -156,6 +156,19 @@ bool BlockIndex::KeyIs(uint32_t id, std::string_view key) const {
                                                          key.size() - kHotKey - kColdKey) == 0;
 }
 
+size_t BlockIndex::CopyKey(uint32_t id, char* out) const {
+  const Hot& h = HotAt(id);
+  const size_t len = h.key_len;
+  std::memcpy(out, h.key, std::min(len, kHotKey));
+  if (len > kHotKey) {
+    std::memcpy(out + kHotKey, ColdAt(id).key, std::min(len, kHotKey + kColdKey) - kHotKey);
+  }
+  if (len > kHotKey + kColdKey) {
+    std::memcpy(out + kHotKey + kColdKey, Tail(id), len - kHotKey - kColdKey);
+  }
+  return len;
+}
+
 BlockKey BlockIndex::KeyOf(uint32_t id) const {
   const Hot& h = HotAt(id);
   BlockKey k(h.key, std::min<size_t>(h.key_len, kHotKey));
@@ -565,17 +578,9 @@ void BlockIndex::ForEachIn(
   const uint8_t bit = static_cast<uint8_t>(1u << static_cast<unsigned>(tier));
   char key[kMaxKeyBytes];
   for (uint32_t id = 0; id < next_id_; ++id) {
-    const Hot& h = HotAt(id);
-    if (!(h.tier_mask & bit)) continue;
-    const size_t len = h.key_len;
-    std::memcpy(key, h.key, std::min(len, kHotKey));
-    if (len > kHotKey) {
-      std::memcpy(key + kHotKey, ColdAt(id).key, std::min(len, kHotKey + kColdKey) - kHotKey);
-    }
-    if (len > kHotKey + kColdKey) {
-      std::memcpy(key + kHotKey + kColdKey, Tail(id), len - kHotKey - kColdKey);
-    }
-    fn(std::string_view(key, len), PlacementOf(id).location[static_cast<size_t>(tier)]);
+    if (!(HotAt(id).tier_mask & bit)) continue;
+    fn(std::string_view(key, CopyKey(id, key)),
+       PlacementOf(id).location[static_cast<size_t>(tier)]);
   }
 }
 
@@ -592,17 +597,8 @@ bool BlockIndex::ForEachInChunk(
   size_t visited = 0, looked = 0;
   for (; id < next_id_ && visited < max_keys && looked < max_looked; ++id, ++looked) {
     const uint32_t i = static_cast<uint32_t>(id);
-    const Hot& h = HotAt(i);
-    if (!(h.tier_mask & bit)) continue;
-    const size_t len = h.key_len;
-    std::memcpy(key, h.key, std::min(len, kHotKey));
-    if (len > kHotKey) {
-      std::memcpy(key + kHotKey, ColdAt(i).key, std::min(len, kHotKey + kColdKey) - kHotKey);
-    }
-    if (len > kHotKey + kColdKey) {
-      std::memcpy(key + kHotKey + kColdKey, Tail(i), len - kHotKey - kColdKey);
-    }
-    fn(std::string_view(key, len), PlacementOf(i).location[t]);
+    if (!(HotAt(i).tier_mask & bit)) continue;
+    fn(std::string_view(key, CopyKey(i, key)), PlacementOf(i).location[t]);
     ++visited;
   }
   *cursor = id;

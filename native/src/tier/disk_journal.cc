@@ -55,6 +55,7 @@ Result<std::unique_ptr<JournalWriter>> JournalWriter::Create(const std::string& 
                                                              const DiskMeta& meta) {
   std::unique_ptr<JournalWriter> w(new JournalWriter());
   w->path_ = JournalPath(dir, generation);
+  w->what_ = StrCat("journal ", w->path_);
   w->generation_ = generation;
   const std::string tmp = w->path_ + ".tmp";
   w->fd_ = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
@@ -88,7 +89,7 @@ Status JournalWriter::Append(std::span<const uint64_t> slots) {
     recs[i].slot = static_cast<uint32_t>(slots[i]);
     recs[i].check = RecordCheck(recs[i].slot, generation_);
   }
-  return WriteAll(fd_, recs.data(), recs.size() * sizeof(JournalRecord), StrCat("journal ", path_));
+  return WriteAll(fd_, recs.data(), recs.size() * sizeof(JournalRecord), what_);
 }
 
 std::vector<uint64_t> ListJournals(const std::string& dir) {

@@ -196,6 +196,8 @@ class BlockIndex {
   void StoreLocations(uint32_t id, const Placement& p);  // writes every location by rank
   bool KeyIs(uint32_t id, std::string_view key) const;
   BlockKey KeyOf(uint32_t id) const;
+  // Copies entry id's key into out (kMaxKeyBytes), without allocating; returns its length.
+  size_t CopyKey(uint32_t id, char* out) const;
   Placement PlacementOf(uint32_t id) const;
   uint64_t Hash(std::string_view key) const;
   // Bucket position of key (with hash h), or npos.

@@ -69,6 +69,7 @@ class JournalWriter {
  private:
   JournalWriter() = default;
   std::string path_;
+  std::string what_;  // "journal <path>", built once: Append runs on every write batch
   int fd_ = -1;
   uint64_t generation_ = 0;
 };
