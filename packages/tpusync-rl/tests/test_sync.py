@@ -1511,7 +1511,7 @@ def _shared_fp32_group(trainer_cls, mode: str, where: str = "piece"):
 @pytest.mark.parametrize("where", ["piece", "padding"])
 def test_fused_shadow_staging_rejects_a_damaged_shared_block_before_commit(where):
     """Shadow mode stages each shared block in one pass (staging copy + streaming hash of the
-    whole block, FUSED STAGING in sync.py): a byte flipped on the trainer's segment after the
+    whole block, FUSED STAGING in sampler.py): a byte flipped on the trainer's segment after the
     checksum was taken, in a piece or in padding no piece covers, still rejects the update before
     commit, and the sampler keeps serving exactly the previous version."""
     eng, (full1, full2), (rep1, rep2), (got1, got2) = _shared_fp32_group(
