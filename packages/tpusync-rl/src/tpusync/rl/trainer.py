@@ -56,6 +56,7 @@ from tpusync.rl.membership import _Membership
 from tpusync.rl.pack import TRAILER, StreamPlan, pack_streams
 from tpusync.rl.reports import PublishReport
 from tpusync.rl.sharing import _SharedBuckets
+from tpusync.rl.tensors import _first, _normalize
 from tpusync.rl.topology import _children, _key, request_id
 
 log = logging.getLogger("tpusync.rl")
@@ -79,40 +80,6 @@ class _Refill:
     boxes: Mapping[int, Mapping[str, Box]]
     cursor: dict[tuple[str, int], int] = field(default_factory=dict)
     rids: dict[int, tuple[str, int]] = field(default_factory=dict)
-
-
-def _normalize(
-    tensors: Mapping[str, Any], world: int, ranks: tuple[int, ...]
-) -> dict[str, tuple[dict[int, Any], ShardLayout]]:
-    """Every tensor as ``({local rank: local shard}, layout)``.
-
-    A value is a plain tensor (held whole by every rank), ``(shard, layout)`` (this process holds
-    one layout rank) or ``({rank: shard}, layout)`` (one shard per local layout rank).
-    """
-    out = {}
-    for name, v in tensors.items():
-        if isinstance(v, tuple):
-            local, layout = v
-        else:  # a plain tensor: every trainer rank holds all of it
-            local, layout = v, ShardLayout.replicated(tuple(v.shape), range(world))
-        if not isinstance(local, Mapping):
-            local = {r: local for r in ranks}
-        held = {r for r, _ in layout.shards}
-        missing = [r for r in ranks if r in held and r not in local]
-        if missing:
-            raise ValueError(f"{name}: no local shard given for layout ranks {missing}")
-        out[name] = ({r: local[r] for r in ranks if r in held}, layout)
-    return out
-
-
-def _first(tensors: Mapping[str, tuple[dict[int, Any], ShardLayout]]) -> dict[str, tuple]:
-    """``(one local shard, layout)`` per tensor: what the manifest and delta digests look at."""
-    out = {}
-    for name, (local, layout) in tensors.items():
-        if not local:
-            raise ValueError(f"{name}: this process holds no shard of it")
-        out[name] = (local[min(local)], layout)
-    return out
 
 
 class TrainerSync:
