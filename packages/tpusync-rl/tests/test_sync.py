@@ -1511,7 +1511,7 @@ def _shared_fp32_group(trainer_cls, mode: str, where: str = "piece"):
 @pytest.mark.parametrize("where", ["piece", "padding"])
 def test_fused_shadow_staging_rejects_a_damaged_shared_block_before_commit(where):
     """Shadow mode stages each shared block in one pass (staging copy + streaming hash of the
-    whole block, FUSED STAGING in sync.py): a byte flipped on the trainer's segment after the
+    whole block, FUSED STAGING in sampler.py): a byte flipped on the trainer's segment after the
     checksum was taken, in a piece or in padding no piece covers, still rejects the update before
     commit, and the sampler keeps serving exactly the previous version."""
     eng, (full1, full2), (rep1, rep2), (got1, got2) = _shared_fp32_group(
@@ -1639,24 +1639,25 @@ def test_shared_bucket_hold_check_and_idempotent_release():
     )
     pool = trainer._ep.pool
     try:
+        shares = trainer._shares  # SHARED-SEGMENT CONTRACT state (tpusync.rl.sharing)
         with trainer._lock:
-            trainer._sharing = 7
+            shares.sharing = 7
         ids = pool.alloc(2)
-        trainer._offer((7, 0, 0, 0), ids, [1, 2], ["0:0", "1:0"])
+        shares.offer((7, 0, 0, 0), ids, [1, 2], ["0:0", "1:0"])
         pool.free(ids)  # the publishing reference; the sharing one keeps the blocks
         assert pool.num_free == pool.num_blocks - 2
         req = {"version": 7, "key": "0:0", "src": 0, "dst": 0, "bucket": 0}
-        got = trainer._shared_request("bucket", req, None)
+        got = shares.request("bucket", req, None)
         assert got["op"] == "bucket" and got["sums"] == [1, 2] and len(got["offsets"]) == 2
         rel = {"version": 7, "key": "0:0", "release": [[0, 0, 0]]}
-        assert trainer._shared_request("release", rel, None) == {"op": "ok", "lost": []}
-        assert trainer._shared_request("release", rel, None) == {"op": "ok", "lost": []}
+        assert shares.request("release", rel, None) == {"op": "ok", "lost": []}
+        assert shares.request("release", rel, None) == {"op": "ok", "lost": []}
         assert pool.num_free == pool.num_blocks - 2  # reader 1:0 still holds them
-        assert trainer._end_sharing(7) == ["1:0"]
+        assert shares.end(7) == ["1:0"]
         assert pool.num_free == pool.num_blocks
         late = {"version": 7, "key": "1:0", "release": [[0, 0, 0]]}
-        assert trainer._shared_request("release", late, None)["lost"] == [[0, 0, 0]]
-        gone = trainer._shared_request("bucket", {**req, "bucket": 1}, None)
+        assert shares.request("release", late, None)["lost"] == [[0, 0, 0]]
+        gone = shares.request("bucket", {**req, "bucket": 1}, None)
         assert gone["op"] == "gone"
     finally:
         trainer.close()

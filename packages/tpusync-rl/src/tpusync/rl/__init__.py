@@ -10,10 +10,14 @@ Available now (transport-agnostic cores, tested in-process):
   manifests, per-chunk XXH3 digests, dtype casting, name mapping, delta updates, shadow (atomic)
   or in-place (paused) commit.
 
-- :mod:`tpusync.rl.sync`: :class:`TrainerSync` / :class:`SamplerSync` - the network path:
-  bucketed, pipelined, multi-stream transfers over tpusync's P/D transport, chain / tree fan-out,
-  resharding, commit reports and fault handling (:mod:`tpusync.rl.pack` lays pieces into blocks,
-  :mod:`tpusync.rl.control` is the signed control channel).
+- :mod:`tpusync.rl.trainer` / :mod:`tpusync.rl.sampler`: :class:`TrainerSync` /
+  :class:`SamplerSync` - the network path: bucketed, pipelined, multi-stream transfers over
+  tpusync's P/D transport, chain / tree fan-out, resharding, commit reports
+  (:mod:`tpusync.rl.reports`) and fault handling (:mod:`tpusync.rl.pack` lays pieces into blocks,
+  :mod:`tpusync.rl.control` is the signed control channel, :mod:`tpusync.rl.endpoint` the wire
+  end of a process, :mod:`tpusync.rl.topology` the fan-out tree and request ids,
+  :mod:`tpusync.rl.membership` rank 0's record of the samplers, :mod:`tpusync.rl.sharing` the
+  same-host shared segment, :mod:`tpusync.rl.agreement` the multi-process delta agreement).
 
 - :mod:`tpusync.rl.jaxsync`: :class:`~tpusync.rl.jaxsync.JaxTrainerSync` - multi-controller JAX
   (``jax.distributed``) trainers publishing pytrees of sharded arrays, each process its own shards.
@@ -43,12 +47,9 @@ from tpusync.rl.chunks import (  # noqa: E402 - after the API gate on purpose
 from tpusync.rl.layout import Box, ShardLayout  # noqa: E402
 from tpusync.rl.manifest import Manifest, TensorMeta  # noqa: E402
 from tpusync.rl.plan import ReshardPlan, Transfer  # noqa: E402
-from tpusync.rl.sync import (  # noqa: E402
-    PublishReport,
-    SamplerSync,
-    TrainerSync,
-    UpdateResult,
-)
+from tpusync.rl.reports import PublishReport, UpdateResult  # noqa: E402
+from tpusync.rl.sampler import SamplerSync  # noqa: E402
+from tpusync.rl.trainer import TrainerSync  # noqa: E402
 
 __all__ = [
     "MIN_CORE_API",

@@ -11,7 +11,7 @@ Paths (every process is a real process, every byte crosses a real socket):
 - ``chain_same_host``: the same chain over the same-host P/D path (Unix socket; each sampler
   copies its parent's /dev/shm blocks into its own pool, then stages them).
 - ``shared_same_host``: the same-host samplers read the trainer's /dev/shm pool directly
-  (SHARED-SEGMENT CONTRACT in :mod:`tpusync.rl.sync`): no chain, no copy into a sampler pool.
+  (SHARED-SEGMENT CONTRACT in :mod:`tpusync.rl.sharing`): no chain, no copy into a sampler pool.
 
 Every row names the path its samplers reported (``UpdateResult.path``) and carries the stage
 times of the last version (trainer rank 0 and each sampler; docs/rl.md explains them).

@@ -96,7 +96,7 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
 
 # CHUNK DELTA CONTRACT: a delta chunk of a tensor is a run of ``chunk_rows`` consecutive rows
 # (dim-0 indices) of the GLOBAL tensor, ``chunk_rows = max(1, chunk_bytes // bytes per row)``
-# (``WeightPublisher.chunk_bytes``; :class:`tpusync.rl.sync.TrainerSync` uses its block size, so
+# (``WeightPublisher.chunk_bytes``; :class:`tpusync.rl.trainer.TrainerSync` uses its block size, so
 # a changed chunk is about one host block on the wire). Chunk ``c`` covers rows
 # ``[c * chunk_rows, (c + 1) * chunk_rows)``; each local shard is digested per chunk on the rows
 # it holds (a contiguous row slice of the shard: hashed in place, no copy). A delta names the
@@ -198,7 +198,7 @@ class WeightPublisher:
     *published* version (its ``base_version``), judged by the digests :meth:`published` took.
     A multi-rank trainer must send one set on every rank, the UNION of the ranks' changed sets,
     against one base that every rank published (the AGREEMENT CONTRACT of
-    :class:`tpusync.rl.sync.TrainerSync`): pass it as ``changed`` to :meth:`prepare`, and the
+    :class:`tpusync.rl.trainer.TrainerSync`): pass it as ``changed`` to :meth:`prepare`, and the
     union of the ranks' changed row runs (:meth:`changed_rows`) as ``rows`` to send only the
     changed chunks of those tensors (CHUNK DELTA CONTRACT); without ``rows`` they go whole.
     """

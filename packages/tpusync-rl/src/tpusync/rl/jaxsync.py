@@ -2,7 +2,7 @@
 
 In multi-controller JAX (``jax.distributed.initialize``) every process runs the same program and
 holds only the shards on its own devices (``addressable_shards``). :class:`JaxTrainerSync` maps
-that onto :class:`tpusync.rl.sync.TrainerSync`: every *device* is one rank of the trainer layouts
+that onto :class:`tpusync.rl.trainer.TrainerSync`: every *device* is one rank of the trainer layouts
 (its index in ``jax.devices()``, which every process lists in the same order), each process owns
 the ranks of its local devices, and the process holding device 0 serves the control channel.
 
@@ -13,7 +13,7 @@ replicated on several devices is sent by one of them (:class:`tpusync.rl.plan.Re
 
 Names: a pytree leaf's name is its key path joined with dots (``{"layers": [{"w": x}]}`` gives
 ``layers.0.w``), the same on every process. Pathways (single controller) would call the same
-:class:`~tpusync.rl.sync.TrainerSync` from the controller with the same layouts; see docs/rl.md.
+:class:`~tpusync.rl.trainer.TrainerSync` from the controller with the same layouts; see docs/rl.md.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpusync.rl.layout import ShardLayout
-from tpusync.rl.sync import PublishReport, TrainerSync
+from tpusync.rl.reports import PublishReport
+from tpusync.rl.trainer import TrainerSync
 
 __all__ = ["JaxTrainerSync", "device_ranks", "leaf_name", "pytree_shards"]
 
@@ -76,7 +77,7 @@ class JaxTrainerSync:
     ``control``: on the process holding device 0, the address to listen on (default an ephemeral
     loopback port); on the others, that process's :attr:`control_address` (share it out of band,
     e.g. through ``jax.distributed``'s key-value store or the launcher). Other keyword arguments go
-    to :class:`~tpusync.rl.sync.TrainerSync`.
+    to :class:`~tpusync.rl.trainer.TrainerSync`.
     """
 
     def __init__(
@@ -109,7 +110,7 @@ class JaxTrainerSync:
         """Publish ``tree`` as ``version`` (every process calls this with the same version and
         ``delta``). With ``delta`` only leaves whose shard changed on any device are sent (the
         processes agree on the set through the control process: AGREEMENT CONTRACT of
-        :class:`~tpusync.rl.sync.TrainerSync`)."""
+        :class:`~tpusync.rl.trainer.TrainerSync`)."""
         return self.sync.publish(version, pytree_shards(tree), delta=delta)
 
     def close(self) -> None:

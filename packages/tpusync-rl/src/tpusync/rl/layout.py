@@ -144,3 +144,13 @@ class ShardLayout:
         rank_of = rank_of or (lambda device: device.id)
         index_map = sharding.devices_indices_map(tuple(shape))
         return cls.from_slices(shape, {rank_of(d): idx for d, idx in index_map.items()})
+
+
+# A layout's form in a version's announcement on the control channel (tpusync.rl.trainer).
+def _layout_to_wire(layout: ShardLayout) -> list:
+    return [list(layout.shape), [[r, list(b.lo), list(b.hi)] for r, b in layout.shards]]
+
+
+def _layout_from_wire(raw: list) -> ShardLayout:
+    shape, shards = raw
+    return ShardLayout(tuple(shape), tuple((r, Box(tuple(lo), tuple(hi))) for r, lo, hi in shards))

@@ -6,7 +6,7 @@ vLLM (0.32) updates a running engine's weights through a pluggable weight-transf
 ``finish_weight_update``. tpusync-rl registers the backend ``"tpusync"`` (a ``vllm.general_plugins``
 entry point calls :func:`register` in every vLLM process); its worker-side engine
 (:class:`tpusync.rl.vllm.engine.TpusyncWeightTransferEngine`) is one
-:class:`~tpusync.rl.sync.SamplerSync` per vLLM worker that pulls a version from the trainers,
+:class:`~tpusync.rl.sampler.SamplerSync` per vLLM worker that pulls a version from the trainers,
 verifies every digest, stages it in shadow buffers (checkpoint names and shapes) and only then
 loads it into the model through vLLM's layerwise reload (``model.load_weights`` plus the
 post-load processing a fresh load runs, e.g. CPU weight repacking).
@@ -104,7 +104,7 @@ def init_info(
     ``control``: trainer rank 0's control address; ``replica``: this engine's sampler replica
     number (unique per engine); ``params``: ``{trainer name: [shape, dtype]}`` of what the trainer
     publishes (:func:`checkpoint_params`); ``dtype``: the staging dtype (default: the engine's).
-    Other options go to :class:`~tpusync.rl.sync.SamplerSync` (``block_bytes``, ``pool_bytes``,
+    Other options go to :class:`~tpusync.rl.sampler.SamplerSync` (``block_bytes``, ``pool_bytes``,
     ``streams``, ``window``, ``listen``, ``same_host``). The transport secret is read from
     ``$TPUSYNC_AUTH_SECRET`` in the worker processes (inherited from the ``LLM`` process).
     """

@@ -1,7 +1,7 @@
 """The worker side of the ``tpusync`` vLLM weight-transfer backend (imports vLLM).
 
 One engine per vLLM worker process. ``init_transfer_engine`` opens a
-:class:`~tpusync.rl.sync.SamplerSync` whose :class:`~tpusync.rl.chunks.WeightSubscriber` stages
+:class:`~tpusync.rl.sampler.SamplerSync` whose :class:`~tpusync.rl.chunks.WeightSubscriber` stages
 the trainer's tensors under their checkpoint names (shadow mode, double-buffered); every
 ``update_weights`` pulls one version, and only a verified, committed version is loaded into the
 model (vLLM's layerwise reload: ``load_weights`` followed by the same post-load processing as a
@@ -26,7 +26,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from tpusync.rl.chunks import UpdateRejectedError, WeightSubscriber, _torch_dtype
 from tpusync.rl.layout import ShardLayout
-from tpusync.rl.sync import SamplerSync
+from tpusync.rl.sampler import SamplerSync
 
 log = logging.getLogger("tpusync.rl")
 
