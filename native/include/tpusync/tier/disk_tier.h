@@ -120,6 +120,9 @@ struct DiskTierOptions {
   bool direct_io = true;            // try O_DIRECT, fall back to buffered where refused
   std::string io_backend = "auto";  // auto | io_uring | pread
   size_t io_threads = 4;            // pread backend threads / io_uring depth hint
+  // false: the checkpoint manifest is written back only by its fsync, as before tiers9 (tests and
+  // drivers compare the two; tier/disk_manifest.h WRITE-BACK CONTRACT). true: progressively.
+  bool manifest_progressive_write_back = true;
   // Tests only: wraps the chosen backend (to inject I/O faults). Empty: the backend as is.
   std::function<std::unique_ptr<IoBackend>(std::unique_ptr<IoBackend>)> wrap_io;
 };
@@ -192,8 +195,9 @@ class DiskTier final : public BlockTier {
          num_blocks_ = 0;
   uint64_t fingerprint_ = 0;
   std::atomic<bool> direct_{false};
-  bool opened_direct_ = false;  // segments were opened with O_DIRECT (set once, in Open)
-  std::mutex direct_mu_;        // serialises DropDirectIo
+  bool opened_direct_ = false;        // segments were opened with O_DIRECT (set once, in Open)
+  bool progressive_manifest_ = true;  // DiskTierOptions::manifest_progressive_write_back
+  std::mutex direct_mu_;              // serialises DropDirectIo
   int lock_fd_ = -1;
   std::unique_ptr<IoBackend> io_;
   std::vector<SegmentFile> segments_;
