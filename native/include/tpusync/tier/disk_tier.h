@@ -67,13 +67,15 @@
 //      A slot visited twice (K evicted after its visit, S re-used by K2 visited later) is listed
 //      once; S's new bytes were journaled by K2's write. Keys inserted, moved or removed between
 //      chunks are thus all covered by the rotation BEFORE the walk plus the pass AFTER it.
-//   3. WRITE: the header, fsync; then, under the journal lock (so a failed journal append
-//      cannot slip in between), rename over manifest and fsync the directory; then journals
-//      below G+1 are deleted. Puts and gets wait on the index lock for one chunk at most, on
-//      this tier's lock for one chunk's sequences or one range of slots, and on the journal
-//      lock for one rename (the dir fsync is after it). The segment stamps are taken at the
-//      rotation; their mtime is compared at a restart only for a clean-close manifest with
-//      nothing journaled after it (a write in flight at the rotation may still move it).
+//   3. WRITE: the header, fsync (manifest.tmp went to the disk 1 MiB at a time while it
+//      streamed, so the fsync has ~1 MiB left: tier/disk_manifest.h WRITE-BACK CONTRACT); then,
+//      under the journal lock (so a failed journal append cannot slip in between), rename over
+//      manifest and fsync the directory; then journals below G+1 are deleted. Puts and gets
+//      wait on the index lock for one chunk at most, on this tier's lock for one chunk's
+//      sequences or one range of slots, and on the journal lock for one rename (the dir fsync
+//      is after it). The segment stamps are taken at the rotation; their mtime is compared at a
+//      restart only for a clean-close manifest with nothing journaled after it (a write in
+//      flight at the rotation may still move it).
 // FIRST CHECKPOINT (tier.h): CheckpointMissing() is true while no manifest of this tier is on disk
 // (cold start, scan, failed journal); the store then checkpoints at once (inside Open for an empty
 // tier), so a crash soon after a cold start or an open by scan does not cost another scan.
