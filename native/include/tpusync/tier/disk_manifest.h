@@ -104,24 +104,25 @@ enum class ManifestWriteBack : uint8_t {
 // WRITE | WAIT_AFTER), so at most ~2 MiB of the manifest is dirty or in flight at any moment and
 // the final fsync finds ~1 MiB plus the header left. The bytes, the order of the writes and the
 // fsync + rename + directory fsync are exactly those of kAtSync (same file, byte for byte:
-// DiskManifestTest.ProgressiveWriteBackWritesTheSameManifest); only WHEN the page cache is
-// written out changes. WHY: a disk put / get (O_DIRECT) running during a checkpoint waited
-// behind the manifest's write-out - at 80 MB (10^6 blocks) on the development VM's virtio disk
-// (ext4, mq-deadline) 4 KiB O_DIRECT puts / gets saw p99 of ~10-35 ms during the write + fsync
-// vs ~0.3 ms without; with 1 MiB progressive write-back ~3-8 ms, the write phase paced at the
-// disk's speed instead of memcpy's (docs/tiers.md "Checkpoints and the slot journal" has the
-// figures). The writer only waits for its own earlier range, never holding a lock (the tier
-// calls Add with no lock held, CHECKPOINT CONTRACT). A filesystem that refuses sync_file_range
-// (EINVAL, ENOSYS, EOPNOTSUPP, ESPIPE) gets kAtSync silently; any other error fails the
-// checkpoint like a failed write (the fsync would report it too).
+// DiskManifestTest.ProgressiveWriteBackWritesTheSameManifestAsWriteBackAtTheFsync); only WHEN the
+// page cache is written out changes. WHY: a disk put / get (O_DIRECT) running during a checkpoint
+// waited behind the manifest's write-out - at 80 MB (10^6 blocks) on the development VM's virtio
+// disk (ext4, mq-deadline) 4 KiB O_DIRECT puts / gets saw a p99 of ~30 ms during the write +
+// fsync vs ~0.3 ms without; with 1 MiB progressive write-back ~2-4 ms (~3-8 ms on a loaded VM),
+// the write paced at the disk's speed instead of memcpy's; through the store at 10^6 blocks, put
+// / get p99 19 / 12 ms -> 7 / 1.5 ms (docs/tiers.md "Checkpoints and the slot journal"). The
+// writer only waits for its own earlier range, never holding a lock (the tier calls Add with no
+// lock held, CHECKPOINT CONTRACT). A filesystem that refuses sync_file_range (EINVAL, ENOSYS,
+// EOPNOTSUPP, ESPIPE) gets kAtSync silently; any other error fails the checkpoint like a failed
+// write (the fsync would report it too).
 // Rejected, with the same driver's figures: dropping the fsync (the crash model is a process
-// crash and a damaged manifest is detected, but the stall is not the fsync's: buffered writes of
-// the manifest with no fsync at all still gave puts a p99 of 30-42 ms while they ran, the dirty
-// pages' write-out queueing on the same disk and journal); the checkpoint thread at
-// IOPRIO_CLASS_IDLE (mq-deadline honours it: a further ~2x on the p99, but the write phase ~3x
-// longer, the priority is per thread - KVStore.checkpoint() runs on the caller's thread - and an
-// idle-class write may wait prio_aging_expire, 10 s, under sustained load); windows of 8 MiB
-// (p99 8-11 ms: a read waits behind more queued writes).
+// crash, and a manifest torn by a power loss fails its size / checksum checks: one scan; but the
+// stall is not the fsync's: buffered writes of the manifest with no fsync at all still gave puts
+// a p99 of 30-45 ms while they ran, the dirty pages' write-out queueing on the same disk and ext4
+// journal); the checkpoint thread at IOPRIO_CLASS_IDLE (mq-deadline honours it: p99 ~1.5 ms, but
+// the write 3-5x longer, the priority is per thread - KVStore.checkpoint() runs on the caller's
+// thread - and an idle-class write may wait prio_aging_expire, 10 s, under sustained load);
+// windows of 8 MiB (p99 8-12 ms: a read waits behind more queued writes).
 class ManifestWriter {
  public:
   static Result<std::unique_ptr<ManifestWriter>> Begin(
