@@ -1,7 +1,6 @@
 #include "tpusync/tier/disk_journal.h"
 
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -119,29 +118,19 @@ Status ReadJournals(const std::string& dir, const DiskMeta& meta, uint64_t from,
                                       " follows ", from + i - 1, ")"));
     }
     const std::string path = JournalPath(dir, g);
-    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return Status::FromErrno(errno, StrCat("opening journal ", path));
-    struct Closer {
-      int fd;
-      ~Closer() { close(fd); }
-    } closer{fd};
-    struct stat st {};
-    if (fstat(fd, &st) != 0) return Status::FromErrno(errno, StrCat("fstat ", path));
-    const uint64_t size = static_cast<uint64_t>(st.st_size);
+    TPUSYNC_ASSIGN_OR_RETURN(const ReadOnlyFile file, ReadOnlyFile::Open(path, "journal"));
+    const uint64_t size = file.size();
     if (size < sizeof(JournalHeader) || (size - sizeof(JournalHeader)) % sizeof(JournalRecord)) {
       return Status::Corrupted(
           StrCat("journal ", g, " is truncated mid-record (", size, " bytes)"));
     }
     std::vector<uint8_t> buf(size);
-    size_t done = 0;
-    while (done < size) {
-      const ssize_t n = read(fd, buf.data() + done, size - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return Status::FromErrno(errno, StrCat("reading journal ", path));
-      if (n == 0) break;
-      done += static_cast<size_t>(n);
+    const ssize_t done = file.ReadAll(buf.data(), size);
+    if (done < 0) {
+      return Status::FromErrno(static_cast<int>(-done), StrCat("reading journal ", path));
     }
-    if (done != size) return Status::Corrupted(StrCat("journal ", g, " shrank while read"));
+    if (static_cast<uint64_t>(done) != size)
+      return Status::Corrupted(StrCat("journal ", g, " shrank while read"));
     JournalHeader h;
     std::memcpy(&h, buf.data(), sizeof(h));
     if (h.magic != kJournalMagic || h.version != kJournalVersion ||

@@ -16,20 +16,6 @@ constexpr size_t kBufBytes = size_t{1} << 20;
 
 std::string PathIn(const std::string& dir, const char* name) { return dir + "/" + name; }
 
-// read(2) until `bytes` or end of file; returns the count read, or -errno.
-ssize_t ReadAll(int fd, void* data, size_t bytes) {
-  auto* p = static_cast<uint8_t*>(data);
-  size_t done = 0;
-  while (done < bytes) {
-    const ssize_t n = read(fd, p + done, bytes - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return -errno;
-    if (n == 0) break;
-    done += static_cast<size_t>(n);
-  }
-  return static_cast<ssize_t>(done);
-}
-
 Status SyncDir(const std::string& dir) {
   const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return Status::FromErrno(errno, StrCat("opening directory ", dir, " to fsync it"));
@@ -51,12 +37,11 @@ Result<SegmentStamp> StampSegment(int fd, const std::string& path) {
                       static_cast<int64_t>(st.st_mtim.tv_nsec)};
 }
 
-Result<std::unique_ptr<ManifestWriter>> ManifestWriter::Begin(const std::string& dir,
-                                                              const DiskMeta& meta,
-                                                              std::vector<SegmentStamp> stamps,
-                                                              ManifestKind kind,
-                                                              uint64_t generation) {
+Result<std::unique_ptr<ManifestWriter>> ManifestWriter::Begin(
+    const std::string& dir, const DiskMeta& meta, std::vector<SegmentStamp> stamps,
+    ManifestKind kind, uint64_t generation, ManifestWriteBack write_back) {
   std::unique_ptr<ManifestWriter> w(new ManifestWriter());
+  w->progressive_ = write_back == ManifestWriteBack::kProgressive;
   w->dir_ = dir;
   w->tmp_ = PathIn(dir, "manifest.tmp");
   w->fd_ = open(w->tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -86,8 +71,35 @@ ManifestWriter::~ManifestWriter() {
 Status ManifestWriter::Drain() {
   if (buf_.empty()) return Status::OK();
   Status s = WriteAll(fd_, buf_.data(), buf_.size(), StrCat("manifest ", tmp_));
+  written_ += buf_.size();
   buf_.clear();
-  return s;
+  TPUSYNC_RETURN_IF_ERROR(s);
+  if (!progressive_) return Status::OK();
+  // WRITE-BACK CONTRACT: start this buffer's write-out, then wait for the one before.
+  return WriteBack(pushed_, written_ - pushed_);
+}
+
+Status ManifestWriter::WriteBack(uint64_t offset, uint64_t bytes) {
+  const auto range = [&](uint64_t off, uint64_t len, unsigned flags) -> Status {
+    if (sync_file_range(fd_, static_cast<off_t>(off), static_cast<off_t>(len), flags) == 0) {
+      return Status::OK();
+    }
+    const int err = errno;
+    if (err == EINVAL || err == ENOSYS || err == EOPNOTSUPP || err == ESPIPE) {
+      progressive_ = false;  // this filesystem does not do it: the fsync alone, as kAtSync
+      return Status::OK();
+    }
+    return Status::FromErrno(err, StrCat("write-back of manifest ", tmp_));
+  };
+  TPUSYNC_RETURN_IF_ERROR(range(offset, bytes, SYNC_FILE_RANGE_WRITE));
+  pushed_ = offset + bytes;
+  if (progressive_ && offset > waited_) {
+    TPUSYNC_RETURN_IF_ERROR(
+        range(waited_, offset - waited_,
+              SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER));
+    waited_ = offset;
+  }
+  return Status::OK();
 }
 
 Status ManifestWriter::Add(uint64_t slot, uint64_t sequence, std::string_view key) {
@@ -144,17 +156,9 @@ Status ReadManifest(const std::string& dir, const DiskMeta& want, size_t num_seg
   std::vector<RecoveredBlock>* out = &contents->blocks;
   out->clear();
   const std::string path = PathIn(dir, kManifestFile);
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0 && errno == ENOENT) return Status::NotFound("no manifest");
-  if (fd < 0) return Status::FromErrno(errno, StrCat("opening manifest ", path));
-  struct Closer {
-    int fd;
-    ~Closer() { close(fd); }
-  } closer{fd};
-  struct stat st {};
-  if (fstat(fd, &st) != 0) return Status::FromErrno(errno, StrCat("fstat ", path));
+  TPUSYNC_ASSIGN_OR_RETURN(const ReadOnlyFile file, ReadOnlyFile::Open(path, "manifest"));
   ManifestHeader h{};
-  const ssize_t got = ReadAll(fd, &h, sizeof(h));
+  const ssize_t got = file.ReadAll(&h, sizeof(h));
   if (got < 0) return Status::FromErrno(static_cast<int>(-got), StrCat("reading manifest ", path));
   if (got != static_cast<ssize_t>(sizeof(h))) {
     return Status::Corrupted(
@@ -182,14 +186,14 @@ Status ReadManifest(const std::string& dir, const DiskMeta& want, size_t num_seg
   }
   const uint64_t expect = sizeof(ManifestHeader) + h.num_segments * sizeof(SegmentStamp) +
                           h.num_entries * sizeof(ManifestEntry);
-  if (static_cast<uint64_t>(st.st_size) != expect) {
+  if (file.size() != expect) {
     return Status::Corrupted(
-        StrCat("manifest is truncated or padded (", st.st_size, " bytes, expected ", expect, ")"));
+        StrCat("manifest is truncated or padded (", file.size(), " bytes, expected ", expect, ")"));
   }
   Checksum64Stream sum;
   std::vector<SegmentStamp> have(num_segments);
   const size_t stamp_bytes = have.size() * sizeof(SegmentStamp);
-  if (ReadAll(fd, have.data(), stamp_bytes) != static_cast<ssize_t>(stamp_bytes)) {
+  if (file.ReadAll(have.data(), stamp_bytes) != static_cast<ssize_t>(stamp_bytes)) {
     return Status::Corrupted("manifest is truncated (segment stamps)");
   }
   sum.Update(have.data(), stamp_bytes);
@@ -199,7 +203,7 @@ Status ReadManifest(const std::string& dir, const DiskMeta& want, size_t num_seg
   for (uint64_t done = 0; done < h.num_entries;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk.size(), h.num_entries - done));
     const size_t bytes = n * sizeof(ManifestEntry);
-    if (ReadAll(fd, chunk.data(), bytes) != static_cast<ssize_t>(bytes)) {
+    if (file.ReadAll(chunk.data(), bytes) != static_cast<ssize_t>(bytes)) {
       out->clear();
       return Status::Corrupted("manifest is truncated (entries)");
     }

@@ -116,6 +116,7 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
   t->segment_blocks_ = std::min(t->segment_blocks_, t->num_blocks_);
   t->fingerprint_ = Checksum64(o.fingerprint.data(), o.fingerprint.size());
   t->direct_ = o.direct_io;
+  t->progressive_manifest_ = o.manifest_progressive_write_back;
 
   std::error_code ec;
   fs::create_directories(o.directory, ec);
@@ -456,9 +457,11 @@ Status DiskTier::WriteCheckpoint(const BlockChunks& next_chunk, bool clean_close
       stamps.push_back(st);
     }
     TPUSYNC_ASSIGN_OR_RETURN(
-        writer, ManifestWriter::Begin(
-                    dir_, meta_, std::move(stamps),
-                    clean_close ? ManifestKind::kCleanClose : ManifestKind::kCheckpoint, gen));
+        writer,
+        ManifestWriter::Begin(
+            dir_, meta_, std::move(stamps),
+            clean_close ? ManifestKind::kCleanClose : ManifestKind::kCheckpoint, gen,
+            progressive_manifest_ ? ManifestWriteBack::kProgressive : ManifestWriteBack::kAtSync));
   }
   // 2. WALK, one chunk at a time (tier.h CHUNKED WALK): the enumerator copies a chunk's (slot,
   // key) pairs under the index lock only; then, under this tier's lock, each gets its slot's

@@ -89,7 +89,9 @@ def test_bench_tiers_json_schema(tmp_path):
     ck = data["checkpoint"]
     assert ck["slots"] == 1024 and ck["checkpoints"] >= 3 and ck["checkpoint_s"] > 0
     assert ck["put_without"]["n"] > 0 and ck["put_during"]["n"] > 0
-    assert ck["better"] == "lower"
+    assert ck["get_without"]["n"] > 0 and ck["get_during"]["n"] > 0
+    assert ck["better"] == ck["put"]["better"] == ck["get"]["better"] == "lower"
+    assert ck["get"]["limit"].startswith("get p99 of the same caller")
     session = data["long_session"]
     assert session["device_footprint_bounded"] is True
     assert session["verified_blocks"] == session["offloaded_blocks"] > 0

@@ -67,13 +67,15 @@
 //      A slot visited twice (K evicted after its visit, S re-used by K2 visited later) is listed
 //      once; S's new bytes were journaled by K2's write. Keys inserted, moved or removed between
 //      chunks are thus all covered by the rotation BEFORE the walk plus the pass AFTER it.
-//   3. WRITE: the header, fsync; then, under the journal lock (so a failed journal append
-//      cannot slip in between), rename over manifest and fsync the directory; then journals
-//      below G+1 are deleted. Puts and gets wait on the index lock for one chunk at most, on
-//      this tier's lock for one chunk's sequences or one range of slots, and on the journal
-//      lock for one rename (the dir fsync is after it). The segment stamps are taken at the
-//      rotation; their mtime is compared at a restart only for a clean-close manifest with
-//      nothing journaled after it (a write in flight at the rotation may still move it).
+//   3. WRITE: the header, fsync (manifest.tmp went to the disk 1 MiB at a time while it
+//      streamed, so the fsync has ~1 MiB left: tier/disk_manifest.h WRITE-BACK CONTRACT); then,
+//      under the journal lock (so a failed journal append cannot slip in between), rename over
+//      manifest and fsync the directory; then journals below G+1 are deleted. Puts and gets
+//      wait on the index lock for one chunk at most, on this tier's lock for one chunk's
+//      sequences or one range of slots, and on the journal lock for one rename (the dir fsync
+//      is after it). The segment stamps are taken at the rotation; their mtime is compared at a
+//      restart only for a clean-close manifest with nothing journaled after it (a write in
+//      flight at the rotation may still move it).
 // FIRST CHECKPOINT (tier.h): CheckpointMissing() is true while no manifest of this tier is on disk
 // (cold start, scan, failed journal); the store then checkpoints at once (inside Open for an empty
 // tier), so a crash soon after a cold start or an open by scan does not cost another scan.
@@ -120,6 +122,9 @@ struct DiskTierOptions {
   bool direct_io = true;            // try O_DIRECT, fall back to buffered where refused
   std::string io_backend = "auto";  // auto | io_uring | pread
   size_t io_threads = 4;            // pread backend threads / io_uring depth hint
+  // false: the checkpoint manifest is written back only by its fsync, as before tiers9 (tests and
+  // drivers compare the two; tier/disk_manifest.h WRITE-BACK CONTRACT). true: progressively.
+  bool manifest_progressive_write_back = true;
   // Tests only: wraps the chosen backend (to inject I/O faults). Empty: the backend as is.
   std::function<std::unique_ptr<IoBackend>(std::unique_ptr<IoBackend>)> wrap_io;
 };
@@ -192,8 +197,9 @@ class DiskTier final : public BlockTier {
          num_blocks_ = 0;
   uint64_t fingerprint_ = 0;
   std::atomic<bool> direct_{false};
-  bool opened_direct_ = false;  // segments were opened with O_DIRECT (set once, in Open)
-  std::mutex direct_mu_;        // serialises DropDirectIo
+  bool opened_direct_ = false;        // segments were opened with O_DIRECT (set once, in Open)
+  bool progressive_manifest_ = true;  // DiskTierOptions::manifest_progressive_write_back
+  std::mutex direct_mu_;              // serialises DropDirectIo
   int lock_fd_ = -1;
   std::unique_ptr<IoBackend> io_;
   std::vector<SegmentFile> segments_;

@@ -15,8 +15,8 @@
   files as the kill left them (saved before the clean close). The page cache is not dropped (that needs root and
   disturbs other processes): the scan's header reads are O_DIRECT where ``direct_io`` holds,
   the manifest is read through the page cache.
-* checkpoint: put latency (p50 / p99 / max) of a caller while disk checkpoints run back to back
-  vs without, same store, same run, and the checkpoint's duration (``_checkpoint``).
+* checkpoint: put and get latency (p50 / p99 / max) of two callers while disk checkpoints run back
+  to back vs without, same store, same run, and the checkpoint's duration (``_checkpoint``).
 * long_session: a synthetic 1M-token KV stream through a "device" buffer holding 10% of it; cold
   blocks are offloaded to the store (DRAM then disk) and the whole stream is read back and
   verified at the end. The device-side footprint is reported and must stay within the budget.
@@ -388,17 +388,22 @@ def _restart(slots: int, repeats: int, work: Path) -> dict:
 
 
 def _checkpoint(slots: int, work: Path, seconds: float = 1.0) -> dict:
-    """Put latency while disk checkpoints run vs without, same store, same run.
+    """Put and get latency while disk checkpoints run vs without, same store, same run.
 
     A disk-only store of 4 KiB blocks holding ``slots`` blocks (no periodic checkpoints); one
-    thread puts one new block (evicting the oldest) every 200 us and times each put. For
-    ``seconds`` nothing else runs ("without"), then checkpoints run back to back for ``seconds``
-    (``KVStore.checkpoint``: the chunked walk, the manifest streamed and fsynced) and the puts
-    that started and ended meanwhile are "during". Lower is better for the ratio (during p99 /
-    without p99)."""
+    thread puts one new block (evicting the oldest) every 200 us, another gets one random block
+    of the newer half by write order (fill and puts alike: far from eviction) every 200 us; each
+    call is timed (a get that misses is counted in ``get_misses`` and not timed). For ``seconds`` nothing else runs ("without"), then checkpoints run back to
+    back for ``seconds`` (``KVStore.checkpoint``: the chunked walk, the manifest streamed with
+    progressive write-back, fsynced) and the calls that started and ended meanwhile are
+    "during". Lower is better for the ratios (during p99 / without p99, puts and gets apart)."""
     block = 4096
     d = work / "checkpoint"
     store = KVStore(block, 0, disk_dir=d, disk_blocks=slots, checkpoint_s=0, checkpoint_writes=0)
+    lat: dict[str, dict[str, list[float]]] = {
+        op: {"without": [], "during": []} for op in ("put", "get")
+    }
+    get_misses = 0
     try:
         src = aligned(min(slots, 1024) * block, 5).reshape(-1, block)
         for at in range(0, slots, len(src)):
@@ -407,23 +412,36 @@ def _checkpoint(slots: int, work: Path, seconds: float = 1.0) -> dict:
                 raise RuntimeError("bench tiers: checkpoint fill was not stored")
         store.checkpoint()  # the first one (not timed): the rest are steady-state ones
         phase = {"v": "without"}
-        lat: dict[str, list[float]] = {"without": [], "during": []}
         stop = threading.Event()
+        puts = [0]  # new blocks put so far
+        rng = np.random.default_rng(0)
 
-        def putter() -> None:
-            i = 0
+        def written(n: int) -> bytes:  # the n-th block written: the fill, then the puts
+            return b"f%d" % n if n < slots else b"p%d" % (n - slots)
+
+        def caller(op: str) -> None:
+            nonlocal get_misses
+            dst = aligned(block).reshape(1, block)
             while not stop.is_set():
                 before = phase["v"]
                 t0 = time.perf_counter()
-                store.put([b"p%d" % i], src[:1]).result(60)
+                if op == "put":
+                    store.put([written(slots + puts[0])], src[:1]).result(60)
+                    puts[0] += 1
+                else:
+                    total = slots + puts[0]
+                    key = written(int(rng.integers(total - slots // 2, total)))
+                    if not store.get([key], dst).result(60)[0]:
+                        get_misses += 1
+                        before = "miss"  # not timed
                 dt = time.perf_counter() - t0
-                if before == phase["v"] and before in lat:
-                    lat[before].append(dt)
-                i += 1
+                if before == phase["v"] and before in lat[op]:
+                    lat[op][before].append(dt)
                 time.sleep(200e-6)
 
-        th = threading.Thread(target=putter, daemon=True)
-        th.start()
+        threads = [threading.Thread(target=caller, args=(op,), daemon=True) for op in lat]
+        for th in threads:
+            th.start()
         time.sleep(seconds)
         phase["v"] = "during"
         ck: list[float] = []
@@ -434,7 +452,8 @@ def _checkpoint(slots: int, work: Path, seconds: float = 1.0) -> dict:
             ck.append(time.perf_counter() - t0)
         phase["v"] = "after"
         stop.set()
-        th.join(60)
+        for th in threads:
+            th.join(60)
     finally:
         store.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -443,27 +462,33 @@ def _checkpoint(slots: int, work: Path, seconds: float = 1.0) -> dict:
         v = sorted(v)
         return round(v[min(len(v) - 1, int(len(v) * q))] * 1e6, 1) if v else 0.0
 
-    row = {
+    row: dict = {
         "slots": slots,
         "block_bytes": block,
         "checkpoints": len(ck),
         "checkpoint_s": round(statistics.median(ck), 4),
+        "get_misses": get_misses,
     }
-    for name in ("without", "during"):
-        row[f"put_{name}"] = {
-            "n": len(lat[name]),
-            "p50_us": pct(lat[name], 0.5),
-            "p99_us": pct(lat[name], 0.99),
-            "max_us": round(max(lat[name]) * 1e6, 1) if lat[name] else 0.0,
+    for op, by_phase in lat.items():
+        for name, v in by_phase.items():
+            row[f"{op}_{name}"] = {
+                "n": len(v),
+                "p50_us": pct(v, 0.5),
+                "p99_us": pct(v, 0.99),
+                "max_us": round(max(v) * 1e6, 1) if v else 0.0,
+            }
+        # Bench CONVENTION: the figure (p99 during checkpoints), the same-run reference (p99 of
+        # the same caller without one), their ratio, and which way is better.
+        base = row[f"{op}_without"]["p99_us"]
+        row[op] = {
+            "p99_us": row[f"{op}_during"]["p99_us"],
+            "limit_us": base,
+            "limit": f"{op} p99 of the same caller without a checkpoint, same store, same run",
+            "ratio": round(row[f"{op}_during"]["p99_us"] / base, 2) if base else None,
+            "better": "lower",
         }
-    # Bench CONVENTION: the figure (put p99 during checkpoints), the same-run reference (put p99
-    # without one), their ratio, and which way is better.
-    base = row["put_without"]["p99_us"]
-    row["p99_us"] = row["put_during"]["p99_us"]
-    row["limit_us"] = base
-    row["limit"] = "put p99 of the same caller without a checkpoint, same store, same run"
-    row["ratio"] = round(row["p99_us"] / base, 2) if base else None
-    row["better"] = "lower"
+    # The row's own figure stays the put's (as before the gets were added).
+    row.update({k: row["put"][k] for k in ("p99_us", "limit_us", "limit", "ratio", "better")})
     return row
 
 
