@@ -46,7 +46,7 @@ def main() -> None:
         "pd_end": frame(18),
         "pd_release": frame(21, b"\x07" + struct.pack("<I", 7) + b"aborted"),
         "pd_release_ok": frame(21, b"\x00" + struct.pack("<I", 0)),
-        "pd_release_reply": frame(22, b"\x03" + struct.pack("<I", 9) + b"not found"),
+        "pd_released": frame(22, b"\x03" + struct.pack("<I", 9) + b"not found"),
         "version_2": frame(1, bytes(32), version=2),
         "challenge_then_proof": frame(1, bytes(32)) + frame(3, bytes(32)),
         "truncated": frame(17, b"", [b"x" * 128])[:100],
