@@ -211,8 +211,9 @@ class PdConsumer {
   // ABANDON CONTRACT: ends request `request_id` as failed with `reason` (not OK) and tells its
   // producers to drop their blocks. Errors: kInvalidArgument (OK reason), kNotFound (not
   // receiving here, or already reported), kFailedPrecondition (it already completed: nothing to
-  // abandon, Poll reports it done), kTimeout (a source did not stop within abandon_timeout: its
-  // destination blocks stay borrowed and may still be written until Poll reports it ended; the
+  // abandon, Poll reports it done), kTimeout (a source did not stop within abandon_timeout: it may
+  // still write its destination blocks until it stops; the caller may free them - the borrow
+  // keeps the slots out of the free list until then - but must not reuse their contents; the
   // producers were still told). Otherwise one PdRelease per distinct source producer.
   Result<std::vector<PdRelease>> Abandon(uint64_t request_id, Status reason);
   // Every request; terminal ones are reported once and then forgotten.
