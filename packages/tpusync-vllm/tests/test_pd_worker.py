@@ -57,8 +57,8 @@ def test_abandon_drops_loading_receives_and_frees_both_pools(pair):
     gone = cons.abandon({"req-a", "req-b", "req-unknown"}, "aborted by the client")
     assert gone == {"req-a", "req-b"}
     assert cons.pending == 0
-    # The staging blocks come back through poll once the background abandons returned; nothing
-    # is reported for the abandoned requests, and vLLM's blocks were never written.
+    # The staging blocks come back once the background abandons returned; poll reports nothing
+    # for the abandoned requests, and vLLM's blocks were never written.
     seen: list[tuple[set[str], dict[str, list[int]]]] = []
 
     def drained() -> bool:

@@ -22,8 +22,8 @@ worker's table at once (never scattered into vLLM's blocks, so it is reported fi
 same step and vLLM frees the blocks), and a background thread calls
 :meth:`PdConsumer.abandon`, which stops the receive and tells the producer to drop its copy of
 the prefill at once instead of at its deadline (every wait there is bounded; an engine step
-never waits on the network). The staging blocks go back to the pool in a later
-:meth:`PdWorker.poll`, once that abandon returned.
+never waits on the network). That thread frees the staging blocks once the abandon returned
+(the pool is thread-safe).
 
 SAME-HOST PATH (``pd_same_host``, default on): the producer's pool lives in ``/dev/shm`` and it
 also listens on a Unix socket; its kv_transfer_params carry that socket (``tpusync_unix``) and
@@ -44,8 +44,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -125,11 +125,10 @@ class PdWorker:
         self.consumer = None if producer else PdConsumer(self.pool, secret=secret, streams=2)
         self._staging = np.empty((0, self.key_bytes), dtype=np.uint8)
         self._recvs: dict[int, _Recv] = {}
-        # ABANDON CONTRACT: abandons run here, off the engine step; their staging blocks come
-        # back through _abandoned (freed by poll on the worker thread).
+        # ABANDON CONTRACT: abandons run here, off the engine step, and free their staging blocks.
         self._abandoner: ThreadPoolExecutor | None = None
-        self._abandoned: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
-        self._abandoning = 0
+        self._abandon_lock = threading.Lock()
+        self._abandoning = 0  # _abandon_lock
         self.sent = 0
         self.received = 0
         self.received_shm = 0  # blocks that came over the same-host shared-memory path
@@ -206,7 +205,8 @@ class PdWorker:
             self._abandoner = ThreadPoolExecutor(1, thread_name_prefix="tpusync-pd-abandon")
         for tid, rec in gone:
             del self._recvs[tid]
-            self._abandoning += 1
+            with self._abandon_lock:
+                self._abandoning += 1
             self._abandoner.submit(self._abandon_one, tid, rec, reason)
         return {rec.req_id for _, rec in gone}
 
@@ -227,7 +227,9 @@ class PdWorker:
             # out of the free list until it stops).
             log.debug("tpusync P/D: abandon of %s: %s", rec.req_id, exc)
         finally:
-            self._abandoned.put(rec.pool_ids)
+            self.pool.free(rec.pool_ids)
+            with self._abandon_lock:
+                self._abandoning -= 1
 
     @property
     def abandoning(self) -> int:
@@ -238,13 +240,6 @@ class PdWorker:
         """(requests whose blocks landed in vLLM's blocks, failed requests -> their block ids)."""
         done: set[str] = set()
         failed: dict[str, list[int]] = {}
-        while True:
-            try:
-                ids = self._abandoned.get_nowait()
-            except queue.Empty:
-                break
-            self.pool.free(ids)
-            self._abandoning -= 1
         if self.producer is not None:
             for r in self.producer.poll():
                 if r.failed:
