@@ -1,6 +1,6 @@
 // libFuzzer harness for everything that reads bytes from a peer before or without trusting it:
 // the frame header parser, a stream reading frames from the input, both sides of the auth
-// handshake and the status / metadata / store-key decoders.
+// handshake and the status (lenient and strict: kPdRelease) / metadata / store-key decoders.
 //
 // FUZZ CONTRACT: for any input, no crash, no sanitizer report, no allocation beyond the wire limits
 // and no wait (MemoryStream never blocks; an exhausted input is kUnavailable).
@@ -34,6 +34,8 @@ void ReadFrames(std::span<const uint8_t> input) {
     auto f = s.RecvHead(DeadlineInMs(10));
     if (!f.ok()) return;
     (void)DecodeStatus(f->meta);
+    Status carried;  // kPdRelease / kPdReleased: the strict status decoder
+    (void)ParseStatus(f->meta, &carried);
     MetaReader r(f->meta);
     (void)r.U32();
     (void)r.U64();

@@ -96,11 +96,16 @@ def test_pd_transfer_moves_pages_and_aux_and_abort_fails_both_sides():
     assert ok_d["pages"] == ok_p["pages"]
     assert ok_d["aux"] == ok_p["aux"]
     assert len(set(ok_p["pages"])) == len(ok_p["pages"])  # distinct random pages
-    # Abort on the decode side: Failed there with SGLang's reason, and the prefill does not hang
-    # but ends Failed too; no page of the aborted room was written on the decode.
+    # Abort on the decode side (after the prefill offered a chunk): Failed there with SGLang's
+    # reason, and the prefill does not hang but ends Failed too; no page of the aborted room was
+    # written on the decode.
     ab_p, ab_d = p["rooms"]["12"], d["rooms"]["12"]
     assert ab_d["final"] == FAILED and "Abort" in (ab_d["reason"] or "")
     assert ab_p["final"] == FAILED and ab_p["reason"], ab_p
+    # ABORT CONTRACT: the prefill cancelled the aborted room's offers, so its staging pool is
+    # whole again within half the 6 s send deadline (an expiry would hold it the full 6 s).
+    assert ab_p["offers_left"] == 0, ab_p
+    assert ab_p["pool_free"] == ab_p["pool_blocks"], ab_p
     zero_page = hashlib.sha256(bytes(6 * 4 * 2 * 16 * 2)).hexdigest()  # K+V x 3 layers, bf16
     assert ab_d["pages"] == [zero_page] * 5
     assert ab_d["aux"] == hashlib.sha256(bytes(16 * 4)).hexdigest()

@@ -11,7 +11,7 @@ constexpr uint8_t kMaxStatusCode = static_cast<uint8_t>(StatusCode::kInternal);
 }  // namespace
 
 bool IsKnownOp(uint8_t op) {
-  return (op >= 1 && op <= 8) || (op >= 16 && op <= 20) || (op >= 32 && op <= 36);
+  return (op >= 1 && op <= 8) || (op >= 16 && op <= 22) || (op >= 32 && op <= 36);
 }
 
 std::string_view OpName(Op op) {
@@ -29,6 +29,8 @@ std::string_view OpName(Op op) {
     case Op::kPdEnd: return "PdEnd";
     case Op::kPdAck: return "PdAck";
     case Op::kPdShmOffer: return "PdShmOffer";
+    case Op::kPdRelease: return "PdRelease";
+    case Op::kPdReleased: return "PdReleased";
     case Op::kStorePut: return "StorePut";
     case Op::kStoreGet: return "StoreGet";
     case Op::kStoreLookup: return "StoreLookup";
@@ -139,18 +141,23 @@ std::vector<uint8_t> EncodeStatus(const Status& s) {
   return w.Take();
 }
 
-Status DecodeStatus(std::span<const uint8_t> meta) {
+Status ParseStatus(std::span<const uint8_t> meta, Status* out) {
   MetaReader r(meta);
-  auto code = r.U8();
-  if (!code.ok()) return code.status();
-  if (*code > kMaxStatusCode) {
-    return Status::InvalidArgument(StrCat("peer sent unknown status code ", int{*code}));
+  TPUSYNC_ASSIGN_OR_RETURN(uint8_t code, r.U8());
+  if (code > kMaxStatusCode) {
+    return Status::InvalidArgument(StrCat("peer sent unknown status code ", int{code}));
   }
-  auto msg = r.Str();
-  if (!msg.ok()) return msg.status();
+  TPUSYNC_ASSIGN_OR_RETURN(std::string msg, r.Str());
   TPUSYNC_RETURN_IF_ERROR(r.ExpectEnd());
-  if (*code == 0) return Status::OK();
-  return Status(static_cast<StatusCode>(*code), "peer: " + *msg);
+  *out = code == 0 ? Status::OK() : Status(static_cast<StatusCode>(code), std::move(msg));
+  return Status::OK();
+}
+
+Status DecodeStatus(std::span<const uint8_t> meta) {
+  Status s;
+  TPUSYNC_RETURN_IF_ERROR(ParseStatus(meta, &s));
+  if (s.ok()) return s;
+  return Status(s.code(), "peer: " + s.message());
 }
 
 }  // namespace tpusync::transport

@@ -132,5 +132,28 @@ TEST(Frame, StatusRoundTripsAndUnknownCodesAreRefused) {
   EXPECT_EQ(DecodeStatus(bad).code(), StatusCode::kInvalidArgument);
 }
 
+// The strict decoder (kPdRelease): a malformed status is an error of its own, never mistaken
+// for the status the peer meant to send.
+TEST(Frame, ParseStatusTellsMalformedMetadataFromACarriedFailure) {
+  Status got = Status::Internal("untouched");
+  ASSERT_TRUE(ParseStatus(EncodeStatus(Status::Cancelled("aborted")), &got).ok());
+  EXPECT_EQ(got.code(), StatusCode::kCancelled);
+  EXPECT_EQ(got.message(), "aborted");  // as sent: no "peer: " prefix
+  ASSERT_TRUE(ParseStatus(EncodeStatus(Status::OK()), &got).ok());
+  EXPECT_TRUE(got.ok());
+  got = Status::Internal("untouched");
+  for (std::vector<uint8_t> bad :
+       {std::vector<uint8_t>{}, std::vector<uint8_t>{99, 0, 0, 0, 0},
+        std::vector<uint8_t>{7, 5, 0, 0, 0, 'a'}, std::vector<uint8_t>{7, 0, 0, 0, 0, 'x'}}) {
+    EXPECT_EQ(ParseStatus(bad, &got).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(got.code(), StatusCode::kInternal);  // *out untouched on a refusal
+  }
+  EXPECT_TRUE(IsKnownOp(static_cast<uint8_t>(Op::kPdRelease)));
+  EXPECT_TRUE(IsKnownOp(static_cast<uint8_t>(Op::kPdReleased)));
+  EXPECT_FALSE(IsKnownOp(23));
+  EXPECT_EQ(OpName(Op::kPdRelease), "PdRelease");
+  EXPECT_EQ(OpName(Op::kPdReleased), "PdReleased");
+}
+
 }  // namespace
 }  // namespace tpusync::transport

@@ -214,17 +214,39 @@ Status PdProducer::Cancel(uint64_t request_id, Status reason) {
         StrCat("Cancel of request ", request_id, " needs a failure reason, not OK"));
   }
   std::lock_guard lock(mu_);
+  return CancelLocked(request_id, std::move(reason), "cancel");
+}
+
+Status PdProducer::CancelLocked(uint64_t request_id, Status reason, std::string_view verb) {
   auto it = entries_.find(request_id);
   if (it == entries_.end()) {
-    return Status::NotFound(StrCat("cannot cancel request ", request_id,
+    return Status::NotFound(StrCat("cannot ", verb, " request ", request_id,
                                    ": it is not live on this producer (never registered, or "
-                                   "already acknowledged, expired or cancelled)"));
+                                   "already acknowledged, expired, cancelled or released)"));
   }
   // CANCEL CONTRACT: shutdown (not close) is safe beside a sender blocked on the socket; the
   // sender fails, releases its borrow and the slots recycle.
   for (Link* l : it->second->sending) l->Close();
   Finish(request_id, std::move(reason));
   return Status::OK();
+}
+
+Status PdProducer::ServeRelease(const InFrame& release, const std::string& peer) {
+  const uint64_t id = release.header.request_id;
+  Status why;
+  if (Status parsed = ParseStatus(release.meta, &why); !parsed.ok()) {
+    return Status::InvalidArgument(
+        StrCat("malformed PdRelease frame for request ", id, ": ", parsed.message()));
+  }
+  if (why.ok()) {
+    return Status::InvalidArgument(
+        StrCat("a PdRelease of request ", id, " must carry the consumer's failure reason, not OK"));
+  }
+  // ABANDON CONTRACT: ends like Cancel, the reason naming the consumer's release.
+  std::lock_guard lock(mu_);
+  return CancelLocked(
+      id, Status(why.code(), StrCat("released by consumer ", peer, ": ", why.message())),
+      "release");
 }
 
 void PdProducer::Finish(uint64_t request_id, Status reason) {
@@ -282,6 +304,20 @@ void PdProducer::ServeLink(const std::shared_ptr<Link>& link, bool is_unix) {
     if (!f.ok()) return;  // peer gone, idle too long or server stopping
     if (f->op() == Op::kPing && f->header.num_blocks == 0) {
       if (!s0.SendMeta(Op::kPong, f->header.request_id, {}, DeadlineInMs(5000)).ok()) return;
+      continue;
+    }
+    if (f->op() == Op::kPdRelease && f->header.num_blocks == 0) {
+      // ABANDON CONTRACT: answered on this link, which stays usable (refused ones too).
+      const Status verdict = ServeRelease(*f, s0.peer());
+      if (!verdict.ok() && verdict.code() != StatusCode::kNotFound) {
+        LogWarning(
+            StrCat("producer: refused a release from ", s0.peer(), ": ", verdict.ToString()));
+      }
+      if (!s0.SendMeta(Op::kPdReleased, f->header.request_id, EncodeStatus(verdict),
+                       DeadlineInMs(5000))
+               .ok()) {
+        return;
+      }
       continue;
     }
     if (f->op() != Op::kPdPull || f->header.num_blocks != 0) {
@@ -537,7 +573,13 @@ struct PdConsumer::Request {
   std::vector<BlockId> all_blocks;  // borrowed until the request ends
   PdStatus status;
   size_t running = 0;
-  std::set<Link*> links;  // in use, closed on destruction
+  std::set<Link*> links;  // in use, closed on destruction (and by Abandon)
+  // ABANDON CONTRACT. `abandoned` is set under mu_ (read without it by the same-host copy loop);
+  // `pulling` (mu_) counts sources inside PullFrom, the only code that writes destination
+  // blocks; `borrowed` (mu_) says the destination borrow is still held, so it is returned once.
+  std::atomic<bool> abandoned{false};
+  size_t pulling = 0;
+  bool borrowed = false;
 };
 
 namespace {
@@ -554,7 +596,8 @@ PdConsumer::PdConsumer(std::shared_ptr<BlockAllocator> pool, Secret secret,
     : pool_(std::move(pool)),
       small_pull_bytes_(options.connect.streams > 1 ? options.small_pull_bytes : 0),
       links_(secret, options.connect),
-      small_links_(std::move(secret), OneStream(options.connect)) {}
+      small_links_(std::move(secret), OneStream(options.connect)),
+      abandon_timeout_(options.abandon_timeout) {}
 
 Result<std::unique_ptr<PdConsumer>> PdConsumer::Create(std::shared_ptr<BlockAllocator> pool,
                                                        Secret secret, PdConsumerOptions options) {
@@ -607,7 +650,9 @@ Result<PdStatus> PdConsumer::Recv(uint64_t request_id, std::vector<PdSource> sou
   RunSource(req, 0);  // INLINE CONTRACT: the calling thread pulls the first source
   std::unique_lock lock(mu_);
   // Every wait of a source is bounded by the request deadline; the grace covers noticing it.
-  if (!cv_.wait_until(lock, deadline + kRecvGrace, [&] { return req->running == 0; })) {
+  if (!cv_.wait_until(lock, deadline + kRecvGrace, [&] {
+        return req->running == 0 || (req->abandoned.load() && req->pulling == 0);
+      })) {
     return Status::Timeout(StrCat("request ", request_id,
                                   ": a source is still running past the deadline (Poll reports "
                                   "its end)"));
@@ -653,6 +698,7 @@ Result<std::shared_ptr<PdConsumer::Request>> PdConsumer::Begin(uint64_t request_
   }
   // Borrow: the destination memory stays valid until the receive ends, even if freed meanwhile.
   TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(req->all_blocks));
+  req->borrowed = true;
   req->running = req->sources.size();
   requests_[request_id] = req;
   for (size_t i = first_queued; i < req->sources.size(); ++i) jobs_.push_back({req, i});
@@ -685,25 +731,36 @@ void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
       small_pull_bytes_ > 0 && src.blocks.size() * pool_->block_bytes() <= small_pull_bytes_
           ? small_links_
           : links_;
-  auto link = links.Acquire(src.peer, req->deadline);  // a connect waits no longer either
+  // A queued source of an abandoned request does not even connect (ABANDON CONTRACT).
+  auto link = req->abandoned.load() ? Result<std::unique_ptr<Link>>(Status::Cancelled("abandoned"))
+                                    : links.Acquire(src.peer, req->deadline);
   if (!link.ok()) {
     result = link.status();
   } else {
     Link* raw = link->get();
+    bool go = false;
     {
+      // Under mu_: either Abandon sees this link (and shuts it) or we see the abandon.
       std::lock_guard lock(mu_);
-      req->links.insert(raw);
+      go = !req->abandoned.load();
+      if (go) {
+        req->links.insert(raw);
+        ++req->pulling;
+      }
     }
-    result = PullFrom(*req, src, *raw);
-    if (raw->healthy()) {
-      // Tell the producer: OK lets it free the blocks; a failure keeps them for a retry.
-      const Status ack =
-          raw->streams[0]->SendMeta(Op::kPdAck, req->id, EncodeStatus(result), req->deadline);
-      if (result.ok() && !ack.ok()) result = ack;
-    }
-    {
+    if (go) {
+      result = PullFrom(*req, src, *raw);
+      if (raw->healthy()) {
+        // Tell the producer: OK lets it free the blocks; a failure keeps them for a retry.
+        const Status ack =
+            raw->streams[0]->SendMeta(Op::kPdAck, req->id, EncodeStatus(result), req->deadline);
+        if (result.ok() && !ack.ok()) result = ack;
+      }
       std::lock_guard lock(mu_);
       req->links.erase(raw);
+      --req->pulling;  // Update below wakes Abandon
+    } else {
+      result = Status::Cancelled("abandoned");
     }
     links.Release(std::move(*link));
   }
@@ -725,9 +782,102 @@ void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
           req->status.checksums.insert(req->status.checksums.end(), s.sums.begin(), s.sums.end());
       }
     }
-    pool_->ReleaseBorrow(req->all_blocks);
+    if (req->borrowed) {
+      req->borrowed = false;
+      pool_->ReleaseBorrow(req->all_blocks);
+    }
   }
   Update(*req);
+}
+
+Result<std::vector<PdRelease>> PdConsumer::Abandon(uint64_t request_id, Status reason) {
+  if (reason.ok()) {
+    return Status::InvalidArgument(
+        StrCat("Abandon of request ", request_id, " needs a failure reason, not OK"));
+  }
+  std::shared_ptr<Request> req;
+  std::vector<Address> peers;
+  const Deadline bound = Clock::now() + abandon_timeout_;
+  bool stopped = false;
+  {
+    std::unique_lock lock(mu_);
+    auto it = requests_.find(request_id);
+    if (it == requests_.end()) {
+      return Status::NotFound(StrCat("cannot abandon request ", request_id,
+                                     ": it is not receiving here (never started, or its end "
+                                     "was already reported)"));
+    }
+    req = it->second;
+    if (req->status.state == PdState::kDone) {
+      return Status::FailedPrecondition(
+          StrCat("request ", request_id, " already completed; nothing to abandon"));
+    }
+    if (req->abandoned.load()) {
+      return Status::NotFound(StrCat("request ", request_id, " was already abandoned"));
+    }
+    req->abandoned.store(true);
+    if (req->status.state == PdState::kPending) {
+      req->status.state = PdState::kFailed;
+      req->status.reason = reason;
+    }
+    for (Link* l : req->links) l->Close();  // blocked reads return at once
+    for (const Source& src : req->sources) {
+      if (std::none_of(peers.begin(), peers.end(),
+                       [&](const Address& a) { return a.ToString() == src.peer.ToString(); })) {
+        peers.push_back(src.peer);
+      }
+    }
+    // No write after we return: wait (bounded) until no source is inside PullFrom.
+    stopped = cv_.wait_until(lock, bound, [&] { return req->pulling == 0; });
+    if (stopped && req->borrowed) {
+      req->borrowed = false;
+      pool_->ReleaseBorrow(req->all_blocks);
+    }
+    Update(*req);
+  }
+  // Best-effort, each producer in parallel, every wait bounded (ABANDON CONTRACT).
+  const Deadline tell_by = Clock::now() + abandon_timeout_;
+  std::vector<PdRelease> out(peers.size());
+  std::vector<std::thread> tellers;
+  for (size_t i = 0; i < peers.size(); ++i) {
+    out[i].peer = peers[i].ToString();
+    auto tell = [&, i] { out[i].status = TellProducer(peers[i], request_id, reason, tell_by); };
+    if (i + 1 < peers.size()) {
+      tellers.emplace_back(tell);
+    } else {
+      tell();
+    }
+  }
+  for (auto& t : tellers) t.join();
+  if (!stopped) {
+    return Status::Timeout(StrCat("request ", request_id, ": a source was still writing ",
+                                  abandon_timeout_.count(),
+                                  " ms after Abandon shut its links; its destination blocks stay "
+                                  "borrowed until Poll reports the request ended"));
+  }
+  return out;
+}
+
+Status PdConsumer::TellProducer(const Address& peer, uint64_t request_id, const Status& reason,
+                                Deadline deadline) {
+  TPUSYNC_ASSIGN_OR_RETURN(auto link, small_links_.Acquire(peer, deadline));
+  Status told =
+      link->streams[0]->SendMeta(Op::kPdRelease, request_id, EncodeStatus(reason), deadline);
+  if (told.ok()) {
+    auto reply = link->streams[0]->Expect(Op::kPdReleased, deadline);
+    if (!reply.ok()) {
+      told = reply.status();
+      link->Close();  // a refusal or a stray frame: do not reuse a link that may be out of step
+    } else if (reply->header.request_id != request_id) {
+      told = Status::Corrupted(StrCat("release reply for request ", reply->header.request_id,
+                                      " instead of ", request_id));
+      link->Close();
+    } else {
+      told = DecodeStatus(reply->meta);
+    }
+  }
+  small_links_.Release(std::move(link));  // kept only if healthy
+  return told;
 }
 
 Result<std::shared_ptr<PdConsumer::Mapping>> PdConsumer::MapSegment(Fd fd) {
@@ -870,6 +1020,7 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
           for (uint32_t g = 0; g < groups && damaged.ok(); ++g) {
             const size_t gfirst = size_t{g} * *bpg, glast = std::min<size_t>(gfirst + *bpg, n);
             for (size_t i = gfirst; i < glast; ++i) {
+              if (req.abandoned.load()) return Status::Cancelled("abandoned mid-copy");
               if (!with_sums) {
                 // Non-temporal stores: a per-block memcpy would first read every destination
                 // line (base/stream_copy.h); measured 0.53x of one bulk copy of the same bytes.
@@ -937,7 +1088,8 @@ std::vector<PdStatus> PdConsumer::Poll() {
   std::vector<PdStatus> out;
   for (auto it = requests_.begin(); it != requests_.end();) {
     out.push_back(it->second->status);
-    if (it->second->status.state != PdState::kPending && it->second->running == 0) {
+    const Request& r = *it->second;
+    if (r.status.state != PdState::kPending && (r.running == 0 || r.abandoned.load())) {
       it = requests_.erase(it);
     } else {
       ++it;
@@ -954,7 +1106,7 @@ Result<PdStatus> PdConsumer::Wait(uint64_t request_id, uint32_t groups, Deadline
   }
   auto req = it->second;
   const bool ended = cv_.wait_until(lock, deadline, [&] {
-    return req->running == 0 ||
+    return req->running == 0 || (req->abandoned.load() && req->pulling == 0) ||
            (req->status.groups_total > 0 && req->status.groups_ready >= groups);
   });
   if (!ended) {

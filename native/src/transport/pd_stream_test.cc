@@ -663,5 +663,253 @@ TEST(PdStream, CancelDuringASameHostCopyKeepsTheSlotsUntilTheConsumerIsDone) {
   EXPECT_EQ(ppool->num_free(), kBlocks);
 }
 
+// Waits (bounded, no speed assertion) until `pool` has `want` free blocks; returns the last count.
+size_t WaitFree(BlockAllocator& pool, size_t want) {
+  for (int i = 0; i < 2000 && pool.num_free() != want; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return pool.num_free();
+}
+
+std::vector<uint8_t> Snapshot(BlockAllocator& pool, const std::vector<BlockId>& ids) {
+  std::vector<uint8_t> out;
+  for (BlockId b : ids) {
+    const uint8_t* p = *pool.Address(b);
+    out.insert(out.end(), p, p + pool.block_bytes());
+  }
+  return out;
+}
+
+// ABANDON CONTRACT over TCP: a consumer gives up mid-transfer (a slow link: 150 ms per frame).
+// Its receive fails at once with its reason, its destination borrow is returned and nothing is
+// written after Abandon returned; the producer ends the send as released and its blocks go back
+// to the free list long before the 60 s deadline.
+TEST(PdStream, AbandonMidTransferFreesTheProducersBlocksOverTcp) {
+  constexpr size_t kBlock = 256 << 10, kBlocks = 8, kTotal = 12;
+  auto ppool = MakePool(kBlock, kTotal), cpool = MakePool(kBlock, kBlocks);
+  ServerOptions so;
+  so.wrap = [](std::unique_ptr<Stream> s, size_t) -> std::unique_ptr<Stream> {
+    return std::make_unique<FaultyStream>(std::move(s),
+                                          FaultPlan{.delay = std::chrono::milliseconds(150)});
+  };
+  auto producer = PdProducer::Start(ppool, TestSecret(), {.server = so});
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto src = *ppool->Alloc(kBlocks);
+  Fill(*ppool, src, 17);
+  ASSERT_TRUE((*producer)->RegisterSend(61, src, 1, DeadlineInMs(60000)).ok());
+  ASSERT_TRUE(ppool->Free(src).ok());
+  EXPECT_EQ(ppool->num_free(), kTotal - kBlocks);
+  auto consumer =
+      PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
+  auto dst = *cpool->Alloc(kBlocks);
+  const std::string peer = (*producer)->address().ToString();
+  ASSERT_TRUE((*consumer)->StartRecv(61, {{peer, dst}}, DeadlineInMs(60000)).ok());
+  auto first = (*consumer)->Wait(61, 1, DeadlineInMs(20000));
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_EQ(first->state, PdState::kPending);  // 7 more frames, 150 ms apart per stream
+
+  auto released = (*consumer)->Abandon(61, Status::Cancelled("decode request aborted"));
+  ASSERT_TRUE(released.ok()) << released.status().ToString();
+  ASSERT_EQ(released->size(), 1u);
+  EXPECT_EQ((*released)[0].peer, peer);
+  EXPECT_TRUE((*released)[0].status.ok()) << (*released)[0].status.ToString();
+  EXPECT_EQ(cpool->stats().num_borrowed, 0u);  // the destination borrow is back
+  const auto after = Snapshot(*cpool, dst);
+  // The consumer reports it once, failed with the reason.
+  auto polled = (*consumer)->Poll();
+  ASSERT_EQ(polled.size(), 1u);
+  EXPECT_EQ(polled[0].state, PdState::kFailed);
+  EXPECT_EQ(polled[0].reason.code(), StatusCode::kCancelled);
+  EXPECT_EQ(polled[0].reason.message(), "decode request aborted");
+  EXPECT_TRUE((*consumer)->Poll().empty());
+  // The producer ended the send as released and dropped its reference (no 60 s wait).
+  const PdStatus sent = ProducerEnd(**producer, 61);
+  EXPECT_EQ(sent.state, PdState::kFailed);
+  EXPECT_EQ(sent.reason.code(), StatusCode::kCancelled);
+  EXPECT_NE(sent.reason.message().find("released by consumer"), std::string::npos)
+      << sent.reason.ToString();
+  EXPECT_NE(sent.reason.message().find("decode request aborted"), std::string::npos);
+  EXPECT_EQ(WaitFree(*ppool, kTotal), kTotal);
+  EXPECT_EQ((*producer)->pending(), 0u);
+  // Frames were still due (150 ms apart): none of them reached the abandoned blocks.
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  EXPECT_EQ(Snapshot(*cpool, dst), after);
+  // A second Abandon has nothing left to end.
+  EXPECT_EQ((*consumer)->Abandon(61, Status::Cancelled("again")).status().code(),
+            StatusCode::kNotFound);
+}
+
+// ABANDON CONTRACT on the same-host path: the producer keeps a failed receipt's blocks for a
+// retry (COMPLETION CONTRACT) until the consumer abandons it; the release travels on the Unix
+// socket and frees them at once.
+TEST(PdStream, AbandonAfterAFailedReceiptFreesTheProducersBlocksOnTheSameHostPath) {
+  const std::string shm = "tpusync-pd-abandon-" + std::to_string(::getpid());
+  constexpr size_t kBlock = 64 << 10, kBlocks = 6, kTotal = 8;
+  auto ppool = MakePool(kBlock, kTotal, shm), cpool = MakePool(kBlock, kBlocks);
+  PdProducerOptions po;
+  po.unix_path = "/tmp/" + shm + ".sock";
+  auto producer = PdProducer::Start(ppool, TestSecret(), po);
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto src = *ppool->Alloc(kBlocks);
+  Fill(*ppool, src, 5);
+  ASSERT_TRUE((*producer)->RegisterSend(62, src, 2, DeadlineInMs(60000)).ok());
+  ASSERT_TRUE(ppool->Free(src).ok());
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {});
+  const std::string peer = (*producer)->unix_address();
+  // A receipt that fails (the consumer expects one block fewer): the producer keeps the blocks.
+  auto dst = *cpool->Alloc(kBlocks - 1);
+  ASSERT_TRUE((*consumer)->StartRecv(62, {{peer, dst}}, DeadlineInMs(60000)).ok());
+  const PdStatus failed = WaitEnd(**consumer, 62);  // Wait does not forget it; Poll would
+  ASSERT_EQ(failed.state, PdState::kFailed);
+  EXPECT_EQ(failed.reason.code(), StatusCode::kInvalidArgument) << failed.reason.ToString();
+  EXPECT_EQ((*producer)->pending(), 1u);
+  EXPECT_EQ(ppool->num_free(), kTotal - kBlocks);
+  // The consumer will not retry: it says so.
+  auto released = (*consumer)->Abandon(62, Status::Unavailable("decode worker shutting down"));
+  ASSERT_TRUE(released.ok()) << released.status().ToString();
+  ASSERT_EQ(released->size(), 1u);
+  EXPECT_TRUE((*released)[0].status.ok()) << (*released)[0].status.ToString();
+  const PdStatus sent = ProducerEnd(**producer, 62);
+  EXPECT_EQ(sent.state, PdState::kFailed);
+  EXPECT_EQ(sent.reason.code(), StatusCode::kUnavailable) << sent.reason.ToString();
+  EXPECT_EQ(WaitFree(*ppool, kTotal), kTotal);
+  // The earlier failure stays the request's reason (it happened first).
+  auto polled = (*consumer)->Poll();
+  ASSERT_EQ(polled.size(), 1u);
+  EXPECT_EQ(polled[0].reason.code(), StatusCode::kInvalidArgument);
+
+  // Mid-transfer on the same-host path (the offer is delayed 300 ms): the release frees the
+  // blocks whichever way the race with the offer goes.
+  ServerOptions so;
+  so.wrap = [](std::unique_ptr<Stream> s, size_t) -> std::unique_ptr<Stream> {
+    return std::make_unique<FaultyStream>(std::move(s),
+                                          FaultPlan{.delay = std::chrono::milliseconds(300)});
+  };
+  po.server = so;
+  po.unix_path = "/tmp/" + shm + "-slow.sock";
+  auto slow = PdProducer::Start(ppool, TestSecret(), po);
+  ASSERT_TRUE(slow.ok()) << slow.status().ToString();
+  auto src2 = *ppool->Alloc(kBlocks);
+  ASSERT_TRUE((*slow)->RegisterSend(63, src2, 1, DeadlineInMs(60000)).ok());
+  ASSERT_TRUE(ppool->Free(src2).ok());
+  ASSERT_TRUE(cpool->Free(dst).ok());
+  auto dst2 = *cpool->Alloc(kBlocks);
+  ASSERT_TRUE(
+      (*consumer)->StartRecv(63, {{(*slow)->unix_address(), dst2}}, DeadlineInMs(60000)).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto released2 = (*consumer)->Abandon(63, Status::Cancelled("aborted"));
+  ASSERT_TRUE(released2.ok()) << released2.status().ToString();
+  ASSERT_EQ(released2->size(), 1u);
+  EXPECT_TRUE((*released2)[0].status.ok()) << (*released2)[0].status.ToString();
+  EXPECT_EQ(ProducerEnd(**slow, 63).state, PdState::kFailed);
+  EXPECT_EQ(WaitFree(*ppool, kTotal), kTotal);
+}
+
+// ABANDON CONTRACT, refusals: an OK reason, an unknown request, a completed one; on the producer
+// side a malformed or unknown release is refused on a link that stays usable and loses nothing.
+TEST(PdStream, AbandonAndReleaseRefuseBadInputAndLoseNothing) {
+  auto ppool = MakePool(4096, 8), cpool = MakePool(4096, 8);
+  auto producer = PdProducer::Start(ppool, TestSecret(), {});
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {});
+  const std::string peer = (*producer)->address().ToString();
+  EXPECT_EQ((*consumer)->Abandon(5, Status::Cancelled("x")).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ((*consumer)->Abandon(5, Status::OK()).status().code(), StatusCode::kInvalidArgument);
+  // A completed receive: nothing to abandon, and it is still reported done.
+  auto src = *ppool->Alloc(2);
+  Fill(*ppool, src, 1);
+  ASSERT_TRUE((*producer)->RegisterSend(6, src, 0, DeadlineInMs(20000)).ok());
+  auto dst = *cpool->Alloc(2);
+  ASSERT_TRUE((*consumer)->StartRecv(6, {{peer, dst}}, DeadlineInMs(20000)).ok());
+  ASSERT_EQ(WaitEnd(**consumer, 6).state, PdState::kDone);
+  EXPECT_EQ((*consumer)->Abandon(6, Status::Cancelled("late")).status().code(),
+            StatusCode::kFailedPrecondition);
+  auto polled = (*consumer)->Poll();
+  ASSERT_EQ(polled.size(), 1u);
+  EXPECT_EQ(polled[0].state, PdState::kDone);
+
+  // Producer side, raw frames on one authenticated link.
+  ASSERT_TRUE((*producer)->RegisterSend(7, src, 0, DeadlineInMs(20000)).ok());
+  ASSERT_TRUE(ppool->Free(src).ok());  // only the producer's reference is left
+  LinkPool links(TestSecret(), {.streams = 1});
+  auto link = links.Acquire(*ParseAddress(peer), DeadlineInMs(5000));
+  ASSERT_TRUE(link.ok()) << link.status().ToString();
+  Stream& s = *(*link)->streams[0];
+  auto ask = [&](uint64_t id, std::vector<uint8_t> meta) -> Status {
+    Status sent = s.SendMeta(Op::kPdRelease, id, meta, DeadlineInMs(5000));
+    if (!sent.ok()) return sent;
+    auto reply = s.Expect(Op::kPdReleased, DeadlineInMs(5000));
+    if (!reply.ok()) return Status::Internal("no reply: " + reply.status().ToString());
+    EXPECT_EQ(reply->header.request_id, id);
+    return DecodeStatus(reply->meta);
+  };
+  EXPECT_EQ(ask(7, {0xFF, 1, 2}).code(), StatusCode::kInvalidArgument);                // malformed
+  EXPECT_EQ(ask(7, EncodeStatus(Status::OK())).code(), StatusCode::kInvalidArgument);  // no reason
+  EXPECT_EQ(ask(99, EncodeStatus(Status::Cancelled("x"))).code(), StatusCode::kNotFound);
+  EXPECT_EQ((*producer)->pending(), 1u);  // nothing lost
+  EXPECT_EQ(ppool->num_free(), 6u);       // 7 still holds its 2 blocks
+  EXPECT_TRUE(ask(7, EncodeStatus(Status::Cancelled("gone"))).ok());
+  EXPECT_EQ((*producer)->pending(), 0u);
+  EXPECT_EQ(ppool->num_free(), 8u);  // dropped at once (no pull was in flight)
+  EXPECT_EQ(ask(7, EncodeStatus(Status::Cancelled("gone"))).code(), StatusCode::kNotFound);
+  // The link served a pull-less exchange only; the request stays consumable as a failed one.
+  bool reported = false;
+  for (const PdStatus& st : (*producer)->Poll()) {
+    reported |= st.request_id == 7 && st.state == PdState::kFailed &&
+                st.reason.message().find("gone") != std::string::npos;
+  }
+  EXPECT_TRUE(reported);
+}
+
+// ABANDON CONTRACT, racing a completing receive: either Abandon wins (the request fails with its
+// reason) or the receive completed first (kFailedPrecondition, reported done); either way no
+// destination byte changes after Abandon returned and the producer's blocks all come back.
+TEST(PdStream, AbandonRacingACompletingReceiveNeverWritesAfterItReturns) {
+  constexpr size_t kBlock = 64 << 10, kBlocks = 16;
+  auto ppool = MakePool(kBlock, kBlocks * 2), cpool = MakePool(kBlock, kBlocks);
+  auto producer = PdProducer::Start(ppool, TestSecret(), {});
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {});
+  const std::string peer = (*producer)->address().ToString();
+  auto dst = *cpool->Alloc(kBlocks);
+  int abandoned = 0, completed = 0;
+  for (uint64_t id = 1000; id < 1040; ++id) {
+    auto src = *ppool->Alloc(kBlocks);
+    Fill(*ppool, src, static_cast<uint8_t>(id));
+    ASSERT_TRUE((*producer)->RegisterSend(id, src, 1, DeadlineInMs(60000)).ok());
+    ASSERT_TRUE(ppool->Free(src).ok());
+    for (BlockId b : dst) std::memset(*cpool->Address(b), 0, kBlock);
+    ASSERT_TRUE((*consumer)->StartRecv(id, {{peer, dst}}, DeadlineInMs(60000)).ok());
+    // Spread the abandon over the transfer.
+    const auto until = Clock::now() + std::chrono::microseconds((id % 5) * 150);
+    while (Clock::now() < until) std::this_thread::yield();
+    auto r = (*consumer)->Abandon(id, Status::Cancelled("raced"));
+    const auto frozen = Snapshot(*cpool, dst);
+    if (r.ok()) {
+      ++abandoned;
+      ASSERT_EQ(r->size(), 1u);
+      const Status& told = (*r)[0].status;
+      EXPECT_TRUE(told.ok() || told.code() == StatusCode::kNotFound) << told.ToString();
+      EXPECT_EQ(cpool->stats().num_borrowed, 0u);
+      bool failed = false;
+      for (const PdStatus& st : (*consumer)->Poll()) {
+        failed |= st.request_id == id && st.state == PdState::kFailed;
+      }
+      EXPECT_TRUE(failed);
+    } else {
+      ++completed;
+      ASSERT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status().ToString();
+      EXPECT_EQ(WaitEnd(**consumer, id).state, PdState::kDone);
+      (void)(*consumer)->Poll();
+    }
+    (void)ProducerEnd(**producer, id);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    EXPECT_EQ(Snapshot(*cpool, dst), frozen) << "request " << id << " written after Abandon";
+    ASSERT_EQ(WaitFree(*ppool, kBlocks * 2), kBlocks * 2) << "request " << id;
+  }
+  EXPECT_EQ(abandoned + completed, 40);
+  std::printf("abandon race: %d abandoned, %d completed first\n", abandoned, completed);
+}
+
 }  // namespace
 }  // namespace tpusync::transport

@@ -127,9 +127,11 @@ void init_transport(nb::module_& m) {
       .def_static(
           "create",
           [](std::shared_ptr<BlockAllocator> pool, nb::bytes secret, size_t streams,
-             double connect_timeout, int socket_buffer_bytes, size_t small_pull_bytes) {
+             double connect_timeout, int socket_buffer_bytes, size_t small_pull_bytes,
+             double abandon_timeout) {
             transport::PdConsumerOptions o;
             o.small_pull_bytes = small_pull_bytes;
+            o.abandon_timeout = Ms(abandon_timeout);
             o.connect.streams = streams;
             o.connect.timeout = Ms(connect_timeout);
             o.connect.socket.buffer_bytes = socket_buffer_bytes;
@@ -140,7 +142,7 @@ void init_transport(nb::module_& m) {
           },
           nb::arg("pool"), nb::arg("secret"), nb::arg("streams") = 4,
           nb::arg("connect_timeout") = 5.0, nb::arg("socket_buffer_bytes") = 0,
-          nb::arg("small_pull_bytes") = size_t{256} << 10)
+          nb::arg("small_pull_bytes") = size_t{256} << 10, nb::arg("abandon_timeout") = 2.0)
       .def(
           "recv",
           [](PdConsumer& c, uint64_t request_id,
@@ -167,6 +169,30 @@ void init_transport(nb::module_& m) {
             ThrowIfError(c.StartRecv(request_id, std::move(src), d));
           },
           nb::arg("request_id"), nb::arg("sources"), nb::arg("deadline"))
+      .def(
+          "abandon",
+          [](PdConsumer& c, uint64_t request_id, const std::string& reason) {
+            Result<std::vector<transport::PdRelease>> r = Status::Internal("unset");
+            {
+              nb::gil_scoped_release release;
+              r = c.Abandon(request_id, Status::Cancelled(reason));
+            }
+            nb::list out;
+            for (const auto& rel : Unwrap(std::move(r))) {
+              nb::dict d;
+              d["peer"] = rel.peer;
+              if (rel.status.ok()) {
+                d["code"] = nb::none();
+                d["reason"] = nb::none();
+              } else {
+                d["code"] = std::string(StatusCodeName(rel.status.code()));
+                d["reason"] = rel.status.ToString();
+              }
+              out.append(d);
+            }
+            return out;
+          },
+          nb::arg("request_id"), nb::arg("reason"))
       .def("poll",
            [](PdConsumer& c) {
              std::vector<PdStatus> v;

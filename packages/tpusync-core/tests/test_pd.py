@@ -182,3 +182,95 @@ def test_recv_pulls_on_the_calling_thread_and_is_not_polled_again():
         res = consumer.recv(99, prod.address, dst, deadline=0.3)
         assert res.failed and res.code in ("NotFound", "Timeout"), res
         assert time.monotonic() - t0 < 2.3
+
+
+RELEASED_PRODUCER = textwrap.dedent(
+    """
+    import sys, time
+    import tpusync.core as tc
+    from tpusync.core.pd import PdProducer
+
+    pool = tc.HostBlockPool(BLOCK, N + 2)
+    ids = pool.alloc(N)
+    prod = PdProducer(pool)  # secret from $TPUSYNC_AUTH_SECRET
+    prod.register_send(50, ids, deadline=120.0)  # far beyond this test's waits
+    pool.free(ids)
+    print(prod.address, pool.num_free, flush=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for r in prod.poll():
+            if r.request_id == 50 and r.state != "pending":
+                print(r.state, r.code, pool.num_free, r.reason, flush=True)
+                prod.close()
+                sys.exit(0)
+        time.sleep(0.01)
+    sys.exit(3)
+    """
+)
+
+
+def test_abandon_tells_the_producer_process_to_free_its_blocks_at_once():
+    """ABANDON CONTRACT across two processes: a failed receipt alone leaves the producer holding
+    the blocks for a retry (until its 120 s deadline); abandon() makes it drop them at once."""
+    n = 4
+    code = f"BLOCK={BLOCK}\nN={n}\n" + RELEASED_PRODUCER
+    env = dict(os.environ, TPUSYNC_AUTH_SECRET=SECRET.decode())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        addr, free_before = proc.stdout.readline().split()
+        assert int(free_before) == 2  # the producer's reference holds n blocks
+        pool = tc.HostBlockPool(BLOCK, n)
+        dst = pool.alloc(n - 1)  # one block short: the producer refuses, keeps its blocks
+        consumer = PdConsumer(pool, streams=1, secret=SECRET)
+        consumer.start_recv(50, addr, dst, deadline=30.0)
+        res = consumer.wait(50, timeout=30.0)
+        assert res.failed and res.code == "InvalidArgument", res
+        (rel,) = consumer.abandon(50, "decode request aborted")
+        assert rel.released and rel.peer == addr, rel
+        out, _ = proc.communicate(timeout=30)
+        state, code_name, free_after, reason = out.split(maxsplit=3)
+        assert (state, code_name, int(free_after)) == ("failed", "Cancelled", n + 2)
+        assert "released by consumer" in reason and "decode request aborted" in reason, reason
+        assert proc.returncode == 0
+        # Reported once, with the failure that came first.
+        (st,) = consumer.poll()
+        assert st.request_id == 50 and st.code == "InvalidArgument"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_abandon_ends_a_waiting_receive_and_refuses_bad_calls():
+    """A receive still waiting for the producer to register ends at once as Cancelled with the
+    reason; the producer, which never had the request, answers NotFound. Unknown, completed and
+    reason-less abandons are refused with typed errors."""
+    pool = tc.HostBlockPool(4096, 4)
+    cpool = tc.HostBlockPool(4096, 4)
+    with PdProducer(pool, secret=SECRET) as prod:
+        consumer = PdConsumer(cpool, streams=1, secret=SECRET)
+        dst = cpool.alloc(2)
+        consumer.start_recv(7, prod.address, dst, deadline=60.0)
+        time.sleep(0.05)  # the pull is (most likely) waiting at the producer for a registration
+        (rel,) = consumer.abandon(7, "client went away")
+        assert not rel.released and rel.code == "NotFound", rel
+        res = consumer.wait(7, timeout=10.0)
+        assert res.failed and res.code == "Cancelled" and res.reason.endswith("client went away")
+        with pytest.raises(tc.NotFoundError):
+            consumer.abandon(7, "again")
+        assert [r.request_id for r in consumer.poll()] == [7]
+        assert consumer.poll() == []
+        with pytest.raises(tc.NotFoundError):
+            consumer.abandon(8, "never started")
+        with pytest.raises(ValueError, match="abandon needs a reason"):
+            consumer.abandon(8, "")
+        src = pool.alloc(1)
+        prod.register_send(9, src, deadline=10.0)
+        dst1 = dst[:1]
+        consumer.start_recv(9, prod.address, dst1, deadline=10.0)
+        assert consumer.wait(9, timeout=10.0).done
+        with pytest.raises(tc.StateError, match="already completed"):
+            consumer.abandon(9, "too late")
+        assert [r.state for r in consumer.poll()] == ["done"]

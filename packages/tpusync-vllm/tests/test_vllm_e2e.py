@@ -259,6 +259,18 @@ def test_pd_pull_of_a_released_transfer_fails_cleanly_and_recomputes(pd):
     assert pd["again"]["tokens"] == pd["single"]["tokens"]
 
 
+def test_pd_request_aborted_while_loading_is_abandoned(pd):
+    # ABANDON CONTRACT (pd.py): the pull was in flight when vLLM aborted the request; the worker
+    # abandoned it in get_finished, reported it finished (vLLM no longer holds the request or its
+    # blocks) and its staging blocks came back.
+    a = pd["abort"]
+    assert a["pending_before"] == 1, a
+    assert a["abandoned"] == 1, a
+    assert a["left_in_scheduler"] == 0, a
+    assert a["pending_after"] == 0 and a["abandoning_after"] == 0, a
+    assert a["pool_free"] == a["pool_blocks"], a
+
+
 def _kv_block_bytes(model: Path) -> int:
     """Bytes of one vLLM block across all layers (K and V) of the tiny model, float32."""
     cfg = json.loads((model / "config.json").read_text())

@@ -605,6 +605,7 @@ def scenario_pd(model: str) -> dict:
         r["stats_again"] = dict(sched.stats)
         llm.reset_prefix_cache()
         r["single"] = generate(llm, prompt(21))  # the same prompt on this instance alone
+        r["abort"] = _pd_abort_while_loading(llm, worker, kvp)
     finally:
         open(os.path.join(work, "done"), "w").close()
         try:
@@ -614,6 +615,37 @@ def scenario_pd(model: str) -> dict:
     with open(out) as f:
         r["producer"] = json.load(f)
     return r
+
+
+def _pd_abort_while_loading(llm, worker, kvp: dict) -> dict:
+    """ABANDON CONTRACT (pd.py): abort a request whose KV is still being pulled. Its transfer id
+    was never registered at the producer, so the pull waits there (up to the producer's 10 s
+    pull wait) and the abort deterministically finds it in flight; the worker must abandon it,
+    report it finished (so vLLM frees its blocks) and get its staging blocks back."""
+    llm.reset_prefix_cache()
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    ghost = {**kvp, "tpusync_transfer_id": 0x5EED}
+    abandoned0 = worker.totals.data.get("pd_abandoned", 0)
+    engine.add_request("pd-abort-me", {"prompt_token_ids": prompt(21)}, params(MAX_TOKENS, ghost))
+    engine.step()  # lookup, allocation and the worker's start of the pull
+    out = {"pending_before": worker.pd.pending}
+    engine.abort_request(["pd-abort-me"])
+
+    def left() -> int:
+        return sum(1 for k in core.scheduler.requests if k.startswith("pd-abort-me"))
+
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and (left() or worker.pd.abandoning or worker.pd.pending):
+        engine.step()  # the worker sees the abort in finished_req_ids (get_finished)
+        time.sleep(0.02)
+    out["abandoned"] = worker.totals.data.get("pd_abandoned", 0) - abandoned0
+    out["left_in_scheduler"] = left()
+    out["pending_after"] = worker.pd.pending
+    out["abandoning_after"] = worker.pd.abandoning
+    out["pool_free"] = worker.pd.pool.num_free
+    out["pool_blocks"] = worker.pd.pool.num_blocks
+    return out
 
 
 SCENARIOS = {

@@ -7,8 +7,9 @@ SGLang's own ``get_kv_class`` after the tpusync plugin hooked in, and drives one
 through ``KVPoll`` exactly as the prefill / decode schedulers poll them. The last stdout line is
 a JSON report (states seen per room, failure reasons, SHA-256 digests of the pages involved).
 
-Scenarios: ``ok`` (room 11: two chunks, then room 12 which the decode aborts after sending its
-metadata), ``prefill_dies`` (the prefill offers the first chunk and exits), ``decode_dies`` (the
+Scenarios: ``ok`` (room 11: two chunks, then room 12 which the decode aborts once the prefill
+offered its first chunk, without pulling it; the prefill must then free its staging blocks at once,
+not at the send deadline), ``prefill_dies`` (the prefill offers the first chunk and exits), ``decode_dies`` (the
 decode sends its metadata, sees the first chunk offered without pulling it, and exits; the
 prefill's offer must expire into Failed).
 """
@@ -155,12 +156,25 @@ def prefill(port: int, scenario: str) -> None:
                 os._exit(3)
             sender.send(torch.tensor(SRC_PAGES[2:], dtype=torch.int32).numpy())
             s = wait_for(sender, {KVPoll.Success}, states)
-        report["rooms"][room] = {
+        entry = {
             "states": states,
             "final": s,
             "reason": reason(sender) if s == KVPoll.Failed else None,
             **digests(bufs, aux, SRC_PAGES, SRC_AUX),
         }
+        if room == 12:
+            # ABORT CONTRACT: the aborted room's offers are cancelled, so the staging pool is
+            # whole again long before TPUSYNC_SGLANG_SEND_DEADLINE_S (6 s in the test); wait at
+            # most half of it (bounded), then report what is still held.
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end and (
+                mgr.producer.pending or mgr.pool.num_free != mgr.pool.num_blocks
+            ):
+                time.sleep(0.01)
+            entry["pool_free"] = mgr.pool.num_free
+            entry["pool_blocks"] = mgr.pool.num_blocks
+            entry["offers_left"] = mgr.producer.pending
+        report["rooms"][room] = entry
     mgr.teardown()
     server.close()
     say(**report)
@@ -191,6 +205,19 @@ def decode(port: int, scenario: str) -> None:
         if scenario == "decode_dies":
             offered = threading.Event()
             mgr._start_fetch = lambda msg, seen=offered: seen.set()  # no pull: about to die
+        if room == 12:
+            # Abort once the prefill offered a chunk of this room, which is not pulled (so the
+            # prefill holds it; a pull would also race the abort for the room's pages).
+            offered = threading.Event()
+            real_fetch = mgr._start_fetch
+
+            def fetch_unless_room_12(msg, seen=offered, real=real_fetch):
+                if int(msg[1]) == 12:
+                    seen.set()
+                else:
+                    real(msg)
+
+            mgr._start_fetch = fetch_unless_room_12
         receiver.send_metadata(
             torch.tensor(dst, dtype=torch.int32).numpy(), aux_index=DST_AUX + (room == 12)
         )
@@ -205,6 +232,8 @@ def decode(port: int, scenario: str) -> None:
             say(event="exiting")
             os._exit(3)
         if room == 12:
+            if not offered.wait(timeout=60.0):
+                say(event="no chunk offered for room 12")
             receiver.abort()
         s = wait_for(receiver, {KVPoll.Success}, states)
         why = reason(receiver) if s == KVPoll.Failed else None

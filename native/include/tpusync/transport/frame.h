@@ -63,6 +63,8 @@ enum class Op : uint8_t {
   kPdEnd = 18,        // producer -> consumer, once per stream: meta = blocks sent on this stream
   kPdAck = 19,        // consumer -> producer: meta = status code (1) + message
   kPdShmOffer = 20,   // producer -> consumer (unix socket): meta = PdShmOffer, then an fd
+  kPdRelease = 21,    // consumer -> producer: meta = status code (1) + message, never OK
+  kPdReleased = 22,   // producer -> consumer: meta = status code (1) + message (OK: released)
   kStorePut = 32,     // client -> store node: meta = keys, payload = one block per key
   kStoreGet = 33,     // client -> store node: meta = keys
   kStoreLookup = 34,  // client -> store node: meta = keys
@@ -152,8 +154,14 @@ class MetaReader {
   size_t pos_ = 0;
 };
 
-// kError / kPdAck metadata: a StatusCode and a message (<= 4 KiB).
+// kError / kPdAck / kPdRelease / kPdReleased metadata: a StatusCode and a message (<= 4 KiB).
 std::vector<uint8_t> EncodeStatus(const Status& s);
+// The status a peer sent ("peer: " before its message), or the reason its metadata is malformed:
+// the two cannot be told apart, which suits replies (both are failures of the exchange).
 Status DecodeStatus(std::span<const uint8_t> meta);
+// Strict form for requests that carry a status: fails only for malformed metadata (truncated,
+// unknown code, trailing bytes); else OK, with the peer's status as sent in `*out` (message
+// unprefixed). (Not Result<Status>: its value and error constructors would collide.)
+Status ParseStatus(std::span<const uint8_t> meta, Status* out);
 
 }  // namespace tpusync::transport

@@ -48,6 +48,25 @@
 // alternative: Cancel waits for in-flight pulls to end before it returns - a send to a dead host
 // blocks in the kernel until its deadline, which is the stall Cancel exists to end.
 //
+// ABANDON CONTRACT: a consumer that gives up on a request for good (its decode request was
+// aborted) calls PdConsumer::Abandon(request_id, reason). Locally, at once: the request fails
+// with `reason` (Poll / Wait / Recv report it), its links are shut down so every source stops,
+// Abandon waits (bounded) until no source is inside its write phase, then returns the borrow of
+// the destination blocks - so no destination block is written after Abandon returned OK, and the
+// caller may free or reuse them. Then, best-effort, it tells every source producer with a
+// kPdRelease frame on a link of its own; the producer ends that send like Cancel (kFailed, the
+// reason naming the consumer's release, the TCP links serving it shut down) and drops its
+// reference on the blocks at once instead of at the deadline (OWNERSHIP CONTRACT). Every wait is
+// bounded by PdConsumerOptions::abandon_timeout: a dead or unreachable producer only shows up as
+// a failed PdRelease entry, its own deadline stays the backstop. A producer that does not know
+// the request (never registered, already acknowledged, expired, cancelled or released) answers
+// kNotFound and changes nothing; a malformed release is refused (kInvalidArgument) and loses
+// nothing. A failed receipt (COMPLETION CONTRACT) is still kept by the producer for a retry: only
+// an explicit Abandon says there will be none. Rejected alternatives: a flag on the final kPdAck
+// (the abandoned receive's link is the one shut down to stop it, and a receive that never
+// reached the producer has no ack to carry it); waiting for in-flight sources without shutting
+// their links (a receive stalled on a dead peer would hold Abandon to the request's deadline).
+//
 // SAME-HOST PATH: when the consumer reaches the producer through its Unix socket and the producer's
 // pool lives in /dev/shm, the producer passes the segment's file descriptor (SCM_RIGHTS) and block
 // offsets, and the consumer memcpys from the mapping; no TCP, no socket copy.
@@ -129,6 +148,9 @@ class PdProducer {
   struct Entry;
   PdProducer() = default;
   void ServeLink(const std::shared_ptr<Link>& link, bool is_unix);
+  // ABANDON CONTRACT: a consumer's kPdRelease; the status to send back.
+  Status ServeRelease(const InFrame& release, const std::string& peer);
+  Status CancelLocked(uint64_t request_id, Status reason, std::string_view verb);  // mu_ held
   Status ServePull(Link& link, bool is_unix, const InFrame& pull);
   void ReapLoop();
   void Finish(uint64_t request_id, Status reason);  // mu_ held
@@ -153,6 +175,13 @@ struct PdSource {
   std::vector<BlockId> blocks;  // destination blocks, same count as the producer registered
 };
 
+// One producer's answer to an Abandon (ABANDON CONTRACT): OK when it dropped its blocks;
+// kNotFound when the request was not live there; otherwise why it could not be told.
+struct PdRelease {
+  std::string peer;
+  Status status;
+};
+
 struct PdConsumerOptions {
   ConnectOptions connect;  // streams per link, timeouts, socket options, fault wrapper
   // SMALL-PULL CONTRACT: a source of at most this many payload bytes is pulled over a 1-stream link
@@ -161,6 +190,9 @@ struct PdConsumerOptions {
   // `connect.streams` path. 0 disables it. Rejected alternative: a flag in PdPull telling the
   // producer to use one stream of a wide link - a wire change for what a second pool gives free.
   size_t small_pull_bytes = size_t{256} << 10;
+  // ABANDON CONTRACT: the bound of each wait of Abandon (local sources stopping; telling each
+  // producer, which happens in parallel).
+  std::chrono::milliseconds abandon_timeout{2000};
 };
 
 class PdConsumer {
@@ -176,6 +208,14 @@ class PdConsumer {
   // by Poll. Rejected alternative: running StartRecv inline - StartRecv must return at once, since
   // a consumer may start a receive long before the producer registers the send.
   Result<PdStatus> Recv(uint64_t request_id, std::vector<PdSource> sources, Deadline deadline);
+  // ABANDON CONTRACT: ends request `request_id` as failed with `reason` (not OK) and tells its
+  // producers to drop their blocks. Errors: kInvalidArgument (OK reason), kNotFound (not
+  // receiving here, or already reported), kFailedPrecondition (it already completed: nothing to
+  // abandon, Poll reports it done), kTimeout (a source did not stop within abandon_timeout: it may
+  // still write its destination blocks until it stops; the caller may free them - the borrow
+  // keeps the slots out of the free list until then - but must not reuse their contents; the
+  // producers were still told). Otherwise one PdRelease per distinct source producer.
+  Result<std::vector<PdRelease>> Abandon(uint64_t request_id, Status reason);
   // Every request; terminal ones are reported once and then forgotten.
   std::vector<PdStatus> Poll();
   // Waits until `groups` groups are ready, the request ended, or the deadline passed.
@@ -193,12 +233,15 @@ class PdConsumer {
   void RunSource(std::shared_ptr<Request> req, size_t index);
   Status PullFrom(Request& req, Source& src, Link& link);
   Result<std::shared_ptr<Mapping>> MapSegment(Fd fd);
+  Status TellProducer(const Address& peer, uint64_t request_id, const Status& reason,
+                      Deadline deadline);
   void Update(Request& req);  // mu_ held
 
   std::shared_ptr<BlockAllocator> pool_;
   size_t small_pull_bytes_ = 0;  // 0: every source uses links_
   LinkPool links_;
   LinkPool small_links_;  // 1-stream links for small sources (SMALL-PULL CONTRACT)
+  std::chrono::milliseconds abandon_timeout_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<uint64_t, std::shared_ptr<Request>> requests_;

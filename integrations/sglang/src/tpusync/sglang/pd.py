@@ -28,9 +28,15 @@ plus SGLang's own bootstrap / waiting timeouts.
 
 ABORT CONTRACT: an aborted or failed room is never written after the abort was observed: the
 decode scatter checks the room state under the room lock that ``abort`` also takes, and a chunk
-that lands afterwards is dropped (its blocks go back to the pool). The prefill drops queued
-chunks of a failed room and offered chunks expire by their deadline (the primitive has no
-cancel).
+that lands afterwards is dropped (its blocks go back to the pool). Nothing of an aborted room is
+held until a deadline: the decode abandons the room's fetches in flight
+(:meth:`PdConsumer.abandon`, on a background thread, so ``abort`` never waits on the network),
+which tells the prefill's producer to drop those chunks' staging blocks; the prefill, told by
+SGLang's ``ABORT`` message (or failing the room itself), drops its queued chunks and cancels the
+room's offered ones (:meth:`PdProducer.cancel`), also one offered while the abort arrived (it
+re-checks the room after offering). The deadlines stay the backstop for a peer that cannot be
+reached. The first failure of a room stays its reason (a fetch cut short by the abort does not
+overwrite SGLang's "Aborted" cause).
 
 Scope (first version, checked at start-up with a clear error): KV in host memory (SGLang's
 ``--device cpu``; a GPU KV cache needs a device <-> staging copy that is not implemented), equal
@@ -75,7 +81,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from tpusync.core import HostBlockPool, PoolExhaustedError
+from tpusync.core import HostBlockPool, PoolExhaustedError, TpusyncError
 from tpusync.core.pd import PdConsumer, PdProducer, load_secret
 
 __all__ = [
@@ -242,8 +248,10 @@ class TpusyncKVManager(CommonKVManager):
         else:
             self._recv_rooms: dict[int, _RecvRoom] = {}
             self._fetching: dict[int, tuple[int, list[int], int, int, bool]] = {}
+            self._abandon: queue.Queue[tuple[int, str] | None] = queue.Queue()
             self._start(self._decode_control_loop, "tpusync-pd-control")
             self._start(self._decode_fetch_loop, "tpusync-pd-fetch")
+            self._start(self._decode_abandon_loop, "tpusync-pd-abandon")
             self._threads.append(self._start_heartbeat_checker_thread())
 
     # -- helpers -----------------------------------------------------------------------------
@@ -270,6 +278,8 @@ class TpusyncKVManager(CommonKVManager):
             self._heartbeat_shutdown.set()
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             self._queue.put(None)
+        else:
+            self._abandon.put(None)
         for t in self._threads:
             t.join(timeout=5.0)
         if self.producer is not None:
@@ -334,6 +344,7 @@ class TpusyncKVManager(CommonKVManager):
             if note is not None and note.room in self.request_status:
                 self.record_failure(note.room, "Aborted by the decode side")
                 self.update_status(note.room, KVPoll.Failed)
+                self._cancel_offers(note.room, "aborted by the decode side")
             return
         if msg and msg[0] == b"BOOTSTRAP":
             return  # deferred-allocation readiness; that policy is refused at start-up
@@ -474,6 +485,11 @@ class TpusyncKVManager(CommonKVManager):
                     self._ack(rid, done=True)
             finally:
                 self.pool.free(ids)  # the producer holds its own references
+            if self.request_status.get(room) in (None, KVPoll.Failed):
+                # ABORT CONTRACT: the room failed (an abort arrived) while this chunk was being
+                # offered; the abort handler may have looked before the offer existed.
+                self._cancel_offers(room, "failed while a chunk was being offered")
+                return
             self.update_status(room, KVPoll.Transferring)
             self._send_multipart_locked(
                 f"tcp://{peer.endpoint}:{peer.dst_port}",
@@ -489,6 +505,19 @@ class TpusyncKVManager(CommonKVManager):
                     str(self._prefill_unique_rank()).encode("ascii"),
                 ],
             )
+
+    def _cancel_offers(self, room: int, why: str) -> None:
+        """ABORT CONTRACT: end every offered chunk of ``room`` now, so the producer drops their
+        staging blocks instead of holding them to the send deadline. The ack loop then sees
+        them failed and concludes the room (already Failed) as before."""
+        assert self.producer is not None
+        with self._lock:
+            rids = list(self._room_offers.get(room, ()))
+        for rid in rids:
+            try:
+                self.producer.cancel(rid, f"room {room} {why}")
+            except TpusyncError:
+                pass  # not live any more: acknowledged, expired, or released by the decode
 
     def _alloc_waiting(self, blocks: int) -> list[int]:
         """Staging blocks for one chunk; while the pool is full (earlier offers not yet fetched)
@@ -561,7 +590,9 @@ class TpusyncKVManager(CommonKVManager):
         is_last = msg[7] == b"1"
         state = self._recv_rooms.get(room)
         if state is None or self.request_status.get(room) in (None, KVPoll.Failed):
-            return  # aborted or cleared: let the producer's offer expire
+            # Aborted or cleared: not pulled. The prefill cancels the room's offers on SGLang's
+            # ABORT message (ABORT CONTRACT); its deadline is the backstop.
+            return
         self.update_status(room, KVPoll.Transferring)
         if blocks == 0:  # an empty last chunk: nothing on the wire
             with state.lock:
@@ -667,7 +698,39 @@ class TpusyncKVManager(CommonKVManager):
                 bootstrap_room=room, status=KVPoll.Success, prefill_rank=rank
             )
 
+    def abandon_room(self, room: int, why: str) -> None:
+        """ABORT CONTRACT: abandon the room's fetches in flight (never blocks: a background
+        thread calls :meth:`PdConsumer.abandon`, whose waits are bounded, so each prefill
+        producer drops those chunks' blocks at once). Their staging blocks come back through the
+        fetch loop, which sees them failed."""
+        with self._lock:
+            rids = [rid for rid, entry in self._fetching.items() if entry[0] == room]
+        for rid in rids:
+            self._abandon.put((rid, f"room {room} {why}"))
+
+    def _decode_abandon_loop(self) -> None:
+        assert self.consumer is not None
+        while True:
+            item = self._abandon.get()
+            if item is None or self._stopped:
+                return
+            rid, why = item
+            try:
+                for rel in self.consumer.abandon(rid, why):
+                    if not rel.released and rel.code != "NotFound":
+                        logger.info(
+                            "tpusync P/D: prefill %s not told of abandoned chunk %s (%s): "
+                            "its deadline frees it",
+                            rel.peer,
+                            rid,
+                            rel.reason,
+                        )
+            except TpusyncError as e:  # already ended (landed, failed and polled): nothing held
+                logger.debug("tpusync P/D: abandon of chunk %s: %s", rid, e)
+
     def _fail_room(self, room: int, reason: str) -> None:
+        if self.request_status.get(room) == KVPoll.Failed:
+            return  # the first failure stays the room's reason (e.g. SGLang's abort)
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
 
@@ -717,6 +780,7 @@ class TpusyncKVReceiver(CommonKVReceiver):
             return
         with state.lock:  # ABORT CONTRACT: no scatter runs past this point for this room
             super().abort()
+        self.kv_mgr.abandon_room(self.bootstrap_room, "aborted by the decode")
 
     def _clear(self) -> None:
         super()._clear()

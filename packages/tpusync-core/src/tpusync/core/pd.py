@@ -15,6 +15,9 @@ Contracts (enforced natively, see native/include/tpusync/transport/pd_stream.h):
   layer 0 while later layers are still on the wire (:meth:`PdConsumer.wait` with ``groups``).
 - Every connection is authenticated (HMAC-SHA256 challenge-response over a shared secret). The
   secret comes from a file or ``$TPUSYNC_AUTH_SECRET``, never from a command line.
+- A consumer that gives up for good calls :meth:`PdConsumer.abandon`: its receive ends at once and
+  each producer is told to drop its blocks instead of holding them to the deadline (a failed
+  receipt alone keeps them there, for a retry).
 - Same-host peers reached through the producer's Unix socket copy straight out of the producer's
   ``/dev/shm`` pool (the pool must have an ``shm_name``): no TCP.
 """
@@ -29,7 +32,7 @@ from pathlib import Path
 from tpusync.core import _native
 from tpusync.core.pool import HostBlockPool
 
-__all__ = ["SECRET_ENV", "PdConsumer", "PdProducer", "PdResult", "load_secret"]
+__all__ = ["SECRET_ENV", "PdConsumer", "PdProducer", "PdRelease", "PdResult", "load_secret"]
 
 SECRET_ENV = "TPUSYNC_AUTH_SECRET"
 
@@ -73,6 +76,22 @@ class PdResult:
     @property
     def failed(self) -> bool:
         return self.state == "failed"
+
+
+@dataclass(frozen=True)
+class PdRelease:
+    """One producer's answer to :meth:`PdConsumer.abandon`: ``released`` when it dropped its
+    blocks; otherwise ``code`` / ``reason`` say why not (``NotFound``: the request was not live
+    there - already acknowledged, expired, cancelled or never registered; anything else: it could
+    not be told in time, and its deadline frees the blocks)."""
+
+    peer: str
+    code: str | None
+    reason: str | None
+
+    @property
+    def released(self) -> bool:
+        return self.code is None
 
 
 def _result(r: dict) -> PdResult:
@@ -188,9 +207,11 @@ class PdConsumer:
         secret_file: str | os.PathLike[str] | None = None,
         connect_timeout: float = 5.0,
         small_pull_bytes: int = 256 << 10,
+        abandon_timeout: float = 2.0,
     ) -> None:
         """``small_pull_bytes``: a source of at most this many bytes is pulled over a 1-stream
-        link (no striping threads on either side); 0 stripes every pull over ``streams``."""
+        link (no striping threads on either side); 0 stripes every pull over ``streams``.
+        ``abandon_timeout``: the bound, in seconds, of each wait of :meth:`abandon`."""
         self._pool = pool
         self._native = _native.PdConsumer.create(
             pool.native,
@@ -198,6 +219,7 @@ class PdConsumer:
             streams=streams,
             connect_timeout=connect_timeout,
             small_pull_bytes=small_pull_bytes,
+            abandon_timeout=abandon_timeout,
         )
 
     def recv(
@@ -232,6 +254,28 @@ class PdConsumer:
         """Like :meth:`start_recv` with several senders, each filling its own destination blocks;
         the request is done only when every sender landed."""
         self._native.start_recv(request_id, [(p, list(b)) for p, b in sources], deadline)
+
+    def abandon(self, request_id: int, reason: str) -> list[PdRelease]:
+        """Give up receiving ``request_id`` for good (e.g. its decode request was aborted).
+
+        ABANDON CONTRACT (pd_stream.h): the request ends at once as ``failed`` (code
+        ``Cancelled``, ``reason``; a failure that came first keeps its own reason), reported once
+        by :meth:`poll` / :meth:`wait`. Its links are shut down and, when this returns, no source
+        writes its destination blocks any more: they may be freed or reused. Then each source
+        producer is told, best-effort and in parallel, to drop its blocks at once (its send ends
+        ``failed``, the reason naming this release) instead of holding them until its deadline;
+        one :class:`PdRelease` per distinct producer says how that went. Every wait is bounded by
+        ``abandon_timeout``: an unreachable producer only costs that long.
+
+        NotFoundError when ``request_id`` is not receiving here (or its end was already
+        reported, or it was already abandoned); FailedPreconditionError when it already completed
+        (nothing to abandon; it is still reported ``done``); TimeoutError when a source did not
+        stop writing within ``abandon_timeout`` (its blocks stay borrowed until the request is
+        reported ended; the producers were still told).
+        """
+        if not reason:
+            raise ValueError("abandon needs a reason (it is reported as the failure's reason)")
+        return [PdRelease(**r) for r in self._native.abandon(request_id, reason)]
 
     def poll(self) -> list[PdResult]:
         """Every request; terminal ones (``done`` / ``failed``) are reported once."""

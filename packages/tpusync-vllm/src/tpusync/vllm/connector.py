@@ -156,6 +156,7 @@ _WORKER_COUNTERS = (
     "layer_waits",  # wait_for_layer_load calls during a layered load
     "layer_wait_seconds",  # time the forward spent blocked in them
     "pd_shm_blocks",  # P/D blocks pulled over the same-host /dev/shm path (not TCP)
+    "pd_abandoned",  # P/D receives dropped because their request finished (ABANDON CONTRACT)
 )
 
 
@@ -959,6 +960,15 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.pd is None:
             return None, None
+        # ABANDON CONTRACT (pd.py): a finished request still loading was aborted. Its receive is
+        # dropped (never scattered) and reported finished now, so vLLM frees its blocks; the
+        # producer is told to drop its prefill copy in the background.
+        abandoned = (
+            self.pd.abandon(finished_req_ids, "request finished while loading (aborted)")
+            if finished_req_ids
+            else set()
+        )
+        self._count("pd_abandoned", len(abandoned))
         before, before_shm = self.pd.received, self.pd.received_shm
         done, failed = self.pd.poll()
         self._count("loaded_blocks", self.pd.received - before)
@@ -968,7 +978,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         for ids in failed.values():
             self._load_errors.update(ids)
             self._count("load_failures", 1)
-        recving = done | set(failed)
+        recving = done | set(failed) | abandoned
         return None, (recving or None)
 
     def get_kv_connector_kv_cache_events(self) -> TpusyncKVEvents | None:

@@ -13,6 +13,18 @@ CONSUMER (``kv_consumer``, decode instance): a request carrying ``do_remote_pref
 ``get_finished`` scatters every completed transfer into vLLM's blocks before reporting it done;
 a failed or expired transfer is reported as load errors (``kv_load_failure_policy``).
 
+ABANDON CONTRACT (consumer): a request that finishes while its blocks are still on the wire was
+aborted (a request waiting for remote KV does not run). vLLM keeps its blocks until the
+connector reports it in ``finished_recving``; without an abandon that waited for the whole
+transfer (or its 60 s timeout) and scattered bytes nobody would read. ``get_finished`` calls
+:meth:`PdWorker.abandon` for every finished request first: its receive is dropped from the
+worker's table at once (never scattered into vLLM's blocks, so it is reported finished in the
+same step and vLLM frees the blocks), and a background thread calls
+:meth:`PdConsumer.abandon`, which stops the receive and tells the producer to drop its copy of
+the prefill at once instead of at its deadline (every wait there is bounded; an engine step
+never waits on the network). That thread frees the staging blocks once the abandon returned
+(the pool is thread-safe).
+
 SAME-HOST PATH (``pd_same_host``, default on): the producer's pool lives in ``/dev/shm`` and it
 also listens on a Unix socket; its kv_transfer_params carry that socket (``tpusync_unix``) and
 the producer's host id (``tpusync_host``: the kernel's boot id). A consumer with the same host id
@@ -33,8 +45,10 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,6 +125,10 @@ class PdWorker:
         self.consumer = None if producer else PdConsumer(self.pool, secret=secret, streams=2)
         self._staging = np.empty((0, self.key_bytes), dtype=np.uint8)
         self._recvs: dict[int, _Recv] = {}
+        # ABANDON CONTRACT: abandons run here, off the engine step, and free their staging blocks.
+        self._abandoner: ThreadPoolExecutor | None = None
+        self._abandon_lock = threading.Lock()
+        self._abandoning = 0  # _abandon_lock
         self.sent = 0
         self.received = 0
         self.received_shm = 0  # blocks that came over the same-host shared-memory path
@@ -172,6 +190,52 @@ class PdWorker:
             req_id, ids, list(block_ids), time.monotonic() + self.timeout_s
         )
 
+    def abandon(self, req_ids: Iterable[str], reason: str = "request finished") -> set[str]:
+        """ABANDON CONTRACT: drop the receives of ``req_ids`` (finished or aborted requests) at
+        once - they are never scattered into vLLM's blocks nor reported by :meth:`poll` - and
+        tell their producers in the background. Returns the request ids whose receive was
+        dropped (the caller reports them finished: their vLLM blocks are no longer written)."""
+        if self.consumer is None:
+            return set()
+        wanted = set(req_ids)
+        gone = [(tid, rec) for tid, rec in self._recvs.items() if rec.req_id in wanted]
+        if not gone:
+            return set()
+        if self._abandoner is None:
+            self._abandoner = ThreadPoolExecutor(1, thread_name_prefix="tpusync-pd-abandon")
+        for tid, rec in gone:
+            del self._recvs[tid]
+            with self._abandon_lock:
+                self._abandoning += 1
+            self._abandoner.submit(self._abandon_one, tid, rec, reason)
+        return {rec.req_id for _, rec in gone}
+
+    def _abandon_one(self, transfer_id: int, rec: _Recv, reason: str) -> None:
+        assert self.consumer is not None
+        try:
+            for rel in self.consumer.abandon(transfer_id, f"{rec.req_id}: {reason}"):
+                if not rel.released and rel.code != "NotFound":
+                    log.info(
+                        "tpusync P/D: producer %s not told that %s was abandoned (%s); its "
+                        "deadline frees the blocks",
+                        rel.peer,
+                        rec.req_id,
+                        rel.reason,
+                    )
+        except tc.TpusyncError as exc:  # completed just before, or a source slow to stop:
+            # either way freeing is safe (the receive's borrow keeps a slot still being written
+            # out of the free list until it stops).
+            log.debug("tpusync P/D: abandon of %s: %s", rec.req_id, exc)
+        finally:
+            self.pool.free(rec.pool_ids)
+            with self._abandon_lock:
+                self._abandoning -= 1
+
+    @property
+    def abandoning(self) -> int:
+        """Abandoned receives whose staging blocks are not back in the pool yet."""
+        return self._abandoning
+
     def poll(self) -> tuple[set[str], dict[str, list[int]]]:
         """(requests whose blocks landed in vLLM's blocks, failed requests -> their block ids)."""
         done: set[str] = set()
@@ -221,5 +285,7 @@ class PdWorker:
         return len(self._recvs)
 
     def close(self) -> None:
+        if self._abandoner is not None:
+            self._abandoner.shutdown(wait=True)  # each abandon's waits are bounded
         if self.producer is not None:
             self.producer.close()
