@@ -35,11 +35,14 @@
 //      disk_checkpoint_s= / disk_checkpoint_writes=, KVStore(checkpoint_s=, checkpoint_writes=);
 //      disk stats recovery "checkpoint", recovery_slots_read, checkpoints, journaled);
 //      KVStore.checkpoint() (checkpoint the disk tier now); a cold disk tier checkpoints at open.
+//  10: PdConsumer.abandon (a consumer that gives up tells its producers to drop the request's
+//      blocks at once; PdConsumer(abandon_timeout=), pd.PdRelease); the checkpoint manifest is
+//      written back progressively (DiskTierOptions::manifest_progressive_write_back, C++ only).
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 9;
+inline constexpr int kApiVersion = 10;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

@@ -20,7 +20,7 @@ from typing import Any
 from tpusync.core import require_api
 from tpusync.sglang.page_store import InterimHostPageStore, KVStorePageStore, PageStore
 
-MIN_CORE_API = 2
+MIN_CORE_API = 10  # PdConsumer.abandon, PdProducer.cancel (aborted rooms)
 require_api(MIN_CORE_API, "tpusync-sglang")
 
 __all__ = [

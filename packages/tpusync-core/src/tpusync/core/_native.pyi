@@ -10,7 +10,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-API_VERSION: int = 9
+API_VERSION: int = 10
 
 @overload
 def checksum64(data: bytes, seed: int = 0) -> int:
@@ -368,11 +368,13 @@ class PdConsumer:
     """P/D consumer: pulls registered blocks into its own pool blocks."""
 
     @staticmethod
-    def create(pool: BlockPool, secret: bytes, streams: int = 4, connect_timeout: float = 5.0, socket_buffer_bytes: int = 0, small_pull_bytes: int = 262144) -> PdConsumer: ...
+    def create(pool: BlockPool, secret: bytes, streams: int = 4, connect_timeout: float = 5.0, socket_buffer_bytes: int = 0, small_pull_bytes: int = 262144, abandon_timeout: float = 2.0) -> PdConsumer: ...
 
     def recv(self, request_id: int, sources: Sequence[tuple[str, Sequence[int]]], deadline: float) -> dict: ...
 
     def start_recv(self, request_id: int, sources: Sequence[tuple[str, Sequence[int]]], deadline: float) -> None: ...
+
+    def abandon(self, request_id: int, reason: str) -> list: ...
 
     def poll(self) -> list: ...
 
