@@ -171,10 +171,24 @@ def sampler_main(spec: dict, q) -> None:
                 "waited": time.monotonic() - t0,
                 "staged": staged.get(res.version, 0),
                 "done_at": time.time(),
+                "pending_pulls": pending_pulls(sampler),
+                "pulls_abandoned": sampler.pulls_abandoned,
             }
         q.put(("update", spec["replica"], rank, info))
     sampler.close()
     q.put(("closed", spec["replica"], rank, None))
+
+
+def pending_pulls(sampler, wait_s: float = 10.0) -> int:
+    """Pulls still pending on the sampler's consumer once its update returned, after up to
+    ``wait_s`` for given-up ones to end (their abandons run on other threads): 0 unless a pull
+    outlives its update (a hung parent's pulls used to stay until the version's deadline)."""
+    end = time.monotonic() + wait_s
+    while True:
+        left = sum(1 for r in sampler._ep.consumer.poll() if r.state == "pending")
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.05)
 
 
 def trainer_rank_main(spec: dict, q) -> None:

@@ -653,6 +653,11 @@ def test_chain_head_killed_mid_update_its_descendants_commit_the_version(
             assert got[key]["digest"] == U.expected_digest(full, eng, 0, torch.float32)
         # B resumed where it stood: every block staged exactly once, as on C.
         assert got[(1, 0)]["staged"] == got[(2, 0)]["staged"] > 0, got
+        # B's pulls from A did not outlive the version: those in flight were abandoned (a hung
+        # A's would otherwise stay pending, holding B's pool blocks, until the 60 s deadline).
+        assert got[(1, 0)]["pending_pulls"] == 0, got[(1, 0)]
+        if signal == "SIGSTOP":
+            assert got[(1, 0)]["pulls_abandoned"] > 0, got[(1, 0)]
         if signal == "SIGSTOP":
             os.kill(procs[0].pid, 9)
         procs[0].join(10)

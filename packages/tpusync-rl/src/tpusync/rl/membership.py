@@ -36,8 +36,8 @@ RE-PARENTING CONTRACT (a tree or chain member lost in the middle of a version): 
 parent sampler is gone (the parent failed the version: heartbeat silence, exit watch, its own
 failure report; or it committed and then went silent, left, or its same-host process exited)
 gets the rest of that version from the TRAINER, as a late direct child. It learns of the loss
-from a failed pull from the parent or from a beat reply (``adopt``), drops its pulls from the
-parent and sends rank 0 an ``adopt`` request naming, per trainer rank, the first bucket it has
+from a failed pull from the parent or from a beat reply (``adopt``), abandons its pulls from the
+parent (their blocks come back at once; sampler.py ``_abandon``) and sends rank 0 an ``adopt`` request naming, per trainer rank, the first bucket it has
 not staged yet (buckets are staged in pull order, so what it lacks is a suffix of every stream).
 Rank 0 grants it a child slot at or above ``fanout`` (unique per version and sampler rank; slots
 end at 63) once it counts the parent gone, answers ``wait`` while the parent may still serve it,

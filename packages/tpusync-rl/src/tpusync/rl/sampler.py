@@ -23,7 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from tpusync.core import Checksum64Stream, NotFoundError, PoolExhaustedError, checksum64
+from tpusync.core import (
+    Checksum64Stream,
+    NotFoundError,
+    PoolExhaustedError,
+    StateError,
+    TpusyncError,
+    checksum64,
+)
 from tpusync.core.pd import load_secret
 from tpusync.rl.chunks import Chunk, UpdateRejectedError, VersionSkewError, WeightSubscriber
 from tpusync.rl.control import ControlClient
@@ -78,6 +85,12 @@ class SamplerSync:
         self._hashers = concurrent.futures.ThreadPoolExecutor(
             FILL_THREADS, thread_name_prefix="tpusync-rl-hash"
         )
+        # ABANDON (_abandon): given-up pulls are abandoned here, one thread each, off the
+        # pulling thread; pulls_abandoned counts the pulls given up (pulling thread only).
+        self._abandoner = concurrent.futures.ThreadPoolExecutor(
+            self._window, thread_name_prefix="tpusync-rl-abandon"
+        )
+        self.pulls_abandoned = 0
         # STAGE TIMES of the last update (seconds on the pulling thread): waiting for the head
         # bucket to land and verify (wire + transport), registering it for the children, staging
         # it (digest-free copy into the shadow / live weights, dtype cast, name mapping).
@@ -544,6 +557,7 @@ class SamplerSync:
                     # keeps its own reference to their blocks until each receive ends) and pull
                     # what was not staged yet from the trainer ranks.
                     rest = [(s2, b2) for s2, b2, _r, _i in flight] + list(queue)
+                    self._abandon([rid for _s, _b, rid, _i in flight], f"re-parented: {lost}")
                     for _s, _b, _rid, old in flight:
                         ep.pool.free(old)
                     flight.clear()
@@ -584,9 +598,34 @@ class SamplerSync:
                     ep.pool.free(ids)
                 stages["stage_s"] += time.monotonic() - t2
         finally:
+            # A version given up with pulls in flight (rejected, deadline, abort): their sources
+            # drop those blocks now rather than at the deadline.
+            self._abandon([rid for _s, _b, rid, _i in flight], "the sampler gave up the version")
             for _s, _b, _rid, ids in flight:
                 ep.pool.free(ids)  # the transport borrows them until the receive ends
         return forwarded
+
+    def _abandon(self, rids: list[int], reason: str) -> None:
+        """ABANDON CONTRACT (pd_stream.h) for pulls this sampler gave up: each ends locally at
+        once (the transport's borrow on its destination blocks returns, so they go back to the
+        pool), then its producer is told to drop its copy. Each runs on its own thread of
+        ``_abandoner``: telling a hung parent (SIGSTOP, a host gone without a FIN) costs that
+        thread the consumer's ``abandon_timeout``, never the pulling thread. A pull that ended
+        meanwhile is not found or already complete: nothing to do. Rejected: leaving them to the
+        version's deadline, the old behaviour (a hung parent kept ``window`` pool blocks of this
+        sampler, and its own copies, borrowed for minutes)."""
+
+        def one(rid: int) -> None:
+            try:
+                self._ep.consumer.abandon(rid, reason)
+            except (NotFoundError, StateError) as e:  # ended on its own meanwhile
+                log.debug("sampler %d: pull %#x already ended: %s", self.replica, rid, e)
+            except TpusyncError as e:  # a source slow to stop: the request's end frees it
+                log.warning("sampler %d: abandoning pull %#x: %s", self.replica, rid, e)
+
+        self.pulls_abandoned += len(rids)
+        for rid in rids:
+            self._abandoner.submit(one, rid)
 
     def _wait(self, rid: int, finished: dict[int, Any], deadline: float) -> Any:
         """The terminal status of request ``rid`` (a consumer forgets a request once polled)."""
@@ -822,6 +861,7 @@ class SamplerSync:
             except (TimeoutError, RuntimeError) as e:  # rank 0 gone: nobody to tell
                 log.debug("sampler %d:%d: goodbye lost: %s", self.replica, self.sub.rank, e)
         self._hashers.shutdown(wait=True)
+        self._abandoner.shutdown(wait=True)  # each abandon is bounded by abandon_timeout
         self._unmap()
         self._client.close()
         if self._beat_client is not None:
