@@ -16,15 +16,6 @@ pytest.importorskip("sglang")
 SECRET = b"sglang-abandon-test-secret-0123456789"
 
 
-def _until(cond, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
-
-
 def test_abort_abandons_the_rooms_fetches_and_the_prefill_drops_its_blocks():
     import tpusync.core as tc
     from tpusync.core.pd import PdConsumer, PdProducer
@@ -55,7 +46,10 @@ def test_abort_abandons_the_rooms_fetches_and_the_prefill_drops_its_blocks():
         worker.join(timeout=20.0)
         assert not worker.is_alive()
         # The prefill dropped room 5's chunk at once (its deadline is 120 s away).
-        assert _until(lambda: ppool.num_free == 4 and prod.pending == 0)
+        end = time.monotonic() + 10.0  # the serving thread lets go of its borrow just after
+        while not (ppool.num_free == 4 and prod.pending == 0) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert ppool.num_free == 4 and prod.pending == 0
         (sent,) = [r for r in prod.poll() if r.request_id == 777]
         assert sent.failed and "released by consumer" in sent.reason, sent
         assert "room 5 aborted by the decode" in sent.reason, sent

@@ -42,6 +42,16 @@ bool Same(BlockAllocator& a, const std::vector<BlockId>& x, BlockAllocator& b,
   return true;
 }
 
+// A producer's server whose every stream waits `delay` before each frame: a slow link, so a
+// pull is still in flight when a test cancels or abandons it.
+ServerOptions SlowFrames(std::chrono::milliseconds delay) {
+  ServerOptions so;
+  so.wrap = [delay](std::unique_ptr<Stream> s, size_t) -> std::unique_ptr<Stream> {
+    return std::make_unique<FaultyStream>(std::move(s), FaultPlan{.delay = delay});
+  };
+  return so;
+}
+
 PdStatus WaitEnd(PdConsumer& c, uint64_t id) {
   auto st = c.Wait(id, UINT32_MAX, DeadlineInMs(20000));
   EXPECT_TRUE(st.ok()) << st.status().ToString();
@@ -567,11 +577,7 @@ TEST(PdStream, CancelEndsASendAtOnceAndReportsItOnce) {
 TEST(PdStream, CancelRacingAnInFlightPullNeverRecyclesBlocksUnderIt) {
   constexpr size_t kBlock = 1 << 20, kBlocks = 8, kTotal = 12;
   auto ppool = MakePool(kBlock, kTotal), cpool = MakePool(kBlock, kBlocks);
-  ServerOptions so;
-  so.wrap = [](std::unique_ptr<Stream> s, size_t) -> std::unique_ptr<Stream> {
-    return std::make_unique<FaultyStream>(std::move(s),
-                                          FaultPlan{.delay = std::chrono::milliseconds(150)});
-  };
+  const ServerOptions so = SlowFrames(std::chrono::milliseconds(150));
   auto producer = PdProducer::Start(ppool, TestSecret(), {.server = so});
   ASSERT_TRUE(producer.ok()) << producer.status().ToString();
   auto src = *ppool->Alloc(kBlocks);
@@ -687,11 +693,7 @@ std::vector<uint8_t> Snapshot(BlockAllocator& pool, const std::vector<BlockId>& 
 TEST(PdStream, AbandonMidTransferFreesTheProducersBlocksOverTcp) {
   constexpr size_t kBlock = 256 << 10, kBlocks = 8, kTotal = 12;
   auto ppool = MakePool(kBlock, kTotal), cpool = MakePool(kBlock, kBlocks);
-  ServerOptions so;
-  so.wrap = [](std::unique_ptr<Stream> s, size_t) -> std::unique_ptr<Stream> {
-    return std::make_unique<FaultyStream>(std::move(s),
-                                          FaultPlan{.delay = std::chrono::milliseconds(150)});
-  };
+  const ServerOptions so = SlowFrames(std::chrono::milliseconds(150));
   auto producer = PdProducer::Start(ppool, TestSecret(), {.server = so});
   ASSERT_TRUE(producer.ok()) << producer.status().ToString();
   auto src = *ppool->Alloc(kBlocks);
@@ -780,12 +782,7 @@ TEST(PdStream, AbandonAfterAFailedReceiptFreesTheProducersBlocksOnTheSameHostPat
 
   // Mid-transfer on the same-host path (the offer is delayed 300 ms): the release frees the
   // blocks whichever way the race with the offer goes.
-  ServerOptions so;
-  so.wrap = [](std::unique_ptr<Stream> s, size_t) -> std::unique_ptr<Stream> {
-    return std::make_unique<FaultyStream>(std::move(s),
-                                          FaultPlan{.delay = std::chrono::milliseconds(300)});
-  };
-  po.server = so;
+  po.server = SlowFrames(std::chrono::milliseconds(300));
   po.unix_path = "/tmp/" + shm + "-slow.sock";
   auto slow = PdProducer::Start(ppool, TestSecret(), po);
   ASSERT_TRUE(slow.ok()) << slow.status().ToString();
