@@ -52,6 +52,17 @@ ServerOptions SlowFrames(std::chrono::milliseconds delay) {
   return so;
 }
 
+// Allocates `n` blocks of `pool`, fills them from `seed` and registers them as request `id`
+// (`per_group` blocks per group, 60 s deadline), then drops the caller's reference: the producer
+// holds the only one (OWNERSHIP CONTRACT), so the pool is whole again exactly when it let go.
+void OfferFilled(PdProducer& p, BlockAllocator& pool, uint64_t id, size_t n, uint32_t per_group,
+                 uint8_t seed) {
+  auto src = *pool.Alloc(n);
+  Fill(pool, src, seed);
+  ASSERT_TRUE(p.RegisterSend(id, src, per_group, DeadlineInMs(60000)).ok());
+  ASSERT_TRUE(pool.Free(src).ok());
+}
+
 PdStatus WaitEnd(PdConsumer& c, uint64_t id) {
   auto st = c.Wait(id, UINT32_MAX, DeadlineInMs(20000));
   EXPECT_TRUE(st.ok()) << st.status().ToString();
@@ -580,10 +591,7 @@ TEST(PdStream, CancelRacingAnInFlightPullNeverRecyclesBlocksUnderIt) {
   const ServerOptions so = SlowFrames(std::chrono::milliseconds(150));
   auto producer = PdProducer::Start(ppool, TestSecret(), {.server = so});
   ASSERT_TRUE(producer.ok()) << producer.status().ToString();
-  auto src = *ppool->Alloc(kBlocks);
-  Fill(*ppool, src, 31);
-  ASSERT_TRUE((*producer)->RegisterSend(77, src, 1, DeadlineInMs(60000)).ok());
-  ASSERT_TRUE(ppool->Free(src).ok());
+  OfferFilled(**producer, *ppool, 77, kBlocks, 1, 31);
   auto consumer =
       PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
   auto dst = *cpool->Alloc(kBlocks);
@@ -696,10 +704,7 @@ TEST(PdStream, AbandonMidTransferFreesTheProducersBlocksOverTcp) {
   const ServerOptions so = SlowFrames(std::chrono::milliseconds(150));
   auto producer = PdProducer::Start(ppool, TestSecret(), {.server = so});
   ASSERT_TRUE(producer.ok()) << producer.status().ToString();
-  auto src = *ppool->Alloc(kBlocks);
-  Fill(*ppool, src, 17);
-  ASSERT_TRUE((*producer)->RegisterSend(61, src, 1, DeadlineInMs(60000)).ok());
-  ASSERT_TRUE(ppool->Free(src).ok());
+  OfferFilled(**producer, *ppool, 61, kBlocks, 1, 17);
   EXPECT_EQ(ppool->num_free(), kTotal - kBlocks);
   auto consumer =
       PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 2}, .small_pull_bytes = 0});
@@ -752,10 +757,7 @@ TEST(PdStream, AbandonAfterAFailedReceiptFreesTheProducersBlocksOnTheSameHostPat
   po.unix_path = "/tmp/" + shm + ".sock";
   auto producer = PdProducer::Start(ppool, TestSecret(), po);
   ASSERT_TRUE(producer.ok()) << producer.status().ToString();
-  auto src = *ppool->Alloc(kBlocks);
-  Fill(*ppool, src, 5);
-  ASSERT_TRUE((*producer)->RegisterSend(62, src, 2, DeadlineInMs(60000)).ok());
-  ASSERT_TRUE(ppool->Free(src).ok());
+  OfferFilled(**producer, *ppool, 62, kBlocks, 2, 5);
   auto consumer = PdConsumer::Create(cpool, TestSecret(), {});
   const std::string peer = (*producer)->unix_address();
   // A receipt that fails (the consumer expects one block fewer): the producer keeps the blocks.
@@ -824,6 +826,9 @@ TEST(PdStream, AbandonAndReleaseRefuseBadInputAndLoseNothing) {
   auto polled = (*consumer)->Poll();
   ASSERT_EQ(polled.size(), 1u);
   EXPECT_EQ(polled[0].state, PdState::kDone);
+  // The producer ends 6 when the consumer's ack reaches it, which may be after the consumer
+  // reported done: wait for it, so 7 below is the only request left.
+  ASSERT_EQ(ProducerEnd(**producer, 6).state, PdState::kDone);
 
   // Producer side, raw frames on one authenticated link.
   ASSERT_TRUE((*producer)->RegisterSend(7, src, 0, DeadlineInMs(20000)).ok());
