@@ -588,8 +588,8 @@ TEST(PdStream, CancelEndsASendAtOnceAndReportsItOnce) {
 TEST(PdStream, CancelRacingAnInFlightPullNeverRecyclesBlocksUnderIt) {
   constexpr size_t kBlock = 1 << 20, kBlocks = 8, kTotal = 12;
   auto ppool = MakePool(kBlock, kTotal), cpool = MakePool(kBlock, kBlocks);
-  const ServerOptions so = SlowFrames(std::chrono::milliseconds(150));
-  auto producer = PdProducer::Start(ppool, TestSecret(), {.server = so});
+  auto producer = PdProducer::Start(ppool, TestSecret(),
+                                    {.server = SlowFrames(std::chrono::milliseconds(150))});
   ASSERT_TRUE(producer.ok()) << producer.status().ToString();
   OfferFilled(**producer, *ppool, 77, kBlocks, 1, 31);
   auto consumer =
@@ -701,8 +701,8 @@ std::vector<uint8_t> Snapshot(BlockAllocator& pool, const std::vector<BlockId>& 
 TEST(PdStream, AbandonMidTransferFreesTheProducersBlocksOverTcp) {
   constexpr size_t kBlock = 256 << 10, kBlocks = 8, kTotal = 12;
   auto ppool = MakePool(kBlock, kTotal), cpool = MakePool(kBlock, kBlocks);
-  const ServerOptions so = SlowFrames(std::chrono::milliseconds(150));
-  auto producer = PdProducer::Start(ppool, TestSecret(), {.server = so});
+  auto producer = PdProducer::Start(ppool, TestSecret(),
+                                    {.server = SlowFrames(std::chrono::milliseconds(150))});
   ASSERT_TRUE(producer.ok()) << producer.status().ToString();
   OfferFilled(**producer, *ppool, 61, kBlocks, 1, 17);
   EXPECT_EQ(ppool->num_free(), kTotal - kBlocks);
