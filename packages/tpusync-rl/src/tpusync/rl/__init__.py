@@ -34,7 +34,7 @@ Tracked in the project's issues.
 
 from tpusync.core import require_api
 
-MIN_CORE_API = 10  # PdConsumer.abandon (re-parenting), Checksum64Stream.cast_update to bf16 and fp16, PdProducer.cancel
+MIN_CORE_API = 10  # PdConsumer.abandon, fused bf16 / fp16 cast_update, PdProducer.cancel
 require_api(MIN_CORE_API, "tpusync-rl")
 
 from tpusync.rl.chunks import (  # noqa: E402 - after the API gate on purpose

@@ -1,10 +1,10 @@
 """Trainer rank 0's record of the sampler group: who is a member, who was heard from when,
 what each member reported of each version, and who was re-parented.
 
-HEARTBEAT CONTRACT (a sampler dying, idle or mid-update, on any host): from its first poll until
-it closes, a sampler sends a ``beat`` to trainer rank 0 on the control channel every
-``silence / 4`` seconds, from a thread of its own (so a slow but live sampler keeps beating while
-its pulling thread waits or copies, and an idle one keeps beating while nobody calls
+HEARTBEAT CONTRACT (a sampler dying, idle or mid-update, on any host): from its first poll until it
+closes, a sampler sends a ``beat`` to trainer rank 0 on the control channel every ``silence / 4``
+seconds, from a thread of its own (so a slow but live sampler keeps beating while its pulling
+thread waits or copies, and an idle one keeps beating while nobody calls
 :meth:`SamplerSync.update`): an idle beat names no version, a beat while it applies a version (and
 while it still forwards that version to children) names it. One small message per sampler per
 ``silence / 4``; the poll reply tells a sampler ``silence``. Rank 0 counts a member of the version
@@ -13,55 +13,53 @@ seconds (``TrainerSync(silence=)``, default 10 s, well below the deadline) as ha
 failure, like a process exit on the same host (EXIT WATCH CONTRACT): whether it died in the middle
 of the update or before it fetched the announcement (a sampler killed while idle is found out
 within ``silence`` of its last beat, not at the deadline; one already silent when a version is
-announced is put in no fan-out tree, so no live sampler waits on it as a parent, and a sampler
-that fetches an announcement leaving it out rejects that version). A sampler that closes cleanly says
-``bye`` and leaves the group: it is not counted as dead, and a version in flight that counted on
-it records that it left. A sampler that failed
-either way has every transport send registered for it cancelled at once
-(``PdProducer.cancel``, CANCEL CONTRACT in pd_stream.h): each trainer rank cancels its own (ranks
-> 0 ask rank 0 which samplers failed), and a forwarding sampler cancels what it registered for a
-failed child when a beat reply names that child, so no pool stays held for a dead peer and the
-next version starts on free pools. Its fan-out children are re-parented to the trainer within the
-same version (RE-PARENTING CONTRACT below) and commit it with the others; the next version's
-tree leaves the dead sampler out until it polls again (a restarted sampler rejoins by polling). A live sampler that is idle
-for a long time is still a member: a version it has not fetched waits for it until the deadline
-(it is alive, it may poll). Rejected: connection loss seen by
-the producer (a host that died sends no FIN, links are pooled and idle between pulls, and the
+announced is put in no fan-out tree, so no live sampler waits on it as a parent, and a sampler that
+fetches an announcement leaving it out rejects that version). A sampler that closes cleanly says
+``bye`` and leaves the group: it is not counted as dead, and a version in flight that counted on it
+records that it left. A sampler that failed either way has every transport send registered for it
+cancelled at once (``PdProducer.cancel``, CANCEL CONTRACT in pd_stream.h): each trainer rank
+cancels its own (ranks > 0 ask rank 0 which samplers failed), and a forwarding sampler cancels what
+it registered for a failed child when a beat reply names that child, so no pool stays held for a
+dead peer and the next version starts on free pools. Its fan-out children are re-parented to the
+trainer within the same version (RE-PARENTING CONTRACT below) and commit it with the others; the
+next version's tree leaves the dead sampler out until it polls again (a restarted sampler rejoins
+by polling). A live sampler that is idle for a long time is still a member: a version it has not
+fetched waits for it until the deadline (it is alive, it may poll). Rejected: connection loss seen
+by the producer (a host that died sends no FIN, links are pooled and idle between pulls, and the
 death of a forwarded-to child is seen by its parent sampler's producer, not by the trainer, so it
-would need relaying anyway), a progress timeout on the pulling thread (it fires on a sampler
-that is slow, e.g. staging a large bucket, but alive), and judging liveness by polls (a live
-sampler whose engine does not call ``update`` for a while would be presumed dead).
+would need relaying anyway), a progress timeout on the pulling thread (it fires on a sampler that
+is slow, e.g. staging a large bucket, but alive), and judging liveness by polls (a live sampler
+whose engine does not call ``update`` for a while would be presumed dead).
 
 RE-PARENTING CONTRACT (a tree or chain member lost in the middle of a version): a replica whose
 parent sampler is gone (the parent failed the version: heartbeat silence, exit watch, its own
-failure report; or it committed and then went silent, left, or its same-host process exited)
-gets the rest of that version from the TRAINER, as a late direct child. It learns of the loss
-from a failed pull from the parent or from a beat reply (``adopt``), abandons its pulls from the
-parent (their blocks come back at once; sampler.py ``_abandon``) and sends rank 0 an ``adopt`` request naming, per trainer rank, the first bucket it has
-not staged yet (buckets are staged in pull order, so what it lacks is a suffix of every stream).
-Rank 0 grants it a child slot at or above ``fanout`` (unique per version and sampler rank; slots
-end at 63) once it counts the parent gone, answers ``wait`` while the parent may still serve it,
-and records the adoption; every trainer rank (ranks > 0 learn adoptions with the failed samplers
-from rank 0) fills those buckets again from the version's tensors, which ``publish`` holds until
-it returns, and registers them at that slot, at most ``REFILL_AHEAD`` unacknowledged per orphan
-and stream, never blocking on its pool. The orphan pulls them, verifies each against the fresh
-block checksums, forwards each to its own children under the same request ids as before (its
-subtree does not notice) and stages it: every bucket is staged exactly once, all of one version
-(the block trailer names it), so the COMMIT and DIGEST checks hold as for any update. Deltas and
-resharding need nothing more: the buckets come from the same plan. To serve orphans every trainer
-rank's ``publish`` returns only once every member reported (ranks > 0 ask rank 0; one that hears
-nothing from rank 0 for ``silence`` stops waiting). Every wait has its deadline: an orphan whose
-parent stays alive for ``2 * silence`` after a failed pull (it failed for another reason), or
-that rank 0 cannot re-parent (version over, no slot left) or does not by the deadline, fails the
-version with that reason, as before. A forwarding sampler that fails a version cancels what it
-forwarded, so its children move at once. Shared-segment readers have no parent (they read the
-trainer's pool) and are never orphans. Rejected: the dead node's parent or another ancestor
-forwarding the missing buckets (an ancestor frees a forwarded bucket once its own children
-acknowledged it, DRAIN CONTRACT, so it may no longer hold the orphan's buckets, and a second
-forwarding path per sampler would need its own flow control); re-forming the whole tree within
-the version (every live member would change parent mid-stream); and failing the descendants,
-the old behaviour (samplers that did nothing wrong miss a version).
-"""
+failure report; or it committed and then went silent, left, or its same-host process exited) gets
+the rest of that version from the TRAINER, as a late direct child. It learns of the loss from a
+failed pull from the parent or from a beat reply (``adopt``), abandons its pulls from the parent
+(their blocks come back at once; sampler.py ``_abandon``) and sends rank 0 an ``adopt`` request
+naming, per trainer rank, the first bucket it has not staged yet (buckets are staged in pull order,
+so what it lacks is a suffix of every stream). Rank 0 grants it a child slot at or above ``fanout``
+(unique per version and sampler rank; slots end at 63) once it counts the parent gone, answers
+``wait`` while the parent may still serve it, and records the adoption; every trainer rank (ranks >
+0 learn adoptions with the failed samplers from rank 0) fills those buckets again from the
+version's tensors, which ``publish`` holds until it returns, and registers them at that slot, at
+most ``REFILL_AHEAD`` unacknowledged per orphan and stream, never blocking on its pool. The orphan
+pulls them, verifies each against the fresh block checksums, forwards each to its own children
+under the same request ids as before (its subtree does not notice) and stages it: every bucket is
+staged exactly once, all of one version (the block trailer names it), so the COMMIT and DIGEST
+checks hold as for any update. Deltas and resharding need nothing more: the buckets come from the
+same plan. To serve orphans every trainer rank's ``publish`` returns only once every member
+reported (ranks > 0 ask rank 0; one that hears nothing from rank 0 for ``silence`` stops waiting).
+Every wait has its deadline: an orphan whose parent stays alive for ``2 * silence`` after a failed
+pull (it failed for another reason), or that rank 0 cannot re-parent (version over, no slot left)
+or does not by the deadline, fails the version with that reason, as before. A forwarding sampler
+that fails a version cancels what it forwarded, so its children move at once. Shared-segment
+readers have no parent (they read the trainer's pool) and are never orphans. Rejected: the dead
+node's parent or another ancestor forwarding the missing buckets (an ancestor frees a forwarded
+bucket once its own children acknowledged it, DRAIN CONTRACT, so it may no longer hold the orphan's
+buckets, and a second forwarding path per sampler would need its own flow control); re-forming the
+whole tree within the version (every live member would change parent mid-stream); and failing the
+descendants, the old behaviour (samplers that did nothing wrong miss a version)."""
 
 from __future__ import annotations
 

@@ -24,11 +24,11 @@ a tensor than its own shard plus the buckets in flight.
 
 FAULT CONTRACT: every wait has a deadline. A sampler that dies or fails an update is reported by
 trainer rank 0 (:class:`PublishReport`) and dropped from the next version's tree until it polls
-again; the others commit, its descendants in the fan-out tree included (RE-PARENTING CONTRACT:
-its children get the rest of the version from the trainer). When the trainer dies, samplers'
-pulls fail by their deadline and they keep serving the version they have. A digest mismatch or a stale block rejects the update (logged,
-nothing committed); an announcement that does not follow the sampler's version is refused.
-"""
+again; the others commit, its descendants in the fan-out tree included (RE-PARENTING CONTRACT: its
+children get the rest of the version from the trainer). When the trainer dies, samplers' pulls fail
+by their deadline and they keep serving the version they have. A digest mismatch or a stale block
+rejects the update (logged, nothing committed); an announcement that does not follow the sampler's
+version is refused."""
 
 from __future__ import annotations
 

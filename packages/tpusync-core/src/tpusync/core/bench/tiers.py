@@ -393,10 +393,11 @@ def _checkpoint(slots: int, work: Path, seconds: float = 1.0) -> dict:
     A disk-only store of 4 KiB blocks holding ``slots`` blocks (no periodic checkpoints); one
     thread puts one new block (evicting the oldest) every 200 us, another gets one random block
     of the newer half by write order (fill and puts alike: far from eviction) every 200 us; each
-    call is timed (a get that misses is counted in ``get_misses`` and not timed). For ``seconds`` nothing else runs ("without"), then checkpoints run back to
-    back for ``seconds`` (``KVStore.checkpoint``: the chunked walk, the manifest streamed with
-    progressive write-back, fsynced) and the calls that started and ended meanwhile are
-    "during". Lower is better for the ratios (during p99 / without p99, puts and gets apart)."""
+    call is timed (a get that misses is counted in ``get_misses`` and not timed). For
+    ``seconds`` nothing else runs ("without"), then checkpoints run back to back for ``seconds``
+    (``KVStore.checkpoint``: the chunked walk, the manifest streamed with progressive
+    write-back, fsynced) and the calls that started and ended meanwhile are "during". Lower is
+    better for the ratios (during p99 / without p99, puts and gets apart)."""
     block = 4096
     d = work / "checkpoint"
     store = KVStore(block, 0, disk_dir=d, disk_blocks=slots, checkpoint_s=0, checkpoint_writes=0)
