@@ -23,7 +23,8 @@ same step and vLLM frees the blocks), and a background thread calls
 :meth:`PdConsumer.abandon`, which stops the receive and tells the producer to drop its copy of
 the prefill at once instead of at its deadline (every wait there is bounded; an engine step
 never waits on the network). That thread frees the staging blocks once the abandon returned
-(the pool is thread-safe).
+(the pool is thread-safe). Until then :meth:`PdWorker.poll` reads no receive's end (the consumer
+reports an end once; read first, it would leave the abandon nothing to tell the producer).
 
 SAME-HOST PATH (``pd_same_host``, default on): the producer's pool lives in ``/dev/shm`` and it
 also listens on a Unix socket; its kv_transfer_params carry that socket (``tpusync_unix``) and
@@ -246,6 +247,13 @@ class PdWorker:
                     log.warning("tpusync P/D send %d failed: %s", r.request_id, r.reason)
         if self.consumer is None:
             return done, failed
+        with self._abandon_lock:
+            if self._abandoning:
+                # ABANDON CONTRACT: the consumer reports (and forgets) a request's end once; read
+                # before an abandon of it ran, that end would leave the abandon nothing to tell
+                # its producer. So nothing is read while abandons are outstanding (each is
+                # bounded by abandon_timeout); the ends wait for the next step.
+                return done, failed
         for r in self.consumer.poll():
             if not (r.done or r.failed):
                 continue  # still on the wire
