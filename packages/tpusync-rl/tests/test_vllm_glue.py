@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 import subprocess
 import sys
@@ -54,3 +55,69 @@ def test_checkpoint_params_refuses_a_directory_without_safetensors(tmp_path):
 def test_importing_the_glue_does_not_import_vllm():
     code = "import sys, tpusync.rl.vllm; assert 'vllm' not in sys.modules, 'vllm imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _llama_dir(tmp_path, heads=4, kv_heads=2, head_dim=8, hidden=32, inter=48, vocab=100):
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab}
+        )
+    )
+    layer = "model.layers.0."
+    shapes = {
+        "model.embed_tokens.weight": [vocab, hidden],
+        layer + "self_attn.q_proj.weight": [heads * head_dim, hidden],
+        layer + "self_attn.k_proj.weight": [kv_heads * head_dim, hidden],
+        layer + "self_attn.v_proj.bias": [kv_heads * head_dim],
+        layer + "self_attn.o_proj.weight": [hidden, heads * head_dim],
+        layer + "mlp.gate_proj.weight": [inter, hidden],
+        layer + "mlp.down_proj.weight": [hidden, inter],
+        layer + "input_layernorm.weight": [hidden],
+        "lm_head.weight": [vocab, hidden],
+    }
+    _write_safetensors(
+        tmp_path / "model.safetensors",
+        {n: ("F32", s, 4 * math.prod(s)) for n, s in shapes.items()},
+    )
+    return tmp_path
+
+
+def _boxes(layout):
+    return {r: (b.lo, b.hi) for r, b in layout.shards}
+
+
+def test_tp_layouts_give_each_worker_the_slice_its_vllm_loader_keeps(tmp_path):
+    plan = rlvllm.tp_layouts(_llama_dir(tmp_path), 2)
+    a = "model.layers.0.self_attn."
+    assert _boxes(plan[a + "q_proj.weight"]) == {0: ((0, 0), (16, 32)), 1: ((16, 0), (32, 32))}
+    assert _boxes(plan[a + "k_proj.weight"]) == {0: ((0, 0), (8, 32)), 1: ((8, 0), (16, 32))}
+    assert _boxes(plan[a + "v_proj.bias"]) == {0: ((0,), (8,)), 1: ((8,), (16,))}
+    # Row-parallel: columns; the MLP the same way.
+    assert _boxes(plan[a + "o_proj.weight"]) == {0: ((0, 0), (32, 16)), 1: ((0, 16), (32, 32))}
+    m = "model.layers.0.mlp."
+    assert _boxes(plan[m + "gate_proj.weight"]) == {0: ((0, 0), (24, 32)), 1: ((24, 0), (48, 32))}
+    assert _boxes(plan[m + "down_proj.weight"]) == {0: ((0, 0), (32, 24)), 1: ((0, 24), (32, 48))}
+    # The vocabulary is padded to 128 rows and split 64 / 64: worker 1 holds the 36 real ones.
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert _boxes(plan[name]) == {0: ((0, 0), (64, 32)), 1: ((64, 0), (100, 32))}
+    assert _boxes(plan["model.layers.0.input_layernorm.weight"]) == {
+        0: ((0,), (32,)),
+        1: ((0,), (32,)),
+    }
+
+
+def test_tp_layouts_replicate_kv_heads_when_tp_exceeds_them_and_refuse_uneven_splits(tmp_path):
+    plan = rlvllm.tp_layouts(_llama_dir(tmp_path), 4)
+    k = _boxes(plan["model.layers.0.self_attn.k_proj.weight"])
+    # Two kv heads of 8 rows for four workers: workers 0, 1 share head 0; workers 2, 3 head 1.
+    assert k == {
+        0: ((0, 0), (8, 32)),
+        1: ((0, 0), (8, 32)),
+        2: ((8, 0), (16, 32)),
+        3: ((8, 0), (16, 32)),
+    }
+    q = _boxes(plan["model.layers.0.self_attn.q_proj.weight"])
+    assert [q[r][0][0] for r in range(4)] == [0, 8, 16, 24]
+    assert all(lay.shape for lay in rlvllm.tp_layouts(tmp_path, 1).values())
+    with pytest.raises(ValueError, match="does not split 3 ways"):
+        rlvllm.tp_layouts(tmp_path, 3)

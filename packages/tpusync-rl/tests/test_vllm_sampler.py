@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,8 @@ tinymodel = pytest.importorskip("tpusync.vllm.tinymodel")
 import rl_netutil as U  # noqa: E402
 import torch  # noqa: E402
 
-from tpusync.rl import ShardLayout, TrainerSync  # noqa: E402
+from tpusync.rl import TrainerSync  # noqa: E402
+from tpusync.rl import vllm as rlvllm  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("vllm_rl_scenario.py")
 
@@ -76,23 +78,40 @@ def _perturbed(model_dir: Path, dst: Path) -> dict[str, torch.Tensor]:
     return new
 
 
-def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp):
     model_dir = tinymodel.tiny_model_dir()
     new_dir = tmp_path / "perturbed"
     new = _perturbed(model_dir, new_dir)
 
     fresh_out, fresh_log = tmp_path / "fresh.json", tmp_path / "fresh.log"
-    fresh = _start(["generate", str(new_dir), str(fresh_out)], fresh_log)
+    fresh = _start(["generate", str(new_dir), str(fresh_out), str(tp)], fresh_log)
     # The fresh engine runs while the updated one starts and updates (halves the wall time).
 
-    dst = {n: ShardLayout.replicated(tuple(t.shape), [0]) for n, t in new.items()}
-    trainer = TrainerSync(0, 1, dst, secret=U.SECRET, block_bytes=1 << 20, pool_bytes=16 << 20)
+    # TP SLICE CONTRACT: each worker of the engine is sampler rank r and pulls only its slices.
+    dst = rlvllm.tp_layouts(model_dir, tp)
+    assert dst.keys() == new.keys()
+    # Small blocks: bytes_sent counts whole blocks.
+    trainer = TrainerSync(0, 1, dst, secret=U.SECRET, block_bytes=1 << 16, pool_bytes=16 << 20)
     upd_out, upd_log = tmp_path / "update.json", tmp_path / "update.log"
-    upd = _start(["update", str(model_dir), str(upd_out), trainer.control_address], upd_log)
+    upd = _start(
+        ["update", str(model_dir), str(upd_out), str(tp), trainer.control_address], upd_log
+    )
     try:
-        trainer.wait_for_samplers(1, timeout=540)
+        # Every worker joins, or the engine process died (its log says why) - no 540 s wait.
+        for _ in range(540):
+            if len(trainer.samplers) >= tp or upd.poll() is not None:
+                break
+            time.sleep(1)
+        if upd.poll() is not None:
+            pytest.fail(f"the engine exited ({upd.returncode}):\n{upd_log.read_text()[-6000:]}")
+        trainer.wait_for_samplers(tp, timeout=1)
         rep = trainer.publish(1, new)
-        assert rep.ok and rep.committed == ["0:0"], rep.failed
+        assert rep.ok and sorted(rep.committed) == [f"0:{r}" for r in range(tp)], rep.failed
+        # One copy of the model in all, not one per worker (replicated norms aside).
+        model_bytes = sum(t.numel() * t.element_size() for t in new.values())
+        print(f"tp={tp}: trainer sent {rep.bytes_sent} bytes for a {model_bytes}-byte model")
+        assert rep.bytes_sent < 1.25 * model_bytes
         result = _finish(upd, upd_out, upd_log)
     except BaseException:
         for proc in (upd, fresh):

@@ -1,14 +1,17 @@
 """One vLLM engine per process (vLLM keeps per-process globals), for test_vllm_sampler.py.
 
-``python vllm_rl_scenario.py generate <model_dir> <out.json>``: greedy outputs of a fresh engine.
-``python vllm_rl_scenario.py update <model_dir> <out.json> <control>``: outputs before, an update
-through the ``tpusync`` weight-transfer backend, outputs after, then an update that times out
-(nothing new published) and the outputs once more (the engine must keep serving).
+``python vllm_rl_scenario.py generate <model_dir> <out.json> <tp>``: greedy outputs of a fresh
+engine with tensor parallelism ``tp``.
+``python vllm_rl_scenario.py update <model_dir> <out.json> <tp> <control>``: outputs before, an
+update through the ``tpusync`` weight-transfer backend (each worker pulling only its slices),
+outputs after, then an update that times out (nothing new published) and the outputs once more
+(the engine must keep serving).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -23,7 +26,7 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 150) for _ in range(PROMPT_LEN)] for _ in range(PROMPTS)]
 
 
-def make_llm(model: str, weight_transfer: bool):
+def make_llm(model: str, weight_transfer: bool, tp: int):
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
@@ -41,6 +44,7 @@ def make_llm(model: str, weight_transfer: bool):
         max_num_batched_tokens=256,
         enforce_eager=True,
         seed=0,
+        tensor_parallel_size=tp,
         **extra,
     )
 
@@ -54,21 +58,24 @@ def generate(llm) -> list[list[int]]:
 
 
 def main() -> None:
-    mode, model, out = sys.argv[1:4]
+    mode, model, out, tp = sys.argv[1:5]
+    if int(tp) > 1:
+        # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     result: dict = {}
     if mode == "generate":
-        result["tokens"] = generate(make_llm(model, False))
+        result["tokens"] = generate(make_llm(model, False, int(tp)))
     elif mode == "update":
         from tpusync.rl import vllm as rlvllm
 
-        llm = make_llm(model, True)
+        llm = make_llm(model, True, int(tp))
         result["before"] = generate(llm)
         rlvllm.init(
             llm,
-            control=sys.argv[4],
+            control=sys.argv[5],
             replica=0,
             params=rlvllm.checkpoint_params(model),
-            block_bytes=1 << 20,
+            block_bytes=1 << 16,
             pool_bytes=16 << 20,
         )
         t0 = time.monotonic()

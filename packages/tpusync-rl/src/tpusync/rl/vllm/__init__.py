@@ -26,6 +26,7 @@ This module imports vLLM only inside functions: tpusync-rl does not depend on vL
     llm = LLM(model_dir, weight_transfer_config=WeightTransferConfig(backend="tpusync"))
     rlvllm.init(llm, control=trainer_control_address, replica=0,
                 params=rlvllm.checkpoint_params(model_dir))
+    # the trainer: TrainerSync(..., dst_layouts=rlvllm.tp_layouts(model_dir, tp))
     while training:
         rlvllm.update(llm, timeout=60)      # raises if no new version / the update was rejected
         outputs = llm.generate(prompts, sampling_params)
@@ -41,7 +42,22 @@ from typing import Any
 
 BACKEND = "tpusync"
 
-__all__ = ["BACKEND", "checkpoint_params", "init", "init_info", "register", "update"]
+__all__ = [
+    "BACKEND",
+    "checkpoint_params",
+    "init",
+    "init_info",
+    "register",
+    "tp_layouts",
+    "update",
+]
+
+
+def tp_layouts(model_dir: str | Path, tp: int, params: Mapping[str, Any] | None = None) -> dict:
+    """The trainer's ``dst_layouts`` for a TP=``tp`` engine (:func:`tpusync.rl.vllm.tp.tp_layouts`)."""
+    from tpusync.rl.vllm.tp import tp_layouts as plan
+
+    return plan(model_dir, tp, params)
 
 
 def register() -> None:
@@ -104,8 +120,11 @@ def init_info(
     ``control``: trainer rank 0's control address; ``replica``: this engine's sampler replica
     number (unique per engine); ``params``: ``{trainer name: [shape, dtype]}`` of what the trainer
     publishes (:func:`checkpoint_params`); ``dtype``: the staging dtype (default: the engine's).
-    Other options go to :class:`~tpusync.rl.sampler.SamplerSync` (``block_bytes``, ``pool_bytes``,
-    ``streams``, ``window``, ``listen``, ``same_host``). The transport secret is read from
+    ``sharded`` (default True): each tensor-parallel worker receives only its slices, and the
+    trainer publishes with :func:`tp_layouts`; False: every worker receives whole tensors, and the
+    trainer publishes with ``ShardLayout.replicated(shape, range(tp))``. Other options go to
+    :class:`~tpusync.rl.sampler.SamplerSync` (``block_bytes``, ``pool_bytes``, ``streams``,
+    ``window``, ``listen``, ``same_host``). The transport secret is read from
     ``$TPUSYNC_AUTH_SECRET`` in the worker processes (inherited from the ``LLM`` process).
     """
     params = {str(k): [list(v[0]), str(v[1])] for k, v in params.items()}

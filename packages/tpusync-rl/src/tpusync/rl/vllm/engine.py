@@ -5,10 +5,12 @@ One engine per vLLM worker process. ``init_transfer_engine`` opens a
 the trainer's tensors under their checkpoint names (shadow mode, double-buffered); every
 ``update_weights`` pulls one version, and only a verified, committed version is loaded into the
 model (vLLM's layerwise reload: ``load_weights`` followed by the same post-load processing as a
-fresh load). SHARDING CONTRACT (this version): every worker of the engine receives whole tensors
-(a replicated sampler layout over the engine's ranks) and ``load_weights`` cuts its own
-tensor-parallel part; the trainer's ``dst_layouts`` must be ``ShardLayout.replicated(shape,
-range(tp))`` per tensor.
+fresh load). SHARDING CONTRACT: with ``sharded`` (the default) worker ``r`` of a TP engine is
+sampler rank ``r`` and receives only the slice of each checkpoint tensor its ``load_weights``
+keeps (:mod:`tpusync.rl.vllm.tp`, TP SLICE CONTRACT); the trainer's ``dst_layouts`` are
+:func:`~tpusync.rl.vllm.tp.tp_layouts`. Before the load each slice is placed in a tensor of the
+checkpoint's shape, of which ``load_weights`` reads only that slice. With ``sharded=False`` every
+worker receives whole tensors (``dst_layouts``: ``ShardLayout.replicated(shape, range(tp))``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from tpusync.rl.chunks import UpdateRejectedError, WeightSubscriber, _torch_dtype
-from tpusync.rl.layout import ShardLayout
+from tpusync.rl.layout import Box, ShardLayout
 from tpusync.rl.sampler import SamplerSync
+from tpusync.rl.vllm.tp import worker_layouts
 
 log = logging.getLogger("tpusync.rl")
 
@@ -43,6 +46,7 @@ class TpusyncInitInfo(WeightTransferInitInfo):
     window: int = 4
     listen: str = "127.0.0.1:0"
     same_host: bool = False
+    sharded: bool = True
 
 
 @dataclass
@@ -60,6 +64,8 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         super().__init__(config, vllm_config, device, model)
         self.sampler: SamplerSync | None = None
         self.last_version = 0
+        # name -> (checkpoint shape, this worker's slice of it): SHARDING CONTRACT
+        self._slices: dict[str, tuple[tuple[int, ...], Box]] = {}
 
     def init_transfer_engine(self, init_info: TpusyncInitInfo) -> None:
         if self.sampler is not None:
@@ -69,10 +75,23 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         rank = self.parallel_config.rank if hasattr(self.parallel_config, "rank") else 0
         world = max(int(self.parallel_config.world_size), 1)
         dtype = _torch_dtype(init_info.dtype) if init_info.dtype else self.model_config.dtype
-        weights, layouts = {}, {}
-        for name, (shape, _trainer_dtype) in init_info.params.items():
-            weights[name] = torch.zeros(tuple(shape), dtype=dtype, device="cpu")
-            layouts[name] = ShardLayout.replicated(tuple(shape), range(world))
+        if init_info.sharded:
+            if int(getattr(self.parallel_config, "pipeline_parallel_size", 1)) > 1:
+                raise ValueError(
+                    "sharded weight transfer supports tensor parallelism only, not "
+                    "pipeline_parallel_size > 1: pass sharded=False (whole tensors to every worker)"
+                )
+            layouts = worker_layouts(self.model, init_info.params, world)
+        else:
+            layouts = {
+                name: ShardLayout.replicated(tuple(shape), range(world))
+                for name, (shape, _dtype) in init_info.params.items()
+            }
+        self._slices = {name: (lay.shape, lay.box_of(rank)) for name, lay in layouts.items()}
+        weights = {
+            name: torch.zeros(box.shape, dtype=dtype, device="cpu")
+            for name, (_shape, box) in self._slices.items()
+        }
         sub = WeightSubscriber(rank, weights, layouts, mode="shadow", recycle=True)
         self.sampler = SamplerSync(
             sub,
@@ -128,8 +147,17 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         )
 
         initialize_layerwise_reload(self.model)
-        self.model.load_weights(((n, t.to(self.device)) for n, t in weights.items()))
+        self.model.load_weights(((n, self._full(n, t)) for n, t in weights.items()))
         finalize_layerwise_reload(self.model, self.model_config)
+
+    def _full(self, name: str, part: torch.Tensor) -> torch.Tensor:
+        """``part`` in a tensor of the checkpoint's shape (SHARDING CONTRACT: only it is read)."""
+        shape, box = self._slices[name]
+        if box.shape == shape:
+            return part.to(self.device)
+        out = torch.empty(shape, dtype=part.dtype, device=self.device)
+        out[Box((0,) * len(shape), shape).local_slices(box)] = part
+        return out
 
     def shutdown(self) -> None:
         if self.sampler is not None:
