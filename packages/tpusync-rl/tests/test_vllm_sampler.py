@@ -11,9 +11,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ tinymodel = pytest.importorskip("tpusync.vllm.tinymodel")
 
 import rl_netutil as U  # noqa: E402
 import torch  # noqa: E402
+import vllm_rl_scenario as scenario  # noqa: E402
 
 from tpusync.rl import TrainerSync  # noqa: E402
 from tpusync.rl import vllm as rlvllm  # noqa: E402
@@ -132,3 +136,116 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
         or "no version newer" in (result["second_update"])
     ), result["second_update"]
     assert result["after_failed_update"] == result["after"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(base: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(
+        base + path,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _complete(base: str, model: str) -> list[list[int]]:
+    """The scenario's prompts as one batch, greedy, as the offline engines generate them."""
+    body = {
+        "model": model,
+        "prompt": scenario.prompts(),
+        "max_tokens": scenario.MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    choices = sorted(_http(base, "/v1/completions", body)["choices"], key=lambda c: c["index"])
+    return [list(c["token_ids"]) for c in choices]
+
+
+def test_vllm_server_takes_new_weights_over_http_and_keeps_serving_after_a_failed_update(tmp_path):
+    """SERVER UPDATE CONTRACT: the OpenAI server, paused around the update, then resumed."""
+    model_dir = tinymodel.tiny_model_dir()
+    new_dir = tmp_path / "perturbed"
+    new = _perturbed(model_dir, new_dir)
+    fresh_out, fresh_log = tmp_path / "fresh.json", tmp_path / "fresh.log"
+    fresh = _start(["generate", str(new_dir), str(fresh_out), "1"], fresh_log)
+
+    port, log = _free_port(), tmp_path / "server.log"
+    env = {
+        **os.environ,
+        "TPUSYNC_AUTH_SECRET": U.SECRET.decode(),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",  # vLLM's weight-transfer routes
+    }
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+        "--enforce-eager", "--seed", "0",
+        "--weight-transfer-config", json.dumps({"backend": rlvllm.BACKEND}),
+    ]  # fmt: skip
+    server = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=open(log, "w"),  # noqa: SIM115 - closed with the process
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    trainer = TrainerSync(
+        0, 1, rlvllm.tp_layouts(model_dir, 1), secret=U.SECRET, block_bytes=1 << 16,
+        pool_bytes=16 << 20,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            if server.poll() is not None:
+                pytest.fail(f"the server exited ({server.returncode}):\n{log.read_text()[-6000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        before = _complete(base, str(model_dir))
+        rlvllm.init_server(
+            base,
+            control=trainer.control_address,
+            replica=0,
+            params=rlvllm.checkpoint_params(model_dir),
+            block_bytes=1 << 16,
+            pool_bytes=16 << 20,
+        )
+
+        def publish():  # the engine's sampler joins when the update starts
+            trainer.wait_for_samplers(1, timeout=120)
+            return trainer.publish(1, new)
+
+        with ThreadPoolExecutor(1) as pool:
+            published = pool.submit(publish)
+            rlvllm.update_server(base, timeout=120, version=1)
+            rep = published.result(timeout=120)
+        assert rep.ok and rep.committed == ["0:0"], rep.failed
+        after = _complete(base, str(model_dir))
+        # Nothing new published: the update fails, the server is resumed and serves version 1.
+        with pytest.raises(RuntimeError, match="update_weights: HTTP 5.*no version newer than 1"):
+            rlvllm.update_server(base, timeout=1.0)
+        with urllib.request.urlopen(f"{base}/is_paused", timeout=10) as resp:
+            assert json.loads(resp.read())["is_paused"] is False
+        assert _complete(base, str(model_dir)) == after
+    finally:
+        trainer.close()
+        try:
+            os.killpg(server.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        server.wait(timeout=30)
+    fresh_result = _finish(fresh, fresh_out, fresh_log)
+    assert after == fresh_result["tokens"]  # exactly the new weights' greedy outputs
+    assert before != after

@@ -30,12 +30,17 @@ This module imports vLLM only inside functions: tpusync-rl does not depend on vL
     while training:
         rlvllm.update(llm, timeout=60)      # raises if no new version / the update was rejected
         outputs = llm.generate(prompts, sampling_params)
+
+A vLLM server (OpenAI API) is driven the same way over HTTP by :func:`init_server` and
+:func:`update_server`; a tensor-parallel engine's trainer publishes with :func:`tp_layouts`.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,9 +52,11 @@ __all__ = [
     "checkpoint_params",
     "init",
     "init_info",
+    "init_server",
     "register",
     "tp_layouts",
     "update",
+    "update_server",
 ]
 
 
@@ -154,3 +161,61 @@ def update(llm: Any, timeout: float, version: int | None = None) -> None:
     llm.update_weights({"update_info": {"timeout": float(timeout), "version": version}})
     llm.finish_weight_update(weight_version=None if version is None else str(version))
     llm.reset_prefix_cache()
+
+
+# A vLLM OpenAI server (``vllm.entrypoints.openai.api_server``) exposes the same weight-transfer
+# calls over HTTP when started with ``VLLM_SERVER_DEV_MODE=1`` and
+# ``--weight-transfer-config '{"backend": "tpusync"}'``; the two functions below drive them.
+_PAUSE_MODES = ("wait", "abort", "keep")
+
+
+def _post(base: str, path: str, body: Any = None, timeout: float = 60.0) -> Any:
+    data = json.dumps(body).encode() if body is not None else b""
+    req = urllib.request.Request(
+        base + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:2000]
+        raise RuntimeError(f"vLLM server {base}{path}: HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ConnectionError(f"vLLM server {base}{path}: {getattr(e, 'reason', e)}") from None
+    return json.loads(raw) if raw else None
+
+
+def init_server(url: str, *, timeout: float = 120.0, **kwargs: Any) -> None:
+    """:func:`init` for a vLLM server at ``url`` (``http://host:port``): ``kwargs`` as
+    :func:`init_info`. Raises ConnectionError / RuntimeError (with the server's reply)."""
+    _post(
+        url.rstrip("/"), "/init_weight_transfer_engine", {"init_info": init_info(**kwargs)}, timeout
+    )
+
+
+def update_server(
+    url: str, timeout: float, version: int | None = None, pause: str = "wait"
+) -> None:
+    """:func:`update` for a vLLM server at ``url``, with generation paused around it.
+
+    SERVER UPDATE CONTRACT: ``/pause?mode=<pause>`` first (``"wait"``, the default, lets
+    in-flight requests finish on the old weights, so no request sees two versions; ``"abort"``
+    aborts them; ``"keep"`` freezes them, and they resume on the new weights), then the
+    start / update / finish sequence and a prefix-cache reset, then ``/resume`` - always, also
+    when the update failed, in which case the server serves the weights it had and this raises
+    RuntimeError with the server's reply. Every request has a timeout (``timeout`` for the pull,
+    plus a minute for the HTTP round trip and the load).
+    """
+    if pause not in _PAUSE_MODES:
+        raise ValueError(f"pause must be one of {_PAUSE_MODES}, not {pause!r}")
+    base, slack = url.rstrip("/"), float(timeout) + 60.0
+    _post(base, f"/pause?mode={pause}", timeout=slack)
+    try:
+        _post(base, "/start_weight_update")
+        info = {"timeout": float(timeout), "version": version}
+        _post(base, "/update_weights", {"update_info": info}, timeout=slack)
+        weight_version = None if version is None else str(version)
+        _post(base, "/finish_weight_update", {"weight_version": weight_version})
+        _post(base, "/reset_prefix_cache")
+    finally:
+        _post(base, "/resume")
