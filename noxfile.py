@@ -492,6 +492,7 @@ def integration_vllm(session: nox.Session) -> None:
         "pytest",
         str(ROOT / "packages/tpusync-vllm/tests"),
         str(ROOT / "packages/tpusync-rl/tests/test_vllm_sampler.py"),
+        str(ROOT / "packages/tpusync-rl/tests/test_vllm_tp.py"),
         "-p",
         "no:cacheprovider",
         "--durations=0",

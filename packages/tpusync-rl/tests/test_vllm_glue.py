@@ -2,37 +2,24 @@
 
 from __future__ import annotations
 
-import json
-import math
-import struct
 import subprocess
 import sys
 
 import pytest
+from llama_ckpt import llama_dir, write_safetensors
 
 from tpusync.rl import vllm as rlvllm
 
 
-def _write_safetensors(path, tensors: dict) -> None:
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, (dtype, shape, nbytes) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
-
-
 def test_checkpoint_params_reads_names_shapes_dtypes_from_headers(tmp_path):
-    _write_safetensors(
+    write_safetensors(
         tmp_path / "model-00001.safetensors",
         {
             "model.embed_tokens.weight": ("F32", [10, 4], 160),
             "lm_head.weight": ("BF16", [10, 4], 80),
         },
     )
-    _write_safetensors(
-        tmp_path / "model-00002.safetensors", {"model.norm.weight": ("F32", [4], 16)}
-    )
+    write_safetensors(tmp_path / "model-00002.safetensors", {"model.norm.weight": ("F32", [4], 16)})
     assert rlvllm.checkpoint_params(tmp_path) == {
         "model.embed_tokens.weight": [[10, 4], "float32"],
         "lm_head.weight": [[10, 4], "bfloat16"],
@@ -47,7 +34,7 @@ def test_checkpoint_params_reads_names_shapes_dtypes_from_headers(tmp_path):
 def test_checkpoint_params_refuses_a_directory_without_safetensors(tmp_path):
     with pytest.raises(ValueError, match="no \\*.safetensors file"):
         rlvllm.checkpoint_params(tmp_path)
-    _write_safetensors(tmp_path / "x.safetensors", {"w": ("F8_E4M3", [2], 2)})
+    write_safetensors(tmp_path / "x.safetensors", {"w": ("F8_E4M3", [2], 2)})
     with pytest.raises(ValueError, match="unsupported dtype F8_E4M3"):
         rlvllm.checkpoint_params(tmp_path)
 
@@ -57,37 +44,12 @@ def test_importing_the_glue_does_not_import_vllm():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def _llama_dir(tmp_path, heads=4, kv_heads=2, head_dim=8, hidden=32, inter=48, vocab=100):
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab}
-        )
-    )
-    layer = "model.layers.0."
-    shapes = {
-        "model.embed_tokens.weight": [vocab, hidden],
-        layer + "self_attn.q_proj.weight": [heads * head_dim, hidden],
-        layer + "self_attn.k_proj.weight": [kv_heads * head_dim, hidden],
-        layer + "self_attn.v_proj.bias": [kv_heads * head_dim],
-        layer + "self_attn.o_proj.weight": [hidden, heads * head_dim],
-        layer + "mlp.gate_proj.weight": [inter, hidden],
-        layer + "mlp.down_proj.weight": [hidden, inter],
-        layer + "input_layernorm.weight": [hidden],
-        "lm_head.weight": [vocab, hidden],
-    }
-    _write_safetensors(
-        tmp_path / "model.safetensors",
-        {n: ("F32", s, 4 * math.prod(s)) for n, s in shapes.items()},
-    )
-    return tmp_path
-
-
 def _boxes(layout):
     return {r: (b.lo, b.hi) for r, b in layout.shards}
 
 
 def test_tp_layouts_give_each_worker_the_slice_its_vllm_loader_keeps(tmp_path):
-    plan = rlvllm.tp_layouts(_llama_dir(tmp_path), 2)
+    plan = rlvllm.tp_layouts(llama_dir(tmp_path), 2)
     a = "model.layers.0.self_attn."
     assert _boxes(plan[a + "q_proj.weight"]) == {0: ((0, 0), (16, 32)), 1: ((16, 0), (32, 32))}
     assert _boxes(plan[a + "k_proj.weight"]) == {0: ((0, 0), (8, 32)), 1: ((8, 0), (16, 32))}
@@ -107,7 +69,7 @@ def test_tp_layouts_give_each_worker_the_slice_its_vllm_loader_keeps(tmp_path):
 
 
 def test_tp_layouts_replicate_kv_heads_when_tp_exceeds_them_and_refuse_uneven_splits(tmp_path):
-    plan = rlvllm.tp_layouts(_llama_dir(tmp_path), 4)
+    plan = rlvllm.tp_layouts(llama_dir(tmp_path), 4)
     k = _boxes(plan["model.layers.0.self_attn.k_proj.weight"])
     # Two kv heads of 8 rows for four workers: workers 0, 1 share head 0; workers 2, 3 head 1.
     assert k == {

@@ -1,0 +1,50 @@
+"""A Llama-shaped checkpoint directory made of headers only: ``config.json`` and a safetensors
+file whose header names the tensors (the data is zeros). Enough for ``checkpoint_params`` and
+``tp_layouts``, which read nothing else."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+# The toy model of the TP slice tests: 4 query heads, 2 key/value heads of 8, a 100-word vocabulary.
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB = 4, 2, 8, 32, 48, 100
+
+
+def write_safetensors(path: Path, tensors: dict) -> None:
+    """``tensors``: ``{name: (safetensors dtype, shape, nbytes)}``."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (dtype, shape, nbytes) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+
+
+def llama_shapes() -> dict[str, list[int]]:
+    layer = "model.layers.0."
+    return {
+        "model.embed_tokens.weight": [VOCAB, HIDDEN],
+        layer + "self_attn.q_proj.weight": [HEADS * HEAD_DIM, HIDDEN],
+        layer + "self_attn.k_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
+        layer + "self_attn.v_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
+        layer + "self_attn.v_proj.bias": [KV_HEADS * HEAD_DIM],
+        layer + "self_attn.o_proj.weight": [HIDDEN, HEADS * HEAD_DIM],
+        layer + "mlp.gate_proj.weight": [INTER, HIDDEN],
+        layer + "mlp.up_proj.weight": [INTER, HIDDEN],
+        layer + "mlp.down_proj.weight": [HIDDEN, INTER],
+        layer + "input_layernorm.weight": [HIDDEN],
+        "lm_head.weight": [VOCAB, HIDDEN],
+    }
+
+
+def llama_dir(root: Path) -> Path:
+    config = {"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB}
+    (root / "config.json").write_text(json.dumps(config))
+    write_safetensors(
+        root / "model.safetensors",
+        {n: ("F32", s, 4 * math.prod(s)) for n, s in llama_shapes().items()},
+    )
+    return root
