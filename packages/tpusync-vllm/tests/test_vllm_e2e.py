@@ -25,6 +25,8 @@ pytest.importorskip("vllm")
 from tinymodel import tiny_model_dir  # noqa: E402
 from vllm_scenarios import BLOCK, PROMPT_LEN  # noqa: E402
 
+from tpusync.vllm.tinymodel import SPEC  # noqa: E402
+
 FULL_BLOCKS = (PROMPT_LEN - 1) // BLOCK  # 7
 
 
@@ -70,6 +72,21 @@ def _run(name: str, model: Path, tmp_path_factory, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def inproc(model_dir, tmp_path_factory) -> dict:
     return _run("inproc", model_dir, tmp_path_factory)
+
+
+def test_tensor_parallel_workers_each_store_and_load_their_own_heads(model_dir, tmp_path_factory):
+    r = _run("tp2", model_dir, tmp_path_factory)
+    assert r["hits_after_cold"]["hit_blocks"] == 0
+    assert r["hits_after_warm"]["hit_blocks"] == FULL_BLOCKS
+    assert r["warm"]["cached"] == FULL_BLOCKS * BLOCK
+    assert r["warm"]["tokens"] == r["cold"]["tokens"]
+    # Both ranks hold every block of the prompt, each its own half of the heads.
+    assert sorted(w["rank"] for w in r["workers"]) == [0, 1]
+    assert [w["held"] for w in r["workers"]] == [FULL_BLOCKS] * 2
+    # K and V of every layer for the block's tokens, of ONE of the model's two kv heads.
+    half = SPEC.num_layers * 2 * BLOCK * (SPEC.num_kv_heads // 2) * SPEC.head_dim * 4
+    assert [w["key_bytes"] for w in r["workers"]] == [half, half]
+    assert r["corrupt"]["tokens"] != r["cold"]["tokens"]  # what loads is what runs
 
 
 @pytest.fixture(scope="module")

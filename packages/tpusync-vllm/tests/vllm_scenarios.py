@@ -33,6 +33,7 @@ def make_llm(
     vllm_events: str | None = None,
     connector: str = "TpusyncConnector",
     role: str = "kv_both",
+    tp: int = 1,
 ):
     from vllm import LLM
     from vllm.config import KVEventsConfig, KVTransferConfig
@@ -64,6 +65,7 @@ def make_llm(
         kv_transfer_config=ktc,
         kv_events_config=events,
         seed=0,
+        tensor_parallel_size=tp,
         # Reproducible block hashes across processes (the default hash is seeded per process).
         prefix_caching_hash_algo="sha256_cbor",
     )
@@ -274,6 +276,52 @@ def _prompt_keys(llm, ids: list[int]) -> list[bytes]:
         block_hasher=get_request_block_hasher(BLOCK, hash_fn),
     )
     return [bytes(h) for h in req.block_hashes[: (len(ids) - 1) // BLOCK]]
+
+
+def scenario_tp2(model: str) -> dict:
+    """Tensor parallelism 2 (two worker processes): each worker stores and loads the KV of its own
+    heads under the same block hashes; the scheduler's hit is the run every rank has."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler's connector in-process
+    # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    llm = make_llm(model, tp=2)
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    ids = prompt()
+    generate(llm, prompt(99))
+    llm.reset_prefix_cache()
+    r: dict = {"cold": generate(llm, ids), "hits_after_cold": dict(sched.stats)}
+    llm.reset_prefix_cache()
+    r["warm"] = generate(llm, ids)
+    r["hits_after_warm"] = dict(sched.stats)
+    r["workers"] = llm.collective_rpc(_worker_view(_prompt_keys(llm, ids), noise=False))
+    # Noise under the prompt's keys on every rank: a run that loads them must change its output.
+    r["noised"] = llm.collective_rpc(_worker_view(_prompt_keys(llm, ids), noise=True))
+    llm.reset_prefix_cache()
+    r["corrupt"] = generate(llm, ids)
+    return r
+
+
+def _worker_view(keys: list[bytes], noise: bool):
+    """A collective_rpc callable: this worker's rank, block size and how many of ``keys`` its
+    store holds; with ``noise``, their bytes are then replaced with noise under the same keys."""
+
+    def run(_worker=None) -> dict:
+        import torch
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        from tpusync.vllm.connector import _worker_rank
+
+        ws = get_kv_transfer_group().store
+        out = torch.empty((len(keys), ws.key_bytes), dtype=torch.uint8)
+        held = sum(ws.store.get(keys, out).result(10))
+        if noise and held == len(keys):
+            rng = torch.Generator().manual_seed(_worker_rank())
+            junk = (torch.randn(len(keys), ws.key_bytes // 4, generator=rng) * 50).view(torch.uint8)
+            ws.store.remove(keys)
+            assert all(ws.store.put(keys, junk.contiguous()).result(10))
+        return {"rank": _worker_rank(), "key_bytes": ws.key_bytes, "held": held}
+
+    return run
 
 
 def _abort_while_waiting(llm, sched, worker, ids: list[int]) -> dict:
@@ -652,6 +700,7 @@ SCENARIOS = {
     "pd_producer": scenario_pd_producer,
     "pd": scenario_pd,
     "inproc": scenario_inproc,
+    "tp2": scenario_tp2,
     "restart_a": scenario_restart_a,
     "restart_b": scenario_restart_b,
     "corrupt_recompute": lambda m, disk: scenario_corrupt(m, disk, "recompute"),
