@@ -89,6 +89,24 @@ def test_tensor_parallel_workers_each_store_and_load_their_own_heads(model_dir, 
     assert r["corrupt"]["tokens"] != r["cold"]["tokens"]  # what loads is what runs
 
 
+def test_pd_with_tensor_parallelism_pulls_each_ranks_heads_from_the_same_rank(
+    model_dir, tmp_path_factory
+):
+    # PER-RANK P/D CONTRACT: producer and consumer both TP=2; consumer worker r pulls from
+    # producer worker r (each holds only its own heads' KV).
+    r = _run("pd_tp2", model_dir, tmp_path_factory)
+    ranks = r["kv_transfer_params"]["tpusync_ranks"]
+    assert len(ranks) == 2 and ranks[0][0] != ranks[1][0]  # two producer workers, two addresses
+    assert r["stats"]["pd_recv_blocks"] == FULL_BLOCKS
+    assert sorted(x["rank"] for x in r["ranks"]) == [0, 1]
+    for x in r["ranks"]:
+        assert x["totals"]["loaded_blocks"] == FULL_BLOCKS and x["totals"]["load_failures"] == 0
+    assert r["pd"]["tokens"] == r["single"]["tokens"]
+    # Prefilled by a producer with another number of ranks: not pulled, computed here.
+    assert r["stats_mismatch"]["pd_recv_blocks"] == FULL_BLOCKS
+    assert r["mismatch"]["tokens"] == r["single_other"]["tokens"]
+
+
 @pytest.fixture(scope="module")
 def restart(model_dir, tmp_path_factory) -> Iterator[dict]:
     """Five fresh processes over one /dev/shm namespace and one disk tier, in order: compute
@@ -403,3 +421,20 @@ def test_store_events_include_demotions_and_drops(shared):
     assert ("BlockStored", "DISK") in media
     assert ("BlockRemoved", "CPU") in media
     assert shared["dead"]["store"]["host.evictions"] > 0
+
+
+def test_pd_params_name_one_peer_per_producer_rank_and_malformed_ones_are_refused():
+    from tpusync.vllm.connector import _pd_peers
+
+    legacy = {"remote_host": "10.0.0.5", "remote_port": 7000, "tpusync_unix": "unix:/x"}
+    assert _pd_peers(legacy) == [("10.0.0.5:7000", "unix:/x", "")]  # one rank, top-level fields
+    ranks = [["a:1", "", "h0"], ["b:2", "unix:/y", "h1"]]
+    assert _pd_peers({**legacy, "tpusync_ranks": ranks}) == [
+        ("a:1", "", "h0"),
+        ("b:2", "unix:/y", "h1"),
+    ]
+    for bad in ([], [["a:1", ""]], [["no-port", "", ""]], "a:1", [None]):
+        with pytest.raises((TypeError, ValueError)):
+            _pd_peers({**legacy, "tpusync_ranks": bad})
+    with pytest.raises(KeyError):
+        _pd_peers({"remote_port": 1})

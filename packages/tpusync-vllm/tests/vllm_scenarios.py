@@ -578,12 +578,15 @@ def scenario_shared_dead(model: str, dead: str, secret_file: str, disk: str) -> 
 PD_SECRET = "tpusync-vllm-test-secret-0123456789"
 
 
-def scenario_pd_producer(model: str, work: str) -> dict:
+def scenario_pd_producer(model: str, work: str, tp: str = "1") -> dict:
     """Prefill instance (kv_producer): prefill one prompt, hand its KV params over, keep serving
-    the P/D transfer until the consumer says it is done."""
+    the P/D transfer until the consumer says it is done. Its workers are reached through
+    collective_rpc, in this process (tp 1) or in worker processes (tp > 1)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    llm = make_llm(model, role="kv_producer")
-    sched, worker = connectors(llm)
+    if int(tp) > 1:  # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    llm = make_llm(model, role="kv_producer", tp=int(tp))
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
     r = {"prefill": generate(llm, prompt(21), params(1, {"do_remote_decode": True}))}
     # A second prompt, which the consumer pulls over TCP as if it ran on another host.
     r["prefill_tcp"] = generate(llm, prompt(22), params(1, {"do_remote_decode": True}))
@@ -594,51 +597,128 @@ def scenario_pd_producer(model: str, work: str) -> dict:
     deadline = time.monotonic() + 300
     while not os.path.exists(os.path.join(work, "done")) and time.monotonic() < deadline:
         time.sleep(0.1)
-        worker.get_finished(set())  # drains the producer's completions (the engine is idle)
+        llm.collective_rpc(_pd_drain)  # the producer's completions (the engine is idle)
     r["stats"] = dict(sched.stats)
-    r["worker_totals"] = dict(worker.totals.data)
-    r["pool_free"] = worker.pd.pool.num_free
-    r["pool_blocks"] = worker.pd.pool.num_blocks
+    r["ranks"] = llm.collective_rpc(_pd_view)
+    r["worker_totals"] = r["ranks"][0]["totals"]
+    r["pool_free"] = r["ranks"][0]["pool_free"]
+    r["pool_blocks"] = r["ranks"][0]["pool_blocks"]
+    return r
+
+
+def _pd_drain(_worker=None) -> None:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group().get_finished(set())
+
+
+def _pd_view(_worker=None) -> dict:
+    """A collective_rpc callable: a P/D worker's rank, counters and pool."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from tpusync.vllm.connector import _worker_rank
+
+    c = get_kv_transfer_group()
+    return {
+        "rank": _worker_rank(),
+        "totals": dict(c.totals.data),
+        "pool_free": c.pd.pool.num_free,
+        "pool_blocks": c.pd.pool.num_blocks,
+        "pending": c.pd.pending,
+    }
+
+
+def _start_producer(model: str, work: str, out: str, tp: int):
+    import subprocess
+
+    with open(os.path.join(work, "producer.log"), "w") as log:
+        return subprocess.Popen(
+            [sys.executable, __file__, "pd_producer", model, out, work, str(tp)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _producer_params(prod, work: str) -> list[dict]:
+    deadline = time.monotonic() + 300
+    path = os.path.join(work, "params.json")
+    while not os.path.exists(path):
+        if prod.poll() is not None or time.monotonic() > deadline:
+            log_path = os.path.join(work, "producer.log")
+            raise RuntimeError(f"producer failed:\n{open(log_path).read()[-4000:]}")
+        time.sleep(0.2)
+    with open(path) as f:
+        return json.load(f)
+
+
+def _stop_producer(prod, work: str, out: str) -> dict:
+    import subprocess
+
+    open(os.path.join(work, "done"), "w").close()
+    try:
+        prod.wait(120)
+    except subprocess.TimeoutExpired:
+        prod.kill()
+    with open(out) as f:
+        return json.load(f)
+
+
+def scenario_pd_tp2(model: str) -> dict:
+    """P/D with tensor parallelism 2 on both sides: consumer worker r pulls the KV of its own
+    heads from producer worker r (PER-RANK P/D CONTRACT); a prefill from a producer with another
+    number of ranks is computed locally."""
+    import tempfile
+
+    os.environ["TPUSYNC_AUTH_SECRET"] = PD_SECRET
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    work = tempfile.mkdtemp(prefix="tpusync-pd-tp2-")
+    out = os.path.join(work, "producer.json")
+    prod = _start_producer(model, work, out, 2)
+    r: dict = {}
+    try:
+        llm = make_llm(model, role="kv_consumer", extra={"load_timeout_s": 20.0}, tp=2)
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        kvp, kvp_other = _producer_params(prod, work)
+        r["kv_transfer_params"] = kvp
+        r["pd"] = generate(llm, prompt(21), params(MAX_TOKENS, kvp))
+        r["stats"] = dict(sched.stats)
+        r["ranks"] = llm.collective_rpc(_pd_view)
+        one_rank = {**kvp_other, "tpusync_ranks": kvp_other.get("tpusync_ranks", [None])[:1]}
+        r["mismatch"] = generate(llm, prompt(22), params(MAX_TOKENS, one_rank))
+        r["stats_mismatch"] = dict(sched.stats)
+        llm.reset_prefix_cache()
+        r["single"] = generate(llm, prompt(21))
+        r["single_other"] = generate(llm, prompt(22))
+    finally:
+        r["producer"] = _stop_producer(prod, work, out)
     return r
 
 
 def scenario_pd(model: str) -> dict:
     """Scenario 3: a producer process prefills, this consumer (kv_consumer) pulls the KV over
     tpusync's P/D stream and decodes; then it computes the same prompt alone for reference."""
-    import subprocess
     import tempfile
 
     os.environ["TPUSYNC_AUTH_SECRET"] = PD_SECRET
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     work = tempfile.mkdtemp(prefix="tpusync-pd-")
     out = os.path.join(work, "producer.json")
-    with open(os.path.join(work, "producer.log"), "w") as log:
-        prod = subprocess.Popen(
-            [sys.executable, __file__, "pd_producer", model, out, work],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    prod = _start_producer(model, work, out, 1)
     r: dict = {}
     try:
         # Starts while the producer starts; a short timeout bounds the failing pull below.
         llm = make_llm(model, role="kv_consumer", extra={"load_timeout_s": 20.0})
         sched, worker = connectors(llm)
-        deadline = time.monotonic() + 300
-        path = os.path.join(work, "params.json")
-        while not os.path.exists(path):
-            if prod.poll() is not None or time.monotonic() > deadline:
-                log_path = os.path.join(work, "producer.log")
-                raise RuntimeError(f"producer failed:\n{open(log_path).read()[-4000:]}")
-            time.sleep(0.2)
-        with open(path) as f:
-            kvp, kvp_tcp = json.load(f)
+        kvp, kvp_tcp = _producer_params(prod, work)
         r["kv_transfer_params"] = kvp
         r["pd"] = generate(llm, prompt(21), params(MAX_TOKENS, kvp))
         r["stats"] = dict(sched.stats)
         r["worker_totals"] = dict(worker.totals.data)
         # The producer on "another host" (its host id differs): the pull goes over TCP.
+        elsewhere = [[tcp, unix, "elsewhere"] for tcp, unix, _host in kvp_tcp["tpusync_ranks"]]
         r["pd_tcp"] = generate(
-            llm, prompt(22), params(MAX_TOKENS, {**kvp_tcp, "tpusync_host": "elsewhere"})
+            llm, prompt(22), params(MAX_TOKENS, {**kvp_tcp, "tpusync_ranks": elsewhere})
         )
         r["worker_totals_tcp"] = dict(worker.totals.data)
         llm.reset_prefix_cache()
@@ -655,13 +735,7 @@ def scenario_pd(model: str) -> dict:
         r["single"] = generate(llm, prompt(21))  # the same prompt on this instance alone
         r["abort"] = _pd_abort_while_loading(llm, worker, kvp)
     finally:
-        open(os.path.join(work, "done"), "w").close()
-        try:
-            prod.wait(120)
-        except subprocess.TimeoutExpired:
-            prod.kill()
-    with open(out) as f:
-        r["producer"] = json.load(f)
+        r["producer"] = _stop_producer(prod, work, out)
     return r
 
 
@@ -699,6 +773,7 @@ def _pd_abort_while_loading(llm, worker, kvp: dict) -> dict:
 SCENARIOS = {
     "pd_producer": scenario_pd_producer,
     "pd": scenario_pd,
+    "pd_tp2": scenario_pd_tp2,
     "inproc": scenario_inproc,
     "tp2": scenario_tp2,
     "restart_a": scenario_restart_a,

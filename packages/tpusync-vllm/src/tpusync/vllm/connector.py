@@ -133,15 +133,15 @@ class PdSend:
 
 @dataclass
 class PdRecv:
-    """Consumer: pull ``len(block_ids)`` blocks of ``transfer_id`` from ``peer`` into
-    ``block_ids`` (-1 entries: computed locally already, dropped on arrival)."""
+    """Consumer: pull ``len(block_ids)`` blocks of ``transfer_id`` into ``block_ids`` (-1
+    entries: computed locally already, dropped on arrival); worker rank ``r`` pulls from the
+    producer's rank ``r``, ``peers[r]`` (PER-RANK P/D CONTRACT)."""
 
     req_id: str
     transfer_id: int
-    peer: str
+    # Per producer rank: (TCP "host:port", "unix:PATH" of the same-host path or "", host id).
+    peers: list[tuple[str, str, str]]
     block_ids: list[int]
-    unix_peer: str = ""  # the producer's "unix:PATH" (same-host path), "" if it offers none
-    peer_host: str = ""  # the producer's host id (pd.host_id)
 
 
 _WORKER_COUNTERS = (
@@ -294,6 +294,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         # preemption - computes locally instead of pulling again (no retry loop).
         self._pd_tried: set[str] = set()
         self._pd_address: str | None = None
+        self._pd_ranks: list[list[str]] = []  # per producer rank: [TCP, unix, host id]
         self._pd_same_host: dict[str, str] = {}
         self.stats: dict[str, int] = {
             "pd_sent_blocks": 0,
@@ -309,6 +310,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         }
         self._publisher: tev.KVEventPublisher | None = None
         # Worker side.
+        self._rank = 0  # this worker's rank in vLLM's world group (register_kv_caches)
         self.store: WorkerStore | None = None
         self.pd: PdWorker | None = None
         self._pd_failed: dict[str, list[int]] = {}
@@ -426,10 +428,8 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                     PdRecv(
                         req_id,
                         int(pd["tpusync_transfer_id"]),
-                        f"{pd['remote_host']}:{pd['remote_port']}",
+                        _pd_peers(pd),
                         [-1 if i < local else b for i, b in enumerate(ids)],
-                        str(pd.get("tpusync_unix") or ""),
-                        str(pd.get("tpusync_host") or ""),
                     )
                 )
                 self.stats["pd_recv_blocks"] += n - local
@@ -457,12 +457,23 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             n = int(params["tpusync_num_blocks"])
             int(params["tpusync_transfer_id"])
-            str(params["remote_host"]), int(params["remote_port"])
+            peers = _pd_peers(params)
         except (KeyError, TypeError, ValueError):
             log.warning(
                 "tpusync: request %s has malformed kv_transfer_params %r; computing it locally",
                 request.request_id,
                 params,
+            )
+            return 0, False
+        if len(peers) != self.world_size:
+            # PER-RANK P/D CONTRACT: rank r holds the KV of its own heads; another split of the
+            # heads would need resharding, which the P/D stream does not do.
+            log.warning(
+                "tpusync: request %s was prefilled by %d producer rank(s), this instance has %d "
+                "worker(s): computing it locally",
+                request.request_id,
+                len(peers),
+                self.world_size,
             )
             return 0, False
         if request.request_id in self._pd_tried:
@@ -595,16 +606,23 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         if self._pd_address is None:
             assert self.client is not None
-            info = self.client.info()
-            self._pd_address = str(info.get("pd_address", ""))
+            infos = [self.client.info(r) for r in range(self.world_size)]
+            self._pd_ranks = [
+                [str(i.get("pd_address", "")), str(i.get("pd_unix", "")), str(i.get("pd_host", ""))]
+                for i in infos
+            ]
+            self._pd_address = self._pd_ranks[0][0]
             self._pd_same_host = {
-                "tpusync_unix": str(info.get("pd_unix", "")),
-                "tpusync_host": str(info.get("pd_host", "")),
+                "tpusync_unix": self._pd_ranks[0][1],
+                "tpusync_host": self._pd_ranks[0][2],
             }
         host, _, port = self._pd_address.rpartition(":")
         tid, ids = published
         return {
             **self._pd_same_host,
+            # PER-RANK P/D CONTRACT: worker r of the consumer pulls from rank r's entry; the
+            # top-level address fields are rank 0's.
+            "tpusync_ranks": self._pd_ranks,
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self._engine_key,
@@ -741,7 +759,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
                 f"spec says {self.key_bytes}"
             )
         self._row_arrays = arrays
-        rank = _worker_rank()
+        rank = self._rank = _worker_rank()
         disk_dir = None
         if self.config.disk_dir is not None:
             disk_dir = os.path.join(self.config.disk_dir, f"rank{rank}")
@@ -824,7 +842,7 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, TpusyncMetadata) and meta.pd_recvs and self.pd is not None:
             for rv in meta.pd_recvs:  # asynchronous: get_finished reports them
                 try:
-                    peer = self.pd.peer_for(rv.peer, rv.unix_peer, rv.peer_host)
+                    peer = self.pd.peer_for(*rv.peers[self._rank])
                     self.pd.start(rv.req_id, rv.transfer_id, peer, rv.block_ids)
                 except _TRANSFER_ERRORS as exc:
                     log.warning("tpusync P/D receive of %s not started: %s", rv.req_id, exc)
@@ -1111,6 +1129,27 @@ class _ConnectorCollector:
         data = dict(self._c.totals.data)
         for key, doc in self._HELP.items():
             yield CounterMetricFamily(f"tpusync_vllm_{key}", doc, value=data.get(key, 0))
+
+
+def _pd_peers(params: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Per producer rank, (TCP address, unix address, host id) from a producer's
+    kv_transfer_params (PER-RANK P/D CONTRACT; without ``tpusync_ranks``: one rank, the
+    top-level fields). Raises KeyError / TypeError / ValueError on malformed ones."""
+    ranks = params.get("tpusync_ranks")
+    if ranks is None:
+        host, port = str(params["remote_host"]), int(params["remote_port"])
+        ranks = [
+            [f"{host}:{port}", params.get("tpusync_unix") or "", params.get("tpusync_host") or ""]
+        ]
+    if not isinstance(ranks, list) or not ranks:
+        raise ValueError(f"tpusync_ranks must be a non-empty list, not {ranks!r}")
+    peers = []
+    for entry in ranks:
+        tcp, unix, host = (str(x) for x in entry)
+        if not tcp.rpartition(":")[2].isdigit():
+            raise ValueError(f"bad producer address {tcp!r}")
+        peers.append((tcp, unix, host))
+    return peers
 
 
 def _worker_rank() -> int:
