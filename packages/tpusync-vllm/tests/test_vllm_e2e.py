@@ -87,6 +87,9 @@ def test_tensor_parallel_workers_each_store_and_load_their_own_heads(model_dir, 
     half = SPEC.num_layers * 2 * BLOCK * (SPEC.num_kv_heads // 2) * SPEC.head_dim * 4
     assert [w["key_bytes"] for w in r["workers"]] == [half, half]
     assert r["corrupt"]["tokens"] != r["cold"]["tokens"]  # what loads is what runs
+    # Each stored block is announced once, when both ranks stored their halves, not per rank.
+    stored = [e for e in r["events"] if e["type"] == "BlockStored"]
+    assert sum(e["n"] for e in stored) == r["hits_after_warm"]["planned_saves"]
 
 
 def test_pd_with_tensor_parallelism_pulls_each_ranks_heads_from_the_same_rank(

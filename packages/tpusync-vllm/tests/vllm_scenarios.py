@@ -284,7 +284,9 @@ def scenario_tp2(model: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler's connector in-process
     # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    llm = make_llm(model, tp=2)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sub = Subscriber(endpoint)
+    llm = make_llm(model, tp=2, extra={"kv_events_endpoint": endpoint, "pod_id": "pod-tp"})
     sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
     ids = prompt()
     generate(llm, prompt(99))
@@ -293,6 +295,7 @@ def scenario_tp2(model: str) -> dict:
     llm.reset_prefix_cache()
     r["warm"] = generate(llm, ids)
     r["hits_after_warm"] = dict(sched.stats)
+    r["events"] = sub.drain(2.0)
     r["workers"] = llm.collective_rpc(_worker_view(_prompt_keys(llm, ids), noise=False))
     # Noise under the prompt's keys on every rank: a run that loads them must change its output.
     r["noised"] = llm.collective_rpc(_worker_view(_prompt_keys(llm, ids), noise=True))
