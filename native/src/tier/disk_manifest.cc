@@ -4,8 +4,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "tpusync/tier/file_write.h"
 
@@ -13,8 +16,34 @@ namespace tpusync::tier {
 namespace {
 
 constexpr size_t kBufBytes = size_t{1} << 20;
+constexpr double kMaxPace = 100;
+constexpr auto kMaxIdlePerBuffer = std::chrono::seconds(1);
 
 std::string PathIn(const std::string& dir, const char* name) { return dir + "/" + name; }
+
+// OLD-MANIFEST CONTRACT: frees `path` 1 MiB at a time (ftruncate down), then unlinks it.
+// ENOENT: nothing to do.
+Status ShrinkAndRemove(const std::string& path) {
+  const int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return Status::OK();
+    return Status::FromErrno(errno, StrCat("opening old manifest ", path));
+  }
+  struct stat st {};
+  Status s = Status::OK();
+  if (fstat(fd, &st) != 0) s = Status::FromErrno(errno, StrCat("sizing old manifest ", path));
+  for (off_t size = s.ok() ? st.st_size : 0; size > 0 && s.ok();) {
+    size = size > static_cast<off_t>(kBufBytes) ? size - static_cast<off_t>(kBufBytes) : 0;
+    if (ftruncate(fd, size) != 0) {
+      s = Status::FromErrno(errno, StrCat("truncating old manifest ", path));
+    }
+  }
+  close(fd);
+  if (unlink(path.c_str()) != 0 && errno != ENOENT && s.ok()) {
+    s = Status::FromErrno(errno, StrCat("removing old manifest ", path));
+  }
+  return s;
+}
 
 Status SyncDir(const std::string& dir) {
   const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -39,9 +68,10 @@ Result<SegmentStamp> StampSegment(int fd, const std::string& path) {
 
 Result<std::unique_ptr<ManifestWriter>> ManifestWriter::Begin(
     const std::string& dir, const DiskMeta& meta, std::vector<SegmentStamp> stamps,
-    ManifestKind kind, uint64_t generation, ManifestWriteBack write_back) {
+    ManifestKind kind, uint64_t generation, ManifestWriteBack write_back, double pace) {
   std::unique_ptr<ManifestWriter> w(new ManifestWriter());
   w->progressive_ = write_back == ManifestWriteBack::kProgressive;
+  w->pace_ = w->progressive_ && pace > 0 ? std::min(pace, kMaxPace) : 0;
   w->dir_ = dir;
   w->tmp_ = PathIn(dir, "manifest.tmp");
   w->fd_ = open(w->tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -91,6 +121,21 @@ Status ManifestWriter::WriteBack(uint64_t offset, uint64_t bytes) {
     }
     return Status::FromErrno(err, StrCat("write-back of manifest ", tmp_));
   };
+  if (pace_ > 0) {
+    // PACING: this buffer alone goes out and is waited for, then the disk is left idle (by this
+    // writer) for pace_ x the time it took - nothing of the manifest is in flight meanwhile.
+    const auto t0 = std::chrono::steady_clock::now();
+    TPUSYNC_RETURN_IF_ERROR(
+        range(waited_, offset + bytes - waited_,
+              SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER));
+    pushed_ = waited_ = offset + bytes;
+    if (!progressive_) return Status::OK();
+    const auto took = std::chrono::steady_clock::now() - t0;
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
+        std::chrono::duration_cast<std::chrono::steady_clock::duration>(took * pace_),
+        kMaxIdlePerBuffer));
+    return Status::OK();
+  }
   TPUSYNC_RETURN_IF_ERROR(range(offset, bytes, SYNC_FILE_RANGE_WRITE));
   pushed_ = offset + bytes;
   if (progressive_ && offset > waited_) {
@@ -142,14 +187,25 @@ Status ManifestWriter::Commit() {
   close(fd_);
   fd_ = -1;
   const std::string path = PathIn(dir_, kManifestFile);
+  // OLD-MANIFEST CONTRACT: the manifest being replaced stays linked as manifest.old, so the rename
+  // frees nothing; RemoveOldManifest frees it in steps. Where link fails (no previous manifest, a
+  // leftover manifest.old, a filesystem without hard links) the rename frees it, as before.
+  const std::string old = PathIn(dir_, kOldManifestFile);
+  const bool kept = link(path.c_str(), old.c_str()) == 0;
   if (rename(tmp_.c_str(), path.c_str()) != 0) {
-    return Status::FromErrno(errno, StrCat("renaming manifest ", tmp_));
+    const int err = errno;
+    if (kept) unlink(old.c_str());  // still linked as manifest: frees nothing
+    return Status::FromErrno(err, StrCat("renaming manifest ", tmp_));
   }
   committed_ = true;
   return Status::OK();
 }
 
 Status SyncManifestDir(const std::string& dir) { return SyncDir(dir); }
+
+Status RemoveOldManifest(const std::string& dir) {
+  return ShrinkAndRemove(PathIn(dir, kOldManifestFile));
+}
 
 Status ReadManifest(const std::string& dir, const DiskMeta& want, size_t num_segments,
                     uint64_t num_blocks, ManifestContents* contents) {
@@ -247,6 +303,7 @@ Status CheckStamps(std::span<const SegmentStamp> written, std::span<const Segmen
 
 Status RemoveManifest(const std::string& dir) {
   bool removed = false;
+  TPUSYNC_RETURN_IF_ERROR(RemoveOldManifest(dir));
   for (const char* name : {kManifestFile, "manifest.tmp"}) {
     const std::string path = PathIn(dir, name);
     if (unlink(path.c_str()) == 0) {

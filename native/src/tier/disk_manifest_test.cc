@@ -395,8 +395,9 @@ TEST_F(DiskManifestTest, DiskFullWhileWritingTheManifestLosesNothingButTheShortc
   EXPECT_EQ(AsMap(t->TakeRecovered()), blocks_);
 }
 
-// WRITE-BACK CONTRACT: progressive write-back changes only when the page cache goes out, never the
-// bytes. 40,000 entries (3.2 MB) make several 1 MiB buffers, so the waits on earlier ranges run.
+// WRITE-BACK CONTRACT: progressive write-back, paced or not, changes only when the page cache goes
+// out, never the bytes. 40,000 entries (3.2 MB) make several 1 MiB buffers, so the waits on
+// earlier ranges (and the paced idle time after each buffer) run.
 TEST_F(DiskManifestTest, ProgressiveWriteBackWritesTheSameManifestAsWriteBackAtTheFsync) {
   constexpr uint64_t kEntries = 40000;
   DiskMeta meta;
@@ -404,26 +405,33 @@ TEST_F(DiskManifestTest, ProgressiveWriteBackWritesTheSameManifestAsWriteBackAtT
   meta.magic = kDiskMetaMagic;
   meta.num_blocks = kEntries * 2;
   const std::vector<SegmentStamp> stamps = {{1, 2, 3, 4}, {5, 6, 7, 8}};
-  std::map<ManifestWriteBack, std::string> bytes;
-  for (const ManifestWriteBack mode :
-       {ManifestWriteBack::kAtSync, ManifestWriteBack::kProgressive}) {
-    const std::string dir =
-        dir_ + (mode == ManifestWriteBack::kAtSync ? "-at-sync" : "-progressive");
+  struct Mode {
+    const char* name;
+    ManifestWriteBack write_back;
+    double pace;
+  };
+  std::map<std::string, std::string> bytes;
+  for (const Mode mode : {Mode{"at-sync", ManifestWriteBack::kAtSync, 0.0},
+                          Mode{"progressive", ManifestWriteBack::kProgressive, 0.0},
+                          Mode{"paced", ManifestWriteBack::kProgressive, 0.5},
+                          Mode{"at-sync-pace-ignored", ManifestWriteBack::kAtSync, 0.5}}) {
+    const std::string dir = dir_ + "-" + mode.name;
     fs::create_directories(dir);
     {
-      auto w = ManifestWriter::Begin(dir, meta, stamps, ManifestKind::kCheckpoint, 7, mode);
+      auto w = ManifestWriter::Begin(dir, meta, stamps, ManifestKind::kCheckpoint, 7,
+                                     mode.write_back, mode.pace);
       ASSERT_TRUE(w.ok()) << w.status().ToString();
       for (uint64_t i = 0; i < kEntries; ++i) {
-        ASSERT_TRUE((*w)->Add(i * 2, 1000 + i, "key-" + std::to_string(i)).ok());
+        ASSERT_TRUE((*w)->Add(i * 2, 1000 + i, "key-" + std::to_string(i)).ok()) << mode.name;
       }
-      ASSERT_TRUE((*w)->Commit().ok());
+      ASSERT_TRUE((*w)->Commit().ok()) << mode.name;
       ASSERT_TRUE(SyncManifestDir(dir).ok());
     }
     std::ifstream in(dir + "/manifest", std::ios::binary);
-    bytes[mode] = std::string(std::istreambuf_iterator<char>(in), {});
+    bytes[mode.name] = std::string(std::istreambuf_iterator<char>(in), {});
     EXPECT_FALSE(fs::exists(dir + "/manifest.tmp"));
     ManifestContents mc;
-    ASSERT_TRUE(ReadManifest(dir, meta, stamps.size(), meta.num_blocks, &mc).ok());
+    ASSERT_TRUE(ReadManifest(dir, meta, stamps.size(), meta.num_blocks, &mc).ok()) << mode.name;
     ASSERT_EQ(mc.blocks.size(), kEntries);
     EXPECT_EQ(mc.generation, 7u);
     EXPECT_EQ(mc.stamps, stamps);
@@ -432,10 +440,56 @@ TEST_F(DiskManifestTest, ProgressiveWriteBackWritesTheSameManifestAsWriteBackAtT
     EXPECT_EQ(mc.blocks.back().sequence, 1000 + kEntries - 1);
     fs::remove_all(dir);
   }
-  EXPECT_EQ(bytes[ManifestWriteBack::kAtSync].size(),
+  EXPECT_EQ(bytes["at-sync"].size(),
             sizeof(ManifestHeader) + 2 * sizeof(SegmentStamp) + kEntries * sizeof(ManifestEntry));
-  EXPECT_TRUE(bytes[ManifestWriteBack::kAtSync] == bytes[ManifestWriteBack::kProgressive])
-      << "the two write-backs wrote different manifests";
+  for (const char* other : {"progressive", "paced", "at-sync-pace-ignored"}) {
+    EXPECT_TRUE(bytes["at-sync"] == bytes[other])
+        << "write-back " << other << " wrote another manifest than write-back at the fsync";
+  }
+}
+
+// OLD-MANIFEST CONTRACT: a Commit over an existing manifest keeps the replaced one as
+// manifest.old (the same bytes: the rename freed nothing), RemoveOldManifest frees it; a Commit
+// with no manifest before leaves none. 30,000 entries (2.4 MB): freed in several 1 MiB steps.
+TEST_F(DiskManifestTest, CommitKeepsTheReplacedManifestUntilRemoveOldManifestFreesIt) {
+  fs::create_directories(dir_);
+  DiskMeta meta;
+  std::memset(&meta, 0, sizeof(meta));
+  meta.magic = kDiskMetaMagic;
+  meta.num_blocks = 30000;
+  const auto write = [&](uint64_t generation, uint64_t entries) {
+    auto w = ManifestWriter::Begin(dir_, meta, {}, ManifestKind::kCheckpoint, generation);
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    for (uint64_t i = 0; i < entries; ++i)
+      ASSERT_TRUE((*w)->Add(i, i, "k" + std::to_string(i)).ok());
+    ASSERT_TRUE((*w)->Commit().ok());
+  };
+  const auto read = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string manifest = dir_ + "/manifest", old = dir_ + "/manifest.old";
+  write(1, 30000);
+  EXPECT_FALSE(fs::exists(old)) << "no manifest was replaced";
+  const std::string first = read(manifest);
+  ASSERT_GT(first.size(), size_t{2} << 20);
+  write(2, 10);
+  ASSERT_TRUE(fs::exists(old)) << "the replaced manifest was freed by the rename";
+  EXPECT_TRUE(read(old) == first);
+  ManifestContents mc;
+  ASSERT_TRUE(ReadManifest(dir_, meta, 0, meta.num_blocks, &mc).ok());
+  EXPECT_EQ(mc.generation, 2u);
+  EXPECT_EQ(mc.blocks.size(), 10u);
+  ASSERT_TRUE(RemoveOldManifest(dir_).ok());
+  EXPECT_FALSE(fs::exists(old));
+  EXPECT_TRUE(RemoveOldManifest(dir_).ok()) << "nothing to free is fine";
+  ASSERT_TRUE(ReadManifest(dir_, meta, 0, meta.num_blocks, &mc).ok()) << "the new one stays";
+  EXPECT_EQ(mc.generation, 2u);
+  write(3, 10);
+  ASSERT_TRUE(fs::exists(old));
+  ASSERT_TRUE(RemoveManifest(dir_).ok());
+  EXPECT_FALSE(fs::exists(old)) << "RemoveManifest leaves manifest.old behind";
+  EXPECT_FALSE(fs::exists(manifest));
 }
 
 }  // namespace

@@ -117,6 +117,11 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
   t->fingerprint_ = Checksum64(o.fingerprint.data(), o.fingerprint.size());
   t->direct_ = o.direct_io;
   t->progressive_manifest_ = o.manifest_progressive_write_back;
+  if (!(o.manifest_write_back_pace >= 0 && o.manifest_write_back_pace <= 100)) {
+    return Status::InvalidArgument(
+        StrCat("manifest_write_back_pace must be in [0, 100], not ", o.manifest_write_back_pace));
+  }
+  t->manifest_pace_ = o.manifest_write_back_pace;
 
   std::error_code ec;
   fs::create_directories(o.directory, ec);
@@ -461,7 +466,8 @@ Status DiskTier::WriteCheckpoint(const BlockChunks& next_chunk, bool clean_close
         ManifestWriter::Begin(
             dir_, meta_, std::move(stamps),
             clean_close ? ManifestKind::kCleanClose : ManifestKind::kCheckpoint, gen,
-            progressive_manifest_ ? ManifestWriteBack::kProgressive : ManifestWriteBack::kAtSync));
+            progressive_manifest_ ? ManifestWriteBack::kProgressive : ManifestWriteBack::kAtSync,
+            clean_close ? 0.0 : manifest_pace_));
   }
   // 2. WALK, one chunk at a time (tier.h CHUNKED WALK): the enumerator copies a chunk's (slot,
   // key) pairs under the index lock only; then, under this tier's lock, each gets its slot's
@@ -522,7 +528,11 @@ Status DiskTier::WriteCheckpoint(const BlockChunks& next_chunk, bool clean_close
       TPUSYNC_RETURN_IF_ERROR(journal_->Append(unsettled));
     }
   }
-  // 3. WRITE: publish the manifest of generation `gen`.
+  // 3. WRITE: publish the manifest of generation `gen`. A manifest.old a crash left behind goes
+  // first (stepwise, no lock held), so that Commit can keep the one it replaces there.
+  if (const Status freed = RemoveOldManifest(dir_); !freed.ok()) {
+    std::fprintf(stderr, "tpusync: disk tier %s: %s\n", dir_.c_str(), freed.ToString().c_str());
+  }
   TPUSYNC_RETURN_IF_ERROR(writer->Sync());
   {
     std::lock_guard<std::mutex> lock(jmu_);
@@ -534,6 +544,11 @@ Status DiskTier::WriteCheckpoint(const BlockChunks& next_chunk, bool clean_close
   }
   TPUSYNC_RETURN_IF_ERROR(SyncManifestDir(dir_));
   TPUSYNC_RETURN_IF_ERROR(RemoveJournals(dir_, gen));
+  // The replaced manifest, freed 1 MiB at a time (OLD-MANIFEST CONTRACT). The checkpoint is
+  // published already: a failure only leaves the file to the next checkpoint.
+  if (const Status freed = RemoveOldManifest(dir_); !freed.ok()) {
+    std::fprintf(stderr, "tpusync: disk tier %s: %s\n", dir_.c_str(), freed.ToString().c_str());
+  }
   changes_.fetch_sub(std::min(changes_before, changes_.load()), std::memory_order_relaxed);
   if (clean_close && skipped > 0) {
     std::fprintf(stderr,
@@ -880,6 +895,8 @@ TierStats DiskTier::stats() const {
   s.recovery_slots_read = recovery_slots_read_;
   s.checkpoints = checkpoints_;
   s.journaled = changes_;
+  s.manifest_write_back = progressive_manifest_ ? "progressive" : "at_fsync";
+  s.manifest_pace = progressive_manifest_ ? manifest_pace_ : 0.0;
   return s;
 }
 

@@ -125,6 +125,9 @@ struct DiskTierOptions {
   // false: the checkpoint manifest is written back only by its fsync, as before tiers9 (tests and
   // drivers compare the two; tier/disk_manifest.h WRITE-BACK CONTRACT). true: progressively.
   bool manifest_progressive_write_back = true;
+  // > 0 (with progressive write-back): a checkpoint's manifest leaves the disk idle for this many
+  // times each MiB's write-out time (tier/disk_manifest.h PACING). 0: no pacing. Not at close.
+  double manifest_write_back_pace = 0;
   // Tests only: wraps the chosen backend (to inject I/O faults). Empty: the backend as is.
   std::function<std::unique_ptr<IoBackend>(std::unique_ptr<IoBackend>)> wrap_io;
 };
@@ -199,6 +202,7 @@ class DiskTier final : public BlockTier {
   std::atomic<bool> direct_{false};
   bool opened_direct_ = false;        // segments were opened with O_DIRECT (set once, in Open)
   bool progressive_manifest_ = true;  // DiskTierOptions::manifest_progressive_write_back
+  double manifest_pace_ = 0;          // DiskTierOptions::manifest_write_back_pace
   std::mutex direct_mu_;              // serialises DropDirectIo
   int lock_fd_ = -1;
   std::unique_ptr<IoBackend> io_;
