@@ -60,7 +60,6 @@ Result<std::vector<std::unique_ptr<tier::BlockTier>>> KVStore::OpenTiers(const K
     d.io_backend = o.io_backend;
     d.io_threads = o.io_threads;
     d.manifest_progressive_write_back = o.disk_manifest_progressive_write_back;
-    d.manifest_write_back_pace = o.disk_manifest_write_back_pace;
     TPUSYNC_ASSIGN_OR_RETURN(auto disk, tier::DiskTier::Open(d));
     tiers.push_back(std::move(disk));
   }

@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -63,7 +62,6 @@ class DiskCheckpointTest : public ::testing::Test {
     DiskTierOptions o;
     o.directory = dir;
     o.manifest_progressive_write_back = progressive_;
-    o.manifest_write_back_pace = pace_;
     o.block_bytes = kBytes;
     o.num_blocks = kSlots;
     o.segment_blocks = 64;
@@ -145,7 +143,6 @@ class DiskCheckpointTest : public ::testing::Test {
 
   std::string dir_;
   bool progressive_ = true;  // DiskTierOptions::manifest_progressive_write_back (the default)
-  double pace_ = 0;          // DiskTierOptions::manifest_write_back_pace (the default)
   std::atomic<uint64_t> io_ops_{0};
   std::mutex mu_;
   Blocks index_;
@@ -452,11 +449,9 @@ TEST_F(DiskCheckpointTest, CheckpointsRacingWritersLoseNoBlock) {
 // Both manifest write-backs (tier/disk_manifest.h WRITE-BACK CONTRACT) give a checkpoint that a
 // crash restart reads: the same entries, only the journaled slots' headers read, every block back.
 TEST_F(DiskCheckpointTest, EitherManifestWriteBackGivesTheSameCheckpointAndCrashRestart) {
-  std::map<int, Blocks> manifests;  // 0: at the fsync, 1: progressive, 2: progressive, paced
-  for (const int mode : {0, 1, 2}) {
-    progressive_ = mode > 0;
-    pace_ = mode == 2 ? 1.0 : 0.0;
-    const bool progressive = progressive_;
+  std::map<bool, Blocks> manifests;
+  for (const bool progressive : {false, true}) {
+    progressive_ = progressive;
     index_.clear();
     seq_ = 0;
     fs::remove_all(dir_);
@@ -471,18 +466,16 @@ TEST_F(DiskCheckpointTest, EitherManifestWriteBackGivesTheSameCheckpointAndCrash
     ManifestContents mc;
     ASSERT_TRUE(ReadManifest(dir_, meta, kSlots / 64, kSlots, &mc).ok());
     EXPECT_EQ(mc.kind, ManifestKind::kCheckpoint);
-    manifests[mode] = AsMap(mc.blocks);
+    manifests[progressive] = AsMap(mc.blocks);
     t = Open();
-    EXPECT_EQ(t->stats().recovery, "checkpoint")
-        << "progressive " << progressive << " mode " << mode;
+    EXPECT_EQ(t->stats().recovery, "checkpoint") << "progressive " << progressive;
     EXPECT_EQ(t->stats().recovery_slots_read, 5u);
     const Blocks got = AsMap(t->TakeRecovered());
     EXPECT_EQ(got, index_);
     ExpectReadable(*t, got);
   }
-  EXPECT_EQ(manifests[0].size(), 200u);
-  EXPECT_EQ(manifests[0], manifests[1]);
-  EXPECT_EQ(manifests[0], manifests[2]);
+  EXPECT_EQ(manifests[false].size(), 200u);
+  EXPECT_EQ(manifests[false], manifests[true]);
 }
 
 // OLD-MANIFEST CONTRACT through the tier: a checkpoint leaves no manifest.old behind (the one it
@@ -510,21 +503,6 @@ TEST_F(DiskCheckpointTest, ReplacedManifestIsFreedAndALeftoverIsRemovedByTheNext
   const Blocks got = AsMap(t->TakeRecovered());
   EXPECT_EQ(got, index_);
   ExpectReadable(*t, got);
-}
-
-// A pace outside [0, 100] (or NaN) is refused at open with a clear error, not clamped silently.
-TEST_F(DiskCheckpointTest, ManifestWriteBackPaceOutOfRangeIsRefusedAtOpen) {
-  for (const double pace : {-1.0, 100.5, std::nan("")}) {
-    DiskTierOptions o = Options(dir_);
-    o.manifest_write_back_pace = pace;
-    auto t = DiskTier::Open(o);
-    ASSERT_FALSE(t.ok()) << "pace " << pace;
-    EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(t.status().message().find("manifest_write_back_pace"), std::string::npos);
-  }
-  DiskTierOptions o = Options(dir_);
-  o.manifest_write_back_pace = 100;
-  EXPECT_TRUE(DiskTier::Open(o).ok());
 }
 
 }  // namespace

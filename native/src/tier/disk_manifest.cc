@@ -4,11 +4,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstring>
-#include <thread>
 
 #include "tpusync/tier/file_write.h"
 
@@ -16,13 +13,12 @@ namespace tpusync::tier {
 namespace {
 
 constexpr size_t kBufBytes = size_t{1} << 20;
-constexpr double kMaxPace = 100;
-constexpr auto kMaxIdlePerBuffer = std::chrono::seconds(1);
 
 std::string PathIn(const std::string& dir, const char* name) { return dir + "/" + name; }
 
 // OLD-MANIFEST CONTRACT: frees `path` 1 MiB at a time (ftruncate down), then unlinks it.
-// ENOENT: nothing to do.
+// ENOENT: nothing to do. A file with another link is only unlinked, never truncated: a crash
+// between Commit's link and its rename leaves manifest.old as a second name of the LIVE manifest.
 Status ShrinkAndRemove(const std::string& path) {
   const int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
   if (fd < 0) {
@@ -32,7 +28,7 @@ Status ShrinkAndRemove(const std::string& path) {
   struct stat st {};
   Status s = Status::OK();
   if (fstat(fd, &st) != 0) s = Status::FromErrno(errno, StrCat("sizing old manifest ", path));
-  for (off_t size = s.ok() ? st.st_size : 0; size > 0 && s.ok();) {
+  for (off_t size = s.ok() && st.st_nlink == 1 ? st.st_size : 0; size > 0 && s.ok();) {
     size = size > static_cast<off_t>(kBufBytes) ? size - static_cast<off_t>(kBufBytes) : 0;
     if (ftruncate(fd, size) != 0) {
       s = Status::FromErrno(errno, StrCat("truncating old manifest ", path));
@@ -68,10 +64,9 @@ Result<SegmentStamp> StampSegment(int fd, const std::string& path) {
 
 Result<std::unique_ptr<ManifestWriter>> ManifestWriter::Begin(
     const std::string& dir, const DiskMeta& meta, std::vector<SegmentStamp> stamps,
-    ManifestKind kind, uint64_t generation, ManifestWriteBack write_back, double pace) {
+    ManifestKind kind, uint64_t generation, ManifestWriteBack write_back) {
   std::unique_ptr<ManifestWriter> w(new ManifestWriter());
   w->progressive_ = write_back == ManifestWriteBack::kProgressive;
-  w->pace_ = w->progressive_ && pace > 0 ? std::min(pace, kMaxPace) : 0;
   w->dir_ = dir;
   w->tmp_ = PathIn(dir, "manifest.tmp");
   w->fd_ = open(w->tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -121,21 +116,6 @@ Status ManifestWriter::WriteBack(uint64_t offset, uint64_t bytes) {
     }
     return Status::FromErrno(err, StrCat("write-back of manifest ", tmp_));
   };
-  if (pace_ > 0) {
-    // PACING: this buffer alone goes out and is waited for, then the disk is left idle (by this
-    // writer) for pace_ x the time it took - nothing of the manifest is in flight meanwhile.
-    const auto t0 = std::chrono::steady_clock::now();
-    TPUSYNC_RETURN_IF_ERROR(
-        range(waited_, offset + bytes - waited_,
-              SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER));
-    pushed_ = waited_ = offset + bytes;
-    if (!progressive_) return Status::OK();
-    const auto took = std::chrono::steady_clock::now() - t0;
-    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
-        std::chrono::duration_cast<std::chrono::steady_clock::duration>(took * pace_),
-        kMaxIdlePerBuffer));
-    return Status::OK();
-  }
   TPUSYNC_RETURN_IF_ERROR(range(offset, bytes, SYNC_FILE_RANGE_WRITE));
   pushed_ = offset + bytes;
   if (progressive_ && offset > waited_) {

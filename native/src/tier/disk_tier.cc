@@ -117,11 +117,6 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
   t->fingerprint_ = Checksum64(o.fingerprint.data(), o.fingerprint.size());
   t->direct_ = o.direct_io;
   t->progressive_manifest_ = o.manifest_progressive_write_back;
-  if (!(o.manifest_write_back_pace >= 0 && o.manifest_write_back_pace <= 100)) {
-    return Status::InvalidArgument(
-        StrCat("manifest_write_back_pace must be in [0, 100], not ", o.manifest_write_back_pace));
-  }
-  t->manifest_pace_ = o.manifest_write_back_pace;
 
   std::error_code ec;
   fs::create_directories(o.directory, ec);
@@ -466,8 +461,7 @@ Status DiskTier::WriteCheckpoint(const BlockChunks& next_chunk, bool clean_close
         ManifestWriter::Begin(
             dir_, meta_, std::move(stamps),
             clean_close ? ManifestKind::kCleanClose : ManifestKind::kCheckpoint, gen,
-            progressive_manifest_ ? ManifestWriteBack::kProgressive : ManifestWriteBack::kAtSync,
-            clean_close ? 0.0 : manifest_pace_));
+            progressive_manifest_ ? ManifestWriteBack::kProgressive : ManifestWriteBack::kAtSync));
   }
   // 2. WALK, one chunk at a time (tier.h CHUNKED WALK): the enumerator copies a chunk's (slot,
   // key) pairs under the index lock only; then, under this tier's lock, each gets its slot's
@@ -896,7 +890,6 @@ TierStats DiskTier::stats() const {
   s.checkpoints = checkpoints_;
   s.journaled = changes_;
   s.manifest_write_back = progressive_manifest_ ? "progressive" : "at_fsync";
-  s.manifest_pace = progressive_manifest_ ? manifest_pace_ : 0.0;
   return s;
 }
 

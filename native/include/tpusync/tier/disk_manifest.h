@@ -124,13 +124,20 @@ enum class ManifestWriteBack : uint8_t {
 // journal); the checkpoint thread at IOPRIO_CLASS_IDLE (mq-deadline honours it: p99 ~1.5 ms, but
 // the write 3-5x longer, the priority is per thread - KVStore.checkpoint() runs on the caller's
 // thread - and an idle-class write may wait prio_aging_expire, 10 s, under sustained load);
-// windows of 8 MiB (p99 8-12 ms: a read waits behind more queued writes).
+// windows of 8 MiB (p99 8-12 ms: a read waits behind more queued writes); PACING the write-out
+// (tiers10: each MiB written out and waited for alone, then the disk left idle 1x or 3x as long
+// as it took; the checkpoint ~1.3-2.4x longer). Through the store (the bench's checkpoint code,
+// variants interleaved, several runs; docs/tiers.md) it lowered the put p99 at 10^6 blocks from
+// 2.4-3.5 to 1.7-1.9 (1x) / 1.35-1.75 ms (3x) but not the max (22-41 ms: the free of the
+// replaced manifest, OLD-MANIFEST CONTRACT below); once that is freed stepwise, progressive alone
+// gives 1.45-2.2 ms, max 3.4-8.4, and pacing adds nothing clear (10^6: 1.6-2.2 ms at 1x, 1.5-1.9
+// at 3x, max up to 69; 2 * 10^5 blocks of 16 KiB: 1.8-2.2 -> 1.7-1.9 / 1.3-1.8 ms).
 class ManifestWriter {
  public:
   static Result<std::unique_ptr<ManifestWriter>> Begin(
       const std::string& dir, const DiskMeta& meta, std::vector<SegmentStamp> stamps,
       ManifestKind kind, uint64_t generation,
-      ManifestWriteBack write_back = ManifestWriteBack::kProgressive, double pace = 0);
+      ManifestWriteBack write_back = ManifestWriteBack::kProgressive);
   ~ManifestWriter();
   ManifestWriter(const ManifestWriter&) = delete;
   ManifestWriter& operator=(const ManifestWriter&) = delete;
@@ -153,7 +160,6 @@ class ManifestWriter {
   bool committed_ = false;
   bool synced_ = false;
   bool progressive_ = true;
-  double pace_ = 0;       // PACING (WRITE-BACK CONTRACT): idle pace_ x each MiB's write-out time
   uint64_t written_ = 0;  // bytes of manifest.tmp written so far
   uint64_t pushed_ = 0;   // [pushed_, written_): written, not yet handed to sync_file_range
   uint64_t waited_ = 0;   // [waited_, pushed_): handed to the disk, not yet waited for

@@ -73,9 +73,11 @@
 //      manifest and fsync the directory; then journals below G+1 are deleted. Puts and gets
 //      wait on the index lock for one chunk at most, on this tier's lock for one chunk's
 //      sequences or one range of slots, and on the journal lock for one rename (the dir fsync
-//      is after it). The segment stamps are taken at the rotation; their mtime is compared at a
-//      restart only for a clean-close manifest with nothing journaled after it (a write in
-//      flight at the rotation may still move it).
+//      is after it). The manifest the rename replaces is kept as manifest.old and freed 1 MiB at
+//      a time after the publish, no lock held (tier/disk_manifest.h OLD-MANIFEST CONTRACT). The
+//      segment stamps are taken at the rotation; their mtime is compared at a restart only for a
+//      clean-close manifest with nothing journaled after it (a write in flight at the rotation
+//      may still move it).
 // FIRST CHECKPOINT (tier.h): CheckpointMissing() is true while no manifest of this tier is on disk
 // (cold start, scan, failed journal); the store then checkpoints at once (inside Open for an empty
 // tier), so a crash soon after a cold start or an open by scan does not cost another scan.
@@ -125,9 +127,6 @@ struct DiskTierOptions {
   // false: the checkpoint manifest is written back only by its fsync, as before tiers9 (tests and
   // drivers compare the two; tier/disk_manifest.h WRITE-BACK CONTRACT). true: progressively.
   bool manifest_progressive_write_back = true;
-  // > 0 (with progressive write-back): a checkpoint's manifest leaves the disk idle for this many
-  // times each MiB's write-out time (tier/disk_manifest.h PACING). 0: no pacing. Not at close.
-  double manifest_write_back_pace = 0;
   // Tests only: wraps the chosen backend (to inject I/O faults). Empty: the backend as is.
   std::function<std::unique_ptr<IoBackend>(std::unique_ptr<IoBackend>)> wrap_io;
 };
@@ -202,7 +201,6 @@ class DiskTier final : public BlockTier {
   std::atomic<bool> direct_{false};
   bool opened_direct_ = false;        // segments were opened with O_DIRECT (set once, in Open)
   bool progressive_manifest_ = true;  // DiskTierOptions::manifest_progressive_write_back
-  double manifest_pace_ = 0;          // DiskTierOptions::manifest_write_back_pace
   std::mutex direct_mu_;              // serialises DropDirectIo
   int lock_fd_ = -1;
   std::unique_ptr<IoBackend> io_;

@@ -106,12 +106,6 @@ def _write_back(mode: str) -> bool:
     return mode == "progressive"
 
 
-def _pace(pace: float) -> float:
-    if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not 0 <= pace <= 100:
-        raise ValueError(f"checkpoint_pace must be a number in [0, 100], got {pace!r}")
-    return float(pace)
-
-
 class KVStore:
     """A tiered, content-addressed store of fixed-size KV blocks.
 
@@ -168,13 +162,8 @@ class KVStore:
             and the MiB before it waited for, so at most ~2 MiB of it queue ahead of the store's
             own disk puts and gets) or ``"at_fsync"`` (the whole file left to the final fsync, as
             before; puts and gets during a checkpoint wait longer: docs/tiers.md "Checkpoints
-            and the slot journal"). Same file either way.
-        checkpoint_pace: with ``"progressive"``, > 0 makes a checkpoint write its manifest one
-            MiB at a time and leave the disk idle ``checkpoint_pace`` times as long as each MiB
-            took (the checkpoint's write-out takes up to ``1 + checkpoint_pace`` times longer;
-            at most 1 s idle per MiB; not at close). 0 (the default): no pacing. In [0, 100].
-            ``stats()["tiers"]["disk"]`` reports both (``manifest_write_back``,
-            ``manifest_pace``).
+            and the slot journal"). Same file either way; ``stats()["tiers"]["disk"]``
+            reports it as ``manifest_write_back``.
     """
 
     def __init__(
@@ -209,7 +198,6 @@ class KVStore:
         checkpoint_s: float = 60.0,
         checkpoint_writes: int = 1 << 16,
         checkpoint_write_back: str = "progressive",
-        checkpoint_pace: float = 0.0,
     ) -> None:
         self._engine = engine or default_engine()
         self._block_bytes = block_bytes
@@ -233,7 +221,6 @@ class KVStore:
             disk_checkpoint_s=checkpoint_s,
             disk_checkpoint_writes=checkpoint_writes,
             disk_manifest_progressive_write_back=_write_back(checkpoint_write_back),
-            disk_manifest_write_back_pace=_pace(checkpoint_pace),
         )
         if remote:
             from tpusync.core.pd import load_secret
