@@ -194,11 +194,14 @@ Status SyncManifestDir(const std::string& dir);
 // rename; this frees that file 1 MiB at a time (ftruncate down, then unlink; nothing to do when
 // there is none). WHY: on the development VM (ext4 mounted with `discard`, virtio disk) freeing
 // an 80 MB file in one go (the rename over the previous manifest at 10^6 blocks, or an unlink)
-// took ~20-30 ms during which 4 KiB O_DIRECT reads on the same disk stalled as long (max 17-25
-// ms vs 0.1 ms); freed 1 MiB per ftruncate they stayed under ~0.6 ms (4 MiB steps: 1.2-1.6 ms,
-// 16 MiB: 4-5 ms; an fsync per step changed nothing). Those stalls were the 20-50 ms single
-// outliers of puts and gets at the end of a checkpoint (docs/tiers.md). The file is never read:
-// a crash before it is freed leaves it to the next checkpoint or RemoveManifest.
+// took ~20-35 ms during which 4 KiB O_DIRECT reads on the same disk stalled as long (max 15-30
+// ms vs 0.1 ms); freed 1 MiB per ftruncate they stayed at 0.3-0.6 ms (once 2.1; 4 MiB steps:
+// 1.2-1.6 ms, 16 MiB: 4-5 ms; an fsync per step changed nothing). Those stalls were the 20-50 ms
+// single outliers of puts and gets at the end of a checkpoint: through the store at 10^6 blocks
+// the max during a checkpoint went from 22-32 to 3.2-8.4 ms (docs/tiers.md). The file is never
+// read; a crash before it is freed leaves it to the next checkpoint or RemoveManifest. A file
+// with a second link (a crash between the link and the rename: it names the live manifest) is
+// only unlinked, never truncated.
 Status RemoveOldManifest(const std::string& dir);
 
 // Deletes <dir>/manifest, a leftover <dir>/manifest.tmp and <dir>/manifest.old, then fsyncs the
