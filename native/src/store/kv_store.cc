@@ -59,6 +59,7 @@ Result<std::vector<std::unique_ptr<tier::BlockTier>>> KVStore::OpenTiers(const K
     d.direct_io = o.disk_direct_io;
     d.io_backend = o.io_backend;
     d.io_threads = o.io_threads;
+    d.manifest_progressive_write_back = o.disk_manifest_progressive_write_back;
     TPUSYNC_ASSIGN_OR_RETURN(auto disk, tier::DiskTier::Open(d));
     tiers.push_back(std::move(disk));
   }

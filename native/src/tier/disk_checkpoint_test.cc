@@ -478,5 +478,32 @@ TEST_F(DiskCheckpointTest, EitherManifestWriteBackGivesTheSameCheckpointAndCrash
   EXPECT_EQ(manifests[false], manifests[true]);
 }
 
+// OLD-MANIFEST CONTRACT through the tier: a checkpoint leaves no manifest.old behind (the one it
+// replaced is freed after the publish), and a manifest.old left by a crash - never read - is
+// freed by the next checkpoint, which is then what a crash restart reads.
+TEST_F(DiskCheckpointTest, ReplacedManifestIsFreedAndALeftoverIsRemovedByTheNextCheckpoint) {
+  auto t = Open();
+  for (int i = 0; i < 50; ++i) Put(*t, "a" + std::to_string(i));
+  ASSERT_TRUE(Checkpoint(*t).ok());
+  for (int i = 0; i < 5; ++i) Put(*t, "b" + std::to_string(i));
+  ASSERT_TRUE(Checkpoint(*t).ok());
+  EXPECT_FALSE(fs::exists(dir_ + "/manifest.old"));
+  {
+    std::ofstream junk(dir_ + "/manifest.old", std::ios::binary);  // a crash's leftover
+    junk << std::string(3 << 20, 'x');
+  }
+  Put(*t, "c");
+  ASSERT_TRUE(Checkpoint(*t).ok());
+  EXPECT_FALSE(fs::exists(dir_ + "/manifest.old"));
+  Put(*t, "d");
+  t.reset();  // crash
+  t = Open();
+  EXPECT_EQ(t->stats().recovery, "checkpoint");
+  EXPECT_EQ(t->stats().recovery_slots_read, 1u);
+  const Blocks got = AsMap(t->TakeRecovered());
+  EXPECT_EQ(got, index_);
+  ExpectReadable(*t, got);
+}
+
 }  // namespace
 }  // namespace tpusync::tier

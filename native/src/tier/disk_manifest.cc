@@ -16,6 +16,31 @@ constexpr size_t kBufBytes = size_t{1} << 20;
 
 std::string PathIn(const std::string& dir, const char* name) { return dir + "/" + name; }
 
+// OLD-MANIFEST CONTRACT: frees `path` 1 MiB at a time (ftruncate down), then unlinks it.
+// ENOENT: nothing to do. A file with another link is only unlinked, never truncated: a crash
+// between Commit's link and its rename leaves manifest.old as a second name of the LIVE manifest.
+Status ShrinkAndRemove(const std::string& path) {
+  const int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return Status::OK();
+    return Status::FromErrno(errno, StrCat("opening old manifest ", path));
+  }
+  struct stat st {};
+  Status s = Status::OK();
+  if (fstat(fd, &st) != 0) s = Status::FromErrno(errno, StrCat("sizing old manifest ", path));
+  for (off_t size = s.ok() && st.st_nlink == 1 ? st.st_size : 0; size > 0 && s.ok();) {
+    size = size > static_cast<off_t>(kBufBytes) ? size - static_cast<off_t>(kBufBytes) : 0;
+    if (ftruncate(fd, size) != 0) {
+      s = Status::FromErrno(errno, StrCat("truncating old manifest ", path));
+    }
+  }
+  close(fd);
+  if (unlink(path.c_str()) != 0 && errno != ENOENT && s.ok()) {
+    s = Status::FromErrno(errno, StrCat("removing old manifest ", path));
+  }
+  return s;
+}
+
 Status SyncDir(const std::string& dir) {
   const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return Status::FromErrno(errno, StrCat("opening directory ", dir, " to fsync it"));
@@ -142,14 +167,25 @@ Status ManifestWriter::Commit() {
   close(fd_);
   fd_ = -1;
   const std::string path = PathIn(dir_, kManifestFile);
+  // OLD-MANIFEST CONTRACT: the manifest being replaced stays linked as manifest.old, so the rename
+  // frees nothing; RemoveOldManifest frees it in steps. Where link fails (no previous manifest, a
+  // leftover manifest.old, a filesystem without hard links) the rename frees it, as before.
+  const std::string old = PathIn(dir_, kOldManifestFile);
+  const bool kept = link(path.c_str(), old.c_str()) == 0;
   if (rename(tmp_.c_str(), path.c_str()) != 0) {
-    return Status::FromErrno(errno, StrCat("renaming manifest ", tmp_));
+    const int err = errno;
+    if (kept) unlink(old.c_str());  // still linked as manifest: frees nothing
+    return Status::FromErrno(err, StrCat("renaming manifest ", tmp_));
   }
   committed_ = true;
   return Status::OK();
 }
 
 Status SyncManifestDir(const std::string& dir) { return SyncDir(dir); }
+
+Status RemoveOldManifest(const std::string& dir) {
+  return ShrinkAndRemove(PathIn(dir, kOldManifestFile));
+}
 
 Status ReadManifest(const std::string& dir, const DiskMeta& want, size_t num_segments,
                     uint64_t num_blocks, ManifestContents* contents) {
@@ -247,6 +283,7 @@ Status CheckStamps(std::span<const SegmentStamp> written, std::span<const Segmen
 
 Status RemoveManifest(const std::string& dir) {
   bool removed = false;
+  TPUSYNC_RETURN_IF_ERROR(RemoveOldManifest(dir));
   for (const char* name : {kManifestFile, "manifest.tmp"}) {
     const std::string path = PathIn(dir, name);
     if (unlink(path.c_str()) == 0) {

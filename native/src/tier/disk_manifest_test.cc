@@ -438,5 +438,56 @@ TEST_F(DiskManifestTest, ProgressiveWriteBackWritesTheSameManifestAsWriteBackAtT
       << "the two write-backs wrote different manifests";
 }
 
+// OLD-MANIFEST CONTRACT: a Commit over an existing manifest keeps the replaced one as
+// manifest.old (the same bytes: the rename freed nothing), RemoveOldManifest frees it; a Commit
+// with no manifest before leaves none. 30,000 entries (2.4 MB): freed in several 1 MiB steps.
+TEST_F(DiskManifestTest, CommitKeepsTheReplacedManifestUntilRemoveOldManifestFreesIt) {
+  fs::create_directories(dir_);
+  DiskMeta meta;
+  std::memset(&meta, 0, sizeof(meta));
+  meta.magic = kDiskMetaMagic;
+  meta.num_blocks = 30000;
+  const auto write = [&](uint64_t generation, uint64_t entries) {
+    auto w = ManifestWriter::Begin(dir_, meta, {}, ManifestKind::kCheckpoint, generation);
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    for (uint64_t i = 0; i < entries; ++i)
+      ASSERT_TRUE((*w)->Add(i, i, "k" + std::to_string(i)).ok());
+    ASSERT_TRUE((*w)->Commit().ok());
+  };
+  const auto read = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string manifest = dir_ + "/manifest", old = dir_ + "/manifest.old";
+  write(1, 30000);
+  EXPECT_FALSE(fs::exists(old)) << "no manifest was replaced";
+  const std::string first = read(manifest);
+  ASSERT_GT(first.size(), size_t{2} << 20);
+  write(2, 10);
+  ASSERT_TRUE(fs::exists(old)) << "the replaced manifest was freed by the rename";
+  EXPECT_TRUE(read(old) == first);
+  ManifestContents mc;
+  ASSERT_TRUE(ReadManifest(dir_, meta, 0, meta.num_blocks, &mc).ok());
+  EXPECT_EQ(mc.generation, 2u);
+  EXPECT_EQ(mc.blocks.size(), 10u);
+  ASSERT_TRUE(RemoveOldManifest(dir_).ok());
+  EXPECT_FALSE(fs::exists(old));
+  EXPECT_TRUE(RemoveOldManifest(dir_).ok()) << "nothing to free is fine";
+  ASSERT_TRUE(ReadManifest(dir_, meta, 0, meta.num_blocks, &mc).ok()) << "the new one stays";
+  EXPECT_EQ(mc.generation, 2u);
+  // A crash between Commit's link and its rename: manifest.old is a second name of the live
+  // manifest. Freeing it must only unlink that name, never truncate the live manifest.
+  ASSERT_EQ(link(manifest.c_str(), old.c_str()), 0);
+  ASSERT_TRUE(RemoveOldManifest(dir_).ok());
+  EXPECT_FALSE(fs::exists(old));
+  ASSERT_TRUE(ReadManifest(dir_, meta, 0, meta.num_blocks, &mc).ok()) << "the live one was cut";
+  EXPECT_EQ(mc.blocks.size(), 10u);
+  write(3, 10);
+  ASSERT_TRUE(fs::exists(old));
+  ASSERT_TRUE(RemoveManifest(dir_).ok());
+  EXPECT_FALSE(fs::exists(old)) << "RemoveManifest leaves manifest.old behind";
+  EXPECT_FALSE(fs::exists(manifest));
+}
+
 }  // namespace
 }  // namespace tpusync::tier

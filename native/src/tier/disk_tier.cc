@@ -522,7 +522,11 @@ Status DiskTier::WriteCheckpoint(const BlockChunks& next_chunk, bool clean_close
       TPUSYNC_RETURN_IF_ERROR(journal_->Append(unsettled));
     }
   }
-  // 3. WRITE: publish the manifest of generation `gen`.
+  // 3. WRITE: publish the manifest of generation `gen`. A manifest.old a crash left behind goes
+  // first (stepwise, no lock held), so that Commit can keep the one it replaces there.
+  if (const Status freed = RemoveOldManifest(dir_); !freed.ok()) {
+    std::fprintf(stderr, "tpusync: disk tier %s: %s\n", dir_.c_str(), freed.ToString().c_str());
+  }
   TPUSYNC_RETURN_IF_ERROR(writer->Sync());
   {
     std::lock_guard<std::mutex> lock(jmu_);
@@ -534,6 +538,11 @@ Status DiskTier::WriteCheckpoint(const BlockChunks& next_chunk, bool clean_close
   }
   TPUSYNC_RETURN_IF_ERROR(SyncManifestDir(dir_));
   TPUSYNC_RETURN_IF_ERROR(RemoveJournals(dir_, gen));
+  // The replaced manifest, freed 1 MiB at a time (OLD-MANIFEST CONTRACT). The checkpoint is
+  // published already: a failure only leaves the file to the next checkpoint.
+  if (const Status freed = RemoveOldManifest(dir_); !freed.ok()) {
+    std::fprintf(stderr, "tpusync: disk tier %s: %s\n", dir_.c_str(), freed.ToString().c_str());
+  }
   changes_.fetch_sub(std::min(changes_before, changes_.load()), std::memory_order_relaxed);
   if (clean_close && skipped > 0) {
     std::fprintf(stderr,
@@ -880,6 +889,7 @@ TierStats DiskTier::stats() const {
   s.recovery_slots_read = recovery_slots_read_;
   s.checkpoints = checkpoints_;
   s.journaled = changes_;
+  s.manifest_write_back = progressive_manifest_ ? "progressive" : "at_fsync";
   return s;
 }
 

@@ -60,7 +60,8 @@ store::KVStoreOptions StoreOptions(
     size_t disk_segment_blocks, bool disk_direct_io, const std::string& io_backend,
     size_t io_threads, const std::string& policy, size_t writeback_batch, size_t writeback_headroom,
     double put_wait_s, bool prefault, bool huge_pages, bool write_through,
-    block::Recency index_recency, double disk_checkpoint_s, size_t disk_checkpoint_writes);
+    block::Recency index_recency, double disk_checkpoint_s, size_t disk_checkpoint_writes,
+    bool disk_manifest_progressive_write_back);
 
 void init_base(nb::module_& m);
 void init_memory(nb::module_& m);

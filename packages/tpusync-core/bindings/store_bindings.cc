@@ -105,6 +105,7 @@ nb::dict Stats(const store::StoreStats& s) {
     e["checkpoints"] = t.tier.checkpoints;
     e["manifest_errors"] = t.tier.manifest_errors;
     e["journaled"] = t.tier.journaled;
+    e["manifest_write_back"] = t.tier.manifest_write_back;
     tiers[nb::str(std::string(block::TierName(t.kind)).c_str())] = e;
   }
   d["tiers"] = tiers;
@@ -120,7 +121,8 @@ KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks, const std::s
                             const std::string& policy, size_t writeback_batch,
                             size_t writeback_headroom, double put_wait_s, bool prefault,
                             bool huge_pages, bool write_through, block::Recency index_recency,
-                            double disk_checkpoint_s, size_t disk_checkpoint_writes) {
+                            double disk_checkpoint_s, size_t disk_checkpoint_writes,
+                            bool disk_manifest_progressive_write_back) {
   KVStoreOptions o;
   o.block_bytes = block_bytes;
   o.host_blocks = host_blocks;
@@ -142,6 +144,7 @@ KVStoreOptions StoreOptions(size_t block_bytes, size_t host_blocks, const std::s
   o.index_recency = index_recency;
   o.disk_checkpoint_s = disk_checkpoint_s;
   o.disk_checkpoint_writes = disk_checkpoint_writes;
+  o.disk_manifest_progressive_write_back = disk_manifest_progressive_write_back;
   return o;
 }
 
@@ -156,13 +159,14 @@ void init_store(nb::module_& m) {
              bool disk_direct_io, const std::string& io_backend, size_t io_threads,
              const std::string& policy, size_t writeback_batch, size_t writeback_headroom,
              double put_wait_s, bool prefault, bool huge_pages, bool write_through,
-             block::Recency index_recency, double disk_checkpoint_s,
-             size_t disk_checkpoint_writes) {
-            KVStoreOptions o = StoreOptions(
-                block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
-                disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy,
-                writeback_batch, writeback_headroom, put_wait_s, prefault, huge_pages,
-                write_through, index_recency, disk_checkpoint_s, disk_checkpoint_writes);
+             block::Recency index_recency, double disk_checkpoint_s, size_t disk_checkpoint_writes,
+             bool disk_manifest_progressive_write_back) {
+            KVStoreOptions o =
+                StoreOptions(block_bytes, host_blocks, name_space, fingerprint, disk_dir,
+                             disk_blocks, disk_segment_blocks, disk_direct_io, io_backend,
+                             io_threads, policy, writeback_batch, writeback_headroom, put_wait_s,
+                             prefault, huge_pages, write_through, index_recency, disk_checkpoint_s,
+                             disk_checkpoint_writes, disk_manifest_progressive_write_back);
             nb::gil_scoped_release release;
             return Unwrap(KVStore::Open(o, std::move(engine))).release();
           },
@@ -176,7 +180,7 @@ void init_store(nb::module_& m) {
           nb::arg("write_through") = false,
           nb::arg("index_recency") = block::BlockIndex::kDefaultRecency,
           nb::arg("disk_checkpoint_s") = 60.0, nb::arg("disk_checkpoint_writes") = 1 << 16,
-          nb::rv_policy::take_ownership)
+          nb::arg("disk_manifest_progressive_write_back") = true, nb::rv_policy::take_ownership)
       .def_prop_ro("block_bytes", &KVStore::block_bytes)
       .def_prop_ro("index_recency", &KVStore::index_recency,
                    "Recency mode of the store's index (CLOCK or EXACT_LRU).")

@@ -327,12 +327,13 @@ void init_transport(nb::module_& m) {
          size_t writeback_batch, size_t writeback_headroom, double put_wait_s, bool prefault,
          bool huge_pages, const std::string& name_space, const std::string& fingerprint,
          size_t replicas, size_t remote_blocks, double lease, double timeout, bool write_through,
-         block::Recency index_recency, double disk_checkpoint_s, size_t disk_checkpoint_writes) {
-        const store::KVStoreOptions o =
-            StoreOptions(block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
-                         disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy,
-                         writeback_batch, writeback_headroom, put_wait_s, prefault, huge_pages,
-                         write_through, index_recency, disk_checkpoint_s, disk_checkpoint_writes);
+         block::Recency index_recency, double disk_checkpoint_s, size_t disk_checkpoint_writes,
+         bool disk_manifest_progressive_write_back) {
+        const store::KVStoreOptions o = StoreOptions(
+            block_bytes, host_blocks, name_space, fingerprint, disk_dir, disk_blocks,
+            disk_segment_blocks, disk_direct_io, io_backend, io_threads, policy, writeback_batch,
+            writeback_headroom, put_wait_s, prefault, huge_pages, write_through, index_recency,
+            disk_checkpoint_s, disk_checkpoint_writes, disk_manifest_progressive_write_back);
         node::RemoteTierOptions r;
         r.block_bytes = block_bytes;
         r.capacity_blocks = remote_blocks;
@@ -362,7 +363,7 @@ void init_transport(nb::module_& m) {
       nb::arg("write_through") = false,
       nb::arg("index_recency") = block::BlockIndex::kDefaultRecency,
       nb::arg("disk_checkpoint_s") = 60.0, nb::arg("disk_checkpoint_writes") = 1 << 16,
-      nb::rv_policy::take_ownership,
+      nb::arg("disk_manifest_progressive_write_back") = true, nb::rv_policy::take_ownership,
       "A KVStore over host [-> disk] -> store nodes (host demotes to disk first, then remote).");
 }
 

@@ -87,11 +87,22 @@ def test_bench_tiers_json_schema(tmp_path):
     assert [c["journaled_slots"] for c in restart["crash_checkpoint"]] == [128]
     assert restart["crash_checkpoint"][0]["open_s"] > 0
     ck = data["checkpoint"]
-    assert ck["slots"] == 1024 and ck["checkpoints"] >= 3 and ck["checkpoint_s"] > 0
-    assert ck["put_without"]["n"] > 0 and ck["put_during"]["n"] > 0
-    assert ck["get_without"]["n"] > 0 and ck["get_during"]["n"] > 0
-    assert ck["better"] == ck["put"]["better"] == ck["get"]["better"] == "lower"
-    assert ck["get"]["limit"].startswith("get p99 of the same caller")
+    assert ck["slots"] == 4096 and ck["block_bytes"] == 4096 and ck["get_misses"] == 0
+    # One checkpoint per variant and round, each variant against its own reference; the row's
+    # own figures are the default mode's. (A 4096-slot checkpoint takes ~ms: a call may or may
+    # not fall inside it, so only the references are sure to have calls.)
+    assert sorted(ck["variants"]) == ["at_fsync", "progressive"]
+    for name, v in ck["variants"].items():
+        assert v["checkpoints"] == ck["rounds"] == 8 and v["checkpoint_s"] > 0, name
+        assert v["put_without"]["n"] > 0 and v["get_without"]["n"] > 0, name
+        assert v["put"]["better"] == v["get"]["better"] == "lower"
+        assert v["get"]["limit"].startswith("get p99 of the same caller")
+        assert len(v["slowest_during"]) <= 5
+    assert ck["variants"]["at_fsync"]["options"] == {"checkpoint_write_back": "at_fsync"}
+    assert ck["variants"]["progressive"]["options"] == {"checkpoint_write_back": "progressive"}
+    assert ck["put"] == ck["variants"]["progressive"]["put"]
+    assert ck["get"] == ck["variants"]["progressive"]["get"]
+    assert ck["better"] == "lower" and ck["p99_us"] == ck["put"]["p99_us"]
     session = data["long_session"]
     assert session["device_footprint_bounded"] is True
     assert session["verified_blocks"] == session["offloaded_blocks"] > 0

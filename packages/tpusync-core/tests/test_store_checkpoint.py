@@ -16,6 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from store_blocks import BLOCK, served
 
 import tpusync.core as tc
@@ -202,3 +203,55 @@ def test_a_second_sigkill_soon_after_a_scan_open_reads_only_the_journaled_slots(
     assert "scanning" not in capfd.readouterr().err
     assert served(s, list(range(23))) == set(range(23))
     s.close()
+
+
+WRITE_BACK = PRELUDE + textwrap.dedent(
+    """
+    s = tc.KVStore({block}, 0, disk_dir=disk, disk_blocks=64, checkpoint_s=0,
+                   checkpoint_writes=0, checkpoint_write_back=sys.argv[2])
+    for i in range(40):
+        put(s, i)
+    s.checkpoint()
+    for i in range(40, 43):
+        put(s, i)
+    print(json.dumps(disk_stats(s)), flush=True)
+    time.sleep(120)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["at_fsync", "progressive"])
+def test_either_manifest_write_back_gives_a_checkpoint_a_crash_restart_reads(tmp_path, mode):
+    """tier/disk_manifest.h WRITE-BACK CONTRACT: the option reaches the disk tier (reported in its
+    stats) and either mode writes a checkpoint that a restart after SIGKILL reads, with only the
+    slots changed after it read."""
+    disk = tmp_path / "disk"
+    script = tmp_path / "child.py"
+    script.write_text(WRITE_BACK.format(block=BLOCK))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(disk), mode], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line, "the child died before it was ready"
+        at_kill = json.loads(line)
+    finally:
+        proc.kill()
+        assert proc.wait(30) == -9
+    assert at_kill["manifest_write_back"] == mode
+    assert at_kill["journaled"] == 3 and at_kill["manifest_errors"] == 0
+    s = tc.KVStore(BLOCK, 0, disk_dir=disk, disk_blocks=64, checkpoint_s=0)
+    st = s.stats()["tiers"]["disk"]
+    assert st["recovery"] == "checkpoint" and st["recovery_slots_read"] == 3
+    assert st["manifest_write_back"] == "progressive"  # the default
+    assert served(s, list(range(43))) == set(range(43))
+    assert not (disk / "manifest.old").exists()  # OLD-MANIFEST CONTRACT: freed after the publish
+    s.close()
+
+
+@pytest.mark.parametrize("bad", ["fsync", "Progressive", True, 1, None])
+def test_a_bad_checkpoint_write_back_is_refused_before_anything_opens(tmp_path, bad):
+    disk = tmp_path / "disk"
+    with pytest.raises(ValueError, match="checkpoint_write_back must be one of"):
+        tc.KVStore(BLOCK, 0, disk_dir=disk, disk_blocks=8, checkpoint_write_back=bad)
+    assert not disk.exists()

@@ -92,6 +92,8 @@ struct KVStoreOptions {
   bool disk_direct_io = true;
   double disk_checkpoint_s = 60.0;           // CHECKPOINTS: 0 = no timed checkpoint
   size_t disk_checkpoint_writes = 1u << 16;  // CHECKPOINTS: 0 = no checkpoint by count
+  // tier/disk_manifest.h WRITE-BACK CONTRACT (DiskTierOptions::manifest_progressive_write_back).
+  bool disk_manifest_progressive_write_back = true;
   std::string io_backend = "auto";
   size_t io_threads = 4;
   std::string policy = "lru";

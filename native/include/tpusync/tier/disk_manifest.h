@@ -44,6 +44,8 @@ inline constexpr uint32_t kManifestMagic = 0x4e4d5354;  // "TSMN" little-endian
 // manifest left by an older build is not used (one scan).
 inline constexpr uint16_t kManifestVersion = 2;
 inline constexpr char kManifestFile[] = "manifest";
+// The manifest a Commit replaced, until RemoveOldManifest frees it (OLD-MANIFEST CONTRACT).
+inline constexpr char kOldManifestFile[] = "manifest.old";
 
 enum class ManifestKind : uint16_t {
   kCleanClose = 1,  // written by CheckpointOnClose: nothing was writing the tier
@@ -122,7 +124,14 @@ enum class ManifestWriteBack : uint8_t {
 // journal); the checkpoint thread at IOPRIO_CLASS_IDLE (mq-deadline honours it: p99 ~1.5 ms, but
 // the write 3-5x longer, the priority is per thread - KVStore.checkpoint() runs on the caller's
 // thread - and an idle-class write may wait prio_aging_expire, 10 s, under sustained load);
-// windows of 8 MiB (p99 8-12 ms: a read waits behind more queued writes).
+// windows of 8 MiB (p99 8-12 ms: a read waits behind more queued writes); PACING the write-out
+// (tiers10: each MiB written out and waited for alone, then the disk left idle 1x or 3x as long
+// as it took; the checkpoint ~1.3-2.4x longer). Through the store (the bench's checkpoint code,
+// variants interleaved, several runs; docs/tiers.md) it lowered the put p99 at 10^6 blocks from
+// 2.4-3.5 to 1.7-1.9 (1x) / 1.35-1.75 ms (3x) but not the max (22-41 ms: the free of the
+// replaced manifest, OLD-MANIFEST CONTRACT below); once that is freed stepwise, progressive alone
+// gives 1.45-2.2 ms, max 3.4-8.4, and pacing adds nothing clear (10^6: 1.6-2.2 ms at 1x, 1.5-1.9
+// at 3x, max up to 69; 2 * 10^5 blocks of 16 KiB: 1.8-2.2 -> 1.7-1.9 / 1.3-1.8 ms).
 class ManifestWriter {
  public:
   static Result<std::unique_ptr<ManifestWriter>> Begin(
@@ -181,8 +190,23 @@ Status CheckStamps(std::span<const SegmentStamp> written, std::span<const Segmen
 // fsync of the directory (after a Commit; a filesystem refusing it on a directory is fine).
 Status SyncManifestDir(const std::string& dir);
 
-// Deletes <dir>/manifest and a leftover <dir>/manifest.tmp, then fsyncs the directory so the
-// deletion survives a crash of the machine too. OK when there was nothing to delete.
+// OLD-MANIFEST CONTRACT: Commit links the manifest it replaces as <dir>/manifest.old before the
+// rename; this frees that file 1 MiB at a time (ftruncate down, then unlink; nothing to do when
+// there is none). WHY: on the development VM (ext4 mounted with `discard`, virtio disk) freeing
+// an 80 MB file in one go (the rename over the previous manifest at 10^6 blocks, or an unlink)
+// took ~20-35 ms during which 4 KiB O_DIRECT reads on the same disk stalled as long (max 15-30
+// ms vs 0.1 ms); freed 1 MiB per ftruncate they stayed at 0.3-0.6 ms (once 2.1; 4 MiB steps:
+// 1.2-1.6 ms, 16 MiB: 4-5 ms; an fsync per step changed nothing). Those stalls were the 20-50 ms
+// single outliers of puts and gets at the end of a checkpoint: through the store at 10^6 blocks
+// the max during a checkpoint went from 22-32 to 3.2-8.4 ms (docs/tiers.md). The file is never
+// read; a crash before it is freed leaves it to the next checkpoint or RemoveManifest. A file
+// with a second link (a crash between the link and the rename: it names the live manifest) is
+// only unlinked, never truncated.
+Status RemoveOldManifest(const std::string& dir);
+
+// Deletes <dir>/manifest, a leftover <dir>/manifest.tmp and <dir>/manifest.old, then fsyncs the
+// directory so the deletion survives a crash of the machine too. OK when there was nothing to
+// delete.
 Status RemoveManifest(const std::string& dir);
 
 }  // namespace tpusync::tier

@@ -73,9 +73,11 @@
 //      manifest and fsync the directory; then journals below G+1 are deleted. Puts and gets
 //      wait on the index lock for one chunk at most, on this tier's lock for one chunk's
 //      sequences or one range of slots, and on the journal lock for one rename (the dir fsync
-//      is after it). The segment stamps are taken at the rotation; their mtime is compared at a
-//      restart only for a clean-close manifest with nothing journaled after it (a write in
-//      flight at the rotation may still move it).
+//      is after it). The manifest the rename replaces is kept as manifest.old and freed 1 MiB at
+//      a time after the publish, no lock held (tier/disk_manifest.h OLD-MANIFEST CONTRACT). The
+//      segment stamps are taken at the rotation; their mtime is compared at a restart only for a
+//      clean-close manifest with nothing journaled after it (a write in flight at the rotation
+//      may still move it).
 // FIRST CHECKPOINT (tier.h): CheckpointMissing() is true while no manifest of this tier is on disk
 // (cold start, scan, failed journal); the store then checkpoints at once (inside Open for an empty
 // tier), so a crash soon after a cold start or an open by scan does not cost another scan.

@@ -79,6 +79,9 @@ struct TierStats {
   uint64_t manifest_errors = 0;      // disk: manifests (clean-close or checkpoint) not written
   uint64_t checkpoints = 0;          // disk: checkpoint manifests written while serving
   uint64_t journaled = 0;            // disk: slots journaled since the last manifest
+  // disk: how a checkpoint's manifest is written back (tier/disk_manifest.h WRITE-BACK CONTRACT):
+  // "progressive" or "at_fsync" (DiskTierOptions::manifest_progressive_write_back).
+  std::string manifest_write_back;
 };
 
 // Called once per block by a checkpoint's enumerator.

@@ -95,6 +95,17 @@ def _recency(recency: str | _native.Recency) -> _native.Recency:
     return names[recency.lower()]
 
 
+CHECKPOINT_WRITE_BACKS = ("progressive", "at_fsync")
+
+
+def _write_back(mode: str) -> bool:
+    if not isinstance(mode, str) or mode not in CHECKPOINT_WRITE_BACKS:
+        raise ValueError(
+            f"checkpoint_write_back must be one of {list(CHECKPOINT_WRITE_BACKS)}, got {mode!r}"
+        )
+    return mode == "progressive"
+
+
 class KVStore:
     """A tiered, content-addressed store of fixed-size KV blocks.
 
@@ -146,6 +157,13 @@ class KVStore:
             of only the journaled slots instead of every slot header. ``stats()["tiers"]["disk"]``
             reports ``recovery`` ("cold", "scan", "manifest" or "checkpoint"),
             ``recovery_slots_read``, ``checkpoints``, ``manifest_errors`` and ``journaled``.
+        checkpoint_write_back: how a checkpoint's manifest (~80 bytes per disk block) reaches the
+            disk: ``"progressive"`` (the default: each MiB is handed to the disk as it is written
+            and the MiB before it waited for, so at most ~2 MiB of it queue ahead of the store's
+            own disk puts and gets) or ``"at_fsync"`` (the whole file left to the final fsync, as
+            before; puts and gets during a checkpoint wait longer: docs/tiers.md "Checkpoints
+            and the slot journal"). Same file either way; ``stats()["tiers"]["disk"]``
+            reports it as ``manifest_write_back``.
     """
 
     def __init__(
@@ -179,6 +197,7 @@ class KVStore:
         recency: str | _native.Recency = "clock",
         checkpoint_s: float = 60.0,
         checkpoint_writes: int = 1 << 16,
+        checkpoint_write_back: str = "progressive",
     ) -> None:
         self._engine = engine or default_engine()
         self._block_bytes = block_bytes
@@ -201,6 +220,7 @@ class KVStore:
             index_recency=_recency(recency),
             disk_checkpoint_s=checkpoint_s,
             disk_checkpoint_writes=checkpoint_writes,
+            disk_manifest_progressive_write_back=_write_back(checkpoint_write_back),
         )
         if remote:
             from tpusync.core.pd import load_secret
