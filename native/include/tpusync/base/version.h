@@ -38,11 +38,14 @@
 //  10: PdConsumer.abandon (a consumer that gives up tells its producers to drop the request's
 //      blocks at once; PdConsumer(abandon_timeout=), pd.PdRelease); the checkpoint manifest is
 //      written back progressively (DiskTierOptions::manifest_progressive_write_back, C++ only).
+//  11: the manifest write-back mode reaches Python (KVStoreNative.open /
+//      open_remote_kv_store(disk_manifest_progressive_write_back=), KVStore(checkpoint_write_back=
+//      "progressive" | "at_fsync")) and the disk tier's stats name it (manifest_write_back).
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 10;
+inline constexpr int kApiVersion = 11;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

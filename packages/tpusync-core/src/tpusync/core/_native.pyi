@@ -10,7 +10,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-API_VERSION: int = 10
+API_VERSION: int = 11
 
 @overload
 def checksum64(data: bytes, seed: int = 0) -> int:
@@ -294,7 +294,7 @@ class KVStoreNative:
     """Tiered KV block store (use tpusync.core.KVStore, the Python face)."""
 
     @staticmethod
-    def open(engine: Engine, block_bytes: int, host_blocks: int, name_space: str = '', fingerprint: str = '', disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False, write_through: bool = False, index_recency: Recency = Recency.CLOCK, disk_checkpoint_s: float = 60.0, disk_checkpoint_writes: int = 65536) -> KVStoreNative: ...
+    def open(engine: Engine, block_bytes: int, host_blocks: int, name_space: str = '', fingerprint: str = '', disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False, write_through: bool = False, index_recency: Recency = Recency.CLOCK, disk_checkpoint_s: float = 60.0, disk_checkpoint_writes: int = 65536, disk_manifest_progressive_write_back: bool = True) -> KVStoreNative: ...
 
     @property
     def block_bytes(self) -> int: ...
@@ -418,7 +418,7 @@ class StoreClient:
 
     def remove(self, keys: Sequence[str]) -> list[bool]: ...
 
-def open_remote_kv_store(engine: Engine, block_bytes: int, host_blocks: int, nodes: Sequence[str], secret: bytes, disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False, name_space: str = '', fingerprint: str = '', replicas: int = 1, remote_blocks: int = 65536, lease: float = 10.0, timeout: float = 10.0, write_through: bool = False, index_recency: Recency = Recency.CLOCK, disk_checkpoint_s: float = 60.0, disk_checkpoint_writes: int = 65536) -> KVStoreNative:
+def open_remote_kv_store(engine: Engine, block_bytes: int, host_blocks: int, nodes: Sequence[str], secret: bytes, disk_dir: str = '', disk_blocks: int = 0, disk_segment_blocks: int = 0, disk_direct_io: bool = True, io_backend: str = 'auto', io_threads: int = 4, policy: str = 'lru', writeback_batch: int = 32, writeback_headroom: int = 0, put_wait_s: float = 5.0, prefault: bool = True, huge_pages: bool = False, name_space: str = '', fingerprint: str = '', replicas: int = 1, remote_blocks: int = 65536, lease: float = 10.0, timeout: float = 10.0, write_through: bool = False, index_recency: Recency = Recency.CLOCK, disk_checkpoint_s: float = 60.0, disk_checkpoint_writes: int = 65536, disk_manifest_progressive_write_back: bool = True) -> KVStoreNative:
     """
     A KVStore over host [-> disk] -> store nodes (host demotes to disk first, then remote).
     """
