@@ -239,6 +239,12 @@ def test_vllm_server_takes_new_weights_over_http_and_keeps_serving_after_a_faile
         with urllib.request.urlopen(f"{base}/is_paused", timeout=10) as resp:
             assert json.loads(resp.read())["is_paused"] is False
         assert _complete(base, str(model_dir)) == after
+    except BaseException:
+        try:
+            os.killpg(fresh.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        raise
     finally:
         trainer.close()
         try:
