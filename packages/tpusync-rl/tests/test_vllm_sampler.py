@@ -51,16 +51,22 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
     )
 
 
+def _kill(*procs: subprocess.Popen) -> None:
+    """SIGKILL each process's group (vLLM's engine-core and worker children die with it)."""
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _finish(proc: subprocess.Popen, out: Path, log: Path, timeout: float = 600) -> dict:
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         rc = None
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill(proc)
         proc.wait(timeout=30)
     if rc != 0 or not out.exists():
         pytest.fail(f"{proc.args} failed (rc {rc}):\n{log.read_text(errors='replace')[-6000:]}")
@@ -118,11 +124,7 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
         assert rep.bytes_sent < 1.25 * model_bytes
         result = _finish(upd, upd_out, upd_log)
     except BaseException:
-        for proc in (upd, fresh):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(upd, fresh)
         raise
     finally:
         trainer.close()
@@ -240,17 +242,11 @@ def test_vllm_server_takes_new_weights_over_http_and_keeps_serving_after_a_faile
             assert json.loads(resp.read())["is_paused"] is False
         assert _complete(base, str(model_dir)) == after
     except BaseException:
-        try:
-            os.killpg(fresh.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill(fresh)
         raise
     finally:
         trainer.close()
-        try:
-            os.killpg(server.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill(server)
         server.wait(timeout=30)
     fresh_result = _finish(fresh, fresh_out, fresh_log)
     assert after == fresh_result["tokens"]  # exactly the new weights' greedy outputs
