@@ -97,6 +97,14 @@ Status ErrnoStatus(int64_t result, size_t expected, bool write, const std::strin
       StrCat(where, ": truncated slot (", result, " of ", expected, " bytes readable)"));
 }
 
+// Frees <dir>/manifest.old stepwise (OLD-MANIFEST CONTRACT); a failure is logged, never fatal:
+// the file is left to the next checkpoint.
+void FreeOldManifest(const std::string& dir) {
+  if (const Status freed = RemoveOldManifest(dir); !freed.ok()) {
+    std::fprintf(stderr, "tpusync: disk tier %s: %s\n", dir.c_str(), freed.ToString().c_str());
+  }
+}
+
 }  // namespace
 
 Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
@@ -524,9 +532,7 @@ Status DiskTier::WriteCheckpoint(const BlockChunks& next_chunk, bool clean_close
   }
   // 3. WRITE: publish the manifest of generation `gen`. A manifest.old a crash left behind goes
   // first (stepwise, no lock held), so that Commit can keep the one it replaces there.
-  if (const Status freed = RemoveOldManifest(dir_); !freed.ok()) {
-    std::fprintf(stderr, "tpusync: disk tier %s: %s\n", dir_.c_str(), freed.ToString().c_str());
-  }
+  FreeOldManifest(dir_);
   TPUSYNC_RETURN_IF_ERROR(writer->Sync());
   {
     std::lock_guard<std::mutex> lock(jmu_);
@@ -540,9 +546,7 @@ Status DiskTier::WriteCheckpoint(const BlockChunks& next_chunk, bool clean_close
   TPUSYNC_RETURN_IF_ERROR(RemoveJournals(dir_, gen));
   // The replaced manifest, freed 1 MiB at a time (OLD-MANIFEST CONTRACT). The checkpoint is
   // published already: a failure only leaves the file to the next checkpoint.
-  if (const Status freed = RemoveOldManifest(dir_); !freed.ok()) {
-    std::fprintf(stderr, "tpusync: disk tier %s: %s\n", dir_.c_str(), freed.ToString().c_str());
-  }
+  FreeOldManifest(dir_);
   changes_.fetch_sub(std::min(changes_before, changes_.load()), std::memory_order_relaxed);
   if (clean_close && skipped > 0) {
     std::fprintf(stderr,
