@@ -12,6 +12,8 @@
 #include <mutex>
 #include <thread>
 
+#include "tpusync/memory/shm_reclaim.h"
+
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25  // Linux 6.1 (uapi asm-generic/mman-common.h); older glibc headers lack it
 #endif
@@ -115,41 +117,63 @@ Result<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& option
                                             "': use letters, digits, '-', '_' and '.'"));
     }
     const std::string path = "/" + options.shm_name;
-    int fd = shm_open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-    if (fd < 0 && errno == EEXIST) {
-      if (!options.attach_existing) {
-        return Status::AlreadyExists(
-            StrCat("/dev/shm/", options.shm_name, " exists and attach_existing is false"));
+    int fd = -1;
+    // OWNER LOCK CONTRACT (shm_reclaim.h): the pool holds a shared flock on its segment for its
+    // whole life. A sweeper may unlink a stale name between our open and our lock; then the name
+    // no longer refers to our inode and the segment is opened (created) again.
+    for (int attempt = 0;; ++attempt) {
+      pool->attached_ = false;
+      fd = shm_open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+      if (fd < 0 && errno == EEXIST) {
+        if (!options.attach_existing) {
+          return Status::AlreadyExists(
+              StrCat("/dev/shm/", options.shm_name, " exists and attach_existing is false"));
+        }
+        fd = shm_open(path.c_str(), O_RDWR, 0600);
+        if (fd < 0 && errno == ENOENT && attempt < 3) continue;  // reclaimed meanwhile
+        if (fd < 0) {
+          return Status::FromErrno(errno, StrCat("shm_open /dev/shm/", options.shm_name));
+        }
+        struct stat st {};
+        if (fstat(fd, &st) != 0) {
+          const int err = errno;
+          close(fd);
+          return Status::FromErrno(err, "fstat of shm segment");
+        }
+        if (static_cast<size_t>(st.st_size) != size) {
+          close(fd);
+          return Status::InvalidArgument(StrCat("/dev/shm/", options.shm_name, " holds ",
+                                                st.st_size, " bytes but the pool asks for ", size,
+                                                "; remove the segment or use the same size"));
+        }
+        pool->attached_ = true;
+      } else if (fd < 0) {
+        return Status::FromErrno(errno, StrCat("shm_open /dev/shm/", options.shm_name));
+      } else {
+        // posix_fallocate reserves the tmpfs pages now, so a full /dev/shm fails here with
+        // ENOSPC instead of a SIGBUS on first write.
+        if (ftruncate(fd, static_cast<off_t>(size)) != 0 ||
+            (errno = posix_fallocate(fd, 0, static_cast<off_t>(size))) != 0) {
+          const int err = errno;
+          close(fd);
+          shm_unlink(path.c_str());
+          return Status::FromErrno(
+              err, StrCat("sizing /dev/shm/", options.shm_name, " to ", size, " bytes"));
+        }
       }
-      fd = shm_open(path.c_str(), O_RDWR, 0600);
-      if (fd < 0) return Status::FromErrno(errno, StrCat("shm_open /dev/shm/", options.shm_name));
-      struct stat st {};
-      if (fstat(fd, &st) != 0) {
-        const int err = errno;
-        close(fd);
-        return Status::FromErrno(err, "fstat of shm segment");
+      Result<bool> owned = LockSegmentOwner(fd, options.shm_name);
+      if (owned.ok() && *owned) break;
+      close(fd);
+      if (!owned.ok()) {
+        if (!pool->attached_) shm_unlink(path.c_str());
+        return owned.status();
       }
-      if (static_cast<size_t>(st.st_size) != size) {
-        close(fd);
-        return Status::InvalidArgument(StrCat("/dev/shm/", options.shm_name, " holds ", st.st_size,
-                                              " bytes but the pool asks for ", size,
-                                              "; remove the segment or use the same size"));
-      }
-      pool->attached_ = true;
-    } else if (fd < 0) {
-      return Status::FromErrno(errno, StrCat("shm_open /dev/shm/", options.shm_name));
-    } else {
-      // posix_fallocate reserves the tmpfs pages now, so a full /dev/shm fails here with ENOSPC
-      // instead of a SIGBUS on first write.
-      if (ftruncate(fd, static_cast<off_t>(size)) != 0 ||
-          (errno = posix_fallocate(fd, 0, static_cast<off_t>(size))) != 0) {
-        const int err = errno;
-        close(fd);
-        shm_unlink(path.c_str());
-        return Status::FromErrno(
-            err, StrCat("sizing /dev/shm/", options.shm_name, " to ", size, " bytes"));
+      if (attempt >= 3) {
+        return Status::IOError(StrCat("/dev/shm/", options.shm_name,
+                                      " was unlinked by another process each time it was opened"));
       }
     }
+    pool->owner_fd_ = fd;
     // With huge pages asked for, the segment is mapped without MAP_POPULATE (the prefault touch
     // below maps it); the background collapse then rebuilds it from 2 MiB pages (HUGE-PAGE
     // CONTRACT in host_pool.h).
@@ -182,7 +206,6 @@ Result<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& option
         }
       }
     }
-    close(fd);
     if (addr == MAP_FAILED) {
       if (!pool->attached_) shm_unlink(path.c_str());
       return Status::FromErrno(err, StrCat("mmap of /dev/shm/", options.shm_name));
@@ -245,6 +268,7 @@ HostPool::~HostPool() {
     munmap(data_, size_);
   }
   if (!persist_) (void)Unlink();
+  if (owner_fd_ >= 0) close(owner_fd_);  // drops the owner lock (OWNER LOCK CONTRACT)
 }
 
 }  // namespace tpusync::memory

@@ -1,6 +1,7 @@
 // BlockPool = HostPool + BlockAllocator, and zero-copy DLPack views of its blocks.
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -13,6 +14,7 @@
 #include "bindings.h"
 #include "dtype.h"
 #include "tpusync/memory/block_allocator.h"
+#include "tpusync/memory/shm_reclaim.h"
 
 namespace tpusync::bindings {
 namespace {
@@ -220,6 +222,22 @@ void init_memory(nb::module_& m) {
       .def(
           "unlink", [](BlockAllocator& a) { ThrowIfError(a.host_pool().Unlink()); },
           "Remove the /dev/shm name now; the mapping stays valid until the pool is closed.");
+
+  m.def(
+      "reclaim_stale_segments",
+      [](const std::string& prefix) {
+        std::vector<std::pair<std::string, uint64_t>> out;
+        for (auto& r : Unwrap(memory::ReclaimStaleSegments(prefix))) {
+          out.emplace_back(std::move(r.name), r.bytes);
+        }
+        return out;
+      },
+      nb::arg("prefix"),
+      "Unlink every /dev/shm/<prefix>* segment that no live pool owns (its owner was destroyed or "
+      "its process died, e.g. by SIGKILL) and return [(name, bytes)] of what was removed. Only "
+      "for prefixes of non-persistent pools: a persistent warm-restart segment has no live owner "
+      "either. InvalidArgumentError for a prefix under 8 characters or with characters outside "
+      "letters, digits, '-', '_' and '.'.");
 }
 
 }  // namespace tpusync::bindings

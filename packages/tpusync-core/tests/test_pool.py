@@ -199,3 +199,39 @@ def test_exit_removes_segments_of_pools_never_destroyed():
         for suffix in ("-temp", "-kept"):
             if os.path.exists(f"/dev/shm/{tag}{suffix}"):
                 os.unlink(f"/dev/shm/{tag}{suffix}")
+
+
+def test_reclaim_removes_only_segments_of_killed_owners(caplog):
+    """OWNER LOCK CONTRACT (shm_reclaim.h): a pool of a process killed by SIGKILL leaves its
+    segment (no exit handler ran); reclaim_stale_segments removes it and nothing a live pool owns."""
+    import logging
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    prefix = f"tpusync-pytest-reclaim-{os.getpid()}-{np.random.default_rng().integers(1 << 30)}-"
+    live = tc.HostBlockPool(4096, 4, shm_name=prefix + "live")
+    script = (
+        "import os, signal, tpusync.core as tc\n"
+        f"p = tc.HostBlockPool(4096, 4, shm_name='{prefix}killed')\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], timeout=120)
+        assert proc.returncode == -signal.SIGKILL
+        assert os.path.exists(f"/dev/shm/{prefix}killed")
+        with caplog.at_level(logging.INFO, logger="tpusync.core.pool"):
+            gone = tc.reclaim_stale_segments(prefix)
+        assert [name for name, _bytes in gone] == [prefix + "killed"]
+        assert gone[0][1] == live.native.pool_bytes
+        assert "reclaimed 1 /dev/shm segment(s)" in caplog.text
+        assert not os.path.exists(f"/dev/shm/{prefix}killed")
+        assert os.path.exists(f"/dev/shm/{prefix}live")
+        assert tc.reclaim_stale_segments(prefix) == []
+        with pytest.raises(tc.InvalidArgumentError, match="prefix"):
+            tc.reclaim_stale_segments("tpusync")  # too short: could sweep other programs' names
+    finally:
+        live.native.unlink()
+        if os.path.exists(f"/dev/shm/{prefix}killed"):
+            os.unlink(f"/dev/shm/{prefix}killed")

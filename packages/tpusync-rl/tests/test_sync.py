@@ -1666,3 +1666,44 @@ def test_shared_bucket_hold_check_and_idempotent_release():
         assert gone["op"] == "gone"
     finally:
         trainer.close()
+
+
+def test_a_killed_trainers_pool_is_reclaimed_by_the_next_same_host_endpoint():
+    """A same-host trainer killed by SIGKILL leaves its pool in /dev/shm (nothing ran at exit);
+    the next same-host trainer or sampler on the host removes it (OWNER LOCK CONTRACT,
+    tpusync.core.reclaim_stale_segments) and keeps the pools of live processes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal\n"
+        "from tpusync.rl import ShardLayout, TrainerSync\n"
+        "t = TrainerSync(0, 1, {'w': ShardLayout.replicated((4, 4), [0])}, secret=b'x' * 32,\n"
+        "                same_host=True, block_bytes=1 << 16, pool_bytes=1 << 20)\n"
+        "print(t._ep.address['shm'], flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    killed = proc.stdout.strip()
+    assert killed.startswith("tpusync-rl-") and os.path.exists(f"/dev/shm/{killed}")
+    try:
+        dst = {"w": ShardLayout.replicated((4, 4), [0])}
+        first, _ = rank0(dst, same_host=True, pool_bytes=1 << 20)
+        try:
+            mine = first._ep.address["shm"]
+            assert not os.path.exists(f"/dev/shm/{killed}")
+            second, _ = rank0(dst, same_host=True, pool_bytes=1 << 20)
+            try:  # a live process's pool survives the next endpoint's sweep
+                assert os.path.exists(f"/dev/shm/{mine}")
+            finally:
+                second.close()
+        finally:
+            first.close()
+    finally:
+        if os.path.exists(f"/dev/shm/{killed}"):
+            os.unlink(f"/dev/shm/{killed}")

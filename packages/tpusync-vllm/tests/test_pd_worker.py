@@ -85,3 +85,42 @@ def test_a_receive_that_completed_is_not_abandoned_twice(pair):
         assert torch.equal(t[[2, 3]], prod.layers[j][[0, 7]])
     assert cons.abandon({"req-c"}) == set()
     assert until(lambda: (prod.poll(), prod.pool.num_free)[1] == 8)
+
+
+def test_a_killed_producers_segment_is_reclaimed_by_the_next_producer(monkeypatch):
+    """A vLLM worker killed by SIGKILL (OOM kill, crash) leaves its P/D pool in /dev/shm; the next
+    producer on the host removes it (OWNER LOCK CONTRACT) and keeps live producers' pools."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
+    live = PdWorker(layers(), producer=True, pool_blocks=8, name="live", timeout_s=120.0)
+    script = (
+        "import os, signal, sys, torch\n"
+        "from tpusync.vllm.pd import PdWorker\n"
+        "w = PdWorker([torch.zeros(8, 256, dtype=torch.uint8)] * 2, producer=True, pool_blocks=8,\n"
+        "             name='killed')\n"
+        "print(w.pool.native.shm_name, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    killed = proc.stdout.strip()
+    assert killed.startswith("tpusync-pd-killed-") and os.path.exists(f"/dev/shm/{killed}")
+    try:
+        assert live.pool.native.shm_name and os.path.exists(f"/dev/shm/{live.pool.native.shm_name}")
+        new = PdWorker(layers(), producer=True, pool_blocks=8, name="next", timeout_s=120.0)
+        try:
+            assert not os.path.exists(f"/dev/shm/{killed}")
+            assert os.path.exists(f"/dev/shm/{live.pool.native.shm_name}")
+            assert os.path.exists(f"/dev/shm/{new.pool.native.shm_name}")
+        finally:
+            new.close()
+    finally:
+        live.close()
+        if os.path.exists(f"/dev/shm/{killed}"):
+            os.unlink(f"/dev/shm/{killed}")

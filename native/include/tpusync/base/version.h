@@ -41,11 +41,13 @@
 //  11: the manifest write-back mode reaches Python (KVStoreNative.open /
 //      open_remote_kv_store(disk_manifest_progressive_write_back=), KVStore(checkpoint_write_back=
 //      "progressive" | "at_fsync")) and the disk tier's stats name it (manifest_write_back).
+//  12: reclaim_stale_segments(prefix) (OWNER LOCK CONTRACT: a /dev/shm pool holds a shared flock
+//      on its segment while it lives; segments of killed owners can be told apart and removed).
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 11;
+inline constexpr int kApiVersion = 12;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

@@ -9,6 +9,8 @@
 // bytes kept: this is how a restarted server re-attaches a warm cache); a size mismatch is an
 // error, never a silent resize. With `persist` false the segment is unlinked when the pool is
 // destroyed; a process killed by SIGKILL never runs that, which is the point of warm restart.
+// While the pool lives it holds a shared flock on the segment, so a dead owner's non-persistent
+// segment can be told from a live one and reclaimed (OWNER LOCK CONTRACT, shm_reclaim.h).
 //
 // Huge pages and mlock are best-effort: a refusal is recorded (huge_pages_active(), locked()) and
 // the pool still works.
@@ -84,6 +86,7 @@ class HostPool {
   std::atomic<bool> huge_pages_active_{false};
   bool locked_ = false;
   bool unlinked_ = false;
+  int owner_fd_ = -1;  // shm only: the segment, open and flock'ed shared (OWNER LOCK CONTRACT)
   // Background collapse of a shared segment (HUGE-PAGE CONTRACT).
   void StartCollapse();
   std::atomic<bool> stop_collapse_{false};

@@ -34,7 +34,7 @@ from tpusync.core.errors import (
     UnavailableError,
     VersionMismatchError,
 )
-from tpusync.core.pool import HostBlockPool, default_engine, dtype_name
+from tpusync.core.pool import HostBlockPool, default_engine, dtype_name, reclaim_stale_segments
 from tpusync.core.store import KVStore, StoreFuture
 
 __version__: str = _native.__version__
@@ -70,5 +70,6 @@ __all__ = [
     "copy_checksum64",
     "default_engine",
     "dtype_name",
+    "reclaim_stale_segments",
     "require_api",
 ]

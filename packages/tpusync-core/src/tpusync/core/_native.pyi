@@ -10,7 +10,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-API_VERSION: int = 11
+API_VERSION: int = 12
 
 @overload
 def checksum64(data: bytes, seed: int = 0) -> int:
@@ -143,6 +143,11 @@ class BlockPool:
         """
         Remove the /dev/shm name now; the mapping stays valid until the pool is closed.
         """
+
+def reclaim_stale_segments(prefix: str) -> list[tuple[str, int]]:
+    """
+    Unlink every /dev/shm/<prefix>* segment that no live pool owns (its owner was destroyed or its process died, e.g. by SIGKILL) and return [(name, bytes)] of what was removed. Only for prefixes of non-persistent pools: a persistent warm-restart segment has no live owner either. InvalidArgumentError for a prefix under 8 characters or with characters outside letters, digits, '-', '_' and '.'.
+    """
 
 class Tier(enum.Enum):
     DEVICE = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -11,7 +12,9 @@ import numpy as np
 
 from tpusync.core import _native
 
-__all__ = ["HostBlockPool", "default_engine", "dtype_name"]
+__all__ = ["HostBlockPool", "default_engine", "dtype_name", "reclaim_stale_segments"]
+
+log = logging.getLogger(__name__)
 
 _engine_lock = threading.Lock()
 _engine: _native.Engine | None = None
@@ -37,6 +40,28 @@ def dtype_name(dtype: Any) -> str:
     return name.removeprefix("torch.")
 
 
+def reclaim_stale_segments(prefix: str) -> list[tuple[str, int]]:
+    """Unlink the ``/dev/shm/<prefix>*`` segments no live pool owns; returns ``[(name, bytes)]``.
+
+    OWNER LOCK CONTRACT (``native/include/tpusync/memory/shm_reclaim.h``): a live pool holds a
+    shared ``flock`` on its segment, which the kernel drops when its process dies, SIGKILL
+    included. Callers that create non-persistent pools under a family of names (a P/D producer's
+    ``tpusync-pd-``, an RL endpoint's ``tpusync-rl-``) call this first, so every crash costs RAM
+    only until the next start instead of until reboot. Never pass the prefix of persistent
+    (warm-restart) segments: their crashed owners hold no lock either. Logged at INFO when
+    something was removed.
+    """
+    gone = _native.reclaim_stale_segments(prefix)
+    if gone:
+        log.info(
+            "reclaimed %d /dev/shm segment(s), %.1f MiB, left by dead processes: %s",
+            len(gone),
+            sum(b for _n, b in gone) / 2**20,
+            ", ".join(n for n, _b in gone),
+        )
+    return gone
+
+
 class HostBlockPool:
     """Fixed-size blocks in one prefaulted host memory pool.
 
@@ -46,7 +71,8 @@ class HostBlockPool:
 
     With ``shm_name`` the pool lives in ``/dev/shm/<shm_name>`` and, with ``persist=True``,
     survives the process (a restarted process re-attaches it; see the tiered store for the
-    verified warm-restart path).
+    verified warm-restart path). A non-persistent segment whose process was killed stays behind
+    until :func:`reclaim_stale_segments` removes it.
     """
 
     def __init__(

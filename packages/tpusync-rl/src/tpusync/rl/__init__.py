@@ -22,19 +22,24 @@ Available now (transport-agnostic cores, tested in-process):
 - :mod:`tpusync.rl.jaxsync`: :class:`~tpusync.rl.jaxsync.JaxTrainerSync` - multi-controller JAX
   (``jax.distributed``) trainers publishing pytrees of sharded arrays, each process its own shards.
 - Delta updates (``publish(..., delta=True)``) from single- and multi-rank trainers (torch TP /
-  FSDP processes, multi-controller JAX): the ranks agree on the union of their changed tensors
-  through rank 0's control channel; full updates after a failed version or differing bases.
+  FSDP processes, multi-controller JAX): only the changed row chunks of changed tensors move
+  (CHUNK DELTA CONTRACT in :mod:`tpusync.rl.chunks`); the ranks agree on the union of their
+  changed rows through rank 0's control channel; full updates after a failed version or
+  differing bases.
 - :mod:`tpusync.rl.vllm`: the ``tpusync`` backend of vLLM's weight-transfer API (a running vLLM
-  engine as the sampler); imports vLLM only when vLLM calls it.
+  engine as the sampler, or a vLLM OpenAI server over HTTP); each tensor-parallel worker pulls
+  only its slices (TP SLICE CONTRACT in :mod:`tpusync.rl.vllm.tp`); imports vLLM only when vLLM
+  calls it.
 
-NOT IMPLEMENTED YET: deltas are per tensor, not per chunk (one changed element resends the
-whole tensor from every rank); vLLM tensor-parallel engines pull whole tensors on every worker.
-Tracked in the project's issues.
+NOT IMPLEMENTED YET: vLLM engines with pipeline parallelism take whole tensors on every worker
+(``sharded=False``); the trainer-side slice plan (``tp_layouts``) knows the Llama-family
+checkpoint names only (Llama, Mistral, Qwen2; other architectures: ``sharded=False``). Tracked in
+the project's issues.
 """
 
 from tpusync.core import require_api
 
-MIN_CORE_API = 10  # PdConsumer.abandon, fused bf16 / fp16 cast_update, PdProducer.cancel
+MIN_CORE_API = 12  # reclaim_stale_segments (OWNER LOCK CONTRACT)
 require_api(MIN_CORE_API, "tpusync-rl")
 
 from tpusync.rl.chunks import (  # noqa: E402 - after the API gate on purpose

@@ -19,7 +19,7 @@ from typing import Any
 
 from tpusync.core import NotFoundError, PoolExhaustedError
 from tpusync.core.pd import PdConsumer, PdProducer
-from tpusync.core.pool import HostBlockPool
+from tpusync.core.pool import HostBlockPool, reclaim_stale_segments
 
 # Threads that pack and hash a trainer's blocks, and that hash an in-place shared-segment
 # reader's blocks ahead of its staging copy: two keeps both cores of a 2-vCPU host busy while the
@@ -67,6 +67,8 @@ class _Endpoint:
         num = max(pool_bytes // block_bytes, 4)
         self._dir = tempfile.mkdtemp(prefix="tpusync-rl-") if same_host else None
         shm = f"tpusync-rl-{os.getpid()}-{uuid.uuid4().hex[:8]}" if same_host else None
+        if shm:  # pools of killed trainers / samplers (OWNER LOCK CONTRACT): removed, not piled up
+            reclaim_stale_segments("tpusync-rl-")
         self.pool = HostBlockPool(block_bytes, num, shm_name=shm)
         unix = os.path.join(self._dir, "pd.sock") if self._dir else None
         self.producer = PdProducer(self.pool, listen=listen, unix_path=unix, secret=secret)

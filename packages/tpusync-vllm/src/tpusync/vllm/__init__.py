@@ -11,7 +11,7 @@ from typing import Any
 
 from tpusync.core import require_api
 
-MIN_CORE_API = 10  # PdConsumer.abandon (aborted P/D loads)
+MIN_CORE_API = 12  # reclaim_stale_segments (OWNER LOCK CONTRACT)
 require_api(MIN_CORE_API, "tpusync-vllm")
 
 __all__ = ["MIN_CORE_API", "TpusyncConnector"]

@@ -115,6 +115,9 @@ class PdWorker:
             tag = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:32]
             tag = f"{tag}-{os.getpid()}"
             shm_name = f"tpusync-pd-{tag}"  # not persistent: gone with the process
+            # ...unless the process was killed: such leftovers are removed here (OWNER LOCK
+            # CONTRACT, tpusync.core.reclaim_stale_segments), so crashes do not pile up in RAM.
+            tc.reclaim_stale_segments("tpusync-pd-")
             unix_path = os.path.join(tempfile.gettempdir(), f"tpusync-pd-{tag}.sock")
         self.pool = tc.HostBlockPool(self.key_bytes, pool_blocks, prefault=False, shm_name=shm_name)
         self.timeout_s = timeout_s
