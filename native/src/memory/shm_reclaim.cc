@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <memory>
 
@@ -45,10 +46,15 @@ Result<bool> LockSegmentOwner(int fd, const std::string& name) {
   return NameIsFd(fd, name);
 }
 
-Result<std::vector<ReclaimedSegment>> ReclaimStaleSegments(std::string_view prefix) {
+namespace {
+
+// Looks at every /dev/shm/<prefix>* segment, in name order: `visit(segment, fd)` runs with the
+// segment open read-only (`fd`) and returns whether the segment goes into the result.
+template <typename Visit>
+Result<std::vector<ShmSegment>> Scan(std::string_view prefix, Visit visit) {
   if (!ValidPrefix(prefix)) {
     return Status::InvalidArgument(
-        StrCat("shm reclaim prefix '", prefix, "' must be ", kMinPrefix,
+        StrCat("shm segment prefix '", prefix, "' must be ", kMinPrefix,
                "-200 characters of letters, digits, '-', '_' and '.' (a short prefix could "
                "sweep other programs' segments)"));
   }
@@ -62,20 +68,37 @@ Result<std::vector<ReclaimedSegment>> ReclaimStaleSegments(std::string_view pref
     }
   }
   dir.reset();
-  std::vector<ReclaimedSegment> out;
+  std::sort(names.begin(), names.end());
+  std::vector<ShmSegment> out;
   for (const std::string& name : names) {
-    const std::string path = "/" + name;
-    const int fd = shm_open(path.c_str(), O_RDONLY | O_NOFOLLOW, 0);
+    const int fd = shm_open(("/" + name).c_str(), O_RDONLY | O_NOFOLLOW, 0);
     if (fd < 0) continue;  // vanished, or not ours to open
     struct stat st {};
-    // An exclusive lock is only granted when no live pool holds its shared owner lock.
-    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && flock(fd, LOCK_EX | LOCK_NB) == 0 &&
-        NameIsFd(fd, name) && shm_unlink(path.c_str()) == 0) {
-      out.push_back({name, static_cast<uint64_t>(st.st_size)});
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+      ShmSegment seg{name, static_cast<uint64_t>(st.st_size), false};
+      if (visit(seg, fd)) out.push_back(std::move(seg));
     }
     close(fd);
   }
   return out;
+}
+
+}  // namespace
+
+Result<std::vector<ShmSegment>> ReclaimStaleSegments(std::string_view prefix) {
+  // An exclusive lock is only granted when no live pool holds its shared owner lock.
+  return Scan(prefix, [](const ShmSegment& seg, int fd) {
+    return flock(fd, LOCK_EX | LOCK_NB) == 0 && NameIsFd(fd, seg.name) &&
+           shm_unlink(("/" + seg.name).c_str()) == 0;
+  });
+}
+
+Result<std::vector<ShmSegment>> ListSegments(std::string_view prefix) {
+  return Scan(prefix, [](ShmSegment& seg, int fd) {
+    seg.owned = flock(fd, LOCK_EX | LOCK_NB) != 0;
+    if (!seg.owned) (void)flock(fd, LOCK_UN);
+    return true;
+  });
 }
 
 }  // namespace tpusync::memory

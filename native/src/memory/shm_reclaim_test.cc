@@ -25,7 +25,7 @@ bool Exists(const std::string& name) {
   return stat(("/dev/shm/" + name).c_str(), &st) == 0;
 }
 
-std::vector<std::string> Names(const std::vector<ReclaimedSegment>& got) {
+std::vector<std::string> Names(const std::vector<ShmSegment>& got) {
   std::vector<std::string> out;
   for (const auto& r : got) out.push_back(r.name);
   std::sort(out.begin(), out.end());
@@ -62,6 +62,7 @@ TEST(ShmReclaim, ShortOrBadPrefixIsRefused) {
   EXPECT_EQ(ReclaimStaleSegments("tpu").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ReclaimStaleSegments("").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ReclaimStaleSegments("tpusync-../x").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ListSegments("tpu").status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(ShmReclaim, OnlySegmentsOfDeadOwnersAreReclaimedAndPeerMappingsSurvive) {
@@ -89,6 +90,18 @@ TEST(ShmReclaim, OnlySegmentsOfDeadOwnersAreReclaimedAndPeerMappingsSurvive) {
   void* peer = mmap(nullptr, kBytes, PROT_READ, MAP_SHARED, fd, 0);
   close(fd);
   ASSERT_NE(peer, MAP_FAILED);
+
+  // The operator's view first: three segments, the dead owner's without a live owner; nothing
+  // is removed by looking.
+  auto seen = ListSegments(prefix);
+  ASSERT_TRUE(seen.ok()) << seen.status().ToString();
+  ASSERT_EQ(Names(*seen),
+            (std::vector<std::string>{prefix + "alive", prefix + "dead", prefix + "live"}));
+  EXPECT_TRUE((*seen)[0].owned);
+  EXPECT_FALSE((*seen)[1].owned);
+  EXPECT_TRUE((*seen)[2].owned);
+  EXPECT_EQ((*seen)[1].bytes, kBytes);
+  ASSERT_TRUE(Exists(prefix + "dead"));
 
   auto got = ReclaimStaleSegments(prefix);
   ASSERT_TRUE(got.ok()) << got.status().ToString();

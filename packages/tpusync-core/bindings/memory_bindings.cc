@@ -4,6 +4,7 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
@@ -227,8 +228,8 @@ void init_memory(nb::module_& m) {
       "reclaim_stale_segments",
       [](const std::string& prefix) {
         std::vector<std::pair<std::string, uint64_t>> out;
-        for (auto& r : Unwrap(memory::ReclaimStaleSegments(prefix))) {
-          out.emplace_back(std::move(r.name), r.bytes);
+        for (auto& seg : Unwrap(memory::ReclaimStaleSegments(prefix))) {
+          out.emplace_back(std::move(seg.name), seg.bytes);
         }
         return out;
       },
@@ -238,6 +239,18 @@ void init_memory(nb::module_& m) {
       "for prefixes of non-persistent pools: a persistent warm-restart segment has no live owner "
       "either. InvalidArgumentError for a prefix under 8 characters or with characters outside "
       "letters, digits, '-', '_' and '.'.");
+  m.def(
+      "shm_segments",
+      [](const std::string& prefix) {
+        std::vector<std::tuple<std::string, uint64_t, bool>> out;
+        for (auto& seg : Unwrap(memory::ListSegments(prefix))) {
+          out.emplace_back(std::move(seg.name), seg.bytes, seg.owned);
+        }
+        return out;
+      },
+      nb::arg("prefix"),
+      "[(name, bytes, owned)] of every /dev/shm/<prefix>* segment, in name order; owned: a live "
+      "pool holds it. Removes nothing. Same prefix rules as reclaim_stale_segments.");
 }
 
 }  // namespace tpusync::bindings

@@ -137,3 +137,49 @@ def test_cli_never_imports_frameworks_and_finds_plugin_suites(monkeypatch):
     )
     args = cli.build_parser().parse_args(["bench", "fake", "--json", "--total-mib", "1"])
     assert args.func(args) == 0
+
+
+def test_shm_list_shows_owners_and_reclaim_removes_only_dead_ones():
+    """``tpusync shm list`` tells a live pool's segment from a killed process's (removing
+    nothing); ``tpusync shm reclaim`` removes the latter only (OWNER LOCK CONTRACT)."""
+    import os
+    import signal
+
+    import tpusync.core as tc
+
+    prefix = f"tpusync-pytest-cli-{os.getpid()}-"
+    live = tc.HostBlockPool(4096, 4, shm_name=prefix + "live")
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, signal, tpusync.core as tc\n"
+            f"p = tc.HostBlockPool(4096, 4, shm_name='{prefix}killed')\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n",
+        ],
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL
+    try:
+        listed = json.loads(run_cli("shm", "list", "--prefix", prefix, "--json"))
+        assert listed == [
+            {"name": prefix + "killed", "bytes": live.native.pool_bytes, "owner": "none"},
+            {"name": prefix + "live", "bytes": live.native.pool_bytes, "owner": "live"},
+        ]
+        assert os.path.exists(f"/dev/shm/{prefix}killed")  # looking removes nothing
+        gone = json.loads(run_cli("shm", "reclaim", "--prefix", prefix, "--json"))
+        assert gone == [{"name": prefix + "killed", "bytes": live.native.pool_bytes}]
+        assert not os.path.exists(f"/dev/shm/{prefix}killed")
+        assert os.path.exists(f"/dev/shm/{prefix}live")
+        bad = subprocess.run(
+            [sys.executable, "-m", "tpusync.core.cli", "shm", "reclaim", "--prefix", "tpu"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert bad.returncode == 2 and bad.stdout == ""
+        assert "tpusync shm reclaim: shm segment prefix 'tpu' must be 8-200" in bad.stderr
+    finally:
+        live.native.unlink()
+        if os.path.exists(f"/dev/shm/{prefix}killed"):
+            os.unlink(f"/dev/shm/{prefix}killed")

@@ -41,8 +41,9 @@
 //  11: the manifest write-back mode reaches Python (KVStoreNative.open /
 //      open_remote_kv_store(disk_manifest_progressive_write_back=), KVStore(checkpoint_write_back=
 //      "progressive" | "at_fsync")) and the disk tier's stats name it (manifest_write_back).
-//  12: reclaim_stale_segments(prefix) (OWNER LOCK CONTRACT: a /dev/shm pool holds a shared flock
-//      on its segment while it lives; segments of killed owners can be told apart and removed).
+//  12: reclaim_stale_segments(prefix) and shm_segments(prefix) (OWNER LOCK CONTRACT: a /dev/shm
+//      pool holds a shared flock on its segment while it lives; segments of killed owners can be
+//      told apart, listed and removed; `tpusync shm list | reclaim`).
 #pragma once
 
 namespace tpusync {

@@ -32,15 +32,22 @@
 
 namespace tpusync::memory {
 
-struct ReclaimedSegment {
+struct ShmSegment {
   std::string name;  // without the /dev/shm/ prefix
   uint64_t bytes = 0;
+  bool owned = false;  // a live pool held its owner lock when looked at
 };
 
-// Unlinks the stale /dev/shm/<prefix>* segments (OWNER LOCK CONTRACT). Segments that vanish
-// during the scan or cannot be opened are skipped; only a bad prefix or an unreadable /dev/shm is
-// an error.
-Result<std::vector<ReclaimedSegment>> ReclaimStaleSegments(std::string_view prefix);
+// Unlinks the stale /dev/shm/<prefix>* segments (OWNER LOCK CONTRACT) and returns them (owned is
+// false). Segments that vanish during the scan or cannot be opened are skipped; only a bad prefix
+// or an unreadable /dev/shm is an error.
+Result<std::vector<ShmSegment>> ReclaimStaleSegments(std::string_view prefix);
+
+// Every /dev/shm/<prefix>* segment with its size and whether a live pool owns it, removing
+// nothing (an operator's view: what a reclaim would remove, or which warm caches lost their
+// server). The probe takes and drops the exclusive lock, so a pool being created meanwhile waits
+// for it a moment. Same prefix rules and errors as ReclaimStaleSegments.
+Result<std::vector<ShmSegment>> ListSegments(std::string_view prefix);
 
 // Takes the owner's shared lock on `fd`, the descriptor of /dev/shm/<name>, and checks that the
 // name still refers to it. False when a sweeper unlinked the name first (the caller creates the

@@ -149,6 +149,11 @@ def reclaim_stale_segments(prefix: str) -> list[tuple[str, int]]:
     Unlink every /dev/shm/<prefix>* segment that no live pool owns (its owner was destroyed or its process died, e.g. by SIGKILL) and return [(name, bytes)] of what was removed. Only for prefixes of non-persistent pools: a persistent warm-restart segment has no live owner either. InvalidArgumentError for a prefix under 8 characters or with characters outside letters, digits, '-', '_' and '.'.
     """
 
+def shm_segments(prefix: str) -> list[tuple[str, int, bool]]:
+    """
+    [(name, bytes, owned)] of every /dev/shm/<prefix>* segment, in name order; owned: a live pool holds it. Removes nothing. Same prefix rules as reclaim_stale_segments.
+    """
+
 class Tier(enum.Enum):
     DEVICE = 0
 

@@ -166,6 +166,33 @@ def _cmd_store_node(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_shm(args: argparse.Namespace) -> int:
+    """``tpusync shm list`` / ``reclaim``: tpusync's /dev/shm segments (OWNER LOCK CONTRACT)."""
+    from tpusync.core.errors import TpusyncError
+    from tpusync.core.pool import reclaim_stale_segments
+
+    try:
+        if args.action == "list":
+            rows = [
+                {"name": n, "bytes": b, "owner": "live" if owned else "none"}
+                for n, b, owned in _native.shm_segments(args.prefix)
+            ]
+        else:
+            rows = [{"name": n, "bytes": b} for n, b in reclaim_stale_segments(args.prefix)]
+    except TpusyncError as e:
+        print(f"tpusync shm {args.action}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for r in rows:
+        owner = f"  owner: {r['owner']}" if "owner" in r else "  removed"
+        print(f"/dev/shm/{r['name']}  {r['bytes'] / 2**20:.1f} MiB{owner}")
+    total = sum(r["bytes"] for r in rows) / 2**20
+    print(f"{len(rows)} segment(s), {total:.1f} MiB", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpusync", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -224,6 +251,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="model fingerprint; a restart with another one discards the cached blocks",
     )
     p.set_defaults(func=_cmd_store_node)
+
+    p = sub.add_parser(
+        "shm",
+        help="list tpusync's /dev/shm segments, or remove those of dead processes",
+        description="list: every /dev/shm/PREFIX* segment, its size and whether a live process "
+        "owns it (removes nothing). reclaim: remove those no live process owns. A P/D or RL "
+        "pool of a killed process has no owner and is reclaimed by the next one started on the "
+        "host anyway; a warm-restart namespace (tpusync-NAMESPACE-host) of a dead server has no "
+        "owner either, and reclaiming it throws that cache away.",
+    )
+    p.add_argument("action", choices=["list", "reclaim"])
+    p.add_argument(
+        "--prefix",
+        default="tpusync-",
+        help="segment name prefix, at least 8 characters (default: tpusync-)",
+    )
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.set_defaults(func=_cmd_shm)
 
     p = sub.add_parser("demo", help="offload a synthetic paged KV cache and back")
     p.add_argument("--layers", type=int, default=16)
