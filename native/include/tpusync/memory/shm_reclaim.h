@@ -5,7 +5,8 @@
 // the last descriptor goes, i.e. when the owner is destroyed or its process dies by any means
 // (SIGKILL, OOM kill), so "no lock can be taken exclusively" means "a live pool owns it". Peers
 // that only map a segment (P/D consumers, same-host samplers) take no lock: once the owner is
-// gone, their mappings stay valid after the name is unlinked.
+// gone, their mappings stay valid after the name is unlinked. A child forked (without exec) by
+// the owner shares the locked descriptor, so the segment counts as owned while the child lives.
 //
 // ReclaimStaleSegments(prefix) unlinks every /dev/shm/<prefix>* segment that no live pool owns
 // and returns what it removed. It is for the families of NON-persistent names (e.g. a P/D
