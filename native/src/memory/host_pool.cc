@@ -38,16 +38,6 @@ void TouchPages(uint8_t* data, size_t size, bool write) {
   }
 }
 
-bool ValidShmName(const std::string& name) {
-  if (name.empty() || name.size() > 200) return false;
-  for (char c : name) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '-' || c == '_' || c == '.';
-    if (!ok) return false;
-  }
-  return name != "." && name != "..";
-}
-
 // EXIT CONTRACT: a non-persistent segment disappears at a normal exit of the process that
 // created or attached it, even when its pool was never destroyed (a Python interpreter that ends
 // with live native objects skips their destructors: every such exit left a /dev/shm file behind).

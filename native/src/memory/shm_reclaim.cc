@@ -16,16 +16,6 @@ namespace {
 
 constexpr size_t kMinPrefix = 8;
 
-bool ValidPrefix(std::string_view prefix) {
-  if (prefix.size() < kMinPrefix || prefix.size() > 200) return false;
-  for (char c : prefix) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '-' || c == '_' || c == '.';
-    if (!ok) return false;
-  }
-  return true;
-}
-
 // True when /dev/shm/<name> is the inode `fd` has open.
 bool NameIsFd(int fd, const std::string& name) {
   struct stat by_fd {};
@@ -35,24 +25,11 @@ bool NameIsFd(int fd, const std::string& name) {
   return by_fd.st_dev == by_name.st_dev && by_fd.st_ino == by_name.st_ino;
 }
 
-}  // namespace
-
-Result<bool> LockSegmentOwner(int fd, const std::string& name) {
-  while (flock(fd, LOCK_SH) != 0) {
-    if (errno != EINTR) {
-      return Status::FromErrno(errno, StrCat("flock of /dev/shm/", name, " (owner lock)"));
-    }
-  }
-  return NameIsFd(fd, name);
-}
-
-namespace {
-
 // Looks at every /dev/shm/<prefix>* segment, in name order: `visit(segment, fd)` runs with the
 // segment open read-only (`fd`) and returns whether the segment goes into the result.
 template <typename Visit>
 Result<std::vector<ShmSegment>> Scan(std::string_view prefix, Visit visit) {
-  if (!ValidPrefix(prefix)) {
+  if (prefix.size() < kMinPrefix || !ValidShmName(prefix)) {
     return Status::InvalidArgument(
         StrCat("shm segment prefix '", prefix, "' must be ", kMinPrefix,
                "-200 characters of letters, digits, '-', '_' and '.' (a short prefix could "
@@ -84,6 +61,25 @@ Result<std::vector<ShmSegment>> Scan(std::string_view prefix, Visit visit) {
 }
 
 }  // namespace
+
+bool ValidShmName(std::string_view name) {
+  if (name.empty() || name.size() > 200) return false;
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '-' || c == '_' || c == '.';
+    if (!ok) return false;
+  }
+  return name != "." && name != "..";
+}
+
+Result<bool> LockSegmentOwner(int fd, const std::string& name) {
+  while (flock(fd, LOCK_SH) != 0) {
+    if (errno != EINTR) {
+      return Status::FromErrno(errno, StrCat("flock of /dev/shm/", name, " (owner lock)"));
+    }
+  }
+  return NameIsFd(fd, name);
+}
 
 Result<std::vector<ShmSegment>> ReclaimStaleSegments(std::string_view prefix) {
   // An exclusive lock is only granted when no live pool holds its shared owner lock.

@@ -39,6 +39,9 @@ struct ShmSegment {
   bool owned = false;  // a live pool held its owner lock when looked at
 };
 
+// A name /dev/shm/<name> may have: 1-200 letters, digits, '-', '_' and '.', not "." or "..".
+bool ValidShmName(std::string_view name);
+
 // Unlinks the stale /dev/shm/<prefix>* segments (OWNER LOCK CONTRACT) and returns them (owned is
 // false). Segments that vanish during the scan or cannot be opened are skipped; only a bad prefix
 // or an unreadable /dev/shm is an error.
