@@ -88,6 +88,7 @@ def sampler_main(spec: dict, q) -> None:
         pool_bytes=spec.get("pool_bytes", 4 << 20),
         same_host=spec.get("same_host", False),
         window=spec.get("window", 3),
+        layouts=spec.get("report_layouts"),  # by trainer name (SAMPLER LAYOUTS CONTRACT)
     )
     reject = spec.get("reject_at_version")
     if reject is not None:  # fault injection: pull all of `reject`, then refuse to commit it

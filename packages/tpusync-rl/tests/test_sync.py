@@ -271,6 +271,58 @@ def test_reshard_tp2_trainer_to_tp4_samplers_without_gathering():
         trainer.close()
 
 
+def test_trainer_without_dst_layouts_plans_for_the_layouts_its_samplers_report(caplog):
+    """SAMPLER LAYOUTS CONTRACT: a trainer built with ``dst_layouts=None`` refuses to publish
+    before any sampler reported layouts (and that version number stays usable), rejects a
+    malformed report, then plans every version for the layouts its members report. Two replicas
+    of TP=2 that disagree (a tie: the smallest key's replica wins): replica 0 commits exactly its
+    shards, replica 1 refuses the plan and nothing of it is loaded wrong."""
+    from tpusync.rl.control import ControlClient
+
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {"embed": 1})  # replica 0: the embedding split on dim 1
+    odd = tp_layouts(2, {})  # replica 1: on dim 0
+    trainer = TrainerSync(0, 1, None, secret=U.SECRET, block_bytes=BB, deadline=30.0)
+    full = U.full_weights(31)
+    with pytest.raises(ValueError, match="none of the 0 samplers .* has reported its layouts"):
+        trainer.publish(1, full)
+    client = ControlClient(U.SECRET, trainer.control_address)
+    bad = {"op": "next", "replica": 9, "rank": 0, "addr": {}, "have": 0, "layouts": {"w": [[4]]}}
+    with pytest.raises(RuntimeError, match="sampler 9:0 reported malformed layouts"):
+        client.request(bad, timeout=10)
+    client.close()
+    per = {}
+    for replica, lay in ((0, dst), (1, odd)):
+        for rank in range(2):
+            per[(replica, rank)] = {
+                "layouts": {U.engine_name(n): v for n, v in lay.items()},
+                "report_layouts": lay,
+            }
+    procs = start_samplers(
+        q, trainer.control_address, None, 2, 2, 1, per=per, common={"dtype": "float32"}
+    )
+    try:
+        assert trainer.wait_for_samplers(4, timeout=30) == ["0:0", "0:1", "1:0", "1:1"]
+        with caplog.at_level(logging.WARNING, logger="tpusync.rl"):
+            rep = trainer.publish(1, full)  # the same version as the refused one
+        assert sorted(rep.committed) == ["0:0", "0:1"], rep.failed
+        assert sorted(rep.failed) == ["1:0", "1:1"]
+        assert "samplers ['1:0', '1:1'] reported layouts other than the group's" in caplog.text
+        got = collect(q, 4)
+        eng = {U.engine_name(n): v for n, v in dst.items()}
+        for (replica, rank), info in got.items():
+            if replica == 1:
+                assert not info["ok"] and "the trainer plans for sampler layout" in info["reason"]
+                assert info["serving"] == 0
+                continue
+            assert info["ok"], info
+            assert info["digest"] == U.expected_digest(full, eng, rank, torch.float32), rank
+            assert info["bytes"] == sum(dst[n].box_of(rank).size * 4 for n in full)
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
 def test_resharded_publish_larger_than_the_trainer_pools_never_waits_for_the_deadline():
     """Regression (1 GiB resharded stall): 2 trainer ranks -> 2 sampler ranks split on another
     dim, each trainer's data several times its pool (4 blocks), two versions. Waiting for pool

