@@ -27,6 +27,13 @@ times of the last version (trainer rank 0 and each sampler; docs/rl.md explains 
   deltas save little). Counted from the digests and the packing plan the trainer uses (the
   blocks it registers), not timed.
 
+- ``shared_same_host_vs_cpu_floor`` and ``cpu_floor_vs_gloo``: the CPU floor of the shared path,
+  measured in the same run: the three fused copy + hash passes a version costs there (the
+  trainer's fill, each reader's staging) run as three concurrent threads of this process over
+  prefaulted memory, with nothing else (no control messages, no waits, no pipeline). The first
+  row says how close the shared path gets to it, the second the best ratio against gloo that any
+  pipeline of these passes could reach on this machine (``docs/rl.md``, "Passes over each byte").
+
 GOALS: chain >= 2x gloo, chain >= 0.8x iperf3, resharded <= 1.3x plain.
 """
 
@@ -305,6 +312,41 @@ def _delta_bytes(shapes: dict[str, tuple[int, int]], scattered: bool) -> dict:
     }
 
 
+def _cpu_floor(nbytes: int, passes: int = 3, chunk: int = 256 << 20) -> float:
+    """Seconds for ``passes`` concurrent fused copy + hash passes over ``nbytes`` each (best of
+    3): each thread copies a ``chunk``-byte fp32 tensor into prefaulted memory in BLOCK-sized
+    blocks, one ``Checksum64Stream`` per block (as the fill and the fused staging do), as many
+    times as ``nbytes`` needs; the copies release the GIL."""
+    import threading
+
+    import numpy as np
+
+    from tpusync.core import Checksum64Stream
+
+    chunk = min(chunk, nbytes)
+    rounds = max(1, round(nbytes / chunk))
+    src = [torch.rand(chunk // 4).view(torch.uint8) for _ in range(passes)]
+    dst = [np.ones(chunk, np.uint8) for _ in range(passes)]
+
+    def one(i: int) -> None:
+        for _ in range(rounds):
+            for o in range(0, chunk, BLOCK):
+                h = Checksum64Stream()
+                h.copy_update(dst[i][o : o + BLOCK], src[i][o : o + BLOCK], keep_in_cache=True)
+                h.digest()
+
+    best = float("inf")
+    for _ in range(3):
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(passes)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        best = min(best, time.perf_counter() - t0)
+    return best * nbytes / (rounds * chunk)
+
+
 def run(total_bytes: int, repeats: int, show_progress: bool = True) -> dict:
     from tpusync.rl import ShardLayout
 
@@ -349,6 +391,16 @@ def run(total_bytes: int, repeats: int, show_progress: bool = True) -> dict:
             shared, gloo, gloo_ref, shared_info, "both samplers read the trainer's /dev/shm pool"
         ),
     }
+    _log("CPU floor of the shared path: 3 concurrent fused copy + hash passes, nothing else")
+    floor = _cpu_floor(nbytes)
+    floor_ref = "3 concurrent fused copy + hash passes of the same bytes in one process, same run"
+    paths["shared_same_host_vs_cpu_floor"] = row(
+        shared, floor, floor_ref, shared_info, "both samplers read the trainer's /dev/shm pool"
+    )
+    paths["cpu_floor_vs_gloo"] = {
+        **result_entry(nbytes, floor, gloo, gloo_ref),
+        "path": floor_ref + ": the best any pipeline of the shared path's passes could do",
+    }
     if iperf:
         from tpusync.core.bench.transport import _iperf3
 
@@ -385,6 +437,7 @@ def run(total_bytes: int, repeats: int, show_progress: bool = True) -> dict:
         "chain_tcp": tcp,
         "chain_same_host": shm,
         "shared_same_host": shared,
+        "cpu_floor": floor,
         "gloo": gloo,
     }
     result["iperf3"] = iperf is not None

@@ -1,0 +1,45 @@
+"""``tpusync bench weights`` end to end at a small size: every path runs in real processes and the
+JSON carries each row against its same-run reference (the figures themselves mean nothing at
+32 MiB; the goal figures come from the 1 GiB default, docs/rl.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_weights_json_has_every_path_against_its_same_run_reference():
+    out = subprocess.run(
+        [sys.executable, "-m", "tpusync.core.cli", "bench", "weights", "--json", "--quiet"]
+        + ["--total-mib", "32", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    data = json.loads(out.stdout)
+    assert data["suite"] == "weights" and data["bytes"] == 32 << 20
+    paths = data["paths"]
+    reported = {
+        "chain_tcp_vs_gloo": "tcp",
+        "chain_same_host_vs_gloo": "unix",
+        "shared_same_host_vs_gloo": "shared-segment",
+        "shared_same_host_vs_cpu_floor": "shared-segment",
+    }
+    for name, path in reported.items():
+        row = paths[name]
+        assert row["gbps"] > 0 and row["limit_gbps"] > 0 and row["better"] == "higher", name
+        assert abs(row["ratio"] - row["gbps"] / row["limit_gbps"]) < 0.01, name
+        assert f"(samplers reported: {path})" in row["path"], row["path"]
+    floor = paths["cpu_floor_vs_gloo"]
+    assert floor["limit"].startswith("torch.distributed gloo")
+    secs = data["seconds"]
+    assert abs(floor["ratio"] - secs["gloo"] / secs["cpu_floor"]) < 0.01 * floor["ratio"] + 0.01
+    # The floor is the shared path's work without its waits: the path cannot beat it by much.
+    assert secs["shared_same_host"] > 0.5 * secs["cpu_floor"]
+    assert paths["resharded_vs_plain"]["ratio"] > 0
+    # 2 MiB tensors are one 4 MiB chunk each: here a per-chunk delta is a per-tensor one.
+    assert paths["delta_contiguous_chunk_vs_tensor"]["ratio"] == 1.0
+    if data["iperf3"]:
+        assert paths["chain_tcp_vs_iperf3"]["limit"].startswith("iperf3")
