@@ -90,19 +90,12 @@ def _perturbed(model_dir: Path, dst: Path) -> dict[str, torch.Tensor]:
     return new
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp):
-    model_dir = tinymodel.tiny_model_dir()
-    new_dir = tmp_path / "perturbed"
-    new = _perturbed(model_dir, new_dir)
-
+def _update_next_to_fresh(tmp_path, model_dir, new_dir, new, tp, dst, check):
+    """A fresh TP=``tp`` engine on ``new_dir`` runs while an engine on ``model_dir`` starts and is
+    updated to ``new`` by a trainer built with ``dst`` (halves the wall time); ``check(trainer,
+    report)`` runs once every worker committed. Returns the update and fresh engines' results."""
     fresh_out, fresh_log = tmp_path / "fresh.json", tmp_path / "fresh.log"
     fresh = _start(["generate", str(new_dir), str(fresh_out), str(tp)], fresh_log)
-    # The fresh engine runs while the updated one starts and updates (halves the wall time).
-
-    # TP SLICE CONTRACT: each worker of the engine is sampler rank r and pulls only its slices.
-    dst = rlvllm.tp_layouts(model_dir, tp)
-    assert dst.keys() == new.keys()
     # Small blocks: bytes_sent counts whole blocks.
     trainer = TrainerSync(0, 1, dst, secret=U.SECRET, block_bytes=1 << 16, pool_bytes=16 << 20)
     upd_out, upd_log = tmp_path / "update.json", tmp_path / "update.log"
@@ -120,6 +113,26 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
         trainer.wait_for_samplers(tp, timeout=1)
         rep = trainer.publish(1, new)
         assert rep.ok and sorted(rep.committed) == [f"0:{r}" for r in range(tp)], rep.failed
+        check(trainer, rep)
+        result = _finish(upd, upd_out, upd_log)
+    except BaseException:
+        _kill(upd, fresh)
+        raise
+    finally:
+        trainer.close()
+    return result, _finish(fresh, fresh_out, fresh_log)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp):
+    model_dir = tinymodel.tiny_model_dir()
+    new_dir = tmp_path / "perturbed"
+    new = _perturbed(model_dir, new_dir)
+    # TP SLICE CONTRACT: each worker of the engine is sampler rank r and pulls only its slices.
+    dst = rlvllm.tp_layouts(model_dir, tp)
+    assert dst.keys() == new.keys()
+
+    def check(_trainer, rep):
         # One copy of the model in all, not one per worker: the planned slices add only what
         # workers share (the norms; at TP=4 each of the 2 k/v heads goes to 2 workers), and the
         # wire adds only whole-block rounding to the plan.
@@ -131,13 +144,8 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
         )
         assert planned < 1.1 * model_bytes
         assert rep.bytes_sent < 1.25 * planned
-        result = _finish(upd, upd_out, upd_log)
-    except BaseException:
-        _kill(upd, fresh)
-        raise
-    finally:
-        trainer.close()
-    fresh_result = _finish(fresh, fresh_out, fresh_log)
+
+    result, fresh_result = _update_next_to_fresh(tmp_path, model_dir, new_dir, new, tp, dst, check)
     print(json.dumps(result))
     assert result["after"] == fresh_result["tokens"]  # exactly the new weights' greedy outputs
     assert result["before"] != result["after"]  # and the update changed something
@@ -149,9 +157,10 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
     assert result["after_failed_update"] == result["after"]
 
 
-def _tiny_opt(dst: Path, tie: bool = True) -> Path:
+def _tiny_opt(dst: Path) -> Path:
     """A tiny random-weight OPT (not a Llama-family model: its out_proj, fc1 and fc2 are names
-    :func:`tpusync.rl.vllm.tp_layouts` does not know) with the tiny model's tokenizer."""
+    :func:`tpusync.rl.vllm.tp_layouts` does not know) with the tiny model's tokenizer, its LM head
+    tied to the token embedding (OPT's default; TIED WEIGHTS CONTRACT in vllm/engine.py)."""
     from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tinymodel.tiny_model_dir())
@@ -167,7 +176,6 @@ def _tiny_opt(dst: Path, tie: bool = True) -> Path:
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.unk_token_id,
-        tie_word_embeddings=tie,
         torch_dtype="float32",
     )
     torch.manual_seed(5)
@@ -185,25 +193,14 @@ def test_tp2_engine_of_a_non_llama_model_is_planned_from_its_workers_layouts(tmp
     no dst_layouts; each worker reports the slices vLLM's own loaders keep, the trainer plans for
     them, each worker pulls only its slices, and the greedy outputs after the update equal a fresh
     TP=2 engine's on the new weights. The Llama-family plan (tp_layouts) would have named other
-    slices for OPT's out_proj / fc1 / fc2 (every worker would refuse it)."""
+    slices for OPT's out_proj / fc1 / fc2 (every worker would refuse it). The OPT's LM head is
+    tied to its embedding: without the TIED WEIGHTS CONTRACT the outputs differ from the fresh
+    engine's (the head kept its old packed weight), at TP=1 as well."""
     model_dir = _tiny_opt(tmp_path / "opt")
     new_dir = tmp_path / "opt-perturbed"
     new = _perturbed(model_dir, new_dir)
-    fresh_out, fresh_log = tmp_path / "fresh.json", tmp_path / "fresh.log"
-    fresh = _start(["generate", str(new_dir), str(fresh_out), "2"], fresh_log)
-    trainer = TrainerSync(0, 1, None, secret=U.SECRET, block_bytes=1 << 16, pool_bytes=16 << 20)
-    upd_out, upd_log = tmp_path / "update.json", tmp_path / "update.log"
-    upd = _start(["update", str(model_dir), str(upd_out), "2", trainer.control_address], upd_log)
-    try:
-        for _ in range(540):
-            if len(trainer.samplers) >= 2 or upd.poll() is not None:
-                break
-            time.sleep(1)
-        if upd.poll() is not None:
-            pytest.fail(f"the engine exited ({upd.returncode}):\n{upd_log.read_text()[-6000:]}")
-        trainer.wait_for_samplers(2, timeout=1)
-        rep = trainer.publish(1, new)
-        assert rep.ok and sorted(rep.committed) == ["0:0", "0:1"], rep.failed
+
+    def check(trainer, rep):
         dst = {n: _layout_from_wire(w) for n, w in trainer._group.announced[1]["dst"].items()}
         assert dst.keys() == new.keys()
         table = rlvllm.tp_layouts(model_dir, 2)
@@ -223,13 +220,8 @@ def test_tp2_engine_of_a_non_llama_model_is_planned_from_its_workers_layouts(tmp
         assert "model.decoder.embed_positions.weight" in whole
         assert planned == model_bytes + replicated and replicated < 0.2 * model_bytes
         assert rep.bytes_sent < 1.25 * planned
-        result = _finish(upd, upd_out, upd_log)
-    except BaseException:
-        _kill(upd, fresh)
-        raise
-    finally:
-        trainer.close()
-    fresh_result = _finish(fresh, fresh_out, fresh_log)
+
+    result, fresh_result = _update_next_to_fresh(tmp_path, model_dir, new_dir, new, 2, None, check)
     assert result["after"] == fresh_result["tokens"]
     assert result["before"] != result["after"]
 

@@ -87,8 +87,9 @@ class TrainerSync:
 
     ``dst_layouts`` is the sampler group's layout of every tensor, keyed by trainer name (a tensor
     missing from it is not sent); None: the layouts the samplers report (SAMPLER LAYOUTS CONTRACT
-    below; only rank 0's matters, the other ranks take rank 0's announcement). ``control`` is the address to listen on (rank 0, default an
-    ephemeral loopback port) or rank 0's :attr:`control_address` (other ranks).
+    below; only rank 0's matters, the other ranks take rank 0's announcement). ``control`` is the
+    address to listen on (rank 0, default an ephemeral loopback port) or rank 0's
+    :attr:`control_address` (other ranks).
 
     MULTI-RANK CONTRACT: ``world`` counts the ranks of the trainer layouts. A process may hold
     several of them (``local_ranks``, e.g. one per device of a multi-controller JAX process; the
@@ -122,8 +123,11 @@ class TrainerSync:
     its live members reported (a tie: those of the smallest "replica:rank" key); a member that
     reported others is logged and refuses the version as with a wrong ``dst_layouts`` (its
     layouts disagree with the plan), so nothing is ever loaded wrong. ``publish`` raises
-    ValueError, before anything is sent, when no member has reported layouts (call
-    :meth:`wait_for_samplers` first); the other trainer ranks are told at once. Rejected: the
+    ValueError before it prepares anything when no member has reported layouts (call
+    :meth:`wait_for_samplers` first; the same version can then be published, and the other
+    trainer ranks, waiting for its announcement until their deadline, take it); if the members
+    that had reported leave before the announcement, the version fails and the other ranks are
+    told at once. Rejected: the
     trainer computing the engine's slices from its config (``tpusync.rl.vllm.tp_layouts``, kept
     for planning ahead of the samplers: it knows only the Llama-family names, and a model whose
     checkpoint names it misreads is refused by every worker).
