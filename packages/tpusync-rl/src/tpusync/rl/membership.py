@@ -109,8 +109,9 @@ class _Membership:
         # RE-PARENTING CONTRACT: version -> orphan key -> {"slot", "rank", "resume": {trainer
         # rank: first bucket it lacks}, "parent": the failed parent's key}.
         self.adoptions: dict[int, dict[str, dict]] = collections.defaultdict(dict)
-        # SAMPLER LAYOUTS CONTRACT: key -> (canonical form, {trainer name: layout}) as reported.
-        self.layouts: dict[str, tuple[tuple, dict[str, ShardLayout]]] = {}
+        # SAMPLER LAYOUTS CONTRACT: key -> its reported layouts, as ((trainer name, layout), ...)
+        # sorted by name (hashable: equal reports are one vote).
+        self.layouts: dict[str, tuple[tuple[str, ShardLayout], ...]] = {}
 
     def set_layouts(self, key: str, wire: Any) -> None:
         """Sampler ``key`` reports its group's layouts, ``{trainer name: wire layout}`` (lock
@@ -119,7 +120,7 @@ class _Membership:
             got = {str(n): _layout_from_wire(raw) for n, raw in dict(wire).items()}
         except (TypeError, ValueError) as e:
             raise ValueError(f"sampler {key} reported malformed layouts: {e}") from None
-        self.layouts[key] = (tuple(sorted(got.items(), key=lambda kv: kv[0])), got)
+        self.layouts[key] = tuple(sorted(got.items(), key=lambda kv: kv[0]))
 
     def group_layouts(self, keys: Any) -> tuple[dict[str, ShardLayout] | None, list[str]]:
         """SAMPLER LAYOUTS CONTRACT (lock held): the layouts most of ``keys`` reported (a tie goes
@@ -128,12 +129,12 @@ class _Membership:
         votes: dict[tuple, list[str]] = collections.defaultdict(list)
         for key in sorted(keys):
             if key in self.layouts:
-                votes[self.layouts[key][0]].append(key)
+                votes[self.layouts[key]].append(key)
         if not votes:
             return None, []
         best = max(votes, key=lambda c: len(votes[c]))  # the first of equals: smallest key
         odd = sorted(k for c, ks in votes.items() if c != best for k in ks)
-        return dict(self.layouts[votes[best][0]][1]), odd
+        return dict(best), odd
 
     def leave(self, key: str) -> None:
         """Sampler ``key`` said goodbye (lock held): out of the group, not counted as dead; a
