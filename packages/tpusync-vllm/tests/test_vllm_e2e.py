@@ -74,6 +74,84 @@ def inproc(model_dir, tmp_path_factory) -> dict:
     return _run("inproc", model_dir, tmp_path_factory)
 
 
+def _tiny_gemma3(dst: Path) -> Path:
+    """A tiny random-weight Gemma 3 text model with the tiny model's tokenizer: layer 0 attends
+    over a sliding window of 64 tokens, layer 1 over the whole context (a hybrid model: vLLM's
+    hybrid KV cache manager would give it two KV cache groups). Untied head: a tied one turns
+    greedy decoding of random weights into one repeated token."""
+    import torch
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
+    tok.save_pretrained(dst)
+    config = Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(5)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)  # large weights: greedy outputs depend on every KV value
+    model.save_pretrained(dst, safe_serialization=True)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory) -> Path:
+    return _tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+def test_hybrid_sliding_window_model_loads_its_prefix_as_one_group(gemma3_dir, tmp_path_factory):
+    """ONE GROUP CONTRACT (connector.py): a model with a sliding-window layer (window 64, prompt
+    233 tokens) and a full-attention layer runs with TpusyncConnector as one KV cache group;
+    its 7 prefix blocks load from tpusync and the greedy tokens and their log-probabilities
+    equal the recomputed run's. Noise under the same keys changes the output, so the loaded
+    bytes of both layers are the ones used."""
+    r = _run("hybrid", gemma3_dir, tmp_path_factory)
+    assert sorted(r["windows"].values(), key=str) == [64, None], r["windows"]
+    assert r["hma_disabled"] is True and r["worker_layers"] == 2
+    assert "Turning off hybrid kv cache manager" in r["stderr"]
+    cold, warm = r["cold"], r["warm"]
+    assert r["warm_hit_blocks"] == FULL_BLOCKS and warm["cached"] == FULL_BLOCKS * BLOCK
+    assert len(set(cold["tokens"])) > 3, cold  # a model whose output depends on its input
+    assert warm["tokens"] == cold["tokens"]
+    assert max(abs(a - b) for a, b in zip(warm["logprobs"], cold["logprobs"], strict=True)) < 1e-3
+    assert r["noised"]["held"] == FULL_BLOCKS
+    assert r["corrupt"]["cached"] == FULL_BLOCKS * BLOCK
+    assert r["corrupt"]["tokens"] != cold["tokens"]
+
+
+def test_pd_of_a_hybrid_model_decodes_with_identical_output(gemma3_dir, tmp_path_factory):
+    """P/D of the same hybrid model (ONE GROUP CONTRACT): the consumer pulls every layer's KV of
+    the prompt's 7 blocks, through /dev/shm and over TCP, and decodes the tokens one instance
+    computes alone."""
+    pd = _run("pd", gemma3_dir, tmp_path_factory)
+    assert pd["stats"]["pd_recv_blocks"] == FULL_BLOCKS
+    assert pd["worker_totals"]["loaded_blocks"] == FULL_BLOCKS
+    assert pd["worker_totals"]["load_failures"] == 0
+    assert pd["worker_totals"]["pd_shm_blocks"] == FULL_BLOCKS
+    assert len(set(pd["single"]["tokens"])) > 3, pd["single"]
+    assert pd["pd"]["tokens"] == pd["single"]["tokens"]
+    assert pd["pd_tcp"]["tokens"] == pd["single_tcp"]["tokens"]
+    assert pd["worker_totals_tcp"]["loaded_blocks"] == 2 * FULL_BLOCKS
+
+
 def test_tensor_parallel_workers_each_store_and_load_their_own_heads(model_dir, tmp_path_factory):
     r = _run("tp2", model_dir, tmp_path_factory)
     assert r["hits_after_cold"]["hit_blocks"] == 0

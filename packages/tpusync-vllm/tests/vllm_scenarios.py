@@ -773,7 +773,55 @@ def _pd_abort_while_loading(llm, worker, kvp: dict) -> dict:
     return out
 
 
+def _attention_windows(worker=None) -> dict:
+    """collective_rpc: each attention layer's sliding window (None: full attention)."""
+    ctx = worker.model_runner.vllm_config.compilation_config.static_forward_context
+    return {name: getattr(layer, "sliding_window", None) for name, layer in ctx.items()}
+
+
+def scenario_hybrid(model: str) -> dict:
+    """A hybrid model (a sliding-window layer next to a full-attention one): the connector runs it
+    as one KV cache group (ONE GROUP CONTRACT in connector.py), stores and loads its prefix, and
+    the greedy tokens and their log-probabilities equal the recomputed ones."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import SamplingParams
+
+    llm = make_llm(model)
+    sched, worker = connectors(llm)
+    (windows,) = llm.collective_rpc(_attention_windows)
+    r: dict = {
+        "windows": windows,
+        "hma_disabled": llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "worker_layers": worker.num_layers,
+    }
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def run(ids: list[int]) -> dict:
+        (out,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        c = out.outputs[0]
+        return {
+            "tokens": list(c.token_ids),
+            "logprobs": [step[t].logprob for t, step in zip(c.token_ids, c.logprobs, strict=True)],
+            "cached": out.num_cached_tokens,
+        }
+
+    ids = prompt()
+    run(prompt(99))
+    llm.reset_prefix_cache()
+    r["cold"] = run(ids)
+    llm.reset_prefix_cache()
+    hits0 = sched.stats["hit_blocks"]
+    r["warm"] = run(ids)
+    r["warm_hit_blocks"] = sched.stats["hit_blocks"] - hits0
+    # Noise under the prompt's keys: a run that really uses the loaded bytes must change.
+    r["noised"] = _worker_view(_prompt_keys(llm, ids), noise=True)()
+    llm.reset_prefix_cache()
+    r["corrupt"] = run(ids)
+    return r
+
+
 SCENARIOS = {
+    "hybrid": scenario_hybrid,
     "pd_producer": scenario_pd_producer,
     "pd": scenario_pd,
     "pd_tp2": scenario_pd_tp2,

@@ -79,7 +79,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
@@ -219,18 +218,30 @@ _PENDING_EVENTS = 1 << 16
 
 
 def _key_geometry(kv_cache_config: KVCacheConfig) -> tuple[int, int]:
-    """(bytes of one block across all layers of this worker, number of layers)."""
+    """(bytes of one block across all layers of this worker, number of layers).
+
+    ONE GROUP CONTRACT: a store key holds one token block of every layer, so the connector
+    needs every layer in one KV cache group with one block table. It does not implement vLLM's
+    ``SupportsHMA``, so vLLM turns its hybrid KV cache manager off and gives a hybrid model
+    (sliding-window layers next to full-attention ones: Gemma 2 / 3, gpt-oss, ...) one group in
+    which the sliding-window layers keep the whole context (vLLM's warning says so at start; the
+    attention computed is unchanged). Rejected: per-group keys with the window's blocks only
+    (what HMA would allow: less KV memory for those layers, but a hit then needs different block
+    runs per group). Several groups reach this point only where HMA was forced on or a model has
+    state layers (Mamba), which vLLM itself refuses without HMA.
+    """
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(
-            f"TpusyncConnector supports one KV cache group (full attention) in this build; this "
-            f"model has {len(groups)} (hybrid / sliding-window models are not available yet)"
+            f"TpusyncConnector supports one KV cache group; this model has {len(groups)} "
+            f"(vLLM's hybrid KV cache manager is on: leave --disable-hybrid-kv-cache-manager "
+            f"unset or set it; models with Mamba / state layers are not supported)"
         )
     spec = groups[0].kv_cache_spec
     return int(spec.page_size_bytes) * len(groups[0].layer_names), len(groups[0].layer_names)
 
 
-class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
+class TpusyncConnector(KVConnectorBase_V1):
     """Host-tier KV offload and prefix reuse for vLLM (see the module docstring)."""
 
     def __init__(
@@ -589,11 +600,6 @@ class TpusyncConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._finish(request)
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return False, self._finish(request)
 
