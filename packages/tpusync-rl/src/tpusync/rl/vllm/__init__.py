@@ -11,9 +11,9 @@ verifies every digest, stages it in shadow buffers (checkpoint names and shapes)
 loads it into the model through vLLM's layerwise reload (``model.load_weights`` plus the
 post-load processing a fresh load runs, e.g. CPU weight repacking).
 
-ATOMICITY CONTRACT: the model is not touched until a whole version has landed and verified; a
-rejected or timed-out update raises out of ``update_weights`` and the engine keeps serving the
-old weights. The load itself runs inside vLLM's ``update_weights`` RPC, between engine steps:
+ATOMICITY CONTRACT: the model is not touched until a whole version has landed and verified on
+every worker of the engine (ENGINE OUTCOME CONTRACT in engine.py); a rejected or timed-out update
+raises out of ``update_weights`` and the engine keeps serving the old weights. The load itself runs inside vLLM's ``update_weights`` RPC, between engine steps:
 with the offline ``LLM`` call :func:`update` between ``generate`` calls; with a server, pause
 generation first (vLLM's ``pause_generation``) so no request sees two versions.
 
@@ -161,9 +161,24 @@ def update(llm: Any, timeout: float, version: int | None = None) -> None:
     engine then keeps serving the weights it had.
     """
     llm.start_weight_update()
-    llm.update_weights({"update_info": {"timeout": float(timeout), "version": version}})
+    try:
+        llm.update_weights({"update_info": {"timeout": float(timeout), "version": version}})
+    except Exception:
+        _end_session(llm.finish_weight_update)
+        raise
     llm.finish_weight_update(weight_version=None if version is None else str(version))
     llm.reset_prefix_cache()
+
+
+def _end_session(finish: Any) -> None:
+    """After a failed ``update_weights``: end vLLM's update session on the workers that returned
+    normally (ENGINE OUTCOME CONTRACT in engine.py: only the engine's last worker raised, and
+    vLLM closed the session on that one only). Its own refusal to finish a session it already
+    closed is expected and dropped; the update's error is what the caller sees."""
+    try:
+        finish()
+    except Exception:  # noqa: BLE001 - the last worker's "without a matching start_weight_update"
+        pass
 
 
 # A vLLM OpenAI server (``vllm.entrypoints.openai.api_server``) exposes the same weight-transfer
@@ -216,7 +231,11 @@ def update_server(
     try:
         _post(base, "/start_weight_update")
         info = {"timeout": float(timeout), "version": version}
-        _post(base, "/update_weights", {"update_info": info}, timeout=slack)
+        try:
+            _post(base, "/update_weights", {"update_info": info}, timeout=slack)
+        except RuntimeError:
+            _end_session(lambda: _post(base, "/finish_weight_update", {"weight_version": None}))
+            raise
         weight_version = None if version is None else str(version)
         _post(base, "/finish_weight_update", {"weight_version": weight_version})
         _post(base, "/reset_prefix_cache")

@@ -82,6 +82,25 @@ def _refresh_tied(model: torch.nn.Module) -> None:
                 method.process_weights_after_loading(module)
 
 
+def _engine_outcomes(mine: tuple) -> list[tuple]:
+    """Every worker's ``(rank, version, failure)`` of this engine (ENGINE OUTCOME CONTRACT): a
+    gather over the tensor-parallel group, then over the pipeline-parallel group (both within
+    this engine; vLLM's world group may also span data-parallel engines that are not in this
+    RPC). Every worker of the engine runs the same update RPC, so each takes part."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as ps
+
+    rows = [mine]
+    for get in (ps.get_tp_group, ps.get_pp_group):
+        group = get()
+        if group.world_size <= 1:
+            continue
+        parts: list[Any] = [None] * group.world_size
+        dist.all_gather_object(parts, rows, group=group.cpu_group)
+        rows = [row for part in parts for row in part]
+    return sorted(rows, key=lambda row: row[0])
+
+
 class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncUpdateInfo]):
     init_info_cls = TpusyncInitInfo
     update_info_cls = TpusyncUpdateInfo
@@ -91,6 +110,7 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         super().__init__(config, vllm_config, device, model)
         self.sampler: SamplerSync | None = None
         self.last_version = 0
+        self._rank, self._world = 0, 1
         # name -> (checkpoint shape, this worker's slice of it): SHARDING CONTRACT
         self._slices: dict[str, tuple[tuple[int, ...], Box]] = {}
 
@@ -101,6 +121,7 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
             raise ValueError("init_info.params is empty: pass checkpoint_params(model_dir)")
         rank = self.parallel_config.rank if hasattr(self.parallel_config, "rank") else 0
         world = max(int(self.parallel_config.world_size), 1)
+        self._rank, self._world = int(rank), world
         dtype = _torch_dtype(init_info.dtype) if init_info.dtype else self.model_config.dtype
         if init_info.sharded:
             if int(getattr(self.parallel_config, "pipeline_parallel_size", 1)) > 1:
@@ -143,29 +164,78 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: TpusyncUpdateInfo) -> None:
+        """Pull one version and load it, or raise on the engine's last worker only.
+
+        ENGINE OUTCOME CONTRACT: the workers of one engine (its tensor- and pipeline-parallel
+        ranks) agree on the outcome before any of them touches its model: each pulls and
+        verifies its slices, then they exchange outcomes (a gather over the engine's CPU process
+        groups), and the version is loaded on every worker or on none, so the engine never
+        serves two versions at once. When it is not loaded, only the engine's last worker
+        (rank world - 1) raises, with every worker's reason; the others return normally. vLLM's
+        multiprocess executor reads the workers' replies in rank order and stops at the first
+        error, so an error of any earlier worker would stay queued and be read as the reply to
+        the engine's next RPC: every later call failed with that stale error (a TP=2 engine after
+        one timed-out update), and a pipeline-parallel engine died at its next step. The workers
+        that returned normally still hold vLLM's update session open; :func:`tpusync.rl.vllm.update`
+        and ``update_server`` end it with ``finish_weight_update`` after a failure.
+        """
         if self.sampler is None:
             raise RuntimeError("call init_weight_transfer_engine before update_weights")
         want = update_info.version
+        result = None
         if want is not None and self.sampler.version >= want:
-            raise UpdateRejectedError(
-                f"version {want} requested but this engine already serves {self.sampler.version}"
+            failure = (
+                "rejected",
+                f"version {want} requested but this worker already took {self.sampler.version}",
             )
-        result = self.sampler.update(timeout=update_info.timeout)
-        if result is None:
+        else:
+            result = self.sampler.update(timeout=update_info.timeout)
+            if result is None:
+                failure = (
+                    "timeout",
+                    f"no version newer than {self.sampler.version} was announced within "
+                    f"{update_info.timeout} s",
+                )
+            elif not result.ok:
+                failure = (
+                    "rejected",
+                    f"update to version {result.version} rejected: {result.reason}",
+                )
+            else:
+                failure = None
+        mine = (self._rank, None if result is None else result.version, failure)
+        outcomes = _engine_outcomes(mine)
+        failed = [(r, f) for r, _v, f in outcomes if f is not None]
+        versions = {v for _r, v, f in outcomes if f is None}
+        if not failed and len(versions) > 1:
+            failed = [(r, ("rejected", f"verified version {v}")) for r, v, _f in outcomes]
+        if not failed:
+            assert result is not None
+            if want is not None and result.version != want:
+                log.warning("asked for version %d, version %d arrived", want, result.version)
+            self._load(self.sampler.sub.weights)
+            self.last_version = result.version
+            log.info("vLLM worker now serves version %d (%.3f s)", result.version, result.seconds)
+            return
+        if result is not None and result.ok:
+            log.warning(
+                "version %d verified on worker %d but not loaded: other workers of this engine "
+                "did not verify it; still serving version %d",
+                result.version,
+                self._rank,
+                self.last_version,
+            )
+        if self._rank != self._world - 1:
+            return
+        why = "; ".join(f"worker {r}: {msg}" for r, (_kind, msg) in failed)
+        if all(kind == "timeout" for _r, (kind, _m) in failed):
             raise TimeoutError(
-                f"no version newer than {self.sampler.version} was announced within "
-                f"{update_info.timeout} s; still serving version {self.sampler.version}"
+                f"no new version reached this engine: {why}; still serving version "
+                f"{self.last_version}"
             )
-        if not result.ok:
-            raise UpdateRejectedError(
-                f"update to version {result.version} rejected: {result.reason}; still serving "
-                f"version {self.sampler.version}"
-            )
-        if want is not None and result.version != want:
-            log.warning("asked for version %d, version %d arrived", want, result.version)
-        self._load(self.sampler.sub.weights)
-        self.last_version = result.version
-        log.info("vLLM worker now serves version %d (%.3f s)", result.version, result.seconds)
+        raise UpdateRejectedError(
+            f"update not loaded on this engine: {why}; still serving version {self.last_version}"
+        )
 
     def _load(self, weights: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.model_loader.reload import (
