@@ -197,31 +197,21 @@ def _tiny_opt(dst: Path) -> Path:
     """A tiny random-weight OPT (not a Llama-family model: its out_proj, fc1 and fc2 are names
     :func:`tpusync.rl.vllm.tp_layouts` does not know) with the tiny model's tokenizer, its LM head
     tied to the token embedding (OPT's default; TIED WEIGHTS CONTRACT in vllm/engine.py)."""
-    from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
+    from transformers import OPTConfig, OPTForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(tinymodel.tiny_model_dir())
-    tok.save_pretrained(dst)
-    config = OPTConfig(
-        vocab_size=len(tok),
+    from tpusync.core.tinymodel import tiny_model_of
+
+    return tiny_model_of(
+        dst,
+        OPTForCausalLM,
+        OPTConfig,
         hidden_size=128,
         ffn_dim=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         max_position_embeddings=512,
         word_embed_proj_dim=128,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.unk_token_id,
-        torch_dtype="float32",
     )
-    torch.manual_seed(5)
-    model = OPTForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)  # large weights: greedy outputs depend on every one
-    model.save_pretrained(dst, safe_serialization=True)
-    return dst
 
 
 def test_tp2_engine_of_a_non_llama_model_is_planned_from_its_workers_layouts(tmp_path):

@@ -25,6 +25,7 @@ pytest.importorskip("vllm")
 from tinymodel import tiny_model_dir  # noqa: E402
 from vllm_scenarios import BLOCK, PROMPT_LEN  # noqa: E402
 
+from tpusync.core.tinymodel import tiny_model_of  # noqa: E402
 from tpusync.vllm.tinymodel import SPEC  # noqa: E402
 
 FULL_BLOCKS = (PROMPT_LEN - 1) // BLOCK  # 7
@@ -79,13 +80,12 @@ def _tiny_gemma3(dst: Path) -> Path:
     over a sliding window of 64 tokens, layer 1 over the whole context (a hybrid model: vLLM's
     hybrid KV cache manager would give it two KV cache groups). Untied head: a tied one turns
     greedy decoding of random weights into one repeated token."""
-    import torch
-    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
-    tok.save_pretrained(dst)
-    config = Gemma3TextConfig(
-        vocab_size=len(tok),
+    return tiny_model_of(
+        dst,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -98,18 +98,7 @@ def _tiny_gemma3(dst: Path) -> Path:
         final_logit_softcapping=None,
         attn_logit_softcapping=None,
         tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        torch_dtype="float32",
     )
-    torch.manual_seed(5)
-    model = Gemma3ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)  # large weights: greedy outputs depend on every KV value
-    model.save_pretrained(dst, safe_serialization=True)
-    return dst
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 WORDS = (
     "the a an of to in and for on with at by from block cache host disk tier key value page "
@@ -61,7 +61,6 @@ def _corpus(seed: int, n: int = 4000) -> list[str]:
 
 def build(dst: Path, spec: TinySpec = TinySpec()) -> None:
     """Write the model and tokenizer described by ``spec`` into ``dst`` (created if absent)."""
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -105,14 +104,53 @@ def build(dst: Path, spec: TinySpec = TinySpec()) -> None:
         tie_word_embeddings=False,
         torch_dtype=spec.dtype,
     )
-    torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config)
-    if spec.weight_std is not None:
+    _save_random(dst, LlamaForCausalLM, config, spec.weight_std, spec.seed, spec.dtype)
+
+
+def _save_random(
+    dst: Path, model_cls: Any, config: Any, weight_std: float | None, seed: int, dtype: str
+) -> None:
+    """``model_cls(config)`` with seeded random weights (every matrix from N(0, weight_std);
+    None keeps the initialiser's), saved as safetensors in ``dst``."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    if weight_std is not None:
         with torch.no_grad():
             for p in model.parameters():
                 if p.dim() > 1:
-                    p.normal_(0.0, spec.weight_std)
-    model.to(getattr(torch, spec.dtype)).save_pretrained(dst, safe_serialization=True)
+                    p.normal_(0.0, weight_std)
+    model.to(getattr(torch, dtype)).save_pretrained(dst, safe_serialization=True)
+
+
+def tiny_model_of(
+    dst: Path,
+    model_cls: Any,
+    config_cls: Any,
+    *,
+    weight_std: float = 0.08,
+    seed: int = 5,
+    **config: Any,
+) -> Path:
+    """A tiny random-weight model of another architecture, written to ``dst``: the Hugging Face
+    ``model_cls(config_cls(**config))`` with the tiny Llama's tokenizer (:func:`tiny_model_dir`;
+    its vocabulary size and bos / eos / pad (unk) ids are filled in), float32, weights as in :func:`build`.
+    Tests use it for what the tiny Llama does not have (tied heads, learned positions,
+    sliding-window layers)."""
+    from transformers import AutoTokenizer
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
+    tok.save_pretrained(dst)
+    config.setdefault("vocab_size", len(tok))
+    config.setdefault("bos_token_id", tok.bos_token_id)
+    config.setdefault("eos_token_id", tok.eos_token_id)
+    config.setdefault("pad_token_id", tok.unk_token_id)
+    _save_random(
+        dst, model_cls, config_cls(torch_dtype="float32", **config), weight_std, seed, "float32"
+    )
+    return dst
 
 
 def tiny_model_dir(root: Path | str | None = None, spec: TinySpec = TinySpec()) -> Path:
