@@ -353,6 +353,14 @@ def test_vllm_server_takes_new_weights_over_http_and_keeps_serving_after_a_faile
         with urllib.request.urlopen(f"{base}/is_paused", timeout=10) as resp:
             assert json.loads(resp.read())["is_paused"] is False
         assert _complete(base, str(model_dir)) == after
+        # ENGINE OUTCOME CONTRACT: after the failed update the server takes the next version
+        # (version 2, the same weights).
+        with ThreadPoolExecutor(1) as pool:
+            published = pool.submit(trainer.publish, 2, new)
+            rlvllm.update_server(base, timeout=120, version=2)
+            rep2 = published.result(timeout=120)
+        assert rep2.ok and rep2.committed == ["0:0"], rep2.failed
+        assert _complete(base, str(model_dir)) == after
     except BaseException:
         _kill(fresh)
         raise
