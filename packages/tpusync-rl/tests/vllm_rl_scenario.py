@@ -80,16 +80,22 @@ def main() -> None:
 
         llm = make_llm(model, True, par)
         result["before"] = generate(llm)
-        rlvllm.init(
-            llm,
-            control=sys.argv[5],
-            replica=0,
-            params=rlvllm.checkpoint_params(model),
-            block_bytes=1 << 16,
-            pool_bytes=16 << 20,
-            # Sharded transfer is tensor-parallel only: a PP engine's workers take whole tensors.
-            sharded=not par.startswith("pp"),
-        )
+        options = {
+            "control": sys.argv[5],
+            "replica": 0,
+            "params": rlvllm.checkpoint_params(model),
+            "block_bytes": 1 << 16,
+            "pool_bytes": 16 << 20,
+        }
+        if par.startswith("pp"):
+            # Sharded transfer is tensor-parallel only: every worker refuses it on a PP engine
+            # (ENGINE OUTCOME CONTRACT, set-up: the engine stays usable for the next init).
+            try:
+                rlvllm.init(llm, sharded=True, **options)
+                result["sharded_init"] = "accepted"
+            except Exception as e:  # noqa: BLE001 - the test checks the message
+                result["sharded_init"] = f"{type(e).__name__}: {e}"
+        rlvllm.init(llm, sharded=not par.startswith("pp"), **options)
         t0 = time.monotonic()
         rlvllm.update(llm, timeout=300, version=1)
         result["update_s"] = time.monotonic() - t0

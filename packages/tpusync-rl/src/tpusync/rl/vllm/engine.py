@@ -115,13 +115,43 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         self._slices: dict[str, tuple[tuple[int, ...], Box]] = {}
 
     def init_transfer_engine(self, init_info: TpusyncInitInfo) -> None:
+        """Set up this worker's sampler, or raise on the engine's last worker only.
+
+        ENGINE OUTCOME CONTRACT, set-up: the workers exchange whether their set-up worked; if
+        any failed (a refused option, a port in use), those that succeeded close their sampler
+        again, so a corrected ``init`` finds every worker as before, and only the engine's last
+        worker raises, with every worker's reason (see :meth:`receive_weights` for why one).
+        """
+        rank = self.parallel_config.rank if hasattr(self.parallel_config, "rank") else 0
+        self._rank, self._world = int(rank), max(int(self.parallel_config.world_size), 1)
+        fresh = self.sampler is None
+        try:
+            self._init(init_info)
+            error = None
+        except Exception as e:  # noqa: BLE001 - reported below, by the last worker
+            error = e
+        outcomes = _engine_outcomes(
+            (self._rank, None, None if error is None else (type(error).__name__, str(error)))
+        )
+        failed = [(r, f) for r, _v, f in outcomes if f is not None]
+        if not failed:
+            return
+        if error is None and fresh and self.sampler is not None:
+            self.sampler.close()  # another worker failed: undo this one's set-up
+            self.sampler = None
+        if self._rank != self._world - 1:
+            return
+        why = "; ".join(f"worker {r}: {kind}: {msg}" for r, (kind, msg) in failed)
+        if all(kind == "ValueError" for _r, (kind, _m) in failed):
+            raise ValueError(f"tpusync weight transfer engine not set up on this engine: {why}")
+        raise RuntimeError(f"tpusync weight transfer engine not set up on this engine: {why}")
+
+    def _init(self, init_info: TpusyncInitInfo) -> None:
         if self.sampler is not None:
             raise RuntimeError("the tpusync weight transfer engine is already initialized")
         if not init_info.params:
             raise ValueError("init_info.params is empty: pass checkpoint_params(model_dir)")
-        rank = self.parallel_config.rank if hasattr(self.parallel_config, "rank") else 0
-        world = max(int(self.parallel_config.world_size), 1)
-        self._rank, self._world = int(rank), world
+        rank, world = self._rank, self._world
         dtype = _torch_dtype(init_info.dtype) if init_info.dtype else self.model_config.dtype
         if init_info.sharded:
             if int(getattr(self.parallel_config, "pipeline_parallel_size", 1)) > 1:
