@@ -135,9 +135,9 @@ def tiny_model_of(
 ) -> Path:
     """A tiny random-weight model of another architecture, written to ``dst``: the Hugging Face
     ``model_cls(config_cls(**config))`` with the tiny Llama's tokenizer (:func:`tiny_model_dir`;
-    its vocabulary size and bos / eos / pad (unk) ids are filled in), float32, weights as in :func:`build`.
-    Tests use it for what the tiny Llama does not have (tied heads, learned positions,
-    sliding-window layers)."""
+    its vocabulary size and bos / eos / pad (unk) ids are filled in), float32, weights as in
+    :func:`build`. Tests use it for what the tiny Llama does not have (tied heads, learned
+    positions, sliding-window layers)."""
     from transformers import AutoTokenizer
 
     dst.mkdir(parents=True, exist_ok=True)

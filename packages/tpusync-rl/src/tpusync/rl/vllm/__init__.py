@@ -13,9 +13,10 @@ post-load processing a fresh load runs, e.g. CPU weight repacking).
 
 ATOMICITY CONTRACT: the model is not touched until a whole version has landed and verified on
 every worker of the engine (ENGINE OUTCOME CONTRACT in engine.py); a rejected or timed-out update
-raises out of ``update_weights`` and the engine keeps serving the old weights. The load itself runs inside vLLM's ``update_weights`` RPC, between engine steps:
-with the offline ``LLM`` call :func:`update` between ``generate`` calls; with a server, pause
-generation first (vLLM's ``pause_generation``) so no request sees two versions.
+raises out of ``update_weights`` and the engine keeps serving the old weights. The load itself
+runs inside vLLM's ``update_weights`` RPC, between engine steps: with the offline ``LLM`` call
+:func:`update` between ``generate`` calls; with a server, pause generation first (vLLM's
+``pause_generation``) so no request sees two versions.
 
 This module imports vLLM only inside functions: tpusync-rl does not depend on vLLM.
 
@@ -173,8 +174,8 @@ def update(llm: Any, timeout: float, version: int | None = None) -> None:
 def _end_session(finish: Any) -> None:
     """After a failed ``update_weights``: end vLLM's update session on the workers that returned
     normally (ENGINE OUTCOME CONTRACT in engine.py: only the engine's last worker raised, and
-    vLLM closed the session on that one only). Its own refusal to finish a session it already
-    closed is expected and dropped; the update's error is what the caller sees."""
+    vLLM closed the session on that one only). The last worker's refusal to finish a session
+    vLLM already closed is expected and dropped; the update's error is what the caller sees."""
     try:
         finish()
     except Exception:  # noqa: BLE001 - the last worker's "without a matching start_weight_update"
