@@ -129,7 +129,7 @@ def tiny_model_of(
     model_cls: Any,
     config_cls: Any,
     *,
-    weight_std: float = 0.08,
+    weight_std: float | None = TinySpec.weight_std,
     seed: int = 5,
     **config: Any,
 ) -> Path:
