@@ -144,6 +144,15 @@ def sampler_main(spec: dict, q) -> None:
             time.sleep(delay)
 
         sampler._stage_view = sleepy_stage
+    refuse = spec.get("group_refuses")  # GROUP COMMIT CONTRACT: version -> the group's reason
+    confirmed: list[int] = []  # the versions this rank's confirm callback was asked about
+    confirm = None
+    if refuse is not None:
+
+        def confirm(version: int) -> str | None:
+            confirmed.append(version)
+            return refuse.get(version)
+
     q.put(("joined", spec["replica"], rank, None))
     timeouts = spec.get("timeouts", [spec.get("timeout", 30)] * spec["updates"])
     idle = spec.get("idle_before", {})  # update index -> seconds without polling first
@@ -154,9 +163,9 @@ def sampler_main(spec: dict, q) -> None:
         t0 = time.monotonic()
         if spec.get("paused"):
             with sub.paused():
-                res = sampler.update(timeout=timeouts[i])
+                res = sampler.update(timeout=timeouts[i], confirm=confirm)
         else:
-            res = sampler.update(timeout=timeouts[i])
+            res = sampler.update(timeout=timeouts[i], confirm=confirm)
         info = None
         if res is not None:
             info = {
@@ -174,6 +183,7 @@ def sampler_main(spec: dict, q) -> None:
                 "done_at": time.time(),
                 "pending_pulls": pending_pulls(sampler),
                 "pulls_abandoned": sampler.pulls_abandoned,
+                "confirmed": list(confirmed),
             }
         q.put(("update", spec["replica"], rank, info))
     sampler.close()

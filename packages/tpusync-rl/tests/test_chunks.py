@@ -90,6 +90,35 @@ def test_tp2_fp32_to_tp4_bf16_with_name_mapping():
     expect_equal(subs, full)
 
 
+def test_group_whose_ranks_each_hold_only_some_tensors_stages_only_its_own():
+    """A pipeline-parallel-like group: ranks 0-1 hold layer 0 (the weight split, the bias on
+    both), ranks 2-3 hold the embedding (split); a rank keeps no tensor of the other stage, is
+    planned nothing of it and commits with its own tensors only."""
+    stage0, stage1 = (0, 1), (2, 3)
+    layouts = {
+        engine_name("layers.0.w"): ShardLayout.split(SHAPES["layers.0.w"], 0, 2, stage0),
+        engine_name("layers.0.b"): ShardLayout.replicated(SHAPES["layers.0.b"], stage0),
+        engine_name("embed"): ShardLayout.split(SHAPES["embed"], 1, 2, stage1),
+    }
+    subs = []
+    for r in range(4):
+        mine = {n: lay for n, lay in layouts.items() if r in lay.ranks}
+        weights = {n: torch.zeros(lay.box_of(r).shape) for n, lay in mine.items()}
+        subs.append(WeightSubscriber(r, weights, layouts, name_map=engine_name))
+    full = full_weights(5)
+    push(1, full, subs)
+    for s in subs:
+        assert s.commit() == 1
+        held = {engine_name(n) for n in SHAPES if s.rank in layouts[engine_name(n)].ranks}
+        assert set(s.weights) == held, s.rank
+        for name in held:
+            box = layouts[name].box_of(s.rank)
+            index = tuple(slice(a, b) for a, b in zip(box.lo, box.hi, strict=True))
+            assert torch.equal(s.weights[name], full[name[len("model.") :]][index]), (s.rank, name)
+    with pytest.raises(ValueError, match="no local tensor for rank 2"):
+        WeightSubscriber(2, {}, layouts, name_map=engine_name)
+
+
 def test_digest_mismatch_rejects_and_keeps_old_version():
     subs = make_samplers()
     push(1, full_weights(1), subs)

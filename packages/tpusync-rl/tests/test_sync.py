@@ -936,6 +936,45 @@ def test_damaged_block_rejects_update_others_commit(caplog):
         trainer.close()
 
 
+def test_group_that_did_not_verify_a_version_keeps_every_rank_off_it():
+    """GROUP COMMIT CONTRACT: ranks 0 and 1 serve together (one engine). Version 2's block to
+    rank 1 is damaged; rank 0 verifies all of it, but its group (the callback standing in for
+    the engine's exchange) says rank 1 failed. Rank 0 then commits nothing and the trainer counts
+    it failed with the group's reason; the group's confirm is asked only about versions that
+    verified on that rank; version 3, asked for as a delta, reaches both (the failure made it a
+    full update, the base rank 0 would lack)."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(2, {})
+    trainer, eng = rank0(dst, cls=TamperingTrainer, pool_bytes=2 << 20, deadline=15.0)
+    why = "test: rank 1 of this group failed version 2"
+    group = {"group_refuses": {2: why}}
+    procs = start_samplers(q, trainer.control_address, eng, 1, 2, 3, common=group)
+    try:
+        trainer.wait_for_samplers(2, timeout=30)
+        full1, full3 = U.full_weights(61), U.full_weights(63)
+        assert trainer.publish(1, full1).ok
+        collect(q, 2)
+        rep = trainer.publish(2, U.full_weights(62))
+        assert rep.committed == [], rep.failed
+        assert rep.failed["0:0"] == why
+        assert "failed its checksum" in rep.failed["0:1"]
+        got = collect(q, 2)
+        for rank, info in ((0, got[(0, 0)]), (1, got[(0, 1)])):
+            assert not info["ok"] and info["version"] == 2 and info["serving"] == 1, rank
+            assert info["digest"] == U.expected_digest(full1, eng, rank, torch.bfloat16), rank
+        assert got[(0, 0)]["reason"] == why
+        assert got[(0, 0)]["confirmed"] == [1, 2] and got[(0, 1)]["confirmed"] == [1]
+        trainer.wait_for_samplers(2, timeout=30)  # both back in the group once they polled
+        rep3 = trainer.publish(3, full3, delta=True)
+        assert rep3.ok and rep3.committed == ["0:0", "0:1"], rep3.failed
+        for (_replica, rank), info in collect(q, 2).items():
+            assert info["ok"] and info["serving"] == 3, rank
+            assert info["digest"] == U.expected_digest(full3, eng, rank, torch.bfloat16), rank
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
 def test_version_skew_is_refused():
     """A sampler already at version 5 refuses version 3 and keeps serving 5."""
     q = U.ctx().Queue()

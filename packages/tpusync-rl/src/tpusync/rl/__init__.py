@@ -27,16 +27,16 @@ Available now (transport-agnostic cores, tested in-process):
   changed rows through rank 0's control channel; full updates after a failed version or
   differing bases.
 - :mod:`tpusync.rl.vllm`: the ``tpusync`` backend of vLLM's weight-transfer API (a running vLLM
-  engine as the sampler, or a vLLM OpenAI server over HTTP); each tensor-parallel worker pulls
-  only its slices (TP SLICE CONTRACT in :mod:`tpusync.rl.vllm.tp`), which the workers report to
-  a trainer built without ``dst_layouts`` (SAMPLER LAYOUTS CONTRACT in
-  :mod:`tpusync.rl.trainer`); imports vLLM only when vLLM calls it.
+  engine as the sampler, or a vLLM OpenAI server over HTTP); each worker pulls only its
+  tensor-parallel slices (TP SLICE CONTRACT in :mod:`tpusync.rl.vllm.tp`) of its own pipeline
+  stage's layers (PP STAGE RULE there), which the workers report to a trainer built without
+  ``dst_layouts`` (SAMPLER LAYOUTS CONTRACT in :mod:`tpusync.rl.trainer`); imports vLLM only
+  when vLLM calls it.
 
-NOT IMPLEMENTED YET: vLLM engines with pipeline parallelism take whole tensors on every worker
-(``sharded=False``); the trainer-side slice plan computed ahead of the engine (``tp_layouts``)
-knows the Llama-family checkpoint names only (Llama, Mistral, Qwen2; for other architectures let
-the workers report their slices: ``TrainerSync(dst_layouts=None)``). Tracked in the project's
-issues.
+NOT IMPLEMENTED YET: the trainer-side slice plan computed ahead of the engine (``tp_layouts``,
+tensor parallelism only) knows the Llama-family checkpoint names only (Llama, Mistral, Qwen2;
+for other architectures or pipeline parallelism let the workers report their slices:
+``TrainerSync(dst_layouts=None)``). Tracked in the project's issues.
 """
 
 from tpusync.core import require_api

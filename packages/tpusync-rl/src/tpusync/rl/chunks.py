@@ -350,7 +350,13 @@ def same_name(name: str) -> str:
 
 
 class WeightSubscriber:
-    """Sampler side of one rank: stages, verifies and commits versions of its weight shards."""
+    """Sampler side of one rank: stages, verifies and commits versions of its weight shards.
+
+    ``layouts`` are the sampler group's, over all its ranks; ``weights`` holds this rank's shard
+    of each tensor whose layout names this rank. A layout without this rank (another rank of
+    the group holds all of that tensor, e.g. a layer on another pipeline stage) needs no entry
+    in ``weights``: nothing of that tensor is planned for or staged on this rank.
+    """
 
     def __init__(
         self,
@@ -365,7 +371,11 @@ class WeightSubscriber:
         if mode not in ("shadow", "inplace"):
             raise ValueError(f"mode must be 'shadow' or 'inplace', not {mode!r}")
         for name, layout in layouts.items():
+            if rank not in layout.ranks:
+                continue
             box = layout.box_of(rank)
+            if name not in weights:
+                raise ValueError(f"{name}: no local tensor for rank {rank}'s shard {box}")
             if tuple(weights[name].shape) != box.shape:
                 raise ValueError(
                     f"{name}: local tensor shape {tuple(weights[name].shape)} != shard {box.shape}"
@@ -456,6 +466,8 @@ class WeightSubscriber:
                         f"{meta.name} -> {engine}: trainer shape {meta.layout.shape} != "
                         f"sampler shape {self._layouts[engine].shape}"
                     )
+                if self.rank not in self._layouts[engine].ranks:
+                    continue  # another rank of this group holds all of it
                 rows = manifest.rows_of(meta.name)
                 plan = ReshardPlan.build(meta.layout, self._layouts[engine], rows)
                 mine = plan.to(self.rank)
@@ -604,23 +616,37 @@ class WeightSubscriber:
     def _missing(p: _Pending) -> list[tuple[str, Box]]:
         return [k for k, t in p.expected.items() if p.covered.get(k, 0) != t.box.size]
 
+    def verify(self) -> int:
+        """The staged version's number once all of it arrived and verified; otherwise raises
+        UpdateRejectedError exactly as :meth:`commit` would (the staged version is dropped, the
+        old one kept). A :meth:`commit` right after a ``verify`` that returned, with no other
+        call on this subscriber in between, cannot fail (GROUP COMMIT CONTRACT in
+        :mod:`tpusync.rl.sampler`)."""
+        with self._lock:
+            return self._verified().manifest.version
+
+    def _verified(self) -> _Pending:
+        """The staged update, complete and verified (lock held); else drop it and raise."""
+        p = self._pending
+        if p is None:
+            raise UpdateRejectedError("nothing staged")
+        missing = self._missing(p)
+        if p.error or missing:
+            reason = p.error or f"{len(missing)} chunks missing, e.g. {missing[0][0]}"
+            self._drop(p)
+            self.metrics["updates_rejected"] += 1
+            log.error("rank %d: update %d rejected: %s", self.rank, p.manifest.version, reason)
+            raise UpdateRejectedError(
+                f"update {p.manifest.version} rejected on rank {self.rank}: {reason}; "
+                f"still serving version {self._version}"
+                + (" (in-place: weights are dirty until a full update)" if self.dirty else "")
+            )
+        return p
+
     def commit(self) -> int:
         """Make the staged version current; raises UpdateRejectedError (old version kept)."""
         with self._lock:
-            p = self._pending
-            if p is None:
-                raise UpdateRejectedError("nothing staged")
-            missing = self._missing(p)
-            if p.error or missing:
-                reason = p.error or f"{len(missing)} chunks missing, e.g. {missing[0][0]}"
-                self._drop(p)
-                self.metrics["updates_rejected"] += 1
-                log.error("rank %d: update %d rejected: %s", self.rank, p.manifest.version, reason)
-                raise UpdateRejectedError(
-                    f"update {p.manifest.version} rejected on rank {self.rank}: {reason}; "
-                    f"still serving version {self._version}"
-                    + (" (in-place: weights are dirty until a full update)" if self.dirty else "")
-                )
+            p = self._verified()
             if self.mode == "shadow":
                 merged = dict(self._weights)
                 merged.update(p.staging)

@@ -5,6 +5,16 @@
 (SHARED-SEGMENT CONTRACT in :mod:`tpusync.rl.sharing`); it beats to trainer rank 0 while it lives
 (HEARTBEAT CONTRACT) and asks it for a new source when its parent is lost (RE-PARENTING CONTRACT,
 both in :mod:`tpusync.rl.membership`). PIPELINE and FAULT CONTRACTS: :mod:`tpusync.rl.trainer`.
+
+GROUP COMMIT CONTRACT: ranks that serve only together (the tensor- and pipeline-parallel workers
+of one inference engine) pass :meth:`SamplerSync.update` a ``confirm`` callback. It is called
+once this rank's whole version arrived and verified, before anything is committed, and says
+whether every rank of the group verified it too (None) or why not (a reason). On a reason the
+version is rejected here exactly like a failed pull: nothing committed, the rank keeps serving
+its version, its forwarded sends are cancelled (RE-PARENTING CONTRACT), and trainer rank 0 is
+told it failed, with that reason. So the trainer's report never counts a rank committed whose
+group kept the old version, and the next version is not a delta on one it never served. Without
+``confirm`` a verified version is committed at once.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -311,11 +321,15 @@ class SamplerSync:
                 )
             time.sleep(0.05)
 
-    def update(self, timeout: float) -> UpdateResult | None:
+    def update(
+        self, timeout: float, confirm: Callable[[int], str | None] | None = None
+    ) -> UpdateResult | None:
         """Wait up to ``timeout`` s for a version newer than ours and apply it.
 
         Returns None when none was announced in time (or trainer rank 0 is unreachable): the
         current version keeps being served. Never raises for a failed update; the result says why.
+        ``confirm(version)``: the GROUP COMMIT CONTRACT, called at most once, only for a version
+        that verified on this rank (an exception it raises rejects the version like a reason).
         """
         end = time.monotonic() + timeout
         msg = {
@@ -341,7 +355,7 @@ class SamplerSync:
             self._start_beats(reply.get("silence"))  # HEARTBEAT CONTRACT: from the first poll
             if reply.get("op") == "announce":
                 self._seen = max(self._seen, int(reply["version"]))
-                result = self._apply(reply)
+                result = self._apply(reply, confirm)
                 self.history.append(result)
                 return result
             time.sleep(self._poll)
@@ -370,7 +384,7 @@ class SamplerSync:
                 e,
             )
 
-    def _apply(self, ann: dict) -> UpdateResult:
+    def _apply(self, ann: dict, confirm: Callable[[int], str | None] | None) -> UpdateResult:
         t0 = time.monotonic()
         version = int(ann["version"])
         deadline = t0 + float(ann["deadline"])
@@ -435,6 +449,11 @@ class SamplerSync:
                     parent=None if parent is None else _key(parent, me),
                     trainers=ann["trainers"],
                 )
+            if confirm is not None:  # GROUP COMMIT CONTRACT
+                self.sub.verify()
+                why = confirm(version)
+                if why is not None:
+                    raise UpdateRejectedError(why)
             committed = self.sub.commit()
             result = UpdateResult(
                 committed,

@@ -5,13 +5,15 @@ One engine per vLLM worker process. ``init_transfer_engine`` opens a
 the trainer's tensors under their checkpoint names (shadow mode, double-buffered); every
 ``update_weights`` pulls one version, and only a verified, committed version is loaded into the
 model (vLLM's layerwise reload: ``load_weights`` followed by the same post-load processing as a
-fresh load). SHARDING CONTRACT: with ``sharded`` (the default) worker ``r`` of a TP engine is
+fresh load). SHARDING CONTRACT: with ``sharded`` (the default) worker ``r`` of an engine is
 sampler rank ``r`` and receives only the slice of each checkpoint tensor its ``load_weights``
-keeps (:mod:`tpusync.rl.vllm.tp`, TP SLICE CONTRACT); the workers report these layouts to a
-trainer without ``dst_layouts`` (SAMPLER LAYOUTS CONTRACT), or the trainer's ``dst_layouts`` are
+keeps, and nothing of the tensors of other pipeline stages (:mod:`tpusync.rl.vllm.tp`, TP SLICE
+CONTRACT and PP STAGE RULE). At ``init`` the workers exchange their parts, so every worker
+reports the same engine-wide layouts to a trainer without ``dst_layouts`` (SAMPLER LAYOUTS
+CONTRACT); or, for tensor parallelism alone, the trainer's ``dst_layouts`` are
 :func:`~tpusync.rl.vllm.tp.tp_layouts`. Before the load each slice is placed in a tensor of the
 checkpoint's shape, of which ``load_weights`` reads only that slice. With ``sharded=False`` every
-worker receives whole tensors (``dst_layouts``: ``ShardLayout.replicated(shape, range(tp))``).
+worker receives whole tensors (``dst_layouts``: ``ShardLayout.replicated(shape, range(world))``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from vllm.distributed.weight_transfer.base import (
 from tpusync.rl.chunks import UpdateRejectedError, WeightSubscriber, _torch_dtype
 from tpusync.rl.layout import Box, ShardLayout
 from tpusync.rl.sampler import SamplerSync
-from tpusync.rl.vllm.tp import worker_layouts
+from tpusync.rl.vllm.tp import worker_boxes
 
 log = logging.getLogger("tpusync.rl")
 
@@ -101,6 +103,42 @@ def _engine_outcomes(mine: tuple) -> list[tuple]:
     return sorted(rows, key=lambda row: row[0])
 
 
+def _why(error: BaseException | None) -> tuple[str, str] | None:
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def _engine_layouts(params: dict[str, list], rows: list[tuple]) -> dict[str, ShardLayout]:
+    """Every checkpoint tensor's layout over the engine's workers, from each worker's parts
+    (``rows``: ``(rank, {name: (lo, hi)}, None)``, every worker's the same): the same on every
+    worker, so the trainer plans for one group. A worker's pipeline stage without the tensor
+    holds no part of it."""
+    out = {}
+    for name, (shape, _dtype) in params.items():
+        shards = tuple(
+            (r, Box(tuple(part[name][0]), tuple(part[name][1])))
+            for r, part, _f in rows
+            if name in part
+        )
+        # A tensor no stage loads (its layer is missing everywhere) goes whole to every worker,
+        # as without sharding; load_weights skips it.
+        out[name] = (
+            ShardLayout(tuple(shape), shards)
+            if shards
+            else ShardLayout.replicated(shape, (r for r, _p, _f in rows))
+        )
+    return out
+
+
+def _failures(outcomes: list[tuple]) -> list[tuple[int, tuple[str, str]]]:
+    """The workers that did not verify, as ``(rank, (kind, reason))``; when every worker
+    verified but not the same version (they polled across an announcement), all of them."""
+    failed = [(r, f) for r, _v, f in outcomes if f is not None]
+    versions = {v for _r, v, f in outcomes if f is None}
+    if not failed and len(versions) > 1:
+        failed = [(r, ("rejected", f"verified version {v}")) for r, v, _f in outcomes]
+    return failed
+
+
 class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncUpdateInfo]):
     init_info_cls = TpusyncInitInfo
     update_info_cls = TpusyncUpdateInfo
@@ -117,23 +155,31 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
     def init_transfer_engine(self, init_info: TpusyncInitInfo) -> None:
         """Set up this worker's sampler, or raise on the engine's last worker only.
 
-        ENGINE OUTCOME CONTRACT, set-up: the workers exchange whether their set-up worked; if
-        any failed (a refused option, a port in use), those that succeeded close their sampler
-        again, so a corrected ``init`` finds every worker as before, and only the engine's last
-        worker raises, with every worker's reason (see :meth:`receive_weights` for why one).
+        ENGINE OUTCOME CONTRACT, set-up, in two exchanges every worker takes part in: first
+        each worker's part of every checkpoint tensor (or why it has none: a refused option),
+        from which every worker builds the same engine-wide layouts (SHARDING CONTRACT); then,
+        once each opened its sampler, whether that worked (a port in use). If any worker failed,
+        those that succeeded close their sampler again, so a corrected ``init`` finds every
+        worker as before, and only the engine's last worker raises, with every worker's reason
+        (see :meth:`receive_weights` for why one).
         """
         rank = self.parallel_config.rank if hasattr(self.parallel_config, "rank") else 0
         self._rank, self._world = int(rank), max(int(self.parallel_config.world_size), 1)
         fresh = self.sampler is None
+        part, error = None, None
         try:
-            self._init(init_info)
-            error = None
+            part = self._my_boxes(init_info)
         except Exception as e:  # noqa: BLE001 - reported below, by the last worker
             error = e
-        outcomes = _engine_outcomes(
-            (self._rank, None, None if error is None else (type(error).__name__, str(error)))
-        )
-        failed = [(r, f) for r, _v, f in outcomes if f is not None]
+        rows = _engine_outcomes((self._rank, part, _why(error)))
+        failed = [(r, f) for r, _p, f in rows if f is not None]
+        if not failed:
+            try:
+                self._open(init_info, _engine_layouts(init_info.params, rows))
+            except Exception as e:  # noqa: BLE001 - reported below, by the last worker
+                error = e
+            rows = _engine_outcomes((self._rank, None, _why(error)))
+            failed = [(r, f) for r, _p, f in rows if f is not None]
         if not failed:
             return
         if error is None and fresh and self.sampler is not None:
@@ -146,26 +192,32 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
             raise ValueError(f"tpusync weight transfer engine not set up on this engine: {why}")
         raise RuntimeError(f"tpusync weight transfer engine not set up on this engine: {why}")
 
-    def _init(self, init_info: TpusyncInitInfo) -> None:
+    def _my_boxes(self, init_info: TpusyncInitInfo) -> dict[str, tuple[list, list]]:
+        """This worker's part of each checkpoint tensor it loads, ``name -> (lo, hi)``
+        (SHARDING CONTRACT); raises for a refused set-up."""
         if self.sampler is not None:
             raise RuntimeError("the tpusync weight transfer engine is already initialized")
         if not init_info.params:
             raise ValueError("init_info.params is empty: pass checkpoint_params(model_dir)")
-        rank, world = self._rank, self._world
-        dtype = _torch_dtype(init_info.dtype) if init_info.dtype else self.model_config.dtype
-        if init_info.sharded:
-            if int(getattr(self.parallel_config, "pipeline_parallel_size", 1)) > 1:
-                raise ValueError(
-                    "sharded weight transfer supports tensor parallelism only, not "
-                    "pipeline_parallel_size > 1: pass sharded=False (whole tensors to every worker)"
-                )
-            layouts = worker_layouts(self.model, init_info.params, world)
-        else:
-            layouts = {
-                name: ShardLayout.replicated(tuple(shape), range(world))
-                for name, (shape, _dtype) in init_info.params.items()
+        if not init_info.sharded:
+            return {
+                n: ([0] * len(shape), list(shape)) for n, (shape, _d) in init_info.params.items()
             }
-        self._slices = {name: (lay.shape, lay.box_of(rank)) for name, lay in layouts.items()}
+        from vllm.distributed import parallel_state as ps
+
+        tp = ps.get_tp_group()
+        boxes = worker_boxes(self.model, init_info.params, tp.rank_in_group, tp.world_size)
+        return {n: (list(b.lo), list(b.hi)) for n, b in boxes.items()}
+
+    def _open(self, init_info: TpusyncInitInfo, layouts: dict[str, ShardLayout]) -> None:
+        """Stage buffers for this worker's parts and open its sampler."""
+        rank = self._rank
+        dtype = _torch_dtype(init_info.dtype) if init_info.dtype else self.model_config.dtype
+        self._slices = {
+            name: (lay.shape, lay.box_of(rank))
+            for name, lay in layouts.items()
+            if rank in lay.ranks
+        }
         weights = {
             name: torch.zeros(box.shape, dtype=dtype, device="cpu")
             for name, (_shape, box) in self._slices.items()
@@ -197,21 +249,34 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         """Pull one version and load it, or raise on the engine's last worker only.
 
         ENGINE OUTCOME CONTRACT: the workers of one engine (its tensor- and pipeline-parallel
-        ranks) agree on the outcome before any of them touches its model: each pulls and
-        verifies its slices, then they exchange outcomes (a gather over the engine's CPU process
-        groups), and the version is loaded on every worker or on none, so the engine never
-        serves two versions at once. When it is not loaded, only the engine's last worker
-        (rank world - 1) raises, with every worker's reason; the others return normally. vLLM's
-        multiprocess executor reads the workers' replies in rank order and stops at the first
-        error, so an error of any earlier worker would stay queued and be read as the reply to
-        the engine's next RPC: every later call failed with that stale error (a TP=2 engine after
-        one timed-out update), and a pipeline-parallel engine died at its next step. The workers
-        that returned normally still hold vLLM's update session open; :func:`tpusync.rl.vllm.update`
-        and ``update_server`` end it with ``finish_weight_update`` after a failure.
+        ranks) agree on the outcome before any of them commits or touches its model: each pulls
+        and verifies its slices, then they exchange outcomes (a gather over the engine's CPU
+        process groups; for a worker that verified, inside its sampler's GROUP COMMIT CONTRACT
+        callback), and the version is committed and loaded on every worker or on none, so the
+        engine never serves two versions at once and the trainer's report counts a worker
+        committed only when its engine loaded the version. When it is not loaded, only the
+        engine's last worker (rank world - 1) raises, with every worker's reason; the others
+        return normally. vLLM's multiprocess executor reads the workers' replies in rank order
+        and stops at the first error, so an error of any earlier worker would stay queued and be
+        read as the reply to the engine's next RPC: every later call failed with that stale
+        error (a TP=2 engine after one timed-out update), and a pipeline-parallel engine died at
+        its next step. The workers that returned normally still hold vLLM's update session open;
+        :func:`tpusync.rl.vllm.update` and ``update_server`` end it with ``finish_weight_update``
+        after a failure.
         """
         if self.sampler is None:
             raise RuntimeError("call init_weight_transfer_engine before update_weights")
         want = update_info.version
+        gathered: list[list[tuple]] = []  # the one exchange of this RPC, once it happened
+
+        def confirm(version: int) -> str | None:
+            gathered.append(_engine_outcomes((self._rank, version, None)))
+            failed = _failures(gathered[0])
+            if not failed:
+                return None
+            why = "; ".join(f"worker {r}: {msg}" for r, (_kind, msg) in failed)
+            return f"verified here but not loaded: other workers of this engine failed it: {why}"
+
         result = None
         if want is not None and self.sampler.version >= want:
             failure = (
@@ -219,7 +284,7 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
                 f"version {want} requested but this worker already took {self.sampler.version}",
             )
         else:
-            result = self.sampler.update(timeout=update_info.timeout)
+            result = self.sampler.update(timeout=update_info.timeout, confirm=confirm)
             if result is None:
                 failure = (
                     "timeout",
@@ -233,28 +298,17 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
                 )
             else:
                 failure = None
-        mine = (self._rank, None if result is None else result.version, failure)
-        outcomes = _engine_outcomes(mine)
-        failed = [(r, f) for r, _v, f in outcomes if f is not None]
-        versions = {v for _r, v, f in outcomes if f is None}
-        if not failed and len(versions) > 1:
-            failed = [(r, ("rejected", f"verified version {v}")) for r, v, _f in outcomes]
+        if not gathered:  # this worker failed before its version verified
+            gathered.append(_engine_outcomes((self._rank, None, failure)))
+        failed = _failures(gathered[0])
         if not failed:
-            assert result is not None
+            assert result is not None and result.ok, result
             if want is not None and result.version != want:
                 log.warning("asked for version %d, version %d arrived", want, result.version)
             self._load(self.sampler.sub.weights)
             self.last_version = result.version
             log.info("vLLM worker now serves version %d (%.3f s)", result.version, result.seconds)
             return
-        if result is not None and result.ok:
-            log.warning(
-                "version %d verified on worker %d but not loaded: other workers of this engine "
-                "did not verify it; still serving version %d",
-                result.version,
-                self._rank,
-                self.last_version,
-            )
         if self._rank != self._world - 1:
             return
         why = "; ".join(f"worker {r}: {msg}" for r, (_kind, msg) in failed)

@@ -20,6 +20,12 @@ TP SLICE CONTRACT: two functions name the same slices from two sides.
   (another layer class, a quantized method, a fused checkpoint tensor) gets the whole tensor,
   which ``load_weights`` cuts as it always does.
 
+PP STAGE RULE (:func:`worker_boxes`): with pipeline parallelism a worker loads only its stage's
+layers, so it takes no part of a tensor whose target parameter lies under one of vLLM's
+missing-layer placeholders on its stage (how vLLM's own loaders skip them); a name it cannot
+place stays. The workers of an engine combine their parts into one layout per tensor
+(:mod:`tpusync.rl.vllm.engine`, SHARDING CONTRACT).
+
 The worker's boxes are its sampler layout; the trainer's plan must name the same boxes or the
 sampler refuses the version before anything moves ("the trainer plans for sampler layout ...").
 So a model the plan does not know is refused, never loaded wrong; publish it with
@@ -164,15 +170,10 @@ def worker_layouts(model: Any, params: Mapping[str, Any], world: int) -> dict[st
                 return _span(shape, 0, min(r * per, vocab), min((r + 1) * per, vocab))
         return None
 
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
     out = {}
     for name, (shape, _dtype) in params.items():
         shape = tuple(int(n) for n in shape)
-        mapped = (
-            mapper._map_name_with_shard(name)
-            if hasattr(mapper, "_map_name_with_shard")
-            else (name, None)
-        )
+        mapped = _target(model, name)
         module, shard, leaf = None, None, ""
         if mapped is not None and shape:
             target, shard = mapped
@@ -186,4 +187,32 @@ def worker_layouts(model: Any, params: Mapping[str, Any], world: int) -> dict[st
         if any(b is None for b in boxes):
             boxes = [_whole(shape)] * world
         out[name] = ShardLayout(shape, tuple(enumerate(boxes)))
+    return out
+
+
+def _target(model: Any, name: str) -> tuple[str, Any] | None:
+    """The model parameter checkpoint tensor ``name`` loads into, and which shard of it (through
+    the model's ``hf_to_vllm_mapper``; the name itself without one); None: ignored by the model."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if hasattr(mapper, "_map_name_with_shard"):
+        return mapper._map_name_with_shard(name)
+    return name, None
+
+
+def worker_boxes(model: Any, params: Mapping[str, Any], rank: int, tp: int) -> dict[str, Box]:
+    """This worker's part of each checkpoint tensor its ``load_weights`` keeps: tensor-parallel
+    rank ``rank`` of ``tp``'s slice (:func:`worker_layouts`), and nothing of a tensor whose layer
+    sits on another pipeline stage (PP STAGE RULE: the name's target parameter lies under a
+    module vLLM replaced by its missing-layer placeholder on this stage, the test its own
+    loaders skip such parameters by). A name this cannot place stays (whole or sliced): a
+    worker may receive a tensor it does not load, never miss one it does."""
+    from vllm.model_executor.models.utils import get_pp_missing_layer_names
+
+    missing = tuple(get_pp_missing_layer_names(model))
+    out = {}
+    for name, lay in worker_layouts(model, params, tp).items():
+        mapped = _target(model, name)
+        if missing and mapped is not None and mapped[0].startswith(missing):
+            continue
+        out[name] = lay.box_of(rank)
     return out
