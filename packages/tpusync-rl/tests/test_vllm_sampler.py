@@ -53,22 +53,29 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
     )
 
 
-def _kill(*procs: subprocess.Popen) -> None:
-    """SIGKILL each process's group (vLLM's engine-core and worker children die with it)."""
+def _kill(*procs: subprocess.Popen, grace: float = 0.0) -> None:
+    """SIGKILL each process's group (vLLM's engine-core and worker children die with it), after
+    up to ``grace`` s for the group to end on its own: once the scenario exited, its children
+    take ~2 s to shut down and unlink their /dev/shm segments, which a SIGKILL would leak."""
+    end = time.monotonic() + grace
     for proc in procs:
         try:
+            while time.monotonic() < end:
+                os.killpg(proc.pid, 0)
+                time.sleep(0.05)
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
 
 def _finish(proc: subprocess.Popen, out: Path, log: Path, timeout: float = 600) -> dict:
+    rc = None
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        rc = None
+        pass
     finally:
-        _kill(proc)
+        _kill(proc, grace=15.0 if rc == 0 else 0.0)
         proc.wait(timeout=30)
     if rc != 0 or not out.exists():
         pytest.fail(f"{proc.args} failed (rc {rc}):\n{log.read_text(errors='replace')[-6000:]}")

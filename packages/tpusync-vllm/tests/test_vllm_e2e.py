@@ -51,12 +51,19 @@ def _run(name: str, model: Path, tmp_path_factory, *args: str) -> dict:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        rc = None
         try:
             rc = proc.wait(timeout=600)
         except subprocess.TimeoutExpired:
-            rc = None
+            pass
         finally:
+            # After a clean exit the children take ~2 s to shut down and unlink their /dev/shm
+            # segments (a SIGKILL then would leak them): up to 15 s for the group to end.
+            end = time.monotonic() + (15.0 if rc == 0 else 0.0)
             try:
+                while time.monotonic() < end:
+                    os.killpg(proc.pid, 0)
+                    time.sleep(0.05)
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
