@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from tpusync.rl import TrainerSync
+
 SECRET = b"tpusync-rl-test-secret-0123456789"
 SHAPES = {
     "embed": (256, 160),
@@ -60,6 +62,17 @@ def expected_digest(full, layouts, rank, dtype) -> dict[str, int]:
         lay = layouts[engine_name(name)]
         out[engine_name(name)] = shard(t, lay.box_of(rank)).to(dtype)
     return weights_digest(out)
+
+
+class TamperingTrainer(TrainerSync):
+    """Fault injection: flips one byte of the first block of version 2 sent to sampler rank 1
+    (stream 0 -> rank 1), after its checksum was taken."""
+
+    def _fill(self, block, plan, index, version, *a):
+        checksum = super()._fill(block, plan, index, version, *a)
+        if version == 2 and plan.dst == 1 and index == 0:
+            self._ep.pool.view(block)[0] ^= 0xFF
+        return checksum
 
 
 def sampler_main(spec: dict, q) -> None:

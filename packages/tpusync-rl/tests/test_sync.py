@@ -900,20 +900,10 @@ def test_trainer_dying_leaves_samplers_on_the_old_version():
         join_all(procs + [tp])
 
 
-class TamperingTrainer(TrainerSync):
-    """Flips one byte of the first block of stream (0 -> rank 1) after its checksum was taken."""
-
-    def _fill(self, block, plan, index, version, *a):
-        checksum = super()._fill(block, plan, index, version, *a)
-        if version == 2 and plan.dst == 1 and index == 0:
-            self._ep.pool.view(block)[0] ^= 0xFF
-        return checksum
-
-
 def test_damaged_block_rejects_update_others_commit(caplog):
     q = U.ctx().Queue()
     dst = tp_layouts(2, {})
-    trainer, eng = rank0(dst, cls=TamperingTrainer, pool_bytes=2 << 20, deadline=15.0)
+    trainer, eng = rank0(dst, cls=U.TamperingTrainer, pool_bytes=2 << 20, deadline=15.0)
     procs = start_samplers(q, trainer.control_address, eng, 1, 2, 2)
     try:
         trainer.wait_for_samplers(2, timeout=30)
@@ -945,7 +935,7 @@ def test_group_that_did_not_verify_a_version_keeps_every_rank_off_it():
     full update, the base rank 0 would lack)."""
     q = U.ctx().Queue()
     dst = tp_layouts(2, {})
-    trainer, eng = rank0(dst, cls=TamperingTrainer, pool_bytes=2 << 20, deadline=15.0)
+    trainer, eng = rank0(dst, cls=U.TamperingTrainer, pool_bytes=2 << 20, deadline=15.0)
     why = "test: rank 1 of this group failed version 2"
     group = {"group_refuses": {2: why}}
     procs = start_samplers(q, trainer.control_address, eng, 1, 2, 3, common=group)
@@ -1531,7 +1521,7 @@ def test_damaged_block_on_the_shared_segment_rejects_update_others_commit():
     q = U.ctx().Queue()
     dst = tp_layouts(2, {})
     trainer, eng = rank0(
-        dst, cls=TamperingTrainer, pool_bytes=2 << 20, same_host=True, deadline=15.0
+        dst, cls=U.TamperingTrainer, pool_bytes=2 << 20, same_host=True, deadline=15.0
     )
     procs = start_samplers(q, trainer.control_address, eng, 1, 2, 2, common={"same_host": True})
     try:

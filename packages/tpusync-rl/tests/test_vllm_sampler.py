@@ -97,16 +97,6 @@ def _perturbed(model_dir: Path, dst: Path) -> dict[str, torch.Tensor]:
     return new
 
 
-class _DamagingTrainer(TrainerSync):
-    """Flips one byte of the first block sent to worker 1 of version 2, after its checksum."""
-
-    def _fill(self, block, plan, index, version, *a):
-        checksum = super()._fill(block, plan, index, version, *a)
-        if version == 2 and plan.dst == 1 and index == 0:
-            self._ep.pool.view(block)[0] ^= 0xFF
-        return checksum
-
-
 def _update_next_to_fresh(
     tmp_path, model_dir, new_dir, new, tp, dst, check, par=None, damaged=None
 ):
@@ -121,7 +111,7 @@ def _update_next_to_fresh(
     fresh_out, fresh_log = tmp_path / "fresh.json", tmp_path / "fresh.log"
     fresh = _start(["generate", str(new_dir), str(fresh_out), par], fresh_log)
     # Small blocks: bytes_sent counts whole blocks.
-    cls = TrainerSync if damaged is None else _DamagingTrainer
+    cls = TrainerSync if damaged is None else U.TamperingTrainer
     trainer = cls(0, 1, dst, secret=U.SECRET, block_bytes=1 << 16, pool_bytes=16 << 20)
     rep2 = None
     upd_out, upd_log = tmp_path / "update.json", tmp_path / "update.log"
