@@ -148,32 +148,41 @@ def test_pd_of_a_hybrid_model_decodes_with_identical_output(gemma3_dir, tmp_path
     assert pd["worker_totals_tcp"]["loaded_blocks"] == 2 * FULL_BLOCKS
 
 
-def test_tensor_parallel_workers_each_store_and_load_their_own_heads(model_dir, tmp_path_factory):
-    r = _run("tp2", model_dir, tmp_path_factory)
+@pytest.mark.parametrize("par", ["2", "pp2"], ids=["tp2", "pp2"])
+def test_parallel_workers_each_store_and_load_what_they_hold(model_dir, tmp_path_factory, par):
+    """RANK CONTRACT: with TP=2 each worker stores its own heads of every layer, with PP=2 every
+    head of its own stage's layers; the scheduler's hit is the run both ranks hold."""
+    r = _run("parallel", model_dir, tmp_path_factory, par)
     assert r["hits_after_cold"]["hit_blocks"] == 0
     assert r["hits_after_warm"]["hit_blocks"] == FULL_BLOCKS
     assert r["warm"]["cached"] == FULL_BLOCKS * BLOCK
     assert r["warm"]["tokens"] == r["cold"]["tokens"]
-    # Both ranks hold every block of the prompt, each its own half of the heads.
     assert sorted(w["rank"] for w in r["workers"]) == [0, 1]
     assert [w["held"] for w in r["workers"]] == [FULL_BLOCKS] * 2
-    # K and V of every layer for the block's tokens, of ONE of the model's two kv heads.
-    half = SPEC.num_layers * 2 * BLOCK * (SPEC.num_kv_heads // 2) * SPEC.head_dim * 4
-    assert [w["key_bytes"] for w in r["workers"]] == [half, half]
+    layers = [w["layers"] for w in r["workers"]]
+    if par == "pp2":  # each stage one of the model's two layers, all of its kv heads
+        assert all(len(names) == SPEC.num_layers // 2 for names in layers), layers
+        assert len(set(layers[0]) | set(layers[1])) == SPEC.num_layers
+        per_rank = (SPEC.num_layers // 2) * 2 * BLOCK * SPEC.num_kv_heads * SPEC.head_dim * 4
+    else:  # K and V of every layer for the block's tokens, of ONE of the two kv heads
+        assert all(len(names) == SPEC.num_layers for names in layers), layers
+        per_rank = SPEC.num_layers * 2 * BLOCK * (SPEC.num_kv_heads // 2) * SPEC.head_dim * 4
+    assert [w["key_bytes"] for w in r["workers"]] == [per_rank, per_rank]
     assert r["corrupt"]["tokens"] != r["cold"]["tokens"]  # what loads is what runs
-    # Each stored block is announced once, when both ranks stored their halves, not per rank.
+    # Each stored block is announced once, when both ranks stored their parts, not per rank.
     stored = [e for e in r["events"] if e["type"] == "BlockStored"]
     assert sum(e["n"] for e in stored) == r["hits_after_warm"]["planned_saves"]
 
 
-def test_pd_with_tensor_parallelism_pulls_each_ranks_heads_from_the_same_rank(
-    model_dir, tmp_path_factory
-):
-    # PER-RANK P/D CONTRACT: producer and consumer both TP=2; consumer worker r pulls from
-    # producer worker r (each holds only its own heads' KV).
-    r = _run("pd_tp2", model_dir, tmp_path_factory)
+@pytest.mark.parametrize("par", ["2", "pp2"], ids=["tp2", "pp2"])
+def test_pd_pulls_each_ranks_part_from_the_same_rank(model_dir, tmp_path_factory, par):
+    # PER-RANK P/D CONTRACT: producer and consumer both TP=2 (or both PP=2); consumer worker r
+    # pulls from producer worker r (each holds only its own heads' / stage's KV).
+    r = _run("pd_parallel", model_dir, tmp_path_factory, par)
     ranks = r["kv_transfer_params"]["tpusync_ranks"]
     assert len(ranks) == 2 and ranks[0][0] != ranks[1][0]  # two producer workers, two addresses
+    tp, pp = (1, 2) if par == "pp2" else (2, 1)
+    assert r["kv_transfer_params"]["tpusync_layout"] == [tp, pp]
     assert r["stats"]["pd_recv_blocks"] == FULL_BLOCKS
     assert sorted(x["rank"] for x in r["ranks"]) == [0, 1]
     for x in r["ranks"]:
@@ -182,6 +191,10 @@ def test_pd_with_tensor_parallelism_pulls_each_ranks_heads_from_the_same_rank(
     # Prefilled by a producer with another number of ranks: not pulled, computed here.
     assert r["stats_mismatch"]["pd_recv_blocks"] == FULL_BLOCKS
     assert r["mismatch"]["tokens"] == r["single_other"]["tokens"]
+    # As many ranks of another layout (TP=2 for PP=2 or the reverse): not pulled either.
+    assert r["stats_other_layout"]["pd_recv_blocks"] == FULL_BLOCKS
+    assert r["other_layout"]["tokens"] == r["single_other"]["tokens"]
+    assert f"of layout TP={pp} x PP={tp}" in r["stderr"]
 
 
 @pytest.fixture(scope="module")
@@ -515,3 +528,13 @@ def test_pd_params_name_one_peer_per_producer_rank_and_malformed_ones_are_refuse
             _pd_peers({**legacy, "tpusync_ranks": bad})
     with pytest.raises(KeyError):
         _pd_peers({"remote_port": 1})
+
+
+def test_pd_params_name_the_producers_layout_and_malformed_ones_are_refused():
+    from tpusync.vllm.connector import _pd_layout
+
+    assert _pd_layout({}, 2) == [2, 1]  # an older producer: tensor parallelism only
+    assert _pd_layout({"tpusync_layout": [1, 2]}, 2) == [1, 2]
+    for bad in ([2], [1, 2, 1], "1x2", None, [1, "two"], {"tp": 1}):
+        with pytest.raises((TypeError, ValueError)):
+            _pd_layout({"tpusync_layout": bad}, 2)

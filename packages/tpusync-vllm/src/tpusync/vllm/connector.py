@@ -256,8 +256,6 @@ class TpusyncConnector(KVConnectorBase_V1):
             raise ConfigError(f"unknown kv_role {ktc.kv_role!r}")
         # kv_both: offload + prefix reuse through the store; kv_producer / kv_consumer: P/D.
         self.kv_role = str(ktc.kv_role)
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ConfigError("pipeline parallelism is not available in this build of tpusync-vllm")
         self.config = TpusyncVllmConfig.from_extra(ktc.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.key_bytes, self.num_layers = _key_geometry(kv_cache_config)
@@ -272,6 +270,10 @@ class TpusyncConnector(KVConnectorBase_V1):
         self.model_name = str(model).replace("@", "_")
         pc = vllm_config.parallel_config
         self.world_size = pc.world_size
+        # RANK CONTRACT: worker r (vLLM's world rank: pipeline stage x tensor rank) stores only
+        # what it holds - its stage's layers, its heads - under the plain block hashes; a hit is
+        # the run every rank holds. P/D pairs rank r with rank r of a producer of this layout.
+        self.layout = [int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)]
         # One lookup socket per (engine, data-parallel rank, worker rank).
         self._engine_key = f"{ktc.engine_id}-dp{pc.data_parallel_rank}"
         # Scheduler side.
@@ -469,6 +471,7 @@ class TpusyncConnector(KVConnectorBase_V1):
             n = int(params["tpusync_num_blocks"])
             int(params["tpusync_transfer_id"])
             peers = _pd_peers(params)
+            layout = _pd_layout(params, len(peers))
         except (KeyError, TypeError, ValueError):
             log.warning(
                 "tpusync: request %s has malformed kv_transfer_params %r; computing it locally",
@@ -476,15 +479,18 @@ class TpusyncConnector(KVConnectorBase_V1):
                 params,
             )
             return 0, False
-        if len(peers) != self.world_size:
-            # PER-RANK P/D CONTRACT: rank r holds the KV of its own heads; another split of the
-            # heads would need resharding, which the P/D stream does not do.
+        if len(peers) != self.world_size or layout != self.layout:
+            # PER-RANK P/D CONTRACT: rank r holds the KV of its own heads and pipeline stage's
+            # layers; another split would need resharding, which the P/D stream does not do.
             log.warning(
-                "tpusync: request %s was prefilled by %d producer rank(s), this instance has %d "
-                "worker(s): computing it locally",
+                "tpusync: request %s was prefilled by %d producer rank(s) of layout TP=%s x PP=%s, "
+                "this instance has %d worker(s) of TP=%d x PP=%d: computing it locally",
                 request.request_id,
                 len(peers),
+                layout[0],
+                layout[1],
                 self.world_size,
+                *self.layout,
             )
             return 0, False
         if request.request_id in self._pd_tried:
@@ -629,6 +635,7 @@ class TpusyncConnector(KVConnectorBase_V1):
             # PER-RANK P/D CONTRACT: worker r of the consumer pulls from rank r's entry; the
             # top-level address fields are rank 0's.
             "tpusync_ranks": self._pd_ranks,
+            "tpusync_layout": self.layout,
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self._engine_key,
@@ -840,6 +847,7 @@ class TpusyncConnector(KVConnectorBase_V1):
             "rows": rows,
             "rank": rank,
             "world": self.world_size,
+            "layout": self.layout,  # [tensor, pipeline]: PP=2 and TP=2 ranks hold other bytes
         }
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -1156,6 +1164,16 @@ def _pd_peers(params: dict[str, Any]) -> list[tuple[str, str, str]]:
             raise ValueError(f"bad producer address {tcp!r}")
         peers.append((tcp, unix, host))
     return peers
+
+
+def _pd_layout(params: dict[str, Any], ranks: int) -> list[int]:
+    """The producer's [tensor, pipeline] parallel sizes from its kv_transfer_params (PER-RANK P/D
+    CONTRACT; without ``tpusync_layout``, an older producer: ``ranks`` tensor-parallel ranks).
+    Raises TypeError / ValueError on a malformed one."""
+    raw = params.get("tpusync_layout", [ranks, 1])
+    if not isinstance(raw, list | tuple) or len(raw) != 2:
+        raise ValueError(f"tpusync_layout must be [tensor, pipeline], not {raw!r}")
+    return [int(x) for x in raw]
 
 
 def _worker_rank() -> int:
