@@ -35,9 +35,9 @@ BlockStored / BlockRemoved with ``medium`` CPU, DISK or REMOTE, keyed by vLLM's 
 (AllBlocksCleared when the store was cleared or its event queue overflowed). BlockStored carries
 the blocks' token ids and parent hash when the scheduler planned that save itself (the usual
 case); blocks it never planned (e.g. re-attached after a restart) are announced without tokens.
-With tensor parallelism an event is announced once every worker reported it (a block is in a
-tier only when every rank's shard is). Events of work the store does between steps reach vLLM
-with the next step.
+With tensor or pipeline parallelism an event is announced once every worker reported it (a
+block is in a tier only when every rank's part is). Events of work the store does between steps
+reach vLLM with the next step.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ class TpusyncKVEvents(KVConnectorKVEvents):
 _MEDIUM = tev.TIER_MEDIUM
 # Block hashes whose tokens the scheduler remembers for BlockStored events (4 bytes per token).
 _PLANNED_BLOCKS = 1 << 14
-# Per-block events of some but not all TP workers kept for matching (beyond: dropped, logged).
+# Per-block events of some but not all workers kept for matching (beyond: dropped, logged).
 _PENDING_EVENTS = 1 << 16
 
 
