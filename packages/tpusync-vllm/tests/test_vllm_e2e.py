@@ -197,6 +197,29 @@ def test_pd_pulls_each_ranks_part_from_the_same_rank(model_dir, tmp_path_factory
     assert f"of layout TP={pp} x PP={tp}" in r["stderr"]
 
 
+def test_pipeline_stage_with_damaged_disk_blocks_recomputes_then_both_stages_load(
+    model_dir, tmp_path_factory
+):
+    """PP=2 over a disk tier, three fresh processes: compute; stage 1's disk copies damaged (stage
+    0's intact) -> the hit turns into load errors and a recompute with the same tokens; then
+    both stages load the blocks stored again by that recompute."""
+    disk = str(tmp_path_factory.mktemp("pp-disk"))
+    a = _run("pp_disk", model_dir, tmp_path_factory, "compute", disk)
+    assert [s["disk"] for s in a["stages"]] == [FULL_BLOCKS] * 2
+    b = _run("pp_disk", model_dir, tmp_path_factory, "damaged", disk)
+    assert b["corrupted"] == FULL_BLOCKS
+    assert b["stats"]["hit_blocks"] == FULL_BLOCKS
+    assert b["stats"]["load_errors_seen"] == FULL_BLOCKS
+    by_rank = {s["rank"]: s["totals"] for s in b["stages"]}
+    assert by_rank[0]["loaded_blocks"] == FULL_BLOCKS and by_rank[0]["load_failures"] == 0
+    assert by_rank[1]["loaded_blocks"] == 0 and by_rank[1]["load_failures"] >= 1
+    assert b["run"]["tokens"] == a["run"]["tokens"]
+    c = _run("pp_disk", model_dir, tmp_path_factory, "intact", disk)
+    assert c["stats"]["disk_hit_blocks"] == FULL_BLOCKS and c["stats"]["load_errors_seen"] == 0
+    assert [s["totals"]["loaded_blocks"] for s in c["stages"]] == [FULL_BLOCKS] * 2
+    assert c["run"]["tokens"] == a["run"]["tokens"]
+
+
 @pytest.fixture(scope="module")
 def restart(model_dir, tmp_path_factory) -> Iterator[dict]:
     """Five fresh processes over one /dev/shm namespace and one disk tier, in order: compute

@@ -437,6 +437,40 @@ def scenario_corrupt(model: str, disk: str, policy: str) -> dict:
     return r
 
 
+def _stage_view(_worker=None) -> dict:
+    """collective_rpc: a worker's rank, its disk tier's block count (after write-back) and totals."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from tpusync.vllm.connector import _worker_rank
+
+    c = get_kv_transfer_group()
+    c.store.store.flush(30)
+    disk = c.store.store.stats()["tiers"].get("disk", {})
+    return {"rank": _worker_rank(), "disk": disk.get("indexed", -1), "totals": dict(c.totals.data)}
+
+
+def scenario_pp_disk(model: str, phase: str, disk: str) -> dict:
+    """A PP=2 engine over a small host tier and a disk tier, one fresh process per ``phase``:
+    ``compute`` stores a prompt's blocks (both stages write them back to disk); ``damaged``
+    first flips a byte of every block of stage 1's disk tier only, then runs the prompt again
+    (stage 0 loads, stage 1 reports load errors: recomputed); ``intact`` loads it from disk."""
+    import tempfile
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    r: dict = {}
+    if phase == "damaged":
+        only = tempfile.mkdtemp()
+        os.symlink(os.path.join(disk, "rank1"), os.path.join(only, "rank1"))
+        r["corrupted"] = corrupt_disk(only)
+    llm = make_llm(model, pp=2, extra={"disk_dir": disk, **CHAIN})
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    r["run"] = generate(llm, prompt(11))
+    r["stats"] = dict(sched.stats)
+    r["stages"] = llm.collective_rpc(_stage_view)
+    return r
+
+
 def scenario_api_server(model: str, ns: str, disk: str) -> dict:
     """`vllm serve` (OpenAI API, default multiprocess engine) with the connector; real HTTP."""
     import signal
@@ -856,6 +890,7 @@ SCENARIOS = {
     "pd_parallel": scenario_pd_parallel,
     "inproc": scenario_inproc,
     "parallel": scenario_parallel,
+    "pp_disk": scenario_pp_disk,
     "restart_a": scenario_restart_a,
     "restart_b": scenario_restart_b,
     "corrupt_recompute": lambda m, disk: scenario_corrupt(m, disk, "recompute"),
