@@ -169,6 +169,9 @@ def test_parallel_workers_each_store_and_load_what_they_hold(model_dir, tmp_path
         per_rank = SPEC.num_layers * 2 * BLOCK * (SPEC.num_kv_heads // 2) * SPEC.head_dim * 4
     assert [w["key_bytes"] for w in r["workers"]] == [per_rank, per_rank]
     assert r["corrupt"]["tokens"] != r["cold"]["tokens"]  # what loads is what runs
+    # reset_prefix_cache(reset_connector=True) reaches every rank (RESET CONTRACT).
+    assert r["reset_ok"] is True
+    assert [w["held"] for w in r["after_reset"]] == [0, 0]
     # Each stored block is announced once, when both ranks stored their parts, not per rank.
     stored = [e for e in r["events"] if e["type"] == "BlockStored"]
     assert sum(e["n"] for e in stored) == r["hits_after_warm"]["planned_saves"]
@@ -284,6 +287,20 @@ def test_preemption_mid_request_is_safe(inproc):
     assert inproc["pins_after_preempt"] == 0 and inproc["leases_after_preempt"] == 0
     # Loaded once at admission and once more when the preempted request resumed.
     assert inproc["preempt_loaded_blocks"] == 2 * FULL_BLOCKS
+
+
+def test_reset_connector_forgets_every_stored_block(inproc):
+    """RESET CONTRACT: vLLM's reset_prefix_cache(reset_connector=True) - what RL frameworks call
+    after a weight update - empties the store: the prompt stored above computes again, loads
+    nothing, gives the cold run's tokens, and AllBlocksCleared is announced."""
+    assert inproc["reset_ok"] is True
+    assert inproc["held_after_reset"] == 0
+    assert inproc["reset_loaded_blocks"] == 0
+    assert inproc["after_reset"]["cached"] == 0
+    assert inproc["after_reset"]["tokens"] == inproc["cold"]["tokens"]
+    assert inproc["pins_after_reset"] == 0
+    types = [e["type"] for e in inproc["events_reset"]]
+    assert "AllBlocksCleared" in types and "BlockStored" in types[types.index("AllBlocksCleared") :]
 
 
 def test_worker_moved_the_bytes(inproc):
@@ -487,6 +504,9 @@ def test_two_instances_share_a_prefix_through_a_store_node(shared):
     assert b["store"]["remote.hits"] == FULL_BLOCKS
     assert b["p"]["tokens"] == a["p"]["tokens"]
     assert b["pins"] == 0 and b["leases"] == 0
+    # After a reset B reads nothing stored before it from the node (RESET CONTRACT: a new salt).
+    assert b["reset_ok"] is True
+    assert b["remote_hits_after_reset"] == 0
 
 
 def test_store_events_carry_remote_medium(shared):

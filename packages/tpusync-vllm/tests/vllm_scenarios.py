@@ -262,6 +262,16 @@ def scenario_inproc(model: str) -> dict:
     r["stats_final"] = dict(sched.stats)
     r["worker_totals"] = dict(worker.totals.data)
     r["events_late"] = sub.drain()
+
+    # RESET CONTRACT (store.py): reset_connector=True (what RL frameworks call after a weight
+    # update) makes the store forget every block; the same prompt then computes, nothing loads.
+    r["reset_ok"] = llm.reset_prefix_cache(reset_connector=True)
+    r["held_after_reset"] = store.lookup(req_keys)[0]
+    hits0 = sched.stats["hit_blocks"]
+    r["after_reset"] = generate(llm, ids)
+    r["reset_loaded_blocks"] = sched.stats["hit_blocks"] - hits0
+    r["pins_after_reset"] = worker.store.num_pins
+    r["events_reset"] = sub.drain()
     return r
 
 
@@ -317,6 +327,9 @@ def scenario_parallel(model: str, par: str) -> dict:
     r["noised"] = llm.collective_rpc(_worker_view(_prompt_keys(llm, ids), noise=True))
     llm.reset_prefix_cache()
     r["corrupt"] = generate(llm, ids)
+    # RESET CONTRACT through the workers' sockets: every rank forgets its blocks.
+    r["reset_ok"] = llm.reset_prefix_cache(reset_connector=True)
+    r["after_reset"] = llm.collective_rpc(_worker_view(_prompt_keys(llm, ids), noise=False))
     return r
 
 
@@ -608,6 +621,12 @@ def scenario_shared_b(model: str, node: str, secret_file: str) -> dict:
     r["metrics"] = scrape(port)
     r["carrier"] = generate(llm, prompt(36)[: BLOCK + 8], params(1))
     r["events"] = sub.drain()
+    # RESET CONTRACT: after a reset B never reads a block stored before it, not even one that
+    # only A stored on the shared node (A's one-block carrier, which B never asked for).
+    remote0 = sched.stats["remote_hit_blocks"]
+    r["reset_ok"] = llm.reset_prefix_cache(reset_connector=True)
+    r["after_reset"] = generate(llm, prompt(32)[: BLOCK + 8], params(1))
+    r["remote_hits_after_reset"] = sched.stats["remote_hit_blocks"] - remote0
     return r
 
 

@@ -604,6 +604,25 @@ class TpusyncConnector(KVConnectorBase_V1):
                         self._saved_upto[req_id] = min(self._saved_upto[req_id], index)
                     break
 
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (also ``pause_generation(
+        clear_cache=True)``; RL frameworks call it after a weight update): every worker forgets
+        its stored blocks (RESET CONTRACT in store.py). False - vLLM then reports the reset as
+        failed - when a worker did not answer within ``lookup_timeout_s``. A hit already granted
+        to a request (``get_num_new_matched_tokens``) still plans its load; the blocks are gone,
+        so it fails as load errors and vLLM recomputes them. P/D roles store nothing."""
+        if self.kv_role != "kv_both":
+            return True
+        assert self.client is not None
+        # A lookup still queued on the lookup thread (ASYNC LOOKUP CONTRACT) runs before or after
+        # this, never during (the client serialises its calls): before, its lease ends here;
+        # after, it finds only blocks saved after the reset.
+        ok = self.client.reset()
+        self._leased.clear()  # the workers ended every lease
+        if not ok:
+            log.warning("tpusync: reset_cache: a worker did not answer; its blocks may remain")
+        return ok
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

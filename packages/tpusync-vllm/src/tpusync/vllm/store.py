@@ -378,6 +378,26 @@ class WorkerStore:
     def flush(self, timeout: float = 60.0) -> None:
         self.store.flush(timeout)
 
+    def reset(self) -> int:
+        """RESET CONTRACT: forget every stored block (vLLM's ``reset_prefix_cache(
+        reset_connector=True)``, e.g. after a weight update: blocks computed with the old weights
+        must never load again). Ends every lease and clears the store (``KVStore.clear``: the
+        local tiers, and, best effort, the node copies of the blocks this worker placed). Store
+        nodes are shared, so other instances may hold more blocks there under the same key salt:
+        this worker switches to a fresh random salt, so it never reads a block stored before the
+        reset, at the cost of no longer sharing blocks with instances that did not reset with it.
+        Returns the number of leases ended. A load in flight fails its blocks (load errors: vLLM
+        recomputes)."""
+        with self._lock:
+            ended = len(self._leases)
+            self._leases.clear()  # clear() drops their pins
+            self.store.clear()
+            if self.key_salt:
+                self.key_salt = hashlib.blake2b(
+                    self.key_salt + os.urandom(16), digest_size=len(self.key_salt)
+                ).digest()
+        return ended
+
     def stats(self) -> dict[str, Any]:
         return self.store.stats()
 
@@ -453,8 +473,8 @@ class LookupServer:
     """Answers the scheduler's lookups for one WorkerStore on a ZeroMQ REP socket (a thread).
 
     Wire: request ``msgpack([op, req_id, keys, pin_above])`` with op ``"lookup"``, ``"release"``
-    (keys = request ids) or ``"info"``; reply ``msgpack([hit, tiers])``, ``[0, info]`` or
-    ``[-1, error]``. Without a store (P/D roles) every lookup is a miss.
+    (keys = request ids), ``"reset"`` or ``"info"``; reply ``msgpack([hit, tiers])``,
+    ``[0, info]`` or ``[-1, error]``. Without a store (P/D roles) every lookup is a miss.
     """
 
     def __init__(
@@ -483,6 +503,10 @@ class LookupServer:
         if op == "release":
             if self.store is not None:
                 self.store.release(keys)
+            return [0, []]
+        if op == "reset":
+            if self.store is not None:
+                self.store.reset()
             return [0, []]
         if op == "lookup":
             if self.store is None:
@@ -571,6 +595,10 @@ class LookupClient:
         if req_ids:
             for ep in self.endpoints:
                 self._call(ep, ["release", "", list(req_ids), 0])
+
+    def reset(self) -> bool:
+        """Every worker forgets its blocks (RESET CONTRACT); False when one did not answer."""
+        return all([self._call(ep, ["reset", "", [], 0]) is not None for ep in self.endpoints])
 
     def info(self, rank: int = 0) -> dict[str, Any]:
         """What the worker of ``rank`` publishes (e.g. its P/D address); {} if it is silent."""
