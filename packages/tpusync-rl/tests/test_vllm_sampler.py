@@ -183,12 +183,20 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
 
     # With several workers version 2 (the original weights) is damaged for worker 1 in transit.
     damaged = _original(model_dir) if tp > 1 else None
+    # At TP=1 the engine also offloads KV through tpusync-vllm's connector: the update must drop
+    # the blocks it stored with the old weights (RESET CONTRACT), or "after" reuses them.
+    par = f"{tp}+offload" if tp == 1 else None
     result, fresh_result, rep2 = _update_next_to_fresh(
-        tmp_path, model_dir, new_dir, new, tp, dst, check, damaged=damaged
+        tmp_path, model_dir, new_dir, new, tp, dst, check, par=par, damaged=damaged
     )
     print(json.dumps(result))
     assert result["after"] == fresh_result["tokens"]  # exactly the new weights' greedy outputs
     assert result["before"] != result["after"]  # and the update changed something
+    if par:  # the connector ran: it stored the blocks of both runs and loaded the second's
+        assert result["after_from_connector"] == fresh_result["tokens"]
+        (totals,) = result["connector_totals"]
+        assert totals["saved_blocks"] >= 2 * 3, totals  # 3 prompts of 1 full block, twice
+        assert totals["loaded_blocks"] == 3 and totals["load_failures"] == 0, totals
     # A second update with nothing published times out; the engine keeps serving version 1.
     assert (
         result["second_update"].startswith("TimeoutError")

@@ -7,7 +7,9 @@ update through the ``tpusync`` weight-transfer backend (each worker pulling only
 outputs after, then an update that times out (nothing new published) and the outputs once more
 (the engine must keep serving), then, once ``<out.json>.waiting`` exists, the next version (the
 engine must still update after a failed update); when that one is rejected (the test damaged it
-for one worker), the outputs once more and the version after it.
+for one worker), the outputs once more and the version after it. ``par`` ending in
+``+offload``: the updated engine also runs tpusync-vllm's KV connector (host offload and prefix
+reuse), whose blocks of the old weights the update must drop (RESET CONTRACT, tpusync-vllm).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def parallelism(arg: str) -> dict:
     ``enforce_eager`` its later stages fail their first step (their intermediate-tensor buffers
     are made by the warm-up that eager mode skips), so a PP engine here is compiled (about a
     minute more to start)."""
+    arg = arg.removesuffix(OFFLOAD)
     if arg.startswith("pp"):
         pp, _, tp = arg[2:].partition("tp")
         return {
@@ -44,15 +47,26 @@ def parallelism(arg: str) -> dict:
     return {"tensor_parallel_size": int(arg), "enforce_eager": True}
 
 
+OFFLOAD = "+offload"
+
+
 def make_llm(model: str, weight_transfer: bool, par: str):
     from vllm import LLM
-    from vllm.config import WeightTransferConfig
+    from vllm.config import KVTransferConfig, WeightTransferConfig
 
-    extra = (
+    extra: dict = (
         {"weight_transfer_config": WeightTransferConfig(backend="tpusync")}
         if weight_transfer
         else {}
     )
+    if weight_transfer and par.endswith(OFFLOAD):
+        # 32-token blocks (the CPU backend's unit): each 40-token prompt stores 1 full block.
+        extra["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="TpusyncConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"host_bytes": 16 << 20},
+        )
+        extra.update(block_size=32, enable_prefix_caching=True)
     return LLM(
         model=model,
         tokenizer=model,
@@ -74,11 +88,19 @@ def generate(llm) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _connector_totals(_worker=None) -> dict:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return dict(get_kv_transfer_group().totals.data)
+
+
 def main() -> None:
     mode, model, out, par = sys.argv[1:5]
     if par != "1":
         # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if par.endswith(OFFLOAD):  # collective_rpc of a test function needs vLLM's pickle fallback
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     result: dict = {}
     if mode == "generate":
         result["tokens"] = generate(make_llm(model, False, par))
@@ -107,6 +129,12 @@ def main() -> None:
         rlvllm.update(llm, timeout=300, version=1)
         result["update_s"] = time.monotonic() - t0
         result["after"] = generate(llm)
+        if par.endswith(OFFLOAD):
+            # The connector works on the new weights: with vLLM's own cache dropped, the same
+            # prompts load the blocks the run above stored.
+            llm.reset_prefix_cache()
+            result["after_from_connector"] = generate(llm)
+            result["connector_totals"] = llm.collective_rpc(_connector_totals)
         try:
             rlvllm.update(llm, timeout=1.0)
             result["second_update"] = "applied"

@@ -41,12 +41,15 @@ same slices on the trainer, ahead of the engine, for Llama-family models.
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("tpusync.rl")
 
 BACKEND = "tpusync"
 
@@ -157,9 +160,11 @@ def update(llm: Any, timeout: float, version: int | None = None) -> None:
     """Pull the next version (or at least ``version``) into a running ``LLM`` and load it.
 
     Runs vLLM's start / update / finish sequence, then drops the prefix cache (its KV blocks were
-    computed with the old weights). Raises when no newer version was announced within
+    computed with the old weights), a KV connector's included (``reset_connector``: e.g.
+    tpusync-vllm's offloaded blocks). Raises when no newer version was announced within
     ``timeout`` s or the update was rejected (digest mismatch, version skew, a trainer died): the
-    engine then keeps serving the weights it had.
+    engine then keeps serving the weights it had. Raises RuntimeError as well when the new
+    weights are loaded but the caches could not be dropped (requests still running).
     """
     llm.start_weight_update()
     try:
@@ -168,7 +173,12 @@ def update(llm: Any, timeout: float, version: int | None = None) -> None:
         _end_session(llm.finish_weight_update)
         raise
     llm.finish_weight_update(weight_version=None if version is None else str(version))
-    llm.reset_prefix_cache()
+    if not llm.reset_prefix_cache(reset_connector=True):
+        raise RuntimeError(
+            "new weights loaded, but vLLM could not reset its prefix cache or its KV connector's: "
+            "requests may reuse KV computed with the old weights; call "
+            "LLM.reset_prefix_cache(reset_connector=True) with no request running before serving"
+        )
 
 
 def _end_session(finish: Any) -> None:
@@ -220,10 +230,12 @@ def update_server(
     SERVER UPDATE CONTRACT: ``/pause?mode=<pause>`` first (``"wait"``, the default, lets
     in-flight requests finish on the old weights, so no request sees two versions; ``"abort"``
     aborts them; ``"keep"`` freezes them, and they resume on the new weights), then the
-    start / update / finish sequence and a prefix-cache reset, then ``/resume`` - always, also
-    when the update failed, in which case the server serves the weights it had and this raises
-    RuntimeError with the server's reply. Every request has a timeout (``timeout`` for the pull,
-    plus a minute for the HTTP round trip and the load).
+    start / update / finish sequence and a prefix-cache reset (the KV connector's included; a
+    reset the server reports as failed raises RuntimeError, except under ``"keep"``, whose frozen
+    requests hold their blocks), then ``/resume`` - always, also when the update failed, in
+    which case the server serves the weights it had and this raises RuntimeError with the
+    server's reply. Every request has a timeout (``timeout`` for the pull, plus a minute for the
+    HTTP round trip and the load).
     """
     if pause not in _PAUSE_MODES:
         raise ValueError(f"pause must be one of {_PAUSE_MODES}, not {pause!r}")
@@ -239,6 +251,16 @@ def update_server(
             raise
         weight_version = None if version is None else str(version)
         _post(base, "/finish_weight_update", {"weight_version": weight_version})
-        _post(base, "/reset_prefix_cache")
+        reply = _post(base, "/reset_prefix_cache?reset_external=true")
+        if not (isinstance(reply, dict) and reply.get("success")):
+            if pause != "keep":
+                raise RuntimeError(
+                    f"new weights loaded on {base}, but its prefix cache was not reset ({reply!r}): "
+                    "requests may reuse KV computed with the old weights; POST "
+                    "/reset_prefix_cache?reset_external=true with no request running"
+                )
+            # Frozen requests hold their blocks: vLLM cannot drop those (they resume on the new
+            # weights with KV computed on the old ones - "keep" mode's own documented mix).
+            log.warning("vLLM server %s: prefix cache kept by frozen requests (%r)", base, reply)
     finally:
         _post(base, "/resume")
