@@ -378,7 +378,7 @@ class WorkerStore:
     def flush(self, timeout: float = 60.0) -> None:
         self.store.flush(timeout)
 
-    def reset(self) -> int:
+    def reset(self) -> None:
         """RESET CONTRACT: forget every stored block (vLLM's ``reset_prefix_cache(
         reset_connector=True)``, e.g. after a weight update: blocks computed with the old weights
         must never load again). Ends every lease and clears the store (``KVStore.clear``: the
@@ -386,17 +386,14 @@ class WorkerStore:
         nodes are shared, so other instances may hold more blocks there under the same key salt:
         this worker switches to a fresh random salt, so it never reads a block stored before the
         reset, at the cost of no longer sharing blocks with instances that did not reset with it.
-        Returns the number of leases ended. A load in flight fails its blocks (load errors: vLLM
-        recomputes)."""
+        A load in flight fails its blocks (load errors: vLLM recomputes)."""
         with self._lock:
-            ended = len(self._leases)
             self._leases.clear()  # clear() drops their pins
             self.store.clear()
             if self.key_salt:
                 self.key_salt = hashlib.blake2b(
                     self.key_salt + os.urandom(16), digest_size=len(self.key_salt)
                 ).digest()
-        return ended
 
     def stats(self) -> dict[str, Any]:
         return self.store.stats()
@@ -598,6 +595,7 @@ class LookupClient:
 
     def reset(self) -> bool:
         """Every worker forgets its blocks (RESET CONTRACT); False when one did not answer."""
+        # A list, not a generator: every worker is asked, also after one failed to answer.
         return all([self._call(ep, ["reset", "", [], 0]) is not None for ep in self.endpoints])
 
     def info(self, rank: int = 0) -> dict[str, Any]:
