@@ -126,6 +126,10 @@ struct PdProducer::Entry {
   Deadline deadline;
   uint64_t bytes = 0;
   std::vector<uint64_t> checksums;  // empty or one per block (CHECKSUM CONTRACT)
+  // mu_, SHARED-SEND CONTRACT: the readers the first pull named (0: not pulled yet) and the OK
+  // acknowledgements so far; the send is done when they are equal.
+  uint32_t readers = 0;
+  uint32_t acked = 0;
   // mu_: links whose serving thread is pulling this request over TCP (sending it or waiting for
   // its ack; CANCEL CONTRACT); each is removed by that thread before the link can go away.
   std::set<Link*> sending;
@@ -351,9 +355,18 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
   auto block_bytes = r.U64();
   auto wait_ms = r.U32();
   auto flags = r.U8();
-  if (!n.ok() || !block_bytes.ok() || !wait_ms.ok() || !flags.ok() || !r.ExpectEnd().ok()) {
+  if (!n.ok() || !block_bytes.ok() || !wait_ms.ok() || !flags.ok()) {
     return refuse(Status::InvalidArgument("malformed PdPull frame"));
   }
+  uint32_t readers = 1;  // SHARED-SEND CONTRACT: present only when above 1
+  if (r.remaining() > 0) {
+    auto named = r.U32();
+    if (!named.ok() || *named < 2) {
+      return refuse(Status::InvalidArgument("malformed PdPull frame (readers)"));
+    }
+    readers = *named;
+  }
+  if (!r.ExpectEnd().ok()) return refuse(Status::InvalidArgument("malformed PdPull frame"));
   const bool shm_path = (*flags & kPullShmOk) && is_unix && shm_fd_.valid();
   std::shared_ptr<Entry> e;
   {
@@ -362,6 +375,12 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
                                                           options_.max_pull_wait);
     cv_.wait_for(lock, wait, [&] { return stop_ || entries_.count(id) > 0; });
     if (auto it = entries_.find(id); it != entries_.end()) e = it->second;
+    if (e && e->readers != 0 && e->readers != readers) {
+      return refuse(Status::InvalidArgument(
+          StrCat("request ", id, ": this pull names ", readers, " reader(s), an earlier one ",
+                 e->readers, " (every consumer of a shared send must name the same number)")));
+    }
+    if (e) e->readers = readers;
     // The blocks stay owned by us (Retain at RegisterSend); the borrow keeps them valid even if
     // the reaper expires or Cancel ends the request while the bytes are on the wire. Taken under
     // mu_ while the request is registered, so its blocks still have an owner (CANCEL CONTRACT).
@@ -534,7 +553,9 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
   std::lock_guard lock(mu_);
   if (verdict.ok()) {
     // Only this registration: after a Cancel (or an expiry) the id may have been registered anew.
-    if (auto it = entries_.find(id); it != entries_.end() && it->second == e) {
+    // SHARED-SEND CONTRACT: done after the last reader's OK.
+    if (auto it = entries_.find(id);
+        it != entries_.end() && it->second == e && ++e->acked >= e->readers) {
       Finish(id, Status::OK());
     }
     return Status::OK();
@@ -556,6 +577,7 @@ struct PdConsumer::Mapping {
 struct PdConsumer::Source {
   Address peer;
   std::vector<BlockId> blocks;
+  uint32_t readers = 1;  // SHARED-SEND CONTRACT
   std::vector<uint8_t*> addrs;
   uint32_t groups = 0, bpg = 0;
   std::vector<uint32_t> landed_in_group;
@@ -674,7 +696,9 @@ Result<std::shared_ptr<PdConsumer::Request>> PdConsumer::Begin(uint64_t request_
   req->status.request_id = request_id;
   for (auto& s : sources) {
     if (s.blocks.empty()) return Status::InvalidArgument("a source with no destination blocks");
+    if (s.readers == 0) return Status::InvalidArgument("a source with 0 readers (at least 1)");
     Source src;
+    src.readers = s.readers;
     TPUSYNC_ASSIGN_OR_RETURN(src.peer, ParseAddress(s.peer));
     for (BlockId b : s.blocks) {
       src.addrs.push_back(pool_->SlotAddress(BlockAllocator::SlotOf(b)));
@@ -912,6 +936,7 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
   w.U32(static_cast<uint32_t>(n)).U64(bb);
   w.U32(static_cast<uint32_t>(std::clamp<int64_t>(left.count(), 0, INT32_MAX)));
   w.U8(link.peer.is_unix ? kPullShmOk : 0);
+  if (src.readers > 1) w.U32(src.readers);  // SHARED-SEND CONTRACT
   TPUSYNC_RETURN_IF_ERROR(link.streams[0]->SendMeta(Op::kPdPull, req.id, w.bytes(), req.deadline));
 
   // Records that blocks [first, first + count) of group g landed; mu_ NOT held.

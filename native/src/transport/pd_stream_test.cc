@@ -261,6 +261,63 @@ TEST(PdStream, SameHostPeersUseTheSharedMemorySegment) {
   EXPECT_EQ(ProducerEnd(**producer, 9).state, PdState::kDone);
 }
 
+// SHARED-SEND CONTRACT: a send pulled by two consumers naming 2 readers (one over TCP, one over
+// the same-host path) stays registered after the first one's OK and ends, done, after the
+// second's; a pull naming another reader count is refused and changes nothing; a failed receipt
+// counts nothing.
+TEST(PdStream, SharedSendEndsAfterEveryNamedReaderAcknowledged) {
+  const std::string shm = "tpusync-pd-shared-" + std::to_string(::getpid());
+  auto ppool = MakePool(16 << 10, 16, shm);
+  auto apool = MakePool(16 << 10, 16), bpool = MakePool(16 << 10, 16);
+  PdProducerOptions po;
+  po.unix_path = "/tmp/" + shm + ".sock";
+  auto producer = PdProducer::Start(ppool, TestSecret(), po);
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto a = PdConsumer::Create(apool, TestSecret(), {});
+  auto b = PdConsumer::Create(bpool, TestSecret(), {});
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto src = *ppool->Alloc(6);
+  Fill(*ppool, src, 21);
+  ASSERT_TRUE((*producer)->RegisterSend(11, src, 2, DeadlineInMs(20000)).ok());
+  ASSERT_TRUE(ppool->Free(src).ok());
+  const std::string tcp = (*producer)->address().ToString();
+
+  auto da = *apool->Alloc(6);
+  auto got = (*a)->Recv(11, {{tcp, da, 2}}, DeadlineInMs(10000));
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->state, PdState::kDone) << got->reason.ToString();
+  EXPECT_EQ((*producer)->pending(), 1u);  // one reader of two acknowledged
+  EXPECT_EQ(ppool->num_free(), 10u);
+
+  // Another reader count for the same send: refused, the send stays for its real second reader.
+  auto db = *bpool->Alloc(6);
+  auto odd = (*b)->Recv(11, {{tcp, db, 3}}, DeadlineInMs(10000));
+  ASSERT_TRUE(odd.ok()) << odd.status().ToString();
+  EXPECT_EQ(odd->state, PdState::kFailed);
+  EXPECT_EQ(odd->reason.code(), StatusCode::kInvalidArgument) << odd->reason.ToString();
+  EXPECT_NE(odd->reason.message().find("names 3 reader(s), an earlier one 2"), std::string::npos)
+      << odd->reason.ToString();
+  EXPECT_EQ((*producer)->pending(), 1u);
+
+  auto second = (*b)->Recv(11, {{(*producer)->unix_address(), db, 2}}, DeadlineInMs(10000));
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  ASSERT_EQ(second->state, PdState::kDone) << second->reason.ToString();
+  EXPECT_TRUE(second->shm);
+  EXPECT_EQ(ProducerEnd(**producer, 11).state, PdState::kDone);
+  EXPECT_EQ(ppool->num_free(), 16u);  // the last reader's ack freed the blocks
+  EXPECT_TRUE(Same(*apool, da, *bpool, db));
+  auto again = *ppool->Alloc(6);
+  Fill(*ppool, again, 21);
+  EXPECT_TRUE(Same(*ppool, again, *apool, da));
+
+  // A single-reader pull of a send still ends it at its first OK (the frame it always was).
+  OfferFilled(**producer, *ppool, 12, 2, 0, 5);
+  auto one = (*a)->Recv(12, {{tcp, {da[0], da[1]}}}, DeadlineInMs(10000));
+  ASSERT_TRUE(one.ok() && one->state == PdState::kDone);
+  EXPECT_EQ(ProducerEnd(**producer, 12).state, PdState::kDone);
+  EXPECT_FALSE((*a)->Recv(13, {{tcp, da, 0}}, DeadlineInMs(1000)).ok());  // 0 readers: refused
+}
+
 // INLINE CONTRACT: Recv pulls on the calling thread, returns the terminal status itself (Poll does
 // not report it again) and keeps to its deadline when the producer never registers.
 TEST(PdStream, RecvRunsOnTheCallingThreadAndKeepsItsDeadline) {

@@ -62,6 +62,22 @@ nb::dict ToDict(const PdStatus& s) {
   return d;
 }
 
+// `readers`: empty (every source has one reader) or one count per source (SHARED-SEND CONTRACT).
+std::vector<transport::PdSource> Sources(
+    std::vector<std::pair<std::string, std::vector<BlockId>>> sources,
+    const std::vector<uint32_t>& readers) {
+  if (!readers.empty() && readers.size() != sources.size()) {
+    ThrowIfError(Status::InvalidArgument(StrCat(sources.size(), " sources with ", readers.size(),
+                                                " reader counts (one per source)")));
+  }
+  std::vector<transport::PdSource> out;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    out.push_back({std::move(sources[i].first), std::move(sources[i].second),
+                   readers.empty() ? 1u : readers[i]});
+  }
+  return out;
+}
+
 nb::list ToList(const std::vector<PdStatus>& v) {
   nb::list out;
   for (const auto& s : v) out.append(ToDict(s));
@@ -146,9 +162,9 @@ void init_transport(nb::module_& m) {
       .def(
           "recv",
           [](PdConsumer& c, uint64_t request_id,
-             std::vector<std::pair<std::string, std::vector<BlockId>>> sources, double deadline) {
-            std::vector<transport::PdSource> src;
-            for (auto& [peer, blocks] : sources) src.push_back({peer, std::move(blocks)});
+             std::vector<std::pair<std::string, std::vector<BlockId>>> sources, double deadline,
+             const std::vector<uint32_t>& readers) {
+            auto src = Sources(std::move(sources), readers);
             const Deadline d = After(deadline);
             Result<PdStatus> r = Status::Internal("unset");
             {
@@ -157,18 +173,20 @@ void init_transport(nb::module_& m) {
             }
             return ToDict(Unwrap(std::move(r)));
           },
-          nb::arg("request_id"), nb::arg("sources"), nb::arg("deadline"))
+          nb::arg("request_id"), nb::arg("sources"), nb::arg("deadline"),
+          nb::arg("readers") = std::vector<uint32_t>{})
       .def(
           "start_recv",
           [](PdConsumer& c, uint64_t request_id,
-             std::vector<std::pair<std::string, std::vector<BlockId>>> sources, double deadline) {
-            std::vector<transport::PdSource> src;
-            for (auto& [peer, blocks] : sources) src.push_back({peer, std::move(blocks)});
+             std::vector<std::pair<std::string, std::vector<BlockId>>> sources, double deadline,
+             const std::vector<uint32_t>& readers) {
+            auto src = Sources(std::move(sources), readers);
             const Deadline d = After(deadline);
             nb::gil_scoped_release release;
             ThrowIfError(c.StartRecv(request_id, std::move(src), d));
           },
-          nb::arg("request_id"), nb::arg("sources"), nb::arg("deadline"))
+          nb::arg("request_id"), nb::arg("sources"), nb::arg("deadline"),
+          nb::arg("readers") = std::vector<uint32_t>{})
       .def(
           "abandon",
           [](PdConsumer& c, uint64_t request_id, const std::string& reason) {

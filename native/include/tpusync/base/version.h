@@ -44,11 +44,14 @@
 //  12: reclaim_stale_segments(prefix) and shm_segments(prefix) (OWNER LOCK CONTRACT: a /dev/shm
 //      pool holds a shared flock on its segment while it lives; segments of killed owners can be
 //      told apart, listed and removed; `tpusync shm list | reclaim`).
+//  13: shared P/D sends (SHARED-SEND CONTRACT: PdConsumer.start_recv / recv sources may name
+//      their number of readers, `readers=` natively; the producer ends a send after that many
+//      verified receipts).
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 12;
+inline constexpr int kApiVersion = 13;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

@@ -67,6 +67,18 @@
 // reached the producer has no ack to carry it); waiting for in-flight sources without shutting
 // their links (a receive stalled on a dead peer would hold Abandon to the request's deadline).
 //
+// SHARED-SEND CONTRACT: one registered send may be pulled by several consumers, each needing the
+// whole of it (e.g. the decode ranks of a larger tensor-parallel group, each taking its heads out
+// of one prefill rank's blocks). Each consumer names the number of readers in its pull
+// (PdSource::readers; all must name the same number, a pull naming another one is refused with
+// kInvalidArgument); the producer ends the send (done) after that many OK acknowledgements, or
+// at its deadline. A failed receipt counts nothing (the consumer may pull again), and an Abandon
+// from any one reader ends the send for all of them (ABANDON CONTRACT: its request was aborted,
+// and every reader belongs to that request). The field travels only when it is above 1, so a
+// single-reader pull is the frame it always was. Rejected alternative: the producer registers
+// the send once per reader - it does not know the consumers' layout when it registers, and
+// registrations nobody pulls would hold the blocks until the deadline.
+//
 // SAME-HOST PATH: when the consumer reaches the producer through its Unix socket and the producer's
 // pool lives in /dev/shm, the producer passes the segment's file descriptor (SCM_RIGHTS) and block
 // offsets, and the consumer memcpys from the mapping; no TCP, no socket copy.
@@ -173,6 +185,7 @@ class PdProducer {
 struct PdSource {
   std::string peer;             // "HOST:PORT" or "unix:/path" of a producer
   std::vector<BlockId> blocks;  // destination blocks, same count as the producer registered
+  uint32_t readers = 1;         // consumers that each pull this send (SHARED-SEND CONTRACT)
 };
 
 // One producer's answer to an Abandon (ABANDON CONTRACT): OK when it dropped its blocks;

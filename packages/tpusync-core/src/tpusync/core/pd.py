@@ -102,6 +102,15 @@ def _results(raw: list[dict]) -> list[PdResult]:
     return [_result(r) for r in raw]
 
 
+def _sources(
+    sources: Sequence[tuple[str, Sequence[int]] | tuple[str, Sequence[int], int]],
+) -> tuple[list[tuple[str, list[int]]], list[int]]:
+    """(peer, blocks) pairs and one reader count per source (SHARED-SEND CONTRACT)."""
+    pairs = [(str(s[0]), [int(b) for b in s[1]]) for s in sources]
+    readers = [int(s[2]) if len(s) > 2 else 1 for s in sources]
+    return pairs, readers
+
+
 def _secret(secret: bytes | None, secret_file: str | os.PathLike[str] | None) -> bytes:
     return secret if secret is not None else load_secret(secret_file)
 
@@ -237,9 +246,8 @@ class PdConsumer:
     ) -> PdResult:
         """:meth:`recv` with several senders: the first is pulled on the calling thread, the
         others on worker threads; returns once every sender landed or one failed."""
-        return PdResult(
-            **self._native.recv(request_id, [(p, list(b)) for p, b in sources], deadline)
-        )
+        pairs, readers = _sources(sources)
+        return PdResult(**self._native.recv(request_id, pairs, deadline, readers))
 
     def start_recv(
         self, request_id: int, peer: str, blocks: Sequence[int], deadline: float = 30.0
@@ -252,8 +260,14 @@ class PdConsumer:
         self, request_id: int, sources: Sequence[tuple[str, Sequence[int]]], deadline: float = 30.0
     ) -> None:
         """Like :meth:`start_recv` with several senders, each filling its own destination blocks;
-        the request is done only when every sender landed."""
-        self._native.start_recv(request_id, [(p, list(b)) for p, b in sources], deadline)
+        the request is done only when every sender landed.
+
+        A source may be ``(peer, blocks, readers)``: SHARED-SEND CONTRACT (pd_stream.h) - that
+        send is pulled whole by ``readers`` consumers (e.g. the decode ranks that each take their
+        heads out of one prefill rank's blocks), every one naming the same count; the producer
+        ends it after that many verified receipts."""
+        pairs, readers = _sources(sources)
+        self._native.start_recv(request_id, pairs, deadline, readers)
 
     def abandon(self, request_id: int, reason: str) -> list[PdRelease]:
         """Give up receiving ``request_id`` for good (e.g. its decode request was aborted).
