@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tpusync.vllm.pd import PdWorker
+from tpusync.vllm.pd import HeadPart, PdWorker, head_plan
 
 SECRET = "pd-worker-test-secret-0123456789"
 
@@ -124,3 +124,160 @@ def test_a_killed_producers_segment_is_reclaimed_by_the_next_producer(monkeypatc
         live.close()
         if os.path.exists(f"/dev/shm/{killed}"):
             os.unlink(f"/dev/shm/{killed}")
+
+
+# ------------------------------------------------------------------ HEAD RESHARD CONTRACT (pd.py)
+
+
+def test_head_plan_names_every_producer_rank_holding_a_consumer_ranks_heads():
+    # 4 kv heads; producer TP=1 -> consumer TP=2: both consumer ranks read rank 0's blocks.
+    assert head_plan(4, [1, 1], [2, 1], 0) == [HeadPart(0, 2, 4, (0, 2), (0, 2))]
+    assert head_plan(4, [1, 1], [2, 1], 1) == [HeadPart(0, 2, 4, (2, 4), (0, 2))]
+    # TP=2 -> TP=1: one consumer rank gathers both producer ranks, each read once.
+    assert head_plan(4, [2, 1], [1, 1], 0) == [
+        HeadPart(0, 1, 2, (0, 2), (0, 2)),
+        HeadPart(1, 1, 2, (0, 2), (2, 4)),
+    ]
+    # TP=2 -> TP=4 with two pipeline stages: stage 1's ranks read stage 1's producer ranks.
+    assert head_plan(8, [2, 2], [4, 2], 6) == [HeadPart(3, 2, 4, (0, 2), (0, 2))]
+    assert head_plan(8, [4, 2], [2, 2], 3) == [
+        HeadPart(6, 1, 2, (0, 2), (0, 2)),
+        HeadPart(7, 1, 2, (0, 2), (2, 4)),
+    ]
+    # Every producer rank is read by exactly the consumer ranks that name it as its readers.
+    for tp_p, tp_c in [(1, 4), (2, 4), (4, 1), (4, 2), (2, 2)]:
+        reads: dict[int, list[int]] = {}
+        for r in range(tp_c):
+            for part in head_plan(4, [tp_p, 1], [tp_c, 1], r):
+                reads.setdefault(part.producer_rank, []).append(part.readers)
+        assert sorted(reads) == list(range(tp_p))
+        assert all(len(v) == v[0] and len(set(v)) == 1 for v in reads.values())
+    # Not reshardable: another pipeline size, replicated heads, unknown head count, bad rank.
+    assert head_plan(4, [2, 2], [2, 1], 0) is None
+    assert head_plan(2, [1, 1], [4, 1], 0) is None
+    assert head_plan(0, [1, 1], [2, 1], 0) is None
+    assert head_plan(4, [1, 1], [2, 1], 2) is None
+
+
+HEADS, BLOCK_TOKENS, CHANNELS, NBLOCKS = 4, 32, 16, 8  # CPU layout: [blocks, heads, tokens, 2*hd]
+
+
+def model_cache(seed: int) -> list[torch.Tensor]:
+    """Two layers of a whole model's KV cache, every head, in vLLM's CPU layout (float32)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NBLOCKS, HEADS, BLOCK_TOKENS, CHANNELS, generator=g) for _ in range(2)]
+
+
+def rank_rows(cache: list[torch.Tensor], tp: int, t: int) -> list[torch.Tensor]:
+    """Tensor rank t of tp's KV cache (its heads) as the connector registers it: byte rows."""
+    h = HEADS // tp
+    return [
+        c[:, t * h : (t + 1) * h].contiguous().clone().flatten(1).view(torch.uint8) for c in cache
+    ]
+
+
+def rank_worker(cache, tp, t, *, producer):
+    h = HEADS // tp
+    rows = rank_rows(cache, tp, t)
+    if not producer:
+        for r in rows:
+            r.zero_()
+    inner = BLOCK_TOKENS * CHANNELS * 4
+    return PdWorker(
+        rows,
+        producer=producer,
+        pool_blocks=8,
+        same_host=producer,  # producers offer their /dev/shm pool; consumers take either path
+        timeout_s=120.0,
+        name=f"reshard-{t}",
+        heads=(h, 1, inner),
+    ), rows
+
+
+@pytest.mark.parametrize("tp_p,tp_c", [(1, 2), (2, 1), (2, 4)])
+def test_a_consumer_of_another_tensor_size_gets_exactly_its_heads(monkeypatch, tp_p, tp_c):
+    """Producer ranks of TP=tp_p publish their heads' rows once; each consumer rank of TP=tp_c
+    pulls the producer ranks holding its heads (shared sends named with their readers) and ends
+    with the bytes vLLM would hold for its heads; every producer pool is whole again only after
+    its last reader acknowledged."""
+    monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
+    cache = model_cache(5)
+    prods = [rank_worker(cache, tp_p, q, producer=True)[0] for q in range(tp_p)]
+    conss = [rank_worker(cache, tp_c, c, producer=False) for c in range(tp_c)]
+    try:
+        src_blocks, dst_blocks = [1, 4, 6], [0, 2, 7]
+        for p in prods:
+            p.publish(77, src_blocks)
+        for c, (w, _) in enumerate(conss):
+            plan = head_plan(HEADS, [tp_p, 1], [tp_c, 1], c)
+            peers = [
+                prods[part.producer_rank].unix_address or prods[part.producer_rank].address
+                for part in plan
+            ]
+            w.start_parts(f"req-{c}", 77, list(zip(peers, plan, strict=True)), dst_blocks)
+        finished = set()
+
+        def landed() -> bool:
+            for w, _ in conss:
+                done, failed = w.poll()
+                assert not failed, failed
+                finished.update(done)
+            return len(finished) == tp_c
+
+        assert until(landed)
+        h = HEADS // tp_c
+        for c, (_, rows) in enumerate(conss):
+            want = rank_rows(cache, tp_c, c)
+            for j in range(2):
+                assert torch.equal(rows[j][dst_blocks], want[j][src_blocks]), (c, j)
+                others = [b for b in range(NBLOCKS) if b not in dst_blocks]
+                assert int(rows[j][others].sum()) == 0  # no other block written
+            assert conss[c][0].received == len(dst_blocks)
+        assert h * tp_c == HEADS
+        for p in prods:  # every reader acknowledged: the producers let go of their copies
+            assert until(lambda p=p: (p.poll(), p.pool.num_free)[1] == 8)
+    finally:
+        for w, _ in conss:
+            w.close()
+        for p in prods:
+            p.close()
+
+
+def test_a_shared_send_waits_for_its_last_reader(monkeypatch):
+    """SHARED-SEND CONTRACT through the worker: with TP=1 -> TP=2, the producer keeps its copy
+    after the first consumer rank's receipt and frees it after the second's."""
+    monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
+    cache = model_cache(9)
+    prod, _ = rank_worker(cache, 1, 0, producer=True)
+    (c0, rows0), (c1, _) = (rank_worker(cache, 2, c, producer=False) for c in range(2))
+    try:
+        prod.publish(5, [3, 4])
+        plan0, plan1 = (head_plan(HEADS, [1, 1], [2, 1], c) for c in range(2))
+        c0.start_parts("r", 5, [(prod.address, plan0[0])], [1, 2])
+        assert until(lambda: "r" in c0.poll()[0])
+        time.sleep(0.2)
+        prod.poll()
+        assert prod.pool.num_free == 6 and prod.producer.pending == 1  # one reader to go
+        c1.start_parts("r", 5, [(prod.address, plan1[0])], [1, 2])
+        assert until(lambda: "r" in c1.poll()[0])
+        assert until(lambda: (prod.poll(), prod.pool.num_free)[1] == 8)
+        assert torch.equal(rows0[0][[1, 2]], rank_rows(cache, 2, 0)[0][[3, 4]])
+    finally:
+        c0.close()
+        c1.close()
+        prod.close()
+
+
+def test_a_worker_without_a_known_head_axis_refuses_to_reshard(monkeypatch):
+    """Heads that do not describe the rows (here 3 x 1 x 100 bytes for 256-byte rows): the worker
+    keeps serving same-layout pulls and refuses resharded ones with a clear error (the connector
+    reports them as load errors and vLLM recomputes)."""
+    monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
+    w = PdWorker(layers(fill=0), producer=False, pool_blocks=8, heads=(3, 1, 100))
+    try:
+        assert w.heads is None
+        with pytest.raises(ValueError, match="cannot reshard"):
+            w.start_parts("r", 1, [("127.0.0.1:1", HeadPart(0, 2, 4, (0, 2), (0, 2)))], [0])
+        assert w.pending == 0 and w.pool.num_free == 8
+    finally:
+        w.close()

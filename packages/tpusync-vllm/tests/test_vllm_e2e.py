@@ -200,6 +200,30 @@ def test_pd_pulls_each_ranks_part_from_the_same_rank(model_dir, tmp_path_factory
     assert f"of layout TP={pp} x PP={tp}" in r["stderr"]
 
 
+@pytest.mark.parametrize("prod_par,par", [("1", "2"), ("2", "1")], ids=["tp1-to-tp2", "tp2-to-tp1"])
+def test_pd_between_tensor_sizes_reshards_the_heads(model_dir, tmp_path_factory, prod_par, par):
+    # HEAD RESHARD CONTRACT (pd.py): the tiny model has 2 kv heads. TP=1 -> TP=2: both consumer
+    # workers pull producer worker 0's blocks (a shared send of 2 readers) and keep one head
+    # each; TP=2 -> TP=1: the consumer pulls both producer workers and joins their heads.
+    r = _run("pd_parallel", model_dir, tmp_path_factory, par, prod_par)
+    assert r["kv_transfer_params"]["tpusync_layout"] == [int(prod_par), 1]
+    assert r["stats"]["pd_recv_blocks"] == FULL_BLOCKS
+    assert sorted(x["rank"] for x in r["ranks"]) == list(range(int(par)))
+    for x in r["ranks"]:
+        assert x["totals"]["loaded_blocks"] == FULL_BLOCKS and x["totals"]["load_failures"] == 0
+        assert x["pending"] == 0
+    assert r["pd"]["tokens"] == r["single"]["tokens"]
+    # Every producer worker freed its copy after its last reader's receipt: pulled again, the
+    # transfer is gone (load errors, recomputed, same tokens), and the producer pools are whole.
+    assert r["stats_again"]["load_errors_seen"] == FULL_BLOCKS
+    assert r["again"]["tokens"] == r["single"]["tokens"]
+    assert r["producer"]["stats"]["pd_sent_blocks"] == 2 * FULL_BLOCKS  # prompts 21 and 22
+    for x in r["producer"]["ranks"]:  # only prompt 22, never pulled, waits for its deadline
+        assert x["sends_pending"] == 1
+        assert x["pool_free"] == x["pool_blocks"] - FULL_BLOCKS
+    assert "computing it locally" not in r["stderr"]
+
+
 def test_pipeline_stage_with_damaged_disk_blocks_recomputes_then_both_stages_load(
     model_dir, tmp_path_factory
 ):

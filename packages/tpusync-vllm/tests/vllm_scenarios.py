@@ -703,6 +703,7 @@ def _pd_view(_worker=None) -> dict:
         "pool_free": c.pd.pool.num_free,
         "pool_blocks": c.pd.pool.num_blocks,
         "pending": c.pd.pending,
+        "sends_pending": c.pd.producer.pending if c.pd.producer is not None else 0,
     }
 
 
@@ -741,11 +742,12 @@ def _stop_producer(prod, work: str, out: str) -> dict:
         return json.load(f)
 
 
-def scenario_pd_parallel(model: str, par: str) -> dict:
+def scenario_pd_parallel(model: str, par: str, prod_par: str = "") -> dict:
     """P/D with the layout ``par`` (TP=2 or PP=2) on both sides: consumer worker r pulls the KV it
     holds (its heads, its stage's layers) from producer worker r (PER-RANK P/D CONTRACT); a
     prefill from a producer with another number of ranks or another layout is computed
-    locally."""
+    locally. With ``prod_par`` (another tensor size) the producer has that layout and each
+    consumer worker pulls the producer workers holding its heads (HEAD RESHARD CONTRACT)."""
     import tempfile
 
     os.environ["TPUSYNC_AUTH_SECRET"] = PD_SECRET
@@ -753,7 +755,7 @@ def scenario_pd_parallel(model: str, par: str) -> dict:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     work = tempfile.mkdtemp(prefix=f"tpusync-pd-{par}-")
     out = os.path.join(work, "producer.json")
-    prod = _start_producer(model, work, out, par)
+    prod = _start_producer(model, work, out, prod_par or par)
     tp, pp = layout(par)
     r: dict = {}
     try:
@@ -764,6 +766,14 @@ def scenario_pd_parallel(model: str, par: str) -> dict:
         r["pd"] = generate(llm, prompt(21), params(MAX_TOKENS, kvp))
         r["stats"] = dict(sched.stats)
         r["ranks"] = llm.collective_rpc(_pd_view)
+        if prod_par:
+            # The same transfer again: every producer rank freed it after its last reader.
+            llm.reset_prefix_cache()
+            r["again"] = generate(llm, prompt(21), params(MAX_TOKENS, kvp))
+            r["stats_again"] = dict(sched.stats)
+            llm.reset_prefix_cache()
+            r["single"] = generate(llm, prompt(21))
+            return r
         one_rank = {**kvp_other, "tpusync_ranks": kvp_other.get("tpusync_ranks", [None])[:1]}
         r["mismatch"] = generate(llm, prompt(22), params(MAX_TOKENS, one_rank))
         r["stats_mismatch"] = dict(sched.stats)

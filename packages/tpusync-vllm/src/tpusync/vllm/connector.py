@@ -57,7 +57,7 @@ import torch
 import tpusync.core as tc
 from tpusync.core import events as tev
 from tpusync.vllm.config import ConfigError, TpusyncVllmConfig
-from tpusync.vllm.pd import PdWorker, transfer_id_for
+from tpusync.vllm.pd import PdWorker, head_plan, transfer_id_for
 from tpusync.vllm.store import (
     LayeredLoad,
     LookupClient,
@@ -134,13 +134,15 @@ class PdSend:
 class PdRecv:
     """Consumer: pull ``len(block_ids)`` blocks of ``transfer_id`` into ``block_ids`` (-1
     entries: computed locally already, dropped on arrival); worker rank ``r`` pulls from the
-    producer's rank ``r``, ``peers[r]`` (PER-RANK P/D CONTRACT)."""
+    producer's rank ``r``, ``peers[r]`` (PER-RANK P/D CONTRACT), or, from a producer of another
+    tensor size, from the ranks holding its heads (HEAD RESHARD CONTRACT, pd.py)."""
 
     req_id: str
     transfer_id: int
     # Per producer rank: (TCP "host:port", "unix:PATH" of the same-host path or "", host id).
     peers: list[tuple[str, str, str]]
     block_ids: list[int]
+    layout: list[int]  # the producer's [tensor, pipeline] (HEAD RESHARD CONTRACT when not ours)
 
 
 _WORKER_COUNTERS = (
@@ -272,8 +274,10 @@ class TpusyncConnector(KVConnectorBase_V1):
         self.world_size = pc.world_size
         # RANK CONTRACT: worker r (vLLM's world rank: pipeline stage x tensor rank) stores only
         # what it holds - its stage's layers, its heads - under the plain block hashes; a hit is
-        # the run every rank holds. P/D pairs rank r with rank r of a producer of this layout.
+        # the run every rank holds. P/D pairs rank r with rank r of a producer of this layout,
+        # and reshards the heads from one of another tensor size (HEAD RESHARD CONTRACT, pd.py).
         self.layout = [int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)]
+        self._total_kv_heads = _total_kv_heads(vllm_config)
         # One lookup socket per (engine, data-parallel rank, worker rank).
         self._engine_key = f"{ktc.engine_id}-dp{pc.data_parallel_rank}"
         # Scheduler side.
@@ -441,8 +445,9 @@ class TpusyncConnector(KVConnectorBase_V1):
                     PdRecv(
                         req_id,
                         int(pd["tpusync_transfer_id"]),
-                        _pd_peers(pd),
+                        peers := _pd_peers(pd),
                         [-1 if i < local else b for i, b in enumerate(ids)],
+                        _pd_layout(pd, len(peers)),
                     )
                 )
                 self.stats["pd_recv_blocks"] += n - local
@@ -479,18 +484,24 @@ class TpusyncConnector(KVConnectorBase_V1):
                 params,
             )
             return 0, False
-        if len(peers) != self.world_size or layout != self.layout:
+        if len(peers) != layout[0] * layout[1] or (
+            layout != self.layout
+            and head_plan(self._total_kv_heads, layout, self.layout, 0) is None
+        ):
             # PER-RANK P/D CONTRACT: rank r holds the KV of its own heads and pipeline stage's
-            # layers; another split would need resharding, which the P/D stream does not do.
+            # layers; another tensor size is resharded by heads (HEAD RESHARD CONTRACT), another
+            # pipeline split or replicated heads are not.
             log.warning(
                 "tpusync: request %s was prefilled by %d producer rank(s) of layout TP=%s x PP=%s, "
-                "this instance has %d worker(s) of TP=%d x PP=%d: computing it locally",
+                "this instance has %d worker(s) of TP=%d x PP=%d (%d kv heads): computing it "
+                "locally",
                 request.request_id,
                 len(peers),
                 layout[0],
                 layout[1],
                 self.world_size,
                 *self.layout,
+                self._total_kv_heads,
             )
             return 0, False
         if request.request_id in self._pd_tried:
@@ -765,10 +776,7 @@ class TpusyncConnector(KVConnectorBase_V1):
                     f"layer {name} lives on {t.device}; this build of tpusync-vllm moves KV of CPU "
                     "tensors only (device KV needs tpusync-torch's KVCacheManager, not merged yet)"
                 )
-            if t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == self._kv_cache_config.num_blocks:
-                parts = [t[0], t[1]]  # K and V stored apart: two rows per block
-            else:
-                parts = [t]
+            parts = [t[0], t[1]] if self._kv_apart(t) else [t]  # K and V apart: two rows
             self._layer_index[name] = len(self._layer_groups)
             self._layer_groups.append(list(range(len(arrays), len(arrays) + len(parts))))
             for p in parts:
@@ -814,6 +822,7 @@ class TpusyncConnector(KVConnectorBase_V1):
                     timeout_s=self.config.load_timeout_s,
                     same_host=self.config.pd_same_host,
                     name=f"{self._engine_key}-{rank}",
+                    heads=self._head_layout(kv_caches),
                 )
             except ValueError as exc:  # no or short secret
                 raise ConfigError(f"{self.kv_role}: {exc} (auth_secret_file)") from exc
@@ -850,6 +859,32 @@ class TpusyncConnector(KVConnectorBase_V1):
         if self.config.metrics_port:
             self._start_metrics(rank)
 
+    def _kv_apart(self, t: torch.Tensor) -> bool:
+        """Whether a layer's tensor holds K and V apart ([2, num_blocks, ...]: two rows per
+        block) rather than block-major ([num_blocks, ...]: one row)."""
+        return t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == self._kv_cache_config.num_blocks
+
+    def _head_layout(self, kv_caches: dict[str, torch.Tensor]) -> tuple[int, int, int] | None:
+        """(kv heads, outer, inner bytes) such that every registered row is [outer, heads,
+        inner] bytes (HEAD RESHARD CONTRACT, pd.py), read from the tensors' shapes: the one
+        per-block axis as long as this rank's kv heads. None when no axis or several match, or
+        the parts disagree (P/D then pairs only producers of this layout)."""
+        tp = self.layout[0]
+        if self._total_kv_heads <= 0 or self._total_kv_heads % tp:
+            return None
+        own = self._total_kv_heads // tp
+        found = set()
+        for t in kv_caches.values():
+            per_block = tuple(t.shape[2:] if self._kv_apart(t) else t.shape[1:])
+            axes = [i for i, d in enumerate(per_block) if d == own]
+            if len(axes) != 1:
+                return None
+            i = axes[0]
+            outer = int(torch.Size(per_block[:i]).numel())
+            inner = int(torch.Size(per_block[i + 1 :]).numel()) * t.element_size()
+            found.add((own, outer, inner))
+        return found.pop() if len(found) == 1 else None
+
     def _block_identity(self, *, row_bytes: int, rows: int, rank: int) -> dict[str, Any]:
         """What decides a stored block's bytes (model, dtype, layout, rank) - the single source
         of the local tiers' fingerprint and the store nodes' key salt."""
@@ -875,8 +910,15 @@ class TpusyncConnector(KVConnectorBase_V1):
         if isinstance(meta, TpusyncMetadata) and meta.pd_recvs and self.pd is not None:
             for rv in meta.pd_recvs:  # asynchronous: get_finished reports them
                 try:
-                    peer = self.pd.peer_for(*rv.peers[self._rank])
-                    self.pd.start(rv.req_id, rv.transfer_id, peer, rv.block_ids)
+                    if rv.layout == self.layout:
+                        peer = self.pd.peer_for(*rv.peers[self._rank])
+                        self.pd.start(rv.req_id, rv.transfer_id, peer, rv.block_ids)
+                    else:  # HEAD RESHARD CONTRACT (pd.py)
+                        plan = head_plan(self._total_kv_heads, rv.layout, self.layout, self._rank)
+                        if plan is None:
+                            raise ValueError(f"no head plan from layout {rv.layout}")
+                        parts = [(self.pd.peer_for(*rv.peers[p.producer_rank]), p) for p in plan]
+                        self.pd.start_parts(rv.req_id, rv.transfer_id, parts, rv.block_ids)
                 except _TRANSFER_ERRORS as exc:
                     log.warning("tpusync P/D receive of %s not started: %s", rv.req_id, exc)
                     self._pd_failed[rv.req_id] = [b for b in rv.block_ids if b >= 0]
@@ -1193,6 +1235,14 @@ def _pd_layout(params: dict[str, Any], ranks: int) -> list[int]:
     if not isinstance(raw, list | tuple) or len(raw) != 2:
         raise ValueError(f"tpusync_layout must be [tensor, pipeline], not {raw!r}")
     return [int(x) for x in raw]
+
+
+def _total_kv_heads(vllm_config: VllmConfig) -> int:
+    """The model's kv heads over all tensor ranks (0 where the config does not say)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 def _worker_rank() -> int:

@@ -34,6 +34,21 @@ pool (no TCP); any other consumer pulls over TCP from ``remote_host``/``remote_p
 Rejected alternative: comparing host names or IP addresses - containers on one host have
 different ones, and two hosts may share a name; the boot id names one running kernel.
 
+HEAD RESHARD CONTRACT (prefill and decode of different tensor-parallel sizes, same pipeline
+size): vLLM gives tensor rank t of T the kv heads [t * H/T, (t+1) * H/T) of the model's H, and
+every block row (one layer's K/V of a block) of every attention backend is [outer, heads, inner]
+bytes (the CPU backend: outer 1; flash layouts: outer = block_size). A consumer rank computes
+from both layouts (:func:`head_plan`) which producer ranks hold its heads; it pulls each of those
+ranks' whole blocks (the producer's own rows, unchanged) into a pool of the producer's block size
+and, when they all landed, copies its heads' slices into vLLM's blocks. Several consumer ranks
+pulling one producer rank name their number (SHARED-SEND CONTRACT, tpusync.core.pd), so the
+producer frees the blocks after the last of them. Supported when H divides by both sizes (no
+replicated heads on either side); otherwise the consumer computes the prompt itself. Rejected
+alternatives: the producer slicing per consumer rank - it does not know the consumer's layout
+when it publishes; a gather of all heads on one rank - the whole prefill through one process.
+Each consumer rank of a larger group receives its producer rank's every head (tp_c / tp_p times
+the bytes it keeps): the price of a producer that publishes once.
+
 kv_transfer_params the producer returns (and the consumer expects): ``do_remote_prefill``,
 ``remote_engine_id``, ``remote_host``, ``remote_port``, ``remote_block_ids`` (the producer's vLLM
 block ids, informational), ``tpusync_transfer_id``, ``tpusync_num_blocks`` and, for the
@@ -56,9 +71,9 @@ import numpy as np
 import torch
 
 import tpusync.core as tc
-from tpusync.core.pd import PdConsumer, PdProducer, load_secret
+from tpusync.core.pd import PdConsumer, PdProducer, PdResult, load_secret
 
-__all__ = ["PdWorker", "host_id", "transfer_id_for"]
+__all__ = ["HeadPart", "PdWorker", "head_plan", "host_id", "transfer_id_for"]
 
 log = logging.getLogger("tpusync.vllm")
 
@@ -80,11 +95,63 @@ def host_id() -> str:
 
 
 @dataclass
+class _Ways:
+    """A host pool of one block size and the consumer that pulls into it."""
+
+    pool: tc.HostBlockPool
+    consumer: PdConsumer
+
+
+@dataclass(frozen=True)
+class HeadPart:
+    """One producer rank's share of a consumer rank's heads (HEAD RESHARD CONTRACT)."""
+
+    producer_rank: int  # the producer's world rank (pipeline stage * tensor size + tensor rank)
+    readers: int  # consumer ranks that pull this producer rank's blocks
+    producer_heads: int  # heads per row in the producer's blocks
+    take: tuple[int, int]  # [first, end) of the producer rank's heads
+    put: tuple[int, int]  # [first, end) of this consumer rank's heads
+
+
+def head_plan(
+    total_heads: int, producer: Sequence[int], consumer: Sequence[int], rank: int
+) -> list[HeadPart] | None:
+    """Where consumer world ``rank`` (layout ``consumer`` = [tensor, pipeline]) finds its kv
+    heads among the ranks of a producer of layout ``producer``; None when the P/D stream cannot
+    reshard between them (another pipeline size, or heads replicated on either side)."""
+    (tp_p, pp_p), (tp_c, pp_c) = producer, consumer
+    if (
+        total_heads <= 0
+        or pp_p != pp_c
+        or total_heads % tp_p
+        or total_heads % tp_c
+        or not 0 <= rank < tp_c * pp_c
+    ):
+        return None
+    hp, hc = total_heads // tp_p, total_heads // tp_c
+    stage, t = divmod(rank, tp_c)
+    lo, hi = t * hc, (t + 1) * hc  # this rank's heads, in model head numbers
+    parts = []
+    for q in range(lo // hp, (hi - 1) // hp + 1):  # producer tensor ranks holding some of them
+        a, b = max(lo, q * hp), min(hi, (q + 1) * hp)
+        # consumer tensor ranks whose heads meet q's: q's first head's rank .. its last head's
+        readers = ((q + 1) * hp - 1) // hc - (q * hp) // hc + 1
+        parts.append(
+            HeadPart(stage * tp_p + q, readers, hp, (a - q * hp, b - q * hp), (a - lo, b - lo))
+        )
+    return parts
+
+
+@dataclass
 class _Recv:
     req_id: str
     pool_ids: list[int]
     block_ids: list[int]  # vLLM blocks to fill (-1: locally computed already, skip)
     deadline: float
+    # HEAD RESHARD CONTRACT: the parts in pool_ids order (len(block_ids) pool blocks each) and the
+    # pool / consumer they were pulled with; None for a same-layout pull (whole rows, own pool).
+    parts: list[HeadPart] | None = None
+    ways: _Ways | None = None
 
 
 class PdWorker:
@@ -101,9 +168,23 @@ class PdWorker:
         timeout_s: float = 60.0,
         same_host: bool = True,
         name: str = "",
+        heads: tuple[int, int, int] | None = None,
     ) -> None:
+        """``heads``: (kv heads, outer, inner bytes) of every row seen as [outer, heads, inner]
+        (HEAD RESHARD CONTRACT); None where the rows' head axis is unknown (no resharding)."""
         self.layers = list(layers)
         self._np = [np.asarray(t) for t in self.layers]  # fast row copies (see store.py)
+        # HEAD RESHARD CONTRACT: each row as [block, outer, heads, inner], views of the KV cache.
+        self.heads = heads
+        self._head_views: list[np.ndarray] = []
+        if heads is not None:
+            own, outer, inner = heads
+            if all(a.shape[1] == outer * own * inner for a in self._np):
+                views = [a.reshape(a.shape[0], outer, own, inner) for a in self._np]
+                if all(np.may_share_memory(v, a) for v, a in zip(views, self._np, strict=True)):
+                    self._head_views = views
+            if not self._head_views:
+                self.heads = None  # not rows of that shape, or not viewable in place
         self.row_bytes = int(self.layers[0].shape[1])
         self.key_bytes = self.row_bytes * len(self.layers)
         secret = load_secret(secret_file)
@@ -127,6 +208,12 @@ class PdWorker:
             else None
         )
         self.consumer = None if producer else PdConsumer(self.pool, secret=secret, streams=2)
+        self._secret = secret
+        self._pool_blocks = pool_blocks
+        # HEAD RESHARD CONTRACT: one pool + consumer per producer block size, own size first.
+        self._ways: dict[int, _Ways] = {}
+        if self.consumer is not None:
+            self._ways[self.key_bytes] = _Ways(self.pool, self.consumer)
         self._staging = np.empty((0, self.key_bytes), dtype=np.uint8)
         self._recvs: dict[int, _Recv] = {}
         # ABANDON CONTRACT: abandons run here, off the engine step, and free their staging blocks.
@@ -194,6 +281,52 @@ class PdWorker:
             req_id, ids, list(block_ids), time.monotonic() + self.timeout_s
         )
 
+    def start_parts(
+        self,
+        req_id: str,
+        transfer_id: int,
+        parts: Sequence[tuple[str, HeadPart]],
+        block_ids: Sequence[int],
+    ) -> None:
+        """HEAD RESHARD CONTRACT: pull ``len(block_ids)`` blocks of ``transfer_id`` from each
+        (peer, part)'s producer rank; :meth:`poll` copies this rank's heads out of them."""
+        if self.consumer is None or self.heads is None:
+            raise ValueError("this worker cannot reshard P/D blocks (no head layout known)")
+        own, outer, inner = self.heads
+        if any(p.put[1] > own or p.take[1] > p.producer_heads for _, p in parts):
+            raise ValueError(f"head parts {parts!r} do not fit {own} heads per row")
+        ways = self._ways_for(len(self.layers) * outer * parts[0][1].producer_heads * inner)
+        n = len(block_ids)
+        ids = ways.pool.alloc(n * len(parts))
+        try:
+            ways.consumer.start_recv_multi(
+                transfer_id,
+                [
+                    (peer, ids[i * n : (i + 1) * n], part.readers)
+                    for i, (peer, part) in enumerate(parts)
+                ],
+                self.timeout_s,
+            )
+        except tc.TpusyncError:
+            ways.pool.free(ids)
+            raise
+        self._recvs[transfer_id] = _Recv(
+            req_id,
+            ids,
+            list(block_ids),
+            time.monotonic() + self.timeout_s,
+            [part for _, part in parts],
+            ways,
+        )
+
+    def _ways_for(self, block_bytes: int) -> _Ways:
+        ways = self._ways.get(block_bytes)
+        if ways is None:
+            pool = tc.HostBlockPool(block_bytes, self._pool_blocks, prefault=False)
+            ways = _Ways(pool, PdConsumer(pool, secret=self._secret, streams=2))
+            self._ways[block_bytes] = ways
+        return ways
+
     def abandon(self, req_ids: Iterable[str], reason: str = "request finished") -> set[str]:
         """ABANDON CONTRACT: drop the receives of ``req_ids`` (finished or aborted requests) at
         once - they are never scattered into vLLM's blocks nor reported by :meth:`poll` - and
@@ -215,9 +348,9 @@ class PdWorker:
         return {rec.req_id for _, rec in gone}
 
     def _abandon_one(self, transfer_id: int, rec: _Recv, reason: str) -> None:
-        assert self.consumer is not None
+        ways = rec.ways or self._ways[self.key_bytes]
         try:
-            for rel in self.consumer.abandon(transfer_id, f"{rec.req_id}: {reason}"):
+            for rel in ways.consumer.abandon(transfer_id, f"{rec.req_id}: {reason}"):
                 if not rel.released and rel.code != "NotFound":
                     log.info(
                         "tpusync P/D: producer %s not told that %s was abandoned (%s); its "
@@ -231,7 +364,7 @@ class PdWorker:
             # out of the free list until it stops).
             log.debug("tpusync P/D: abandon of %s: %s", rec.req_id, exc)
         finally:
-            self.pool.free(rec.pool_ids)
+            ways.pool.free(rec.pool_ids)
             with self._abandon_lock:
                 self._abandoning -= 1
 
@@ -257,39 +390,62 @@ class PdWorker:
                 # its producer. So nothing is read while abandons are outstanding (each is
                 # bounded by abandon_timeout); the ends wait for the next step.
                 return done, failed
-        for r in self.consumer.poll():
-            if not (r.done or r.failed):
-                continue  # still on the wire
-            rec = self._recvs.pop(r.request_id, None)
-            if rec is None:
-                continue
-            if r.done:
-                try:
-                    self._scatter(rec)
-                    done.add(rec.req_id)
-                    self.received += len(rec.pool_ids)
-                    if r.shm:
-                        self.received_shm += len(rec.pool_ids)
-                except tc.TpusyncError as exc:
-                    log.warning("tpusync P/D copy of %s failed: %s", rec.req_id, exc)
-                    failed[rec.req_id] = [b for b in rec.block_ids if b >= 0]
-            else:
-                log.warning("tpusync P/D receive of %s failed: %s", rec.req_id, r.reason)
-                failed[rec.req_id] = [b for b in rec.block_ids if b >= 0]
-            self.pool.free(rec.pool_ids)
+        for ways in list(self._ways.values()):
+            for r in ways.consumer.poll():
+                self._ended(r, done, failed)
         return done, failed
+
+    def _ended(self, r: PdResult, done: set[str], failed: dict[str, list[int]]) -> None:
+        """Scatter (done) or report (failed) a receive the consumer reported ended."""
+        if not (r.done or r.failed):
+            return  # still on the wire
+        rec = self._recvs.pop(r.request_id, None)
+        if rec is None:
+            return
+        if r.done:
+            try:
+                self._scatter(rec)
+                done.add(rec.req_id)
+                self.received += len(rec.block_ids)
+                if r.shm:
+                    self.received_shm += len(rec.block_ids)
+            except tc.TpusyncError as exc:
+                log.warning("tpusync P/D copy of %s failed: %s", rec.req_id, exc)
+                failed[rec.req_id] = [b for b in rec.block_ids if b >= 0]
+        else:
+            log.warning("tpusync P/D receive of %s failed: %s", rec.req_id, r.reason)
+            failed[rec.req_id] = [b for b in rec.block_ids if b >= 0]
+        (rec.ways.pool if rec.ways else self.pool).free(rec.pool_ids)
 
     def _scatter(self, rec: _Recv) -> None:
         keep = [i for i, b in enumerate(rec.block_ids) if b >= 0]
         if not keep:
             return
-        stage = self._stage(len(rec.pool_ids))
-        self.pool.get(rec.pool_ids, stage).result(self.timeout_s)
-        src = stage[np.asarray(keep, dtype=np.int64)]
         dst = np.asarray([rec.block_ids[i] for i in keep], dtype=np.int64)
-        rb = self.row_bytes
-        for j, arr in enumerate(self._np):
-            arr[dst] = src[:, j * rb : (j + 1) * rb]
+        if rec.parts is None or rec.ways is None:
+            stage = self._stage(len(rec.pool_ids))
+            self.pool.get(rec.pool_ids, stage).result(self.timeout_s)
+            src = stage[np.asarray(keep, dtype=np.int64)]
+            rb = self.row_bytes
+            for j, arr in enumerate(self._np):
+                arr[dst] = src[:, j * rb : (j + 1) * rb]
+            return
+        # HEAD RESHARD CONTRACT: row j of a producer block is [outer, producer heads, inner];
+        # this rank's row j takes heads put[0]:put[1] from heads take[0]:take[1] of each part.
+        assert self.heads is not None
+        own, outer, inner = self.heads
+        n = len(rec.block_ids)
+        pool = rec.ways.pool
+        got = np.empty((len(rec.pool_ids), pool.block_bytes), dtype=np.uint8)
+        pool.get(rec.pool_ids, got).result(self.timeout_s)
+        for i, part in enumerate(rec.parts):
+            hp = part.producer_heads
+            prb = outer * hp * inner
+            blocks = got[i * n : (i + 1) * n][np.asarray(keep, dtype=np.int64)]
+            (a, b), (c, d) = part.take, part.put
+            for j, view in enumerate(self._head_views):
+                src = blocks[:, j * prb : (j + 1) * prb].reshape(len(keep), outer, hp, inner)
+                view[dst, :, c:d, :] = src[:, :, a:b, :]
 
     @property
     def pending(self) -> int:
