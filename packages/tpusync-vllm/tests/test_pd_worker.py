@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tpusync.vllm.pd import HeadPart, PdWorker, head_plan
+from tpusync.vllm.pd import HeadPart, PdWorker, head_plan, rank_heads
 
 SECRET = "pd-worker-test-secret-0123456789"
 
@@ -144,17 +144,25 @@ def test_head_plan_names_every_producer_rank_holding_a_consumer_ranks_heads():
         HeadPart(6, 1, 2, (0, 2), (0, 2)),
         HeadPart(7, 1, 2, (0, 2), (2, 4)),
     ]
+    # More consumer ranks than kv heads: vLLM gives tp/H ranks each head; each pulls its holder.
+    assert head_plan(2, [1, 1], [4, 1], 0) == [HeadPart(0, 4, 2, (0, 1), (0, 1))]
+    assert head_plan(2, [1, 1], [4, 1], 3) == [HeadPart(0, 4, 2, (1, 2), (0, 1))]
+    assert head_plan(2, [2, 1], [4, 1], 1) == [HeadPart(0, 2, 1, (0, 1), (0, 1))]
+    assert rank_heads(2, 4, 2) == (1, 2) and rank_heads(4, 2, 1) == (2, 4)
+    assert rank_heads(4, 3, 0) is None and rank_heads(6, 4, 0) is None
     # Every producer rank is read by exactly the consumer ranks that name it as its readers.
-    for tp_p, tp_c in [(1, 4), (2, 4), (4, 1), (4, 2), (2, 2)]:
+    for tp_p, tp_c in [(1, 4), (2, 4), (4, 1), (4, 2), (2, 2), (1, 8), (2, 8), (4, 8)]:
         reads: dict[int, list[int]] = {}
         for r in range(tp_c):
             for part in head_plan(4, [tp_p, 1], [tp_c, 1], r):
                 reads.setdefault(part.producer_rank, []).append(part.readers)
         assert sorted(reads) == list(range(tp_p))
         assert all(len(v) == v[0] and len(set(v)) == 1 for v in reads.values())
-    # Not reshardable: another pipeline size, replicated heads, unknown head count, bad rank.
+    # Not reshardable: another pipeline size, heads replicated on the producer's side, a split
+    # vLLM does not make, an unknown head count, a bad rank.
     assert head_plan(4, [2, 2], [2, 1], 0) is None
-    assert head_plan(2, [1, 1], [4, 1], 0) is None
+    assert head_plan(2, [4, 1], [1, 1], 0) is None
+    assert head_plan(4, [1, 1], [3, 1], 0) is None
     assert head_plan(0, [1, 1], [2, 1], 0) is None
     assert head_plan(4, [1, 1], [2, 1], 2) is None
 
@@ -170,14 +178,12 @@ def model_cache(seed: int) -> list[torch.Tensor]:
 
 def rank_rows(cache: list[torch.Tensor], tp: int, t: int) -> list[torch.Tensor]:
     """Tensor rank t of tp's KV cache (its heads) as the connector registers it: byte rows."""
-    h = HEADS // tp
-    return [
-        c[:, t * h : (t + 1) * h].contiguous().clone().flatten(1).view(torch.uint8) for c in cache
-    ]
+    lo, hi = rank_heads(HEADS, tp, t)
+    return [c[:, lo:hi].contiguous().clone().flatten(1).view(torch.uint8) for c in cache]
 
 
 def rank_worker(cache, tp, t, *, producer):
-    h = HEADS // tp
+    lo, hi = rank_heads(HEADS, tp, t)
     rows = rank_rows(cache, tp, t)
     if not producer:
         for r in rows:
@@ -190,11 +196,11 @@ def rank_worker(cache, tp, t, *, producer):
         same_host=producer,  # producers offer their /dev/shm pool; consumers take either path
         timeout_s=120.0,
         name=f"reshard-{t}",
-        heads=(h, 1, inner),
+        heads=(hi - lo, 1, inner),
     ), rows
 
 
-@pytest.mark.parametrize("tp_p,tp_c", [(1, 2), (2, 1), (2, 4)])
+@pytest.mark.parametrize("tp_p,tp_c", [(1, 2), (2, 1), (2, 4), (2, 8)])
 def test_a_consumer_of_another_tensor_size_gets_exactly_its_heads(monkeypatch, tp_p, tp_c):
     """Producer ranks of TP=tp_p publish their heads' rows once; each consumer rank of TP=tp_c
     pulls the producer ranks holding its heads (shared sends named with their readers) and ends
@@ -225,7 +231,6 @@ def test_a_consumer_of_another_tensor_size_gets_exactly_its_heads(monkeypatch, t
             return len(finished) == tp_c
 
         assert until(landed)
-        h = HEADS // tp_c
         for c, (_, rows) in enumerate(conss):
             want = rank_rows(cache, tp_c, c)
             for j in range(2):
@@ -233,7 +238,6 @@ def test_a_consumer_of_another_tensor_size_gets_exactly_its_heads(monkeypatch, t
                 others = [b for b in range(NBLOCKS) if b not in dst_blocks]
                 assert int(rows[j][others].sum()) == 0  # no other block written
             assert conss[c][0].received == len(dst_blocks)
-        assert h * tp_c == HEADS
         for p in prods:  # every reader acknowledged: the producers let go of their copies
             assert until(lambda p=p: (p.poll(), p.pool.num_free)[1] == 8)
     finally:

@@ -57,7 +57,7 @@ import torch
 import tpusync.core as tc
 from tpusync.core import events as tev
 from tpusync.vllm.config import ConfigError, TpusyncVllmConfig
-from tpusync.vllm.pd import PdWorker, head_plan, transfer_id_for
+from tpusync.vllm.pd import PdWorker, head_plan, rank_heads, transfer_id_for
 from tpusync.vllm.store import (
     LayeredLoad,
     LookupClient,
@@ -490,7 +490,7 @@ class TpusyncConnector(KVConnectorBase_V1):
         ):
             # PER-RANK P/D CONTRACT: rank r holds the KV of its own heads and pipeline stage's
             # layers; another tensor size is resharded by heads (HEAD RESHARD CONTRACT), another
-            # pipeline split or replicated heads are not.
+            # pipeline split or heads replicated on the prefill side are not.
             log.warning(
                 "tpusync: request %s was prefilled by %d producer rank(s) of layout TP=%s x PP=%s, "
                 "this instance has %d worker(s) of TP=%d x PP=%d (%d kv heads): computing it "
@@ -869,10 +869,10 @@ class TpusyncConnector(KVConnectorBase_V1):
         inner] bytes (HEAD RESHARD CONTRACT, pd.py), read from the tensors' shapes: the one
         per-block axis as long as this rank's kv heads. None when no axis or several match, or
         the parts disagree (P/D then pairs only producers of this layout)."""
-        tp = self.layout[0]
-        if self._total_kv_heads <= 0 or self._total_kv_heads % tp:
+        heads = rank_heads(self._total_kv_heads, self.layout[0], 0)
+        if heads is None:
             return None
-        own = self._total_kv_heads // tp
+        own = heads[1] - heads[0]
         found = set()
         for t in kv_caches.values():
             per_block = tuple(t.shape[2:] if self._kv_apart(t) else t.shape[1:])

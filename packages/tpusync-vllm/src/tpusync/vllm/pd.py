@@ -42,8 +42,11 @@ from both layouts (:func:`head_plan`) which producer ranks hold its heads; it pu
 ranks' whole blocks (the producer's own rows, unchanged) into a pool of the producer's block size
 and, when they all landed, copies its heads' slices into vLLM's blocks. Several consumer ranks
 pulling one producer rank name their number (SHARED-SEND CONTRACT, tpusync.core.pd), so the
-producer frees the blocks after the last of them. Supported when H divides by both sizes (no
-replicated heads on either side); otherwise the consumer computes the prompt itself. Rejected
+producer frees the blocks after the last of them. Supported when the producer's size divides H
+and the consumer's size divides H or is a multiple of it (vLLM then replicates each head on
+tp/H consumer ranks, each pulling the producer rank holding its head: :func:`rank_heads`);
+otherwise - another pipeline size, or heads replicated on the producer's side, whose spare
+copies nobody would pull - the consumer computes the prompt itself. Rejected
 alternatives: the producer slicing per consumer rank - it does not know the consumer's layout
 when it publishes; a gather of all heads on one rank - the whole prefill through one process.
 Each consumer rank of a larger group receives its producer rank's every head (tp_c / tp_p times
@@ -73,7 +76,7 @@ import torch
 import tpusync.core as tc
 from tpusync.core.pd import PdConsumer, PdProducer, PdResult, load_secret
 
-__all__ = ["HeadPart", "PdWorker", "head_plan", "host_id", "transfer_id_for"]
+__all__ = ["HeadPart", "PdWorker", "head_plan", "host_id", "rank_heads", "transfer_id_for"]
 
 log = logging.getLogger("tpusync.vllm")
 
@@ -113,29 +116,45 @@ class HeadPart:
     put: tuple[int, int]  # [first, end) of this consumer rank's heads
 
 
+def rank_heads(total_heads: int, tp: int, t: int) -> tuple[int, int] | None:
+    """The kv heads [first, end) of tensor rank ``t`` of ``tp`` in vLLM's split: ``H/tp`` each
+    when ``tp`` divides the model's ``H``, one head shared by ``tp/H`` ranks when ``H`` divides
+    ``tp`` (grouped-query heads replicated); None for any other pair."""
+    if total_heads <= 0 or tp <= 0:
+        return None
+    if total_heads % tp == 0:
+        h = total_heads // tp
+        return t * h, (t + 1) * h
+    if tp % total_heads == 0:
+        g = t * total_heads // tp
+        return g, g + 1
+    return None
+
+
 def head_plan(
     total_heads: int, producer: Sequence[int], consumer: Sequence[int], rank: int
 ) -> list[HeadPart] | None:
     """Where consumer world ``rank`` (layout ``consumer`` = [tensor, pipeline]) finds its kv
     heads among the ranks of a producer of layout ``producer``; None when the P/D stream cannot
-    reshard between them (another pipeline size, or heads replicated on either side)."""
+    reshard between them (another pipeline size, a split :func:`rank_heads` does not know, or
+    heads replicated on the producer's side, whose spare copies nobody would pull)."""
     (tp_p, pp_p), (tp_c, pp_c) = producer, consumer
-    if (
-        total_heads <= 0
-        or pp_p != pp_c
-        or total_heads % tp_p
-        or total_heads % tp_c
-        or not 0 <= rank < tp_c * pp_c
-    ):
+    if pp_p != pp_c or not 0 <= rank < tp_c * pp_c or total_heads <= 0 or total_heads % tp_p:
         return None
-    hp, hc = total_heads // tp_p, total_heads // tp_c
     stage, t = divmod(rank, tp_c)
-    lo, hi = t * hc, (t + 1) * hc  # this rank's heads, in model head numbers
+    mine = rank_heads(total_heads, tp_c, t)
+    if mine is None:
+        return None
+    hp = total_heads // tp_p
+    lo, hi = mine  # this rank's heads, in model head numbers
     parts = []
     for q in range(lo // hp, (hi - 1) // hp + 1):  # producer tensor ranks holding some of them
         a, b = max(lo, q * hp), min(hi, (q + 1) * hp)
-        # consumer tensor ranks whose heads meet q's: q's first head's rank .. its last head's
-        readers = ((q + 1) * hp - 1) // hc - (q * hp) // hc + 1
+        # The consumer tensor ranks whose heads meet q's, each of which pulls q's blocks.
+        readers = 0
+        for c in range(tp_c):
+            c_lo, c_hi = rank_heads(total_heads, tp_c, c)  # type: ignore[misc]
+            readers += c_lo < (q + 1) * hp and q * hp < c_hi
         parts.append(
             HeadPart(stage * tp_p + q, readers, hp, (a - q * hp, b - q * hp), (a - lo, b - lo))
         )
