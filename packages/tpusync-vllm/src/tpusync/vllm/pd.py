@@ -312,7 +312,7 @@ class PdWorker:
         if self.consumer is None or self.heads is None:
             raise ValueError("this worker cannot reshard P/D blocks (no head layout known)")
         own, outer, inner = self.heads
-        if any(p.put[1] > own or p.take[1] > p.producer_heads for _, p in parts):
+        if not parts or any(p.put[1] > own or p.take[1] > p.producer_heads for _, p in parts):
             raise ValueError(f"head parts {parts!r} do not fit {own} heads per row")
         ways = self._ways_for(len(self.layers) * outer * parts[0][1].producer_heads * inner)
         n = len(block_ids)
