@@ -200,11 +200,16 @@ def test_pd_pulls_each_ranks_part_from_the_same_rank(model_dir, tmp_path_factory
     assert f"of layout TP={pp} x PP={tp}" in r["stderr"]
 
 
-@pytest.mark.parametrize("prod_par,par", [("1", "2"), ("2", "1")], ids=["tp1-to-tp2", "tp2-to-tp1"])
+@pytest.mark.parametrize(
+    "prod_par,par",
+    [("1", "2"), ("2", "1"), ("1", "4")],
+    ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-to-tp4"],
+)
 def test_pd_between_tensor_sizes_reshards_the_heads(model_dir, tmp_path_factory, prod_par, par):
     # HEAD RESHARD CONTRACT (pd.py): the tiny model has 2 kv heads. TP=1 -> TP=2: both consumer
     # workers pull producer worker 0's blocks (a shared send of 2 readers) and keep one head
-    # each; TP=2 -> TP=1: the consumer pulls both producer workers and joins their heads.
+    # each; TP=2 -> TP=1: the consumer pulls both producer workers and joins their heads;
+    # TP=1 -> TP=4: vLLM gives each head to two consumer workers, all four pull worker 0.
     r = _run("pd_parallel", model_dir, tmp_path_factory, par, prod_par)
     assert r["kv_transfer_params"]["tpusync_layout"] == [int(prod_par), 1]
     assert r["stats"]["pd_recv_blocks"] == FULL_BLOCKS
@@ -215,7 +220,9 @@ def test_pd_between_tensor_sizes_reshards_the_heads(model_dir, tmp_path_factory,
     assert r["pd"]["tokens"] == r["single"]["tokens"]
     # Every producer worker freed its copy after its last reader's receipt: pulled again, the
     # transfer is gone (load errors, recomputed, same tokens), and the producer pools are whole.
-    assert r["stats_again"]["load_errors_seen"] == FULL_BLOCKS
+    # (Each worker reports its failed blocks; vLLM may hand the scheduler both reports in one
+    # step or in two, so the count is the blocks once or once per worker.)
+    assert FULL_BLOCKS <= r["stats_again"]["load_errors_seen"] <= FULL_BLOCKS * int(par)
     assert r["again"]["tokens"] == r["single"]["tokens"]
     assert r["producer"]["stats"]["pd_sent_blocks"] == 2 * FULL_BLOCKS  # prompts 21 and 22
     for x in r["producer"]["ranks"]:  # only prompt 22, never pulled, waits for its deadline
