@@ -167,28 +167,36 @@ def test_head_plan_names_every_producer_rank_holding_a_consumer_ranks_heads():
     assert head_plan(4, [1, 1], [2, 1], 2) is None
 
 
-HEADS, BLOCK_TOKENS, CHANNELS, NBLOCKS = 4, 32, 16, 8  # CPU layout: [blocks, heads, tokens, 2*hd]
+HEADS, BLOCK_TOKENS, CHANNELS, NBLOCKS = 4, 32, 16, 8
+# Where a block's heads sit: vLLM's CPU layout [blocks, heads, tokens, 2*hd] (axis 1: outer 1) or
+# a flash-style K or V part [blocks, tokens, heads, hd] (axis 2: outer = tokens).
+AXES = {1: "cpu-layout", 2: "tokens-outer"}
 
 
-def model_cache(seed: int) -> list[torch.Tensor]:
-    """Two layers of a whole model's KV cache, every head, in vLLM's CPU layout (float32)."""
+def model_cache(seed: int, axis: int = 1) -> list[torch.Tensor]:
+    """Two layers of a whole model's KV cache, every head, float32."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(NBLOCKS, HEADS, BLOCK_TOKENS, CHANNELS, generator=g) for _ in range(2)]
+    shape = [NBLOCKS, BLOCK_TOKENS, CHANNELS]
+    shape.insert(axis, HEADS)
+    return [torch.randn(*shape, generator=g) for _ in range(2)]
 
 
-def rank_rows(cache: list[torch.Tensor], tp: int, t: int) -> list[torch.Tensor]:
+def rank_rows(cache: list[torch.Tensor], tp: int, t: int, axis: int = 1) -> list[torch.Tensor]:
     """Tensor rank t of tp's KV cache (its heads) as the connector registers it: byte rows."""
     lo, hi = rank_heads(HEADS, tp, t)
-    return [c[:, lo:hi].contiguous().clone().flatten(1).view(torch.uint8) for c in cache]
+    return [
+        c.narrow(axis, lo, hi - lo).contiguous().clone().flatten(1).view(torch.uint8) for c in cache
+    ]
 
 
-def rank_worker(cache, tp, t, *, producer):
+def rank_worker(cache, tp, t, *, producer, axis: int = 1):
     lo, hi = rank_heads(HEADS, tp, t)
-    rows = rank_rows(cache, tp, t)
+    rows = rank_rows(cache, tp, t, axis)
     if not producer:
         for r in rows:
             r.zero_()
-    inner = BLOCK_TOKENS * CHANNELS * 4
+    outer = 1 if axis == 1 else BLOCK_TOKENS
+    inner = (BLOCK_TOKENS * CHANNELS if axis == 1 else CHANNELS) * 4
     return PdWorker(
         rows,
         producer=producer,
@@ -196,20 +204,21 @@ def rank_worker(cache, tp, t, *, producer):
         same_host=producer,  # producers offer their /dev/shm pool; consumers take either path
         timeout_s=120.0,
         name=f"reshard-{t}",
-        heads=(hi - lo, 1, inner),
+        heads=(hi - lo, outer, inner),
     ), rows
 
 
+@pytest.mark.parametrize("axis", list(AXES), ids=list(AXES.values()))
 @pytest.mark.parametrize("tp_p,tp_c", [(1, 2), (2, 1), (2, 4), (2, 8)])
-def test_a_consumer_of_another_tensor_size_gets_exactly_its_heads(monkeypatch, tp_p, tp_c):
+def test_a_consumer_of_another_tensor_size_gets_exactly_its_heads(monkeypatch, tp_p, tp_c, axis):
     """Producer ranks of TP=tp_p publish their heads' rows once; each consumer rank of TP=tp_c
     pulls the producer ranks holding its heads (shared sends named with their readers) and ends
     with the bytes vLLM would hold for its heads; every producer pool is whole again only after
     its last reader acknowledged."""
     monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
-    cache = model_cache(5)
-    prods = [rank_worker(cache, tp_p, q, producer=True)[0] for q in range(tp_p)]
-    conss = [rank_worker(cache, tp_c, c, producer=False) for c in range(tp_c)]
+    cache = model_cache(5, axis)
+    prods = [rank_worker(cache, tp_p, q, producer=True, axis=axis)[0] for q in range(tp_p)]
+    conss = [rank_worker(cache, tp_c, c, producer=False, axis=axis) for c in range(tp_c)]
     try:
         src_blocks, dst_blocks = [1, 4, 6], [0, 2, 7]
         for p in prods:
@@ -232,7 +241,7 @@ def test_a_consumer_of_another_tensor_size_gets_exactly_its_heads(monkeypatch, t
 
         assert until(landed)
         for c, (_, rows) in enumerate(conss):
-            want = rank_rows(cache, tp_c, c)
+            want = rank_rows(cache, tp_c, c, axis)
             for j in range(2):
                 assert torch.equal(rows[j][dst_blocks], want[j][src_blocks]), (c, j)
                 others = [b for b in range(NBLOCKS) if b not in dst_blocks]
