@@ -369,6 +369,7 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
   if (!r.ExpectEnd().ok()) return refuse(Status::InvalidArgument("malformed PdPull frame"));
   const bool shm_path = (*flags & kPullShmOk) && is_unix && shm_fd_.valid();
   std::shared_ptr<Entry> e;
+  Status other_readers;  // SHARED-SEND CONTRACT; refused below, never with mu_ held
   {
     std::unique_lock lock(mu_);
     const auto wait = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(*wait_ms),
@@ -376,19 +377,20 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
     cv_.wait_for(lock, wait, [&] { return stop_ || entries_.count(id) > 0; });
     if (auto it = entries_.find(id); it != entries_.end()) e = it->second;
     if (e && e->readers != 0 && e->readers != readers) {
-      return refuse(Status::InvalidArgument(
+      other_readers = Status::InvalidArgument(
           StrCat("request ", id, ": this pull names ", readers, " reader(s), an earlier one ",
-                 e->readers, " (every consumer of a shared send must name the same number)")));
-    }
-    if (e) e->readers = readers;
-    // The blocks stay owned by us (Retain at RegisterSend); the borrow keeps them valid even if
-    // the reaper expires or Cancel ends the request while the bytes are on the wire. Taken under
-    // mu_ while the request is registered, so its blocks still have an owner (CANCEL CONTRACT).
-    if (e && *n == e->blocks.size() && *block_bytes == pool_->block_bytes()) {
+                 e->readers, " (every consumer of a shared send must name the same number)"));
+    } else if (e && *n == e->blocks.size() && *block_bytes == pool_->block_bytes()) {
+      // The blocks stay owned by us (Retain at RegisterSend); the borrow keeps them valid even
+      // if the reaper expires or Cancel ends the request while the bytes are on the wire. Taken
+      // under mu_ while the request is registered, so its blocks still have an owner (CANCEL
+      // CONTRACT).
       if (Status b = pool_->AcquireBorrow(e->blocks); !b.ok()) return b;
       if (!shm_path) e->sending.insert(&link);
+      e->readers = readers;
     }
   }
+  if (!other_readers.ok()) return refuse(other_readers);
   if (!e) {
     return refuse(Status::NotFound(
         StrCat("request ", id, " is not registered on this producer (or its deadline passed)")));
