@@ -167,10 +167,10 @@ class _Recv:
     pool_ids: list[int]
     block_ids: list[int]  # vLLM blocks to fill (-1: locally computed already, skip)
     deadline: float
-    # HEAD RESHARD CONTRACT: the parts in pool_ids order (len(block_ids) pool blocks each) and the
-    # pool / consumer they were pulled with; None for a same-layout pull (whole rows, own pool).
+    ways: _Ways  # the pool / consumer it is pulled with
+    # HEAD RESHARD CONTRACT: the parts in pool_ids order (len(block_ids) pool blocks each); None
+    # for a same-layout pull (whole rows of this worker's own block size).
     parts: list[HeadPart] | None = None
-    ways: _Ways | None = None
 
 
 class PdWorker:
@@ -233,7 +233,7 @@ class PdWorker:
         self._ways: dict[int, _Ways] = {}
         if self.consumer is not None:
             self._ways[self.key_bytes] = _Ways(self.pool, self.consumer)
-        self._staging = np.empty((0, self.key_bytes), dtype=np.uint8)
+        self._staging = np.empty(0, dtype=np.uint8)  # reused by _stage, grown as needed
         self._recvs: dict[int, _Recv] = {}
         # ABANDON CONTRACT: abandons run here, off the engine step, and free their staging blocks.
         self._abandoner: ThreadPoolExecutor | None = None
@@ -261,10 +261,13 @@ class PdWorker:
             return unix_peer
         return tcp_peer
 
-    def _stage(self, n: int) -> np.ndarray:
-        if self._staging.shape[0] < n:
-            self._staging = np.empty((n, self.key_bytes), dtype=np.uint8)
-        return self._staging[:n]
+    def _stage(self, n: int, width: int = 0) -> np.ndarray:
+        """``n`` staging rows of ``width`` bytes (default: this worker's block), one reused
+        buffer (a fresh one per transfer would page-fault its way through every byte)."""
+        width = width or self.key_bytes
+        if self._staging.size < n * width:
+            self._staging = np.empty(n * width, dtype=np.uint8)
+        return self._staging[: n * width].reshape(n, width)
 
     # ---------------------------------------------------------------- producer
 
@@ -297,7 +300,11 @@ class PdWorker:
             self.pool.free(ids)
             raise
         self._recvs[transfer_id] = _Recv(
-            req_id, ids, list(block_ids), time.monotonic() + self.timeout_s
+            req_id,
+            ids,
+            list(block_ids),
+            time.monotonic() + self.timeout_s,
+            self._ways[self.key_bytes],
         )
 
     def start_parts(
@@ -334,8 +341,8 @@ class PdWorker:
             ids,
             list(block_ids),
             time.monotonic() + self.timeout_s,
-            [part for _, part in parts],
             ways,
+            [part for _, part in parts],
         )
 
     def _ways_for(self, block_bytes: int) -> _Ways:
@@ -367,7 +374,7 @@ class PdWorker:
         return {rec.req_id for _, rec in gone}
 
     def _abandon_one(self, transfer_id: int, rec: _Recv, reason: str) -> None:
-        ways = rec.ways or self._ways[self.key_bytes]
+        ways = rec.ways
         try:
             for rel in ways.consumer.abandon(transfer_id, f"{rec.req_id}: {reason}"):
                 if not rel.released and rel.code != "NotFound":
@@ -434,16 +441,16 @@ class PdWorker:
         else:
             log.warning("tpusync P/D receive of %s failed: %s", rec.req_id, r.reason)
             failed[rec.req_id] = [b for b in rec.block_ids if b >= 0]
-        (rec.ways.pool if rec.ways else self.pool).free(rec.pool_ids)
+        rec.ways.pool.free(rec.pool_ids)
 
     def _scatter(self, rec: _Recv) -> None:
         keep = [i for i, b in enumerate(rec.block_ids) if b >= 0]
         if not keep:
             return
         dst = np.asarray([rec.block_ids[i] for i in keep], dtype=np.int64)
-        if rec.parts is None or rec.ways is None:
+        if rec.parts is None:
             stage = self._stage(len(rec.pool_ids))
-            self.pool.get(rec.pool_ids, stage).result(self.timeout_s)
+            rec.ways.pool.get(rec.pool_ids, stage).result(self.timeout_s)
             src = stage[np.asarray(keep, dtype=np.int64)]
             rb = self.row_bytes
             for j, arr in enumerate(self._np):
@@ -455,7 +462,7 @@ class PdWorker:
         own, outer, inner = self.heads
         n = len(rec.block_ids)
         pool = rec.ways.pool
-        got = np.empty((len(rec.pool_ids), pool.block_bytes), dtype=np.uint8)
+        got = self._stage(len(rec.pool_ids), pool.block_bytes)
         pool.get(rec.pool_ids, got).result(self.timeout_s)
         for i, part in enumerate(rec.parts):
             hp = part.producer_heads
