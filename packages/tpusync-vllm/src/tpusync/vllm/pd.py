@@ -293,19 +293,7 @@ class PdWorker:
     def start(self, req_id: str, transfer_id: int, peer: str, block_ids: Sequence[int]) -> None:
         """Start pulling ``len(block_ids)`` blocks of ``transfer_id`` from ``peer``."""
         assert self.consumer is not None
-        ids = self.pool.alloc(len(block_ids))
-        try:
-            self.consumer.start_recv(transfer_id, peer, ids, self.timeout_s)
-        except tc.TpusyncError:
-            self.pool.free(ids)
-            raise
-        self._recvs[transfer_id] = _Recv(
-            req_id,
-            ids,
-            list(block_ids),
-            time.monotonic() + self.timeout_s,
-            self._ways[self.key_bytes],
-        )
+        self._begin(req_id, transfer_id, self._ways[self.key_bytes], [(peer, 1)], block_ids, None)
 
     def start_parts(
         self,
@@ -322,28 +310,33 @@ class PdWorker:
         if not parts or any(p.put[1] > own or p.take[1] > p.producer_heads for _, p in parts):
             raise ValueError(f"head parts {parts!r} do not fit {own} heads per row")
         ways = self._ways_for(len(self.layers) * outer * parts[0][1].producer_heads * inner)
+        sources = [(peer, part.readers) for peer, part in parts]
+        self._begin(req_id, transfer_id, ways, sources, block_ids, [part for _, part in parts])
+
+    def _begin(
+        self,
+        req_id: str,
+        transfer_id: int,
+        ways: _Ways,
+        sources: Sequence[tuple[str, int]],
+        block_ids: Sequence[int],
+        parts: list[HeadPart] | None,
+    ) -> None:
+        """Pull ``len(block_ids)`` blocks from each (peer, readers) source into pool blocks of
+        ``ways`` (source i's in the i-th run of them) and track the receive until it ends."""
         n = len(block_ids)
-        ids = ways.pool.alloc(n * len(parts))
+        ids = ways.pool.alloc(n * len(sources))
         try:
             ways.consumer.start_recv_multi(
                 transfer_id,
-                [
-                    (peer, ids[i * n : (i + 1) * n], part.readers)
-                    for i, (peer, part) in enumerate(parts)
-                ],
+                [(peer, ids[i * n : (i + 1) * n], r) for i, (peer, r) in enumerate(sources)],
                 self.timeout_s,
             )
         except tc.TpusyncError:
             ways.pool.free(ids)
             raise
-        self._recvs[transfer_id] = _Recv(
-            req_id,
-            ids,
-            list(block_ids),
-            time.monotonic() + self.timeout_s,
-            ways,
-            [part for _, part in parts],
-        )
+        deadline = time.monotonic() + self.timeout_s
+        self._recvs[transfer_id] = _Recv(req_id, ids, list(block_ids), deadline, ways, parts)
 
     def _ways_for(self, block_bytes: int) -> _Ways:
         ways = self._ways.get(block_bytes)
