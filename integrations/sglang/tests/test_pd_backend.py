@@ -33,7 +33,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_pair(scenario: str) -> tuple[dict, dict, subprocess.CompletedProcess, str]:
+def _report(out: str, what: str, err: str) -> dict:
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert lines, f"{what} printed no report:\n{err[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def _run(scenario: str, p_tp: int = 1, d_tp: int = 1):
+    """Prefill ranks 0..p_tp-1 and decode ranks 0..d_tp-1, each its own process (one rank per
+    process, as SGLang's schedulers); their last reports, the decode processes, and the prefill
+    stderrs. Every process is bounded by PROC_TIMEOUT_S and killed after it."""
     port = _free_port()
     env = {
         **os.environ,
@@ -48,32 +57,38 @@ def _run_pair(scenario: str) -> tuple[dict, dict, subprocess.CompletedProcess, s
         "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "300",
         "SGLANG_PLUGINS": "tpusync",
     }
-    cmd = [sys.executable, str(PEER)]
-    pre = subprocess.Popen(
-        [*cmd, "prefill", str(port), scenario],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        dec = subprocess.run(
-            [*cmd, "decode", str(port), scenario],
+
+    def start(role: str, tp: int, rank: int) -> subprocess.Popen:
+        tail = [str(tp), str(rank)] if p_tp * d_tp > 1 else []
+        return subprocess.Popen(
+            [sys.executable, str(PEER), role, str(port), scenario, *tail],
             env=env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=PROC_TIMEOUT_S,
         )
-        pre_out, pre_err = pre.communicate(timeout=PROC_TIMEOUT_S)
+
+    procs = [start("prefill", p_tp, r) for r in range(p_tp)]
+    procs += [start("decode", d_tp, r) for r in range(d_tp)]
+    outs = []
+    try:
+        for proc in procs[p_tp:] + procs[:p_tp]:  # the decodes end first (or die on purpose)
+            out, err = proc.communicate(timeout=PROC_TIMEOUT_S)
+            outs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     finally:
-        if pre.poll() is None:
-            pre.kill()
-            pre.communicate()
-    p_last = [ln for ln in pre_out.splitlines() if ln.startswith("{")]
-    d_last = [ln for ln in dec.stdout.splitlines() if ln.startswith("{")]
-    assert d_last, f"decode printed no report:\n{dec.stderr[-4000:]}"
-    assert p_last, f"prefill printed no report:\n{pre_err[-4000:]}"
-    return json.loads(p_last[-1]), json.loads(d_last[-1]), dec, pre_err
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    decs, pres = outs[:d_tp], outs[d_tp:]
+    p = [_report(c.stdout, "prefill", c.stderr) for c in pres]
+    d = [_report(c.stdout, "decode", c.stderr) for c in decs]
+    return p, d, decs, [c.stderr for c in pres]
+
+
+def _run_pair(scenario: str) -> tuple[dict, dict, subprocess.CompletedProcess, str]:
+    p, d, decs, p_errs = _run(scenario)
+    return p[0], d[0], decs[0], p_errs[0]
 
 
 def test_pd_transfer_moves_pages_and_aux_and_abort_fails_both_sides():
@@ -126,3 +141,37 @@ def test_decode_dies_after_metadata_prefill_fails_with_reason():
     room = p["rooms"]["21"]
     assert room["final"] == FAILED, room
     assert "tpusync" in room["reason"] or "Abort" in room["reason"], room
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+def test_pd_between_attention_tp_sizes_moves_each_rank_its_heads(p_tp, d_tp):
+    """HEAD SLICE CONTRACT end to end: prefill and decode servers of different attention TP
+    sizes (one process per rank, SGLang's own rank mapping and per-rank Success count). Each
+    decode rank's pages hold exactly the model's bytes of its kv heads, its aux row the
+    prefill's; before, these layouts failed the room ("KV page sizes differ")."""
+    p, d, decs, p_errs = _run("tp", p_tp, d_tp)
+    for c in decs:
+        assert c.returncode == 0, c.stderr[-4000:]
+    for rank, rep in enumerate(p):
+        room = rep["rooms"]["11"]
+        assert room["final"] == SUCCESS, (rank, room, p_errs[rank][-3000:])
+    heads = []
+    for rank, rep in enumerate(d):
+        room = rep["rooms"]["11"]
+        assert room["final"] == SUCCESS, (rank, room)
+        assert room["pages"] == room["model_pages"], f"decode rank {rank}: wrong page bytes"
+        assert room["aux"] == p[0]["rooms"]["11"]["aux"]
+        heads.append(room["heads"])
+    assert heads == [[r * 2 // d_tp, (r + 1) * 2 // d_tp] for r in range(d_tp)]
+
+
+def test_pd_layouts_that_cannot_pair_fail_both_sides_at_once_with_the_reason():
+    """A decode whose KV layout cannot pair with the prefill's (here: another model's kv head
+    count in pages of the same size, which the old page-size check let through) fails the room on
+    both sides with the reason, the decode as soon as the prefill saw its metadata (not at
+    SGLang's 300 s waiting timeout of this test)."""
+    p, d, decs, p_errs = _run("tp_bad")
+    assert decs[0].returncode == 0, decs[0].stderr[-4000:]
+    pre, dec = p[0]["rooms"]["11"], d[0]["rooms"]["11"]
+    assert pre["final"] == FAILED and "kv heads differ" in (pre["reason"] or ""), pre
+    assert dec["final"] == FAILED and "kv heads differ" in (dec["reason"] or ""), dec

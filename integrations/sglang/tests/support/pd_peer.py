@@ -1,6 +1,6 @@
 """One side (prefill or decode) of an SGLang P/D transfer on the tpusync backend, in its own process.
 
-Run by tests/test_pd_backend.py: ``python pd_peer.py ROLE PORT SCENARIO``. It builds SGLang's real
+Run by tests/test_pd_backend.py: ``python pd_peer.py ROLE PORT SCENARIO [TP RANK]``. It builds SGLang's real
 objects the way a scheduler does on CPU: a published (test) ServerArgs, SGLang's ``KVArgs`` over
 CPU torch KV buffers, the manager / sender / receiver / bootstrap server classes resolved through
 SGLang's own ``get_kv_class`` after the tpusync plugin hooked in, and drives one or more rooms
@@ -11,7 +11,12 @@ Scenarios: ``ok`` (room 11: two chunks, then room 12 which the decode aborts onc
 offered its first chunk, without pulling it; the prefill must then free its staging blocks at once,
 not at the send deadline), ``prefill_dies`` (the prefill offers the first chunk and exits), ``decode_dies`` (the
 decode sends its metadata, sees the first chunk offered without pulling it, and exits; the
-prefill's offer must expire into Failed).
+prefill's offer must expire into Failed), ``tp`` (room 11 between servers of different attention
+TP sizes: this process is attention TP rank RANK of TP; every rank holds its kv heads of one seeded
+model cache, and a decode rank reports its pages next to the model's own bytes for its heads; the
+decode leaves the model's kv heads unset in its ``KVArgs``, as SGLang's decode does without staging),
+``tp_bad`` (room 11 with a decode that declares twice the model's kv heads in pages of the same
+size: the layouts cannot pair, and both sides must fail the room with the reason).
 """
 
 from __future__ import annotations
@@ -45,7 +50,21 @@ def say(**kw: object) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def setup(role: str, port: int):
+def rank_heads(tp: int, rank: int) -> tuple[int, int]:
+    """The model kv heads attention TP rank ``rank`` of ``tp`` holds (SGLang's split)."""
+    if HEADS % tp == 0:
+        return rank * (HEADS // tp), (rank + 1) * (HEADS // tp)
+    return rank // (tp // HEADS), rank // (tp // HEADS) + 1
+
+
+def model_cache() -> list:
+    """Every kv head of every KV buffer, the same in every process (seeded)."""
+    g = torch.Generator().manual_seed(7)
+    shape = (PAGES * PAGE, HEADS, DIM)
+    return [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2 * LAYERS)]
+
+
+def setup(role: str, port: int, scenario: str, tp: int, rank: int):
     from sglang.srt.runtime_context import get_context, get_parallel
 
     from tpusync.sglang import pd_plugin
@@ -57,28 +76,33 @@ def setup(role: str, port: int):
         disaggregation_transfer_backend="tpusync",
         host="127.0.0.1",
         device="cpu",
+        tp_size=tp,
     ).install()
     get_parallel().override_permanently(
-        attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0, tp_rank=0, pp_rank=0,
-        pp_group=None,
+        attn_tp_rank=rank, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0, tp_rank=rank,
+        pp_rank=0, pp_group=None,
     )  # fmt: skip
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     backend = TransferBackend("tpusync")  # raises ValueError unless the plugin hooked in
     classes = {t: get_kv_class(backend, t) for t in KVClassType}
     torch.manual_seed(1 if role == "prefill" else 2)
-    shape = (PAGES * PAGE, HEADS, DIM)
-    if role == "prefill":
+    lo, hi = rank_heads(tp, rank)
+    shape = (PAGES * PAGE, hi - lo, DIM)
+    if role == "prefill" and tp == 1 and scenario != "tp":
         k = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
         v = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        bufs = k + v
+    elif role == "prefill":  # every prefill rank: its heads of the one model cache
+        bufs = [b[:, lo:hi].clone() for b in model_cache()]
+    else:
+        bufs = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
+    if role == "prefill":
         aux = torch.randint(0, 2**20, (AUX_ROWS, AUX_WIDTH), dtype=torch.int32)
     else:
-        k = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
-        v = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
         aux = torch.zeros((AUX_ROWS, AUX_WIDTH), dtype=torch.int32)
-    bufs = k + v
     args = classes[KVClassType.KVARGS]()
-    args.engine_rank = 0
+    args.engine_rank = rank
     args.kv_data_ptrs = [b.data_ptr() for b in bufs]
     args.kv_data_lens = [b.nbytes for b in bufs]
     args.kv_item_lens = [b[0].nbytes * PAGE for b in bufs]
@@ -94,7 +118,10 @@ def setup(role: str, port: int):
     args.pp_rank = 0
     args.system_dp_rank = 0
     args.prefill_start_layer, args.prefill_end_layer = 0, LAYERS
-    args.kv_head_num = args.total_kv_head_num = HEADS
+    if role == "prefill" or scenario not in ("tp", "tp_bad"):
+        args.kv_head_num, args.total_kv_head_num = hi - lo, HEADS
+    elif scenario == "tp_bad":  # a decode of another model: 4 kv heads, the same page bytes
+        args.kv_head_num, args.total_kv_head_num = 2 * (hi - lo), 2 * HEADS
     args.rust_http_port = None
     args.is_hybrid_mla_backend = False
     return classes, args, bufs, aux
@@ -132,17 +159,17 @@ def reason(obj) -> str | None:
     return None
 
 
-def prefill(port: int, scenario: str) -> None:
+def prefill(port: int, scenario: str, tp: int, rank: int) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType
     from sglang.srt.runtime_context import get_server_args
 
-    classes, args, bufs, aux = setup("prefill", port)
-    server = classes[KVClassType.BOOTSTRAP_SERVER]("127.0.0.1", port)
+    classes, args, bufs, aux = setup("prefill", port, scenario, tp, rank)
+    server = classes[KVClassType.BOOTSTRAP_SERVER]("127.0.0.1", port) if rank == 0 else None
     mgr = classes[KVClassType.MANAGER](args, DisaggregationMode.PREFILL, get_server_args(), False)
     report = {"role": "prefill", "manager": type(mgr).__name__, "rooms": {}}
     say(event="ready")
-    rooms = [11, 12] if scenario == "ok" else [21]
+    rooms = {"ok": [11, 12], "tp": [11], "tp_bad": [11]}.get(scenario, [21])
     for room in rooms:
         states: list[int] = []
         sender = classes[KVClassType.SENDER](mgr, f"127.0.0.1:{port}", room)
@@ -176,16 +203,17 @@ def prefill(port: int, scenario: str) -> None:
             entry["offers_left"] = mgr.producer.pending
         report["rooms"][room] = entry
     mgr.teardown()
-    server.close()
+    if server is not None:
+        server.close()
     say(**report)
 
 
-def decode(port: int, scenario: str) -> None:
+def decode(port: int, scenario: str, tp: int, rank: int) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType
     from sglang.srt.runtime_context import get_server_args
 
-    classes, args, bufs, aux = setup("decode", port)
+    classes, args, bufs, aux = setup("decode", port, scenario, tp, rank)
     mgr = classes[KVClassType.MANAGER](args, DisaggregationMode.DECODE, get_server_args(), False)
     addr = f"127.0.0.1:{port}"
     end = time.monotonic() + TIMEOUT_S
@@ -194,7 +222,7 @@ def decode(port: int, scenario: str) -> None:
             raise TimeoutError("no prefill parallel info from the bootstrap server")
         time.sleep(0.2)
     report = {"role": "decode", "rooms": {}}
-    rooms = [11, 12] if scenario == "ok" else [21]
+    rooms = {"ok": [11, 12], "tp": [11], "tp_bad": [11]}.get(scenario, [21])
     for room in rooms:
         states: list[int] = []
         receiver = classes[KVClassType.RECEIVER](mgr, addr, room)
@@ -246,6 +274,11 @@ def decode(port: int, scenario: str) -> None:
             "reason": why,
             **digests(bufs, aux, dst, DST_AUX + (room == 12)),
         }
+        if scenario == "tp":  # the model's own bytes of this rank's heads, at the prefill pages
+            lo, hi = rank_heads(tp, rank)
+            mine = [b[:, lo:hi].contiguous() for b in model_cache()]
+            report["rooms"][room]["model_pages"] = digests(mine, aux, SRC_PAGES, DST_AUX)["pages"]
+            report["rooms"][room]["heads"] = [lo, hi]
         receiver.clear()
     mgr.teardown()
     say(**report)
@@ -253,4 +286,5 @@ def decode(port: int, scenario: str) -> None:
 
 if __name__ == "__main__":
     role, port, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    (prefill if role == "prefill" else decode)(port, scenario)
+    tp, rank = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (1, 0)
+    (prefill if role == "prefill" else decode)(port, scenario, tp, rank)

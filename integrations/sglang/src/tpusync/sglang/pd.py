@@ -5,9 +5,9 @@ bootstrap server, HTTP rank registry, ZMQ control messages, room bookkeeping, he
 timeouts are reused unchanged; tpusync supplies only the data movement:
 
 - prefill (``send`` -> ``add_transfer_request``, one call per chunk): a worker thread gathers the
-  chunk's KV pages (every layer buffer of ``KVArgs.kv_data_ptrs``) and, on the last chunk, the
-  request's aux rows into blocks of a tpusync ``HostBlockPool`` (row gathers on tpusync's engine
-  threads, GIL released), offers them with :class:`tpusync.core.pd.PdProducer` under a 63-bit
+  chunk's KV pages (every layer buffer of ``KVArgs.kv_data_ptrs``; the decode rank's kv heads
+  only, TP CONTRACT) and, on the last chunk, the request's aux rows into blocks of a tpusync
+  ``HostBlockPool`` (segment gathers on tpusync's engine threads, GIL released), offers them with :class:`tpusync.core.pd.PdProducer` under a 63-bit
   request id, and tells the decode rank over SGLang's ZMQ control socket (``TPUSYNC_CHUNK``);
 - decode: a listener pulls each announced chunk with :class:`tpusync.core.pd.PdConsumer` into its
   own pool blocks (every block XXH3-verified), scatters them into its KV buffers at the page
@@ -38,19 +38,29 @@ re-checks the room after offering). The deadlines stay the backstop for a peer t
 reached. The first failure of a room stays its reason (a fetch cut short by the abort does not
 overwrite SGLang's "Aborted" cause).
 
-Scope (first version, checked at start-up with a clear error): KV in host memory (SGLang's
-``--device cpu``; a GPU KV cache needs a device <-> staging copy that is not implemented), equal
-attention TP on both sides
-(``kv_head_num == total_kv_head_num`` or identical TP layout), one pipeline stage, every KV
-buffer with the same bytes per page, no hybrid state buffers (Mamba / SWA / DSA), device
-destinations only (``supports_host_destination = False``), no ``prefill_complete`` allocation.
+TP CONTRACT: prefill and decode may run different attention TP sizes (one a multiple of the
+other). SGLang's own rank mapping decides which ranks pair (a decode rank of a larger TP pulls
+from one prefill rank, of a smaller TP from several, and counts their Success reports); each
+pair moves only the kv heads both hold (pd_layout.py, HEAD SLICE CONTRACT): the decode's layout
+travels in its registration, the prefill's with every chunk, and layouts that cannot pair fail
+the room with the reason. The prefill stages in blocks of its page size; a decode staging pages
+of another size gets a second pool and consumer for them (``_Way``, one per size, on first use).
+Head slicing takes pages to be NHD (``[page_size, heads, head_dim]``, SGLang's MHA token pool):
+the size checks cannot tell another element order of the same sizes apart, so a pair of
+different TP sizes is only right for NHD pools (equal TP sizes move whole pages, any order).
+
+Scope (checked at start-up with a clear error): KV in host memory (SGLang's ``--device cpu``; a
+GPU KV cache needs a device <-> staging copy that is not implemented), one pipeline stage, every
+KV buffer with the same bytes per page, no hybrid state buffers (Mamba / SWA / DSA),
+device destinations only (``supports_host_destination = False``), no ``prefill_complete``
+allocation.
 Rejected alternative: writing into the decode's KV memory from the prefill (RDMA-style push).
 tpusync's P/D primitive is pull-based with verified receipt, which also gives the prefill its
 completion signal without an extra message.
 
 Configuration (environment, read once per manager): ``TPUSYNC_AUTH_SECRET`` (or
 ``TPUSYNC_SGLANG_SECRET_FILE``) - the shared transport secret, required on both sides;
-``TPUSYNC_SGLANG_POOL_MB`` - staging pool per rank (default 256); ``TPUSYNC_SGLANG_LISTEN_HOST``
+``TPUSYNC_SGLANG_POOL_MB`` - staging pool per rank and page size (default 256); ``TPUSYNC_SGLANG_LISTEN_HOST``
 - address the prefill's producer binds (default SGLang's rank IP); ``TPUSYNC_SGLANG_STREAMS``
 (default 2).
 """
@@ -81,8 +91,9 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from tpusync.core import HostBlockPool, PoolExhaustedError, TpusyncError
+from tpusync.core import HostBlockPool, PoolExhaustedError, TpusyncError, _native
 from tpusync.core.pd import PdConsumer, PdProducer, load_secret
+from tpusync.sglang.pd_layout import HeadSlice, RankLayout, head_slice, stream_segments
 
 __all__ = [
     "TpusyncKVBootstrapServer",
@@ -120,9 +131,11 @@ def _region(ptr: int, nbytes: int, item_len: int) -> np.ndarray:
     return np.ctypeslib.as_array(buf).reshape(-1, item_len)
 
 
-def _request_id(room: int, chunk: int, session: str) -> int:
-    digest = hashlib.blake2b(f"{room}/{chunk}/{session}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
+def _request_id(room: int, chunk: int, decode: str, prefill: str) -> int:
+    """One chunk of one room between one prefill rank and one decode rank (a decode rank of a
+    smaller TP pulls the same chunk from several prefill ranks)."""
+    key = f"{room}/{chunk}/{decode}/{prefill}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 1
 
 
 @dataclass
@@ -149,17 +162,48 @@ class _Chunk:
 
 
 @dataclass
+class _FromRank:
+    """Decode-side progress of one room from one prefill rank."""
+
+    in_flight: int = 0
+    last_landed: bool = False
+    ok: bool = False  # the rank reported Success
+    reported: bool = False  # handed to SGLang's per-rank Success count
+
+
+@dataclass
 class _RecvRoom:
-    """Decode-side progress of one room."""
+    """Decode-side progress of one room (from every prefill rank it pulls from)."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     dst_kv_indices: np.ndarray | None = None
     dst_aux_index: int | None = None
-    in_flight: int = 0
-    last_landed: bool = False
-    prefill_ok: bool = False
-    prefill_rank: int = 0
+    ranks: dict[int, _FromRank] = field(default_factory=dict)
     done: bool = False
+
+
+@dataclass
+class _Way:
+    """A staging pool and the consumer pulling into it: one per prefill block size (a prefill of
+    another TP size stages pages of another size)."""
+
+    pool: HostBlockPool
+    consumer: PdConsumer
+
+
+@dataclass
+class _Fetch:
+    """One chunk being pulled from one prefill rank."""
+
+    room: int
+    rank: int  # the prefill's unique rank
+    way: _Way
+    ids: list[int]
+    start: int
+    n: int
+    is_last: bool
+    slice: HeadSlice
+    kv_blocks: int
 
 
 class TpusyncKVManager(CommonKVManager):
@@ -207,11 +251,11 @@ class TpusyncKVManager(CommonKVManager):
                 args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, strict=True
             )
         ]
+        self._flat = [t.reshape(-1) for t in self.kv_tables]  # segment regions (no copy)
         self.aux_bytes = sum(int(x) for x in args.aux_item_lens)
-        self.aux_blocks = -(-self.aux_bytes // item) if self.aux_bytes else 0
-        pool_bytes = int(_env_float("TPUSYNC_SGLANG_POOL_MB", 256.0) * 2**20)
-        blocks = max(pool_bytes // item, len(self.kv_tables) + self.aux_blocks + 1)
-        self.pool = HostBlockPool(item, blocks)
+        self.aux_blocks = self._aux_blocks(item)
+        self._pool_bytes = int(_env_float("TPUSYNC_SGLANG_POOL_MB", 256.0) * 2**20)
+        self.pool = self._new_pool(item)
         # The Common* constructor registers this rank with the bootstrap server (prefill), so the
         # tpusync endpoint must exist first; the rank IP comes from SGLang's helper.
         from sglang.srt.utils.network import get_local_ip_auto
@@ -222,12 +266,10 @@ class TpusyncKVManager(CommonKVManager):
             host = os.environ.get("TPUSYNC_SGLANG_LISTEN_HOST") or get_local_ip_auto()
             self.producer = PdProducer(self.pool, listen=f"{host}:0", secret=secret)
         else:
-            self.consumer = PdConsumer(
-                self.pool,
-                streams=int(os.environ.get("TPUSYNC_SGLANG_STREAMS", "2")),
-                secret=secret,
-            )
+            self._secret = secret
+            self.consumer = self._new_consumer(self.pool)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self.layout = self._rank_layout()
         if self.defer_decode_allocation:
             raise ValueError(
                 "tpusync P/D backend: --disaggregation-decode-allocation-policy "
@@ -247,14 +289,59 @@ class TpusyncKVManager(CommonKVManager):
             self._start(self._prefill_ack_loop, "tpusync-pd-ack")
         else:
             self._recv_rooms: dict[int, _RecvRoom] = {}
-            self._fetching: dict[int, tuple[int, list[int], int, int, bool]] = {}
-            self._abandon: queue.Queue[tuple[int, str] | None] = queue.Queue()
+            self._fetching: dict[int, _Fetch] = {}
+            self._abandon: queue.Queue[tuple[int, _Way, str] | None] = queue.Queue()
+            # prefill block size -> its way; prefill layout (as sent) -> the head slice
+            self._ways: dict[int, _Way] = {item: _Way(self.pool, self.consumer)}
+            self._slices: dict[bytes, HeadSlice] = {}
             self._start(self._decode_control_loop, "tpusync-pd-control")
             self._start(self._decode_fetch_loop, "tpusync-pd-fetch")
             self._start(self._decode_abandon_loop, "tpusync-pd-abandon")
             self._threads.append(self._start_heartbeat_checker_thread())
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _aux_blocks(self, block_bytes: int) -> int:
+        """Blocks of ``block_bytes`` that the aux rows of one request fill."""
+        return -(-self.aux_bytes // block_bytes) if self.aux_bytes else 0
+
+    def _new_pool(self, block_bytes: int) -> HostBlockPool:
+        need = len(self.kv_tables) + self._aux_blocks(block_bytes) + 1
+        return HostBlockPool(block_bytes, max(self._pool_bytes // block_bytes, need))
+
+    def _new_consumer(self, pool: HostBlockPool) -> PdConsumer:
+        streams = int(os.environ.get("TPUSYNC_SGLANG_STREAMS", "2"))
+        return PdConsumer(pool, streams=streams, secret=self._secret)
+
+    def _rank_layout(self) -> RankLayout:
+        """This rank's KV layout (pd_layout.py), sent to the peers it pairs with."""
+        args = self.kv_args
+        per_rank = int(getattr(args, "kv_head_num", 0) or 0)
+        total = int(getattr(args, "total_kv_head_num", 0) or 0) or per_rank * self.attn_tp_size
+        return RankLayout(
+            tp=int(self.attn_tp_size),
+            rank=int(self.attn_tp_rank),
+            total_heads=total,
+            page_size=int(args.page_size),
+            item_lens=tuple(int(x) for x in args.kv_item_lens),
+            mla=bool(self.is_mla_backend or self.is_hybrid_mla_backend),
+        )
+
+    def _way(self, block_bytes: int) -> _Way:
+        """The staging pool + consumer for a prefill's block size (created on first use)."""
+        with self._lock:
+            way = self._ways.get(block_bytes)
+        if way is None:
+            pool = self._new_pool(block_bytes)
+            way = _Way(pool, self._new_consumer(pool))
+            with self._lock:
+                way = self._ways.setdefault(block_bytes, way)
+        return way
+
+    def _copy(self, call: Any, pool: HostBlockPool, ids: list[int], segs: np.ndarray) -> None:
+        """Run one segment gather / scatter between ``pool`` blocks and the KV buffers."""
+        if len(segs):
+            call(pool.engine, pool.native, ids, self._flat, segs).result(self.copy_timeout)
 
     def _start(self, target: Any, name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
@@ -297,6 +384,7 @@ class TpusyncKVManager(CommonKVManager):
             self.session_id().encode("ascii"),
             struct.pack(f"{len(self.kv_args.kv_item_lens)}Q", *self.kv_args.kv_item_lens),
             struct.pack(f"{len(self.kv_args.aux_item_lens)}Q", *self.kv_args.aux_item_lens),
+            self.layout.to_json(),
         ]
 
     def build_receiver_metadata_message(
@@ -350,19 +438,21 @@ class TpusyncKVManager(CommonKVManager):
             return  # deferred-allocation readiness; that policy is refused at start-up
         session = msg[3].decode("ascii")
         if msg[0] == REGISTER_ROOM:
-            kv_lens = list(struct.unpack(f"{len(msg[4]) // 8}Q", msg[4]))
             aux_lens = list(struct.unpack(f"{len(msg[5]) // 8}Q", msg[5]))
-            problem = None
-            if kv_lens != list(self.kv_args.kv_item_lens):
-                problem = (
-                    f"KV page sizes differ: decode {kv_lens}, prefill {self.kv_args.kv_item_lens}"
-                )
-            elif aux_lens != list(self.kv_args.aux_item_lens):
+            problem, sl = None, None
+            if aux_lens != list(self.kv_args.aux_item_lens):
                 problem = (
                     f"aux row sizes differ: decode {aux_lens}, prefill {self.kv_args.aux_item_lens}"
                 )
+            elif len(msg) < 7:
+                problem = "the decode sent no KV layout (a tpusync older than this prefill's)"
+            else:
+                try:  # HEAD SLICE CONTRACT: what this rank sends that decode rank
+                    sl = head_slice(self.layout, RankLayout.from_json(msg[6]))
+                except ValueError as e:
+                    problem = f"KV layouts cannot pair: {e}"
             with self._lock:
-                self.decode_kv_args_table[session] = {"problem": problem}
+                self.decode_kv_args_table[session] = {"problem": problem, "slice": sl}
             if problem:
                 logger.error("tpusync P/D: decode %s is incompatible: %s", session, problem)
             return
@@ -384,8 +474,16 @@ class TpusyncKVManager(CommonKVManager):
             complete = len(peers) == info.required_dst_info_num
             problem = self.decode_kv_args_table.get(session, {}).get("problem")
         if problem:
-            self.record_failure(room, f"tpusync P/D: {problem}")
+            reason = f"tpusync P/D: {problem}"
+            self.record_failure(room, reason)
             self.update_status(room, KVPoll.Failed)
+            if not is_dummy:  # tell that decode rank now, not at SGLang's waiting timeout
+                self.send_kv_status_message(
+                    targets=[(info.endpoint, info.dst_port)],
+                    bootstrap_room=room,
+                    status=KVPoll.Failed,
+                    failure_reason=reason,
+                )
             return
         if complete:
             self.req_to_decode_prefix_len[room] = info.decode_prefix_len
@@ -451,16 +549,15 @@ class TpusyncKVManager(CommonKVManager):
                 raise ValueError(
                     f"room {room}: decode {peer.session} has {len(dst)} pages for a chunk of {n}"
                 )
-            blocks = n * len(self.kv_tables) + (self.aux_blocks if chunk.is_last else 0)
+            with self._lock:
+                sl = self.decode_kv_args_table.get(peer.session, {}).get("slice")
+            if sl is None:
+                raise ValueError(f"room {room}: decode {peer.session} never registered")
+            segs, kv_blocks = stream_segments(sl, chunk.kv_indices, self.page_bytes, "src")
+            blocks = kv_blocks + (self.aux_blocks if chunk.is_last else 0)
             ids = self._alloc_waiting(blocks)
             try:
-                futures = [
-                    self.pool.put(ids[j * n : (j + 1) * n], table, rows=chunk.kv_indices)
-                    for j, table in enumerate(self.kv_tables)
-                    if n
-                ]
-                for f in futures:
-                    f.result(timeout=self.copy_timeout)
+                self._copy(_native.put_segments, self.pool, ids, segs)
                 if chunk.is_last and self.aux_blocks:
                     if chunk.aux_index is None:
                         raise ValueError(f"room {room}: last chunk without an aux index")
@@ -469,11 +566,11 @@ class TpusyncKVManager(CommonKVManager):
                     )  # one aux row per buffer, a few hundred bytes
                     staging = np.zeros(self.aux_blocks * self.page_bytes, dtype=np.uint8)
                     staging[: head.size] = head
-                    for k, bid in enumerate(ids[n * len(self.kv_tables) :]):
+                    for k, bid in enumerate(ids[kv_blocks:]):
                         self.pool.view(bid)[:] = staging[
                             k * self.page_bytes : (k + 1) * self.page_bytes
                         ]
-                rid = _request_id(room, chunk_no, peer.session)
+                rid = _request_id(room, chunk_no, peer.session, self.session_id())
                 with self._lock:
                     self._offered[rid] = (room, chunk.is_last)
                     self._room_offers.setdefault(room, set()).add(rid)
@@ -503,6 +600,7 @@ class TpusyncKVManager(CommonKVManager):
                     str(blocks).encode("ascii"),
                     b"1" if chunk.is_last else b"0",
                     str(self._prefill_unique_rank()).encode("ascii"),
+                    self.layout.to_json(),
                 ],
             )
 
@@ -582,101 +680,127 @@ class TpusyncKVManager(CommonKVManager):
                 logger.exception("tpusync P/D: dropping malformed control message")
 
     def _start_fetch(self, msg: list[bytes]) -> None:
-        assert self.consumer is not None
         room = int(msg[1])
         rid = int(msg[2])
         peer = msg[3].decode("ascii")
         start, n, blocks = int(msg[4]), int(msg[5]), int(msg[6])
         is_last = msg[7] == b"1"
+        rank = int(msg[8])
         state = self._recv_rooms.get(room)
         if state is None or self.request_status.get(room) in (None, KVPoll.Failed):
             # Aborted or cleared: not pulled. The prefill cancels the room's offers on SGLang's
             # ABORT message (ABORT CONTRACT); its deadline is the backstop.
             return
+        try:
+            sl, block = self._slice_from(msg[9] if len(msg) > 9 else b"")
+            kv_blocks = -(-n * sl.bytes_per_page // block)
+            want = kv_blocks + (self._aux_blocks(block) if is_last else 0)
+            if blocks != want:
+                raise ValueError(f"{blocks} blocks announced for {n} pages, {want} expected")
+            way = self._way(block)
+        except Exception as e:  # noqa: BLE001 - a bad layout, or no memory for a staging pool
+            self._fail_room(room, f"tpusync P/D: chunk from prefill rank {rank} refused: {e}")
+            return
         self.update_status(room, KVPoll.Transferring)
+        with state.lock:
+            state.ranks.setdefault(rank, _FromRank()).in_flight += 1
+        fetch = _Fetch(room, rank, way, [], start, n, is_last, sl, kv_blocks)
         if blocks == 0:  # an empty last chunk: nothing on the wire
-            with state.lock:
-                state.in_flight += 1
-            self._land(room, [], start, n, is_last)
+            self._land(fetch)
             return
         try:
-            ids = self.pool.alloc(blocks)
+            fetch.ids = way.pool.alloc(blocks)
         except Exception as e:  # noqa: BLE001
+            self._landed(fetch)
             self._fail_room(room, f"tpusync P/D: no staging blocks for {blocks} blocks: {e}")
             return
-        with state.lock:
-            state.in_flight += 1
         with self._lock:
-            self._fetching[rid] = (room, ids, start, n, is_last)
+            self._fetching[rid] = fetch
         try:
-            self.consumer.start_recv(rid, peer, ids, deadline=self.recv_deadline)
+            way.consumer.start_recv(rid, peer, fetch.ids, deadline=self.recv_deadline)
         except Exception as e:  # noqa: BLE001
             with self._lock:
                 self._fetching.pop(rid, None)
-            self.pool.free(ids)
+            way.pool.free(fetch.ids)
+            self._landed(fetch)
             self._fail_room(room, f"tpusync P/D: fetch from {peer} not started: {e}")
 
+    def _slice_from(self, raw: bytes) -> tuple[HeadSlice, int]:
+        """The head slice from the prefill rank whose layout is ``raw`` to this rank, and the
+        prefill's block size (its page item); ValueError when they cannot pair."""
+        sl = self._slices.get(raw)
+        if sl is None:
+            src = RankLayout.from_json(raw)
+            if len(set(src.item_lens)) != 1:
+                raise ValueError(f"prefill KV buffers of several page sizes {src.item_lens}")
+            sl = head_slice(src, self.layout)
+            self._slices[raw] = sl
+        return sl, sl.src_item[0]
+
     def _decode_fetch_loop(self) -> None:
-        assert self.consumer is not None
         while not self._stopped:
-            for r in self.consumer.poll():
-                if not (r.done or r.failed):
-                    continue
-                with self._lock:
-                    entry = self._fetching.pop(r.request_id, None)
-                if entry is None:
-                    continue
-                room, ids, start, n, is_last = entry
-                try:
-                    if r.failed:
-                        self._fail_room(
-                            room, f"tpusync P/D: fetching KV failed ({r.code}): {r.reason}"
-                        )
-                    else:
-                        self._land(room, ids, start, n, is_last)
-                except Exception as e:  # noqa: BLE001
-                    logger.exception("tpusync P/D: landing room %s failed", room)
-                    self._fail_room(room, f"tpusync P/D: scatter failed: {e}")
-                finally:
-                    self.pool.free(ids)
+            with self._lock:
+                ways = list(self._ways.values())
+            for way in ways:
+                for r in way.consumer.poll():
+                    if r.done or r.failed:
+                        self._fetched(r)
             time.sleep(_FETCH_POLL_S)
 
-    def _land(self, room: int, ids: list[int], start: int, n: int, is_last: bool) -> None:
+    def _fetched(self, r: Any) -> None:
+        with self._lock:
+            fetch = self._fetching.pop(r.request_id, None)
+        if fetch is None:
+            return
+        try:
+            if r.failed:
+                self._landed(fetch)
+                self._fail_room(
+                    fetch.room, f"tpusync P/D: fetching KV failed ({r.code}): {r.reason}"
+                )
+            else:
+                self._land(fetch)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("tpusync P/D: landing room %s failed", fetch.room)
+            self._fail_room(fetch.room, f"tpusync P/D: scatter failed: {e}")
+        finally:
+            fetch.way.pool.free(fetch.ids)
+
+    def _landed(self, fetch: _Fetch) -> None:
+        """A fetch that will not land (failed or never started) is no longer in flight."""
+        state = self._recv_rooms.get(fetch.room)
+        if state is not None:
+            with state.lock:
+                state.ranks[fetch.rank].in_flight -= 1
+
+    def _land(self, fetch: _Fetch) -> None:
+        """Scatter one pulled chunk into this rank's pages (HEAD SLICE CONTRACT) and, with its
+        prefill rank's last chunk, the aux rows."""
+        room = fetch.room
         state = self._recv_rooms.get(room)
         if state is None:
             return
         with state.lock:
-            state.in_flight -= 1
+            src = state.ranks[fetch.rank]
+            src.in_flight -= 1
             if self.request_status.get(room) in (None, KVPoll.Failed):
                 return  # ABORT CONTRACT: never write into an aborted room's pages
             assert state.dst_kv_indices is not None
-            dst = state.dst_kv_indices[start : start + n]
-            if len(dst) != n:
-                raise ValueError(f"room {room}: {n} pages arrived for {len(dst)} slots")
-            futures = [
-                self.pool.get(ids[j * n : (j + 1) * n], table, rows=dst)
-                for j, table in enumerate(self.kv_tables)
-                if n
-            ]
-            for f in futures:
-                f.result(timeout=self.copy_timeout)
-            if is_last:
-                if self.aux_blocks:
-                    raw = np.concatenate(
-                        [self.pool.view(b) for b in ids[n * len(self.kv_tables) :]]
-                    )
+            dst = state.dst_kv_indices[fetch.start : fetch.start + fetch.n]
+            if len(dst) != fetch.n:
+                raise ValueError(f"room {room}: {fetch.n} pages arrived for {len(dst)} slots")
+            pool = fetch.way.pool
+            segs, _ = stream_segments(fetch.slice, dst, pool.block_bytes, "dst")
+            self._copy(_native.get_segments, pool, fetch.ids, segs)
+            if fetch.is_last:
+                if self.aux_bytes:
+                    raw = np.concatenate([pool.view(b) for b in fetch.ids[fetch.kv_blocks :]])
                     off = 0
                     for t in self.aux_tables:
                         t[state.dst_aux_index][:] = raw[off : off + t.shape[1]]
                         off += t.shape[1]
-                state.last_landed = True
-            ready = state.last_landed and state.in_flight == 0 and state.prefill_ok
-            if ready:
-                state.done = True
-        if ready:
-            super().apply_prefill_status(
-                bootstrap_room=room, status=KVPoll.Success, prefill_rank=state.prefill_rank
-            )
+                src.last_landed = True
+        self._report_if_complete(room, fetch.rank)
 
     def _on_prefill_status(self, room: int, status: int, rank: int, reason: str | None) -> None:
         if status != KVPoll.Success:
@@ -688,11 +812,27 @@ class TpusyncKVManager(CommonKVManager):
         if state is None:
             return
         with state.lock:
-            state.prefill_ok = True
-            state.prefill_rank = rank
-            ready = state.last_landed and state.in_flight == 0 and not state.done
+            state.ranks.setdefault(rank, _FromRank()).ok = True
+        self._report_if_complete(room, rank)
+
+    def _report_if_complete(self, room: int, rank: int) -> None:
+        """Hand SGLang one prefill rank's Success once that rank reported Success AND its last
+        chunk and every earlier one landed here; SGLang counts the ranks the room needs."""
+        state = self._recv_rooms.get(room)
+        if state is None:
+            return
+        with state.lock:
+            src = state.ranks.get(rank)
+            ready = (
+                src is not None
+                and src.ok
+                and src.last_landed
+                and src.in_flight == 0
+                and not src.reported
+                and not state.done
+            )
             if ready:
-                state.done = True
+                src.reported = True
         if ready:
             super().apply_prefill_status(
                 bootstrap_room=room, status=KVPoll.Success, prefill_rank=rank
@@ -704,19 +844,18 @@ class TpusyncKVManager(CommonKVManager):
         producer drops those chunks' blocks at once). Their staging blocks come back through the
         fetch loop, which sees them failed."""
         with self._lock:
-            rids = [rid for rid, entry in self._fetching.items() if entry[0] == room]
-        for rid in rids:
-            self._abandon.put((rid, f"room {room} {why}"))
+            rids = [(rid, f.way) for rid, f in self._fetching.items() if f.room == room]
+        for rid, way in rids:
+            self._abandon.put((rid, way, f"room {room} {why}"))
 
     def _decode_abandon_loop(self) -> None:
-        assert self.consumer is not None
         while True:
             item = self._abandon.get()
             if item is None or self._stopped:
                 return
-            rid, why = item
+            rid, way, why = item
             try:
-                for rel in self.consumer.abandon(rid, why):
+                for rel in way.consumer.abandon(rid, why):
                     if not rel.released and rel.code != "NotFound":
                         logger.info(
                             "tpusync P/D: prefill %s not told of abandoned chunk %s (%s): "
