@@ -36,7 +36,11 @@ def test_abort_abandons_the_rooms_fetches_and_the_prefill_drops_its_blocks():
         fetches = {777: (5, cpool.alloc(1)), 778: (5, cpool.alloc(1)), 779: (6, cpool.alloc(1))}
         for rid, (_room, ids) in fetches.items():
             mgr.consumer.start_recv(rid, prod.address, ids, deadline=60.0)
-        mgr._fetching = {rid: (room, ids, 0, 1, False) for rid, (room, ids) in fetches.items()}
+        way = pd._Way(cpool, mgr.consumer)
+        mgr._fetching = {
+            rid: pd._Fetch(room, 0, way, ids, 0, 1, False, None, 1)
+            for rid, (room, ids) in fetches.items()
+        }
         assert mgr.consumer.wait(777, timeout=10.0).failed
         assert ppool.num_free == 2 and prod.pending == 1
         worker = threading.Thread(target=mgr._decode_abandon_loop, daemon=True)
