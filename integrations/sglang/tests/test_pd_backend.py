@@ -39,7 +39,7 @@ def _report(out: str, what: str, err: str) -> dict:
     return json.loads(lines[-1])
 
 
-def _run(scenario: str, p_tp: int = 1, d_tp: int = 1):
+def _run(scenario: str, p_tp: int = 1, d_tp: int = 1, **extra_env: str):
     """Prefill ranks 0..p_tp-1 and decode ranks 0..d_tp-1, each its own process (one rank per
     process, as SGLang's schedulers); their last reports, the decode processes, and the prefill
     stderrs. Every process is bounded by PROC_TIMEOUT_S and killed after it."""
@@ -56,6 +56,7 @@ def _run(scenario: str, p_tp: int = 1, d_tp: int = 1):
         "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "300",
         "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "300",
         "SGLANG_PLUGINS": "tpusync",
+        **extra_env,
     }
 
     def start(role: str, tp: int, rank: int) -> subprocess.Popen:
@@ -110,6 +111,9 @@ def test_pd_transfer_moves_pages_and_aux_and_abort_fails_both_sides():
     # aux row, are byte-identical to the prefill's.
     assert ok_d["pages"] == ok_p["pages"]
     assert ok_d["aux"] == ok_p["aux"]
+    # SAME-HOST CONTRACT: both processes run on this host, so every block came out of the
+    # prefill's /dev/shm pool (no TCP); test_pd_between_attention_tp_sizes covers TCP.
+    assert d["received"] > 0 and d["received_shm"] == d["received"], d
     assert len(set(ok_p["pages"])) == len(ok_p["pages"])  # distinct random pages
     # Abort on the decode side (after the prefill offered a chunk): Failed there with SGLang's
     # reason, and the prefill does not hang but ends Failed too; no page of the aborted room was
@@ -143,13 +147,18 @@ def test_decode_dies_after_metadata_prefill_fails_with_reason():
     assert "tpusync" in room["reason"] or "Abort" in room["reason"], room
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
-def test_pd_between_attention_tp_sizes_moves_each_rank_its_heads(p_tp, d_tp):
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "same_host"),
+    [(1, 2, "1"), (2, 1, "0")],
+    ids=["tp1-to-tp2-shm", "tp2-to-tp1-tcp"],
+)
+def test_pd_between_attention_tp_sizes_moves_each_rank_its_heads(p_tp, d_tp, same_host):
     """HEAD SLICE CONTRACT end to end: prefill and decode servers of different attention TP
     sizes (one process per rank, SGLang's own rank mapping and per-rank Success count). Each
     decode rank's pages hold exactly the model's bytes of its kv heads, its aux row the
-    prefill's; before, these layouts failed the room ("KV page sizes differ")."""
-    p, d, decs, p_errs = _run("tp", p_tp, d_tp)
+    prefill's; before, these layouts failed the room ("KV page sizes differ"). One case pulls
+    through the same-host path, the other over TCP (TPUSYNC_SGLANG_SAME_HOST=0)."""
+    p, d, decs, p_errs = _run("tp", p_tp, d_tp, TPUSYNC_SGLANG_SAME_HOST=same_host)
     for c in decs:
         assert c.returncode == 0, c.stderr[-4000:]
     for rank, rep in enumerate(p):
@@ -161,6 +170,8 @@ def test_pd_between_attention_tp_sizes_moves_each_rank_its_heads(p_tp, d_tp):
         assert room["final"] == SUCCESS, (rank, room)
         assert room["pages"] == room["model_pages"], f"decode rank {rank}: wrong page bytes"
         assert room["aux"] == p[0]["rooms"]["11"]["aux"]
+        assert rep["received"] > 0, rep
+        assert rep["received_shm"] == (rep["received"] if same_host == "1" else 0), rep
         heads.append(room["heads"])
     assert heads == [[r * 2 // d_tp, (r + 1) * 2 // d_tp] for r in range(d_tp)]
 

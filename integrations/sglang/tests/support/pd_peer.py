@@ -280,6 +280,7 @@ def decode(port: int, scenario: str, tp: int, rank: int) -> None:
             report["rooms"][room]["model_pages"] = digests(mine, aux, SRC_PAGES, DST_AUX)["pages"]
             report["rooms"][room]["heads"] = [lo, hi]
         receiver.clear()
+    report["received"], report["received_shm"] = mgr.received, mgr.received_shm
     mgr.teardown()
     say(**report)
 

@@ -62,17 +62,20 @@ Configuration (environment, read once per manager): ``TPUSYNC_AUTH_SECRET`` (or
 ``TPUSYNC_SGLANG_SECRET_FILE``) - the shared transport secret, required on both sides;
 ``TPUSYNC_SGLANG_POOL_MB`` - staging pool per rank and page size (default 256); ``TPUSYNC_SGLANG_LISTEN_HOST``
 - address the prefill's producer binds (default SGLang's rank IP); ``TPUSYNC_SGLANG_STREAMS``
-(default 2).
+(default 2); ``TPUSYNC_SGLANG_SAME_HOST`` - ``0`` turns the same-host path off (SAME-HOST
+CONTRACT: default on, a decode rank on the prefill's host pulls out of its /dev/shm pool).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import queue
 import struct
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -91,7 +94,13 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from tpusync.core import HostBlockPool, PoolExhaustedError, TpusyncError, _native
+from tpusync.core import (
+    HostBlockPool,
+    PoolExhaustedError,
+    TpusyncError,
+    _native,
+    reclaim_stale_segments,
+)
 from tpusync.core.pd import PdConsumer, PdProducer, load_secret
 from tpusync.sglang.pd_layout import HeadSlice, RankLayout, head_slice, stream_segments
 
@@ -108,6 +117,17 @@ CHUNK_TAG = b"TPUSYNC_CHUNK"
 REGISTER_ROOM = b"None"  # SGLang's convention: a registration message carries room "None"
 _RECV_POLL_MS = 200
 _FETCH_POLL_S = 0.002
+_POOLS = itertools.count()  # names this process's same-host pools apart
+
+
+def _host_id() -> str:
+    """This host's identity for the same-host path: the running kernel's boot id (shared by the
+    containers of one host; "" where the kernel does not publish one)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _env_float(name: str, default: float) -> float:
@@ -255,7 +275,20 @@ class TpusyncKVManager(CommonKVManager):
         self.aux_bytes = sum(int(x) for x in args.aux_item_lens)
         self.aux_blocks = self._aux_blocks(item)
         self._pool_bytes = int(_env_float("TPUSYNC_SGLANG_POOL_MB", 256.0) * 2**20)
-        self.pool = self._new_pool(item)
+        same_host = os.environ.get("TPUSYNC_SGLANG_SAME_HOST", "1") != "0"
+        self.host = _host_id() if same_host else ""
+        self.received = self.received_shm = 0  # blocks pulled, of them through /dev/shm
+        shm_name = unix_path = None
+        if disaggregation_mode == DisaggregationMode.PREFILL and self.host:
+            # SAME-HOST CONTRACT: the staging pool lives in /dev/shm and the producer also
+            # listens on a Unix socket; a decode rank on this host (same boot id) pulls through
+            # it and copies straight out of the pool (no TCP). Leftovers of killed processes are
+            # removed first (OWNER LOCK CONTRACT, tpusync.core.reclaim_stale_segments).
+            tag = f"sglang-{os.getpid()}-{next(_POOLS)}"
+            shm_name = f"tpusync-pd-{tag}"
+            reclaim_stale_segments("tpusync-pd-")
+            unix_path = os.path.join(tempfile.gettempdir(), f"tpusync-pd-{tag}.sock")
+        self.pool = self._new_pool(item, shm_name)
         # The Common* constructor registers this rank with the bootstrap server (prefill), so the
         # tpusync endpoint must exist first; the rank IP comes from SGLang's helper.
         from sglang.srt.utils.network import get_local_ip_auto
@@ -264,7 +297,9 @@ class TpusyncKVManager(CommonKVManager):
         self.consumer: PdConsumer | None = None
         if disaggregation_mode == DisaggregationMode.PREFILL:
             host = os.environ.get("TPUSYNC_SGLANG_LISTEN_HOST") or get_local_ip_auto()
-            self.producer = PdProducer(self.pool, listen=f"{host}:0", secret=secret)
+            self.producer = PdProducer(
+                self.pool, listen=f"{host}:0", secret=secret, unix_path=unix_path
+            )
         else:
             self._secret = secret
             self.consumer = self._new_consumer(self.pool)
@@ -305,9 +340,10 @@ class TpusyncKVManager(CommonKVManager):
         """Blocks of ``block_bytes`` that the aux rows of one request fill."""
         return -(-self.aux_bytes // block_bytes) if self.aux_bytes else 0
 
-    def _new_pool(self, block_bytes: int) -> HostBlockPool:
+    def _new_pool(self, block_bytes: int, shm_name: str | None = None) -> HostBlockPool:
         need = len(self.kv_tables) + self._aux_blocks(block_bytes) + 1
-        return HostBlockPool(block_bytes, max(self._pool_bytes // block_bytes, need))
+        blocks = max(self._pool_bytes // block_bytes, need)
+        return HostBlockPool(block_bytes, blocks, shm_name=shm_name, prefault=shm_name is None)
 
     def _new_consumer(self, pool: HostBlockPool) -> PdConsumer:
         streams = int(os.environ.get("TPUSYNC_SGLANG_STREAMS", "2"))
@@ -601,6 +637,8 @@ class TpusyncKVManager(CommonKVManager):
                     b"1" if chunk.is_last else b"0",
                     str(self._prefill_unique_rank()).encode("ascii"),
                     self.layout.to_json(),
+                    (self.producer.unix_address or "").encode("ascii"),
+                    self.host.encode("ascii"),
                 ],
             )
 
@@ -686,6 +724,11 @@ class TpusyncKVManager(CommonKVManager):
         start, n, blocks = int(msg[4]), int(msg[5]), int(msg[6])
         is_last = msg[7] == b"1"
         rank = int(msg[8])
+        unix, host = (
+            (msg[10].decode("ascii"), msg[11].decode("ascii")) if len(msg) > 11 else ("", "")
+        )
+        if unix and self.host and host == self.host:
+            peer = unix  # SAME-HOST CONTRACT: out of the prefill's /dev/shm pool, no TCP
         state = self._recv_rooms.get(room)
         if state is None or self.request_status.get(room) in (None, KVPoll.Failed):
             # Aborted or cleared: not pulled. The prefill cancels the room's offers on SGLang's
@@ -759,6 +802,8 @@ class TpusyncKVManager(CommonKVManager):
                     fetch.room, f"tpusync P/D: fetching KV failed ({r.code}): {r.reason}"
                 )
             else:
+                self.received += len(fetch.ids)
+                self.received_shm += len(fetch.ids) if r.shm else 0
                 self._land(fetch)
         except Exception as e:  # noqa: BLE001
             logger.exception("tpusync P/D: landing room %s failed", fetch.room)
