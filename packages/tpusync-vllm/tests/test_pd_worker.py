@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tpusync.vllm.pd import HeadPart, PdWorker, head_plan, rank_heads
+from tpusync.vllm.pd import HeadPart, PdWorker, head_plan, rank_heads, spare_replica
 
 SECRET = "pd-worker-test-secret-0123456789"
 
@@ -150,18 +150,35 @@ def test_head_plan_names_every_producer_rank_holding_a_consumer_ranks_heads():
     assert head_plan(2, [2, 1], [4, 1], 1) == [HeadPart(0, 2, 1, (0, 1), (0, 1))]
     assert rank_heads(2, 4, 2) == (1, 2) and rank_heads(4, 2, 1) == (2, 4)
     assert rank_heads(4, 3, 0) is None and rank_heads(6, 4, 0) is None
-    # Every producer rank is read by exactly the consumer ranks that name it as its readers.
-    for tp_p, tp_c in [(1, 4), (2, 4), (4, 1), (4, 2), (2, 2), (1, 8), (2, 8), (4, 8)]:
+    # REPLICA RULE: more producer ranks than kv heads: each head is pulled from the first rank
+    # holding it (ranks 0 and 2 of TP=4 for 2 heads), whatever the consumer's layout, its own
+    # included (consumer rank 3 holds head 1, as producer ranks 2 and 3 do: it reads rank 2,
+    # as does consumer rank 2).
+    assert head_plan(2, [4, 1], [1, 1], 0) == [
+        HeadPart(0, 1, 1, (0, 1), (0, 1)),
+        HeadPart(2, 1, 1, (0, 1), (1, 2)),
+    ]
+    assert head_plan(2, [4, 1], [4, 1], 3) == [HeadPart(2, 2, 1, (0, 1), (0, 1))]
+    assert head_plan(2, [4, 1], [2, 1], 1) == [HeadPart(2, 1, 1, (0, 1), (0, 1))]
+    assert [spare_replica(2, 4, t) for t in range(4)] == [False, True, False, True]
+    assert not any(spare_replica(4, tp, t) for tp in (1, 2, 4) for t in range(tp))
+    assert not spare_replica(0, 4, 1)  # unknown heads: every rank offers (no head plan either)
+    # Every producer rank that offers (no spare replica) is read by exactly the consumer ranks
+    # that name it as its readers, and nobody reads a spare replica.
+    for tp_p, tp_c in [
+        (1, 4), (2, 4), (4, 1), (4, 2), (2, 2), (1, 8), (2, 8), (4, 8),
+        (8, 1), (8, 2), (8, 4), (8, 8), (16, 2),
+    ]:  # fmt: skip
         reads: dict[int, list[int]] = {}
         for r in range(tp_c):
             for part in head_plan(4, [tp_p, 1], [tp_c, 1], r):
                 reads.setdefault(part.producer_rank, []).append(part.readers)
-        assert sorted(reads) == list(range(tp_p))
+        assert sorted(reads) == [q for q in range(tp_p) if not spare_replica(4, tp_p, q)]
         assert all(len(v) == v[0] and len(set(v)) == 1 for v in reads.values())
-    # Not reshardable: another pipeline size, heads replicated on the producer's side, a split
-    # vLLM does not make, an unknown head count, a bad rank.
+    # Not reshardable: another pipeline size, a split vLLM does not make, an unknown head count,
+    # a bad rank.
     assert head_plan(4, [2, 2], [2, 1], 0) is None
-    assert head_plan(2, [4, 1], [1, 1], 0) is None
+    assert head_plan(4, [3, 1], [1, 1], 0) is None
     assert head_plan(4, [1, 1], [3, 1], 0) is None
     assert head_plan(0, [1, 1], [2, 1], 0) is None
     assert head_plan(4, [1, 1], [2, 1], 2) is None
@@ -209,20 +226,22 @@ def rank_worker(cache, tp, t, *, producer, axis: int = 1):
 
 
 @pytest.mark.parametrize("axis", list(AXES), ids=list(AXES.values()))
-@pytest.mark.parametrize("tp_p,tp_c", [(1, 2), (2, 1), (2, 4), (2, 8)])
+@pytest.mark.parametrize("tp_p,tp_c", [(1, 2), (2, 1), (2, 4), (2, 8), (8, 2), (8, 8)])
 def test_a_consumer_of_another_tensor_size_gets_exactly_its_heads(monkeypatch, tp_p, tp_c, axis):
     """Producer ranks of TP=tp_p publish their heads' rows once; each consumer rank of TP=tp_c
     pulls the producer ranks holding its heads (shared sends named with their readers) and ends
     with the bytes vLLM would hold for its heads; every producer pool is whole again only after
-    its last reader acknowledged."""
+    its last reader acknowledged. With more producer ranks than heads only the first holder of
+    each head offers it (REPLICA RULE, the connector skips the others' offers)."""
     monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
     cache = model_cache(5, axis)
     prods = [rank_worker(cache, tp_p, q, producer=True, axis=axis)[0] for q in range(tp_p)]
     conss = [rank_worker(cache, tp_c, c, producer=False, axis=axis) for c in range(tp_c)]
     try:
         src_blocks, dst_blocks = [1, 4, 6], [0, 2, 7]
-        for p in prods:
-            p.publish(77, src_blocks)
+        for q, p in enumerate(prods):
+            if not spare_replica(HEADS, tp_p, q):
+                p.publish(77, src_blocks)
         for c, (w, _) in enumerate(conss):
             plan = head_plan(HEADS, [tp_p, 1], [tp_c, 1], c)
             peers = [

@@ -202,14 +202,16 @@ def test_pd_pulls_each_ranks_part_from_the_same_rank(model_dir, tmp_path_factory
 
 @pytest.mark.parametrize(
     "prod_par,par",
-    [("1", "2"), ("2", "1"), ("1", "4")],
-    ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-to-tp4"],
+    [("1", "2"), ("2", "1"), ("1", "4"), ("4", "1"), ("4", "2")],
+    ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-to-tp4", "tp4-to-tp1", "tp4-to-tp2"],
 )
 def test_pd_between_tensor_sizes_reshards_the_heads(model_dir, tmp_path_factory, prod_par, par):
     # HEAD RESHARD CONTRACT (pd.py): the tiny model has 2 kv heads. TP=1 -> TP=2: both consumer
     # workers pull producer worker 0's blocks (a shared send of 2 readers) and keep one head
     # each; TP=2 -> TP=1: the consumer pulls both producer workers and joins their heads;
     # TP=1 -> TP=4: vLLM gives each head to two consumer workers, all four pull worker 0.
+    # TP=4 -> TP=1 / TP=2: each head sits on two producer workers; only the first of them (0, 2)
+    # offers it (REPLICA RULE) and the consumer workers pull those.
     r = _run("pd_parallel", model_dir, tmp_path_factory, par, prod_par)
     assert r["kv_transfer_params"]["tpusync_layout"] == [int(prod_par), 1]
     assert r["stats"]["pd_recv_blocks"] == FULL_BLOCKS
@@ -225,9 +227,11 @@ def test_pd_between_tensor_sizes_reshards_the_heads(model_dir, tmp_path_factory,
     assert FULL_BLOCKS <= r["stats_again"]["load_errors_seen"] <= FULL_BLOCKS * int(par)
     assert r["again"]["tokens"] == r["single"]["tokens"]
     assert r["producer"]["stats"]["pd_sent_blocks"] == 2 * FULL_BLOCKS  # prompts 21 and 22
+    spares = {1, 3} if prod_par == "4" else set()  # the second holder of each head
     for x in r["producer"]["ranks"]:  # only prompt 22, never pulled, waits for its deadline
-        assert x["sends_pending"] == 1
-        assert x["pool_free"] == x["pool_blocks"] - FULL_BLOCKS
+        held = 0 if x["rank"] in spares else 1  # a spare replica offers nothing at all
+        assert x["sends_pending"] == held, x
+        assert x["pool_free"] == x["pool_blocks"] - held * FULL_BLOCKS, x
     assert "computing it locally" not in r["stderr"]
 
 

@@ -57,7 +57,7 @@ import torch
 import tpusync.core as tc
 from tpusync.core import events as tev
 from tpusync.vllm.config import ConfigError, TpusyncVllmConfig
-from tpusync.vllm.pd import PdWorker, head_plan, rank_heads, transfer_id_for
+from tpusync.vllm.pd import PdWorker, head_plan, rank_heads, spare_replica, transfer_id_for
 from tpusync.vllm.store import (
     LayeredLoad,
     LookupClient,
@@ -278,6 +278,11 @@ class TpusyncConnector(KVConnectorBase_V1):
         # and reshards the heads from one of another tensor size (HEAD RESHARD CONTRACT, pd.py).
         self.layout = [int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)]
         self._total_kv_heads = _total_kv_heads(vllm_config)
+        # REPLICA RULE (pd.py): with more tensor ranks than kv heads, only the first rank holding
+        # a head offers it for P/D, and every consumer pulls it from that rank (a head plan, even
+        # from a producer of this very layout).
+        self._replicated = 0 < self._total_kv_heads < self.layout[0]
+        self._spare = False  # this worker holds another rank's heads (set in register_kv_caches)
         # One lookup socket per (engine, data-parallel rank, worker rank).
         self._engine_key = f"{ktc.engine_id}-dp{pc.data_parallel_rank}"
         # Scheduler side.
@@ -489,8 +494,8 @@ class TpusyncConnector(KVConnectorBase_V1):
             and head_plan(self._total_kv_heads, layout, self.layout, 0) is None
         ):
             # PER-RANK P/D CONTRACT: rank r holds the KV of its own heads and pipeline stage's
-            # layers; another tensor size is resharded by heads (HEAD RESHARD CONTRACT), another
-            # pipeline split or heads replicated on the prefill side are not.
+            # layers; another tensor size is resharded by heads (HEAD RESHARD CONTRACT, heads
+            # replicated on either side included: REPLICA RULE), another pipeline split is not.
             log.warning(
                 "tpusync: request %s was prefilled by %d producer rank(s) of layout TP=%s x PP=%s, "
                 "this instance has %d worker(s) of TP=%d x PP=%d (%d kv heads): computing it "
@@ -800,6 +805,7 @@ class TpusyncConnector(KVConnectorBase_V1):
             )
         self._row_arrays = arrays
         rank = self._rank = _worker_rank()
+        self._spare = spare_replica(self._total_kv_heads, self.layout[0], rank % self.layout[0])
         disk_dir = None
         if self.config.disk_dir is not None:
             disk_dir = os.path.join(self.config.disk_dir, f"rank{rank}")
@@ -910,7 +916,7 @@ class TpusyncConnector(KVConnectorBase_V1):
         if isinstance(meta, TpusyncMetadata) and meta.pd_recvs and self.pd is not None:
             for rv in meta.pd_recvs:  # asynchronous: get_finished reports them
                 try:
-                    if rv.layout == self.layout:
+                    if rv.layout == self.layout and not self._replicated:
                         peer = self.pd.peer_for(*rv.peers[self._rank])
                         self.pd.start(rv.req_id, rv.transfer_id, peer, rv.block_ids)
                     else:  # HEAD RESHARD CONTRACT (pd.py)
@@ -1028,6 +1034,8 @@ class TpusyncConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, TpusyncMetadata) and meta.pd_sends and self.pd is not None:
             for sd in meta.pd_sends:  # the prefill's KV is complete now
+                if self._spare:  # REPLICA RULE (pd.py): a lower rank offers these heads
+                    continue
                 try:
                     self.pd.publish(sd.transfer_id, sd.block_ids)
                     self._count("saved_blocks", len(sd.block_ids))

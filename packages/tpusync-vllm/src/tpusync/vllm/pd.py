@@ -42,11 +42,13 @@ from both layouts (:func:`head_plan`) which producer ranks hold its heads; it pu
 ranks' whole blocks (the producer's own rows, unchanged) into a pool of the producer's block size
 and, when they all landed, copies its heads' slices into vLLM's blocks. Several consumer ranks
 pulling one producer rank name their number (SHARED-SEND CONTRACT, tpusync.core.pd), so the
-producer frees the blocks after the last of them. Supported when the producer's size divides H
-and the consumer's size divides H or is a multiple of it (vLLM then replicates each head on
-tp/H consumer ranks, each pulling the producer rank holding its head: :func:`rank_heads`);
-otherwise - another pipeline size, or heads replicated on the producer's side, whose spare
-copies nobody would pull - the consumer computes the prompt itself. Rejected
+producer frees the blocks after the last of them. Supported when each side's size divides H or
+is a multiple of it (vLLM then replicates each head on tp/H ranks: :func:`rank_heads`). REPLICA
+RULE: on a producer with more tensor ranks than heads only the first rank holding a head offers
+it (:func:`spare_replica`: the others would publish copies nobody pulls, held until their
+deadline), and every consumer rank pulls its heads from those first holders - a consumer of the
+producer's own layout too, through a head plan instead of rank r from rank r. Otherwise (another
+pipeline size) the consumer computes the prompt itself. Rejected
 alternatives: the producer slicing per consumer rank - it does not know the consumer's layout
 when it publishes; a gather of all heads on one rank - the whole prefill through one process.
 Each consumer rank of a larger group receives its producer rank's every head (tp_c / tp_p times
@@ -76,7 +78,15 @@ import torch
 import tpusync.core as tc
 from tpusync.core.pd import PdConsumer, PdProducer, PdResult, load_secret
 
-__all__ = ["HeadPart", "PdWorker", "head_plan", "host_id", "rank_heads", "transfer_id_for"]
+__all__ = [
+    "HeadPart",
+    "PdWorker",
+    "head_plan",
+    "host_id",
+    "rank_heads",
+    "spare_replica",
+    "transfer_id_for",
+]
 
 log = logging.getLogger("tpusync.vllm")
 
@@ -131,32 +141,44 @@ def rank_heads(total_heads: int, tp: int, t: int) -> tuple[int, int] | None:
     return None
 
 
+def spare_replica(total_heads: int, tp: int, t: int) -> bool:
+    """Whether tensor rank ``t`` of ``tp`` holds a copy of a kv head that a lower rank holds too
+    (``tp`` above the model's heads): such a rank publishes nothing for P/D (REPLICA RULE)."""
+    return 0 < total_heads < tp and tp % total_heads == 0 and t % (tp // total_heads) != 0
+
+
 def head_plan(
     total_heads: int, producer: Sequence[int], consumer: Sequence[int], rank: int
 ) -> list[HeadPart] | None:
     """Where consumer world ``rank`` (layout ``consumer`` = [tensor, pipeline]) finds its kv
     heads among the ranks of a producer of layout ``producer``; None when the P/D stream cannot
-    reshard between them (another pipeline size, a split :func:`rank_heads` does not know, or
-    heads replicated on the producer's side, whose spare copies nobody would pull)."""
+    reshard between them (another pipeline size, or a split :func:`rank_heads` does not know).
+
+    REPLICA RULE: a head the producer replicates (its tensor size above the model's heads) is
+    pulled from the first rank holding it, the only one that publishes (:func:`spare_replica`),
+    whatever the consumer's layout, the producer's own included."""
     (tp_p, pp_p), (tp_c, pp_c) = producer, consumer
-    if pp_p != pp_c or not 0 <= rank < tp_c * pp_c or total_heads <= 0 or total_heads % tp_p:
+    if pp_p != pp_c or not 0 <= rank < tp_c * pp_c or total_heads <= 0:
         return None
     stage, t = divmod(rank, tp_c)
     mine = rank_heads(total_heads, tp_c, t)
-    if mine is None:
+    if mine is None or rank_heads(total_heads, tp_p, 0) is None:
         return None
-    hp = total_heads // tp_p
+    hp = max(1, total_heads // tp_p)  # heads per producer rank
+    copies = max(1, tp_p // total_heads)  # producer ranks holding each of them
     lo, hi = mine  # this rank's heads, in model head numbers
     parts = []
-    for q in range(lo // hp, (hi - 1) // hp + 1):  # producer tensor ranks holding some of them
+    for q in range(lo // hp, (hi - 1) // hp + 1):  # producer head groups holding some of them
         a, b = max(lo, q * hp), min(hi, (q + 1) * hp)
-        # The consumer tensor ranks whose heads meet q's, each of which pulls q's blocks.
+        # The consumer tensor ranks whose heads meet group q's, each of which pulls its blocks.
         readers = 0
         for c in range(tp_c):
             c_lo, c_hi = rank_heads(total_heads, tp_c, c)  # type: ignore[misc]
             readers += c_lo < (q + 1) * hp and q * hp < c_hi
         parts.append(
-            HeadPart(stage * tp_p + q, readers, hp, (a - q * hp, b - q * hp), (a - lo, b - lo))
+            HeadPart(
+                stage * tp_p + q * copies, readers, hp, (a - q * hp, b - q * hp), (a - lo, b - lo)
+            )
         )
     return parts
 
