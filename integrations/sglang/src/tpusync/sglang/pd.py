@@ -7,8 +7,9 @@ timeouts are reused unchanged; tpusync supplies only the data movement:
 - prefill (``send`` -> ``add_transfer_request``, one call per chunk): a worker thread gathers the
   chunk's KV pages (every layer buffer of ``KVArgs.kv_data_ptrs``; the decode rank's kv heads
   only, TP CONTRACT) and, on the last chunk, the request's aux rows into blocks of a tpusync
-  ``HostBlockPool`` (segment gathers on tpusync's engine threads, GIL released), offers them with :class:`tpusync.core.pd.PdProducer` under a 63-bit
-  request id, and tells the decode rank over SGLang's ZMQ control socket (``TPUSYNC_CHUNK``);
+  ``HostBlockPool`` (segment gathers on tpusync's engine threads, GIL released), offers them
+  with :class:`tpusync.core.pd.PdProducer` under a 63-bit request id, and tells the decode rank
+  over SGLang's ZMQ control socket (``TPUSYNC_CHUNK``);
 - decode: a listener pulls each announced chunk with :class:`tpusync.core.pd.PdConsumer` into its
   own pool blocks (every block XXH3-verified), scatters them into its KV buffers at the page
   indices it sent in ``send_metadata`` and, for the last chunk, into its aux rows.
@@ -51,18 +52,17 @@ different TP sizes is only right for NHD pools (equal TP sizes move whole pages,
 
 Scope (checked at start-up with a clear error): KV in host memory (SGLang's ``--device cpu``; a
 GPU KV cache needs a device <-> staging copy that is not implemented), one pipeline stage, every
-KV buffer with the same bytes per page, no hybrid state buffers (Mamba / SWA / DSA),
-device destinations only (``supports_host_destination = False``), no ``prefill_complete``
-allocation.
+KV buffer with the same bytes per page, no hybrid state buffers (Mamba / SWA / DSA), device
+destinations only (``supports_host_destination = False``), no ``prefill_complete`` allocation.
 Rejected alternative: writing into the decode's KV memory from the prefill (RDMA-style push).
 tpusync's P/D primitive is pull-based with verified receipt, which also gives the prefill its
 completion signal without an extra message.
 
 Configuration (environment, read once per manager): ``TPUSYNC_AUTH_SECRET`` (or
 ``TPUSYNC_SGLANG_SECRET_FILE``) - the shared transport secret, required on both sides;
-``TPUSYNC_SGLANG_POOL_MB`` - staging pool per rank and page size (default 256); ``TPUSYNC_SGLANG_LISTEN_HOST``
-- address the prefill's producer binds (default SGLang's rank IP); ``TPUSYNC_SGLANG_STREAMS``
-(default 2); ``TPUSYNC_SGLANG_SAME_HOST`` - ``0`` turns the same-host path off (SAME-HOST
+``TPUSYNC_SGLANG_POOL_MB`` - staging pool per rank and page size (default 256);
+``TPUSYNC_SGLANG_LISTEN_HOST`` - address the prefill's producer binds (default SGLang's rank IP);
+``TPUSYNC_SGLANG_STREAMS`` (default 2); ``TPUSYNC_SGLANG_SAME_HOST`` - ``0`` turns the same-host path off (SAME-HOST
 CONTRACT: default on, a decode rank on the prefill's host pulls out of its /dev/shm pool).
 """
 
