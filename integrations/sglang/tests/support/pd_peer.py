@@ -1,22 +1,24 @@
 """One side (prefill or decode) of an SGLang P/D transfer on the tpusync backend, in its own process.
 
-Run by tests/test_pd_backend.py: ``python pd_peer.py ROLE PORT SCENARIO [TP RANK]``. It builds SGLang's real
-objects the way a scheduler does on CPU: a published (test) ServerArgs, SGLang's ``KVArgs`` over
-CPU torch KV buffers, the manager / sender / receiver / bootstrap server classes resolved through
-SGLang's own ``get_kv_class`` after the tpusync plugin hooked in, and drives one or more rooms
-through ``KVPoll`` exactly as the prefill / decode schedulers poll them. The last stdout line is
-a JSON report (states seen per room, failure reasons, SHA-256 digests of the pages involved).
+Run by tests/test_pd_backend.py: ``python pd_peer.py ROLE PORT SCENARIO [TP RANK]``. It builds
+SGLang's real objects the way a scheduler does on CPU: a published (test) ServerArgs, SGLang's
+``KVArgs`` over CPU torch KV buffers, the manager / sender / receiver / bootstrap server classes
+resolved through SGLang's own ``get_kv_class`` after the tpusync plugin hooked in, and drives one
+or more rooms through ``KVPoll`` exactly as the prefill / decode schedulers poll them. The last
+stdout line is a JSON report (states seen per room, failure reasons, SHA-256 digests of the pages
+involved).
 
 Scenarios: ``ok`` (room 11: two chunks, then room 12 which the decode aborts once the prefill
-offered its first chunk, without pulling it; the prefill must then free its staging blocks at once,
-not at the send deadline), ``prefill_dies`` (the prefill offers the first chunk and exits), ``decode_dies`` (the
-decode sends its metadata, sees the first chunk offered without pulling it, and exits; the
-prefill's offer must expire into Failed), ``tp`` (room 11 between servers of different attention
-TP sizes: this process is attention TP rank RANK of TP; every rank holds its kv heads of one seeded
-model cache, and a decode rank reports its pages next to the model's own bytes for its heads; the
-decode leaves the model's kv heads unset in its ``KVArgs``, as SGLang's decode does without staging),
-``tp_bad`` (room 11 with a decode that declares twice the model's kv heads in pages of the same
-size: the layouts cannot pair, and both sides must fail the room with the reason).
+offered its first chunk, without pulling it; the prefill must then free its staging blocks at
+once, not at the send deadline), ``prefill_dies`` (the prefill offers the first chunk and exits),
+``decode_dies`` (the decode sends its metadata, sees the first chunk offered without pulling it,
+and exits; the prefill's offer must expire into Failed), ``tp`` (room 11 between servers of
+different attention TP sizes: this process is attention TP rank RANK of TP; every rank holds its
+kv heads of one seeded model cache, and a decode rank reports its pages next to the model's own
+bytes for its heads; the decode leaves the model's kv heads unset in its ``KVArgs``, as SGLang's
+decode does without staging), ``tp_bad`` (room 11 with a decode that declares twice the model's
+kv heads in pages of the same size: the layouts cannot pair, and both sides must fail the room
+with the reason).
 """
 
 from __future__ import annotations
