@@ -1,10 +1,11 @@
-"""Issue 8 scenario 3: SGLang's P/D classes on the tpusync backend, prefill and decode in two real
+"""Issue 8 scenario 3: SGLang's P/D classes on the tpusync backend, prefill and decode in real
 processes (tests/support/pd_peer.py), real bytes between CPU KV tensors.
 
-Every test starts a prefill process (SGLang's bootstrap server + TpusyncKVManager + senders) and
-a decode process (manager + receivers), both resolved through SGLang's own ``get_kv_class`` after
-the tpusync plugin hooked in, and checks the KVPoll states each side saw, the failure reasons and
-the page bytes. Every wait is bounded (the peers time out on their own; the test kills them).
+Every test starts prefill processes (rank 0 also runs SGLang's bootstrap server; each a
+TpusyncKVManager + senders) and decode processes (manager + receivers), one per attention TP
+rank, all resolved through SGLang's own ``get_kv_class`` after the tpusync plugin hooked in, and
+checks the KVPoll states each side saw, the failure reasons and the page bytes. Every wait is
+bounded (the peers time out on their own; the test kills them).
 """
 
 from __future__ import annotations
