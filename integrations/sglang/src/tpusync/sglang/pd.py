@@ -62,8 +62,9 @@ Configuration (environment, read once per manager): ``TPUSYNC_AUTH_SECRET`` (or
 ``TPUSYNC_SGLANG_SECRET_FILE``) - the shared transport secret, required on both sides;
 ``TPUSYNC_SGLANG_POOL_MB`` - staging pool per rank and page size (default 256);
 ``TPUSYNC_SGLANG_LISTEN_HOST`` - address the prefill's producer binds (default SGLang's rank IP);
-``TPUSYNC_SGLANG_STREAMS`` (default 2); ``TPUSYNC_SGLANG_SAME_HOST`` - ``0`` turns the same-host path off (SAME-HOST
-CONTRACT: default on, a decode rank on the prefill's host pulls out of its /dev/shm pool).
+``TPUSYNC_SGLANG_STREAMS`` (default 2); ``TPUSYNC_SGLANG_SAME_HOST`` - ``0`` turns the same-host
+path off (SAME-HOST CONTRACT: default on, a decode rank on the prefill's host pulls out of its
+/dev/shm pool).
 """
 
 from __future__ import annotations
