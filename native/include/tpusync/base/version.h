@@ -47,11 +47,13 @@
 //  13: shared P/D sends (SHARED-SEND CONTRACT: PdConsumer.start_recv / recv sources may name
 //      their number of readers, `readers=` natively; the producer ends a send after that many
 //      verified receipts).
+//  14: pd.host_id (the same-host identity the vLLM and SGLang P/D paths compare; it lived in
+//      tpusync-vllm and was copied into the SGLang integration).
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 13;
+inline constexpr int kApiVersion = 14;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

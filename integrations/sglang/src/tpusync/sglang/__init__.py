@@ -20,7 +20,7 @@ from typing import Any
 from tpusync.core import require_api
 from tpusync.sglang.page_store import InterimHostPageStore, KVStorePageStore, PageStore
 
-MIN_CORE_API = 10  # PdConsumer.abandon, PdProducer.cancel (aborted rooms)
+MIN_CORE_API = 14  # pd.host_id; 12: reclaim_stale_segments; 10: PdConsumer.abandon
 require_api(MIN_CORE_API, "tpusync-sglang")
 
 __all__ = [

@@ -102,7 +102,7 @@ from tpusync.core import (
     _native,
     reclaim_stale_segments,
 )
-from tpusync.core.pd import PdConsumer, PdProducer, load_secret
+from tpusync.core.pd import PdConsumer, PdProducer, host_id, load_secret
 from tpusync.sglang.pd_layout import HeadSlice, RankLayout, head_slice, stream_segments
 
 __all__ = [
@@ -119,16 +119,6 @@ REGISTER_ROOM = b"None"  # SGLang's convention: a registration message carries r
 _RECV_POLL_MS = 200
 _FETCH_POLL_S = 0.002
 _POOLS = itertools.count()  # names this process's same-host pools apart
-
-
-def _host_id() -> str:
-    """This host's identity for the same-host path: the running kernel's boot id (shared by the
-    containers of one host; "" where the kernel does not publish one)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _env_float(name: str, default: float) -> float:
@@ -277,7 +267,7 @@ class TpusyncKVManager(CommonKVManager):
         self.aux_blocks = self._aux_blocks(item)
         self._pool_bytes = int(_env_float("TPUSYNC_SGLANG_POOL_MB", 256.0) * 2**20)
         same_host = os.environ.get("TPUSYNC_SGLANG_SAME_HOST", "1") != "0"
-        self.host = _host_id() if same_host else ""
+        self.host = host_id() if same_host else ""
         self.received = self.received_shm = 0  # blocks pulled, of them through /dev/shm
         shm_name = unix_path = None
         if disaggregation_mode == DisaggregationMode.PREFILL and self.host:

@@ -19,7 +19,8 @@ Contracts (enforced natively, see native/include/tpusync/transport/pd_stream.h):
   each producer is told to drop its blocks instead of holding them to the deadline (a failed
   receipt alone keeps them there, for a retry).
 - Same-host peers reached through the producer's Unix socket copy straight out of the producer's
-  ``/dev/shm`` pool (the pool must have an ``shm_name``): no TCP.
+  ``/dev/shm`` pool (the pool must have an ``shm_name``): no TCP. Integrations tell a peer on
+  their own host by :func:`host_id`.
 """
 
 from __future__ import annotations
@@ -32,9 +33,28 @@ from pathlib import Path
 from tpusync.core import _native
 from tpusync.core.pool import HostBlockPool
 
-__all__ = ["SECRET_ENV", "PdConsumer", "PdProducer", "PdRelease", "PdResult", "load_secret"]
+__all__ = [
+    "SECRET_ENV",
+    "PdConsumer",
+    "PdProducer",
+    "PdRelease",
+    "PdResult",
+    "host_id",
+    "load_secret",
+]
 
 SECRET_ENV = "TPUSYNC_AUTH_SECRET"
+
+
+def host_id() -> str:
+    """This host's identity for the same-host path: the running kernel's boot id (shared by
+    every container on the host; "" where the kernel does not publish one, which turns the
+    same-host path off)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def load_secret(secret_file: str | os.PathLike[str] | None = None) -> bytes:

@@ -76,7 +76,7 @@ import numpy as np
 import torch
 
 import tpusync.core as tc
-from tpusync.core.pd import PdConsumer, PdProducer, PdResult, load_secret
+from tpusync.core.pd import PdConsumer, PdProducer, PdResult, host_id, load_secret
 
 __all__ = [
     "HeadPart",
@@ -95,16 +95,6 @@ def transfer_id_for(engine_id: str, req_id: str) -> int:
     """A 63-bit transfer id from the producer's engine id and the request id."""
     d = hashlib.blake2b(f"{engine_id}/{req_id}".encode(), digest_size=8).digest()
     return int.from_bytes(d, "little") >> 1
-
-
-def host_id() -> str:
-    """This host's identity for the same-host path: the running kernel's boot id (shared by
-    every container on the host; "" where the kernel does not publish one)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 @dataclass
