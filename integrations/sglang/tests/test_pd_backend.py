@@ -40,10 +40,11 @@ def _report(out: str, what: str, err: str) -> dict:
     return json.loads(lines[-1])
 
 
-def _run(scenario: str, p_tp: int = 1, d_tp: int = 1, **extra_env: str):
-    """Prefill ranks 0..p_tp-1 and decode ranks 0..d_tp-1, each its own process (one rank per
-    process, as SGLang's schedulers); their last reports, the decode processes, and the prefill
-    stderrs. Every process is bounded by PROC_TIMEOUT_S and killed after it."""
+def _run(scenario: str, p_tp: int = 1, d_tp: int = 1, p_pp: int = 1, d_pp: int = 1, **extra_env):
+    """Prefill ranks 0..p_tp-1 of each of p_pp pipeline stages and decode ranks 0..d_tp-1 of
+    each of d_pp stages, each its own process (one rank per process, as SGLang's schedulers);
+    their last reports (stage-major), the decode processes, and the prefill stderrs. Every
+    process is bounded by PROC_TIMEOUT_S and killed after it."""
     port = _free_port()
     env = {
         **os.environ,
@@ -57,11 +58,13 @@ def _run(scenario: str, p_tp: int = 1, d_tp: int = 1, **extra_env: str):
         "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "300",
         "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "300",
         "SGLANG_PLUGINS": "tpusync",
+        "TPUSYNC_TEST_PP_PORT": str(_free_port()),  # the prefill stages' gloo group
         **extra_env,
     }
 
-    def start(role: str, tp: int, rank: int) -> subprocess.Popen:
-        tail = [str(tp), str(rank)] if p_tp * d_tp > 1 else []
+    def start(role: str, tp: int, rank: int, pp: int, stage: int) -> subprocess.Popen:
+        tail = [str(tp), str(rank)] if p_tp * d_tp * p_pp * d_pp > 1 else []
+        tail += [str(pp), str(stage)] if p_pp * d_pp > 1 else []
         return subprocess.Popen(
             [sys.executable, str(PEER), role, str(port), scenario, *tail],
             env=env,
@@ -70,11 +73,12 @@ def _run(scenario: str, p_tp: int = 1, d_tp: int = 1, **extra_env: str):
             text=True,
         )
 
-    procs = [start("prefill", p_tp, r) for r in range(p_tp)]
-    procs += [start("decode", d_tp, r) for r in range(d_tp)]
+    n_p, n_d = p_tp * p_pp, d_tp * d_pp
+    procs = [start("prefill", p_tp, r, p_pp, s) for s in range(p_pp) for r in range(p_tp)]
+    procs += [start("decode", d_tp, r, d_pp, s) for s in range(d_pp) for r in range(d_tp)]
     outs = []
     try:
-        for proc in procs[p_tp:] + procs[:p_tp]:  # the decodes end first (or die on purpose)
+        for proc in procs[n_p:] + procs[:n_p]:  # the decodes end first (or die on purpose)
             out, err = proc.communicate(timeout=PROC_TIMEOUT_S)
             outs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     finally:
@@ -82,7 +86,7 @@ def _run(scenario: str, p_tp: int = 1, d_tp: int = 1, **extra_env: str):
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    decs, pres = outs[:d_tp], outs[d_tp:]
+    decs, pres = outs[:n_d], outs[n_d:]
     p = [_report(c.stdout, "prefill", c.stderr) for c in pres]
     d = [_report(c.stdout, "decode", c.stderr) for c in decs]
     return p, d, decs, [c.stderr for c in pres]
@@ -187,3 +191,32 @@ def test_pd_layouts_that_cannot_pair_fail_both_sides_at_once_with_the_reason():
     pre, dec = p[0]["rooms"]["11"], d[0]["rooms"]["11"]
     assert pre["final"] == FAILED and "kv heads differ" in (pre["reason"] or ""), pre
     assert dec["final"] == FAILED and "kv heads differ" in (dec["reason"] or ""), dec
+
+
+@pytest.mark.parametrize("d_pp", [1, 2], ids=["pp2-to-pp1-shm", "pp2-to-pp2-tcp"])
+def test_pd_from_pipeline_stages_fills_each_layer_from_its_stage(d_pp):
+    """PP CONTRACT end to end: a prefill of two pipeline stages (one process each, a real gloo
+    group between them for SGLang's consensus store of room states). A decode of one stage pulls
+    from both and counts both Success reports; its buffers of every layer hold the model's bytes
+    (LAYER PAIRING CONTRACT: stage 1's K and V of layer 2 land in the decode's buffers 2 and 5,
+    not 0 and 1). A decode of two stages pulls each stage's layers from that stage alone. Before,
+    a stage's buffers went by position: a one-stage decode refused them ("KV buffer counts
+    differ")."""
+    same_host = "1" if d_pp == 1 else "0"
+    p, d, decs, p_errs = _run("pp", p_pp=2, d_pp=d_pp, TPUSYNC_SGLANG_SAME_HOST=same_host)
+    for c in decs:
+        assert c.returncode == 0, c.stderr[-4000:]
+    for stage, rep in enumerate(p):
+        room = rep["rooms"]["11"]
+        assert room["final"] == SUCCESS, (stage, room, p_errs[stage][-3000:])
+        assert room["aux"] == p[0]["rooms"]["11"]["aux"]
+    layers = []
+    for stage, rep in enumerate(d):
+        room = rep["rooms"]["11"]
+        assert room["final"] == SUCCESS, (stage, room)
+        assert room["pages"] == room["model_pages"], f"decode stage {stage}: wrong page bytes"
+        assert room["aux"] == p[0]["rooms"]["11"]["aux"]
+        assert rep["received"] > 0, rep
+        assert rep["received_shm"] == (rep["received"] if same_host == "1" else 0), rep
+        layers.append(room["layers"])
+    assert layers == ([[0, 1, 2]] if d_pp == 1 else [[0, 1], [2]])

@@ -95,6 +95,69 @@ def test_every_decode_rank_gets_exactly_its_heads(p_tp, d_tp, heads, page, known
             assert not got[rest].any(), "a page the request does not own was written"
 
 
+def _stage_layers(layers: int, stages: int) -> list[range]:
+    """SGLang's split of the model's layers over pipeline stages (earlier stages get the
+    remainder)."""
+    per, extra = divmod(layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        n = per + (s < extra)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+@pytest.mark.parametrize(("p_pp", "d_pp"), [(2, 1), (3, 1), (2, 2)])
+@pytest.mark.parametrize(("p_tp", "d_tp", "heads"), [(1, 1, 2), (2, 1, 2), (1, 2, 4)])
+def test_pipeline_stages_fill_their_layers_of_the_decode(p_pp, d_pp, p_tp, d_tp, heads):
+    """LAYER PAIRING CONTRACT: every prefill stage's K and V buffers land in the decode buffers
+    of the same model layers (a decode of one stage holds all of them; one split alike pulls
+    from its own stage only), with any TP pair on top."""
+    rng = np.random.default_rng(p_pp * 100 + d_pp * 10 + p_tp + d_tp + heads)
+    layers, pages, page = 5, 4, 2
+    # model[l, 0 or 1]: K or V of layer l, every kv head of every token
+    model = rng.integers(1, 255, (layers, 2, pages * page, heads, DIM * ITEM), dtype=np.uint8)
+    src_pages, dst_pages = np.array([3, 0], dtype=np.int64), np.array([1, 2], dtype=np.int64)
+
+    def stage(tp, rank, lays):  # K of every local layer, then V, as SGLang's pools list them
+        per = max(1, heads // tp)
+        lay = RankLayout(tp, rank, heads, page, (page * per * DIM * ITEM,) * (2 * len(lays)),
+                         layer_ids=tuple(lays) * 2)  # fmt: skip
+        lo, hi = lay.heads()
+        bufs = [np.ascontiguousarray(model[lid, kv][:, lo:hi]).reshape(-1)
+                for kv in (0, 1) for lid in lays]  # fmt: skip
+        return lay, bufs
+
+    p_stages, d_stages = _stage_layers(layers, p_pp), _stage_layers(layers, d_pp)
+    for d in range(d_tp):
+        for ds, d_lays in enumerate(d_stages):
+            dst_lay, want = stage(d_tp, d, d_lays)
+            dst_bufs = [np.zeros_like(b) for b in want]
+            sources = [p_stages[ds]] if d_pp == p_pp else p_stages  # SGLang's target_pp_ranks
+            for p in _targets(p_tp, d_tp, d):
+                for p_lays in sources:
+                    src_lay, src_bufs = stage(p_tp, p, p_lays)
+                    sl = head_slice(src_lay, dst_lay)
+                    assert [dst_lay.layer_ids[j] for j in sl.dst_buf] == list(p_lays) * 2
+                    _move(src_bufs, src_pages, dst_bufs, dst_pages, sl, src_lay.item_lens[0])
+            rows = pages * page
+            for got, full in zip(dst_bufs, want, strict=True):
+                got = got.reshape(pages, -1)
+                np.testing.assert_array_equal(got[dst_pages], full.reshape(pages, -1)[src_pages])
+                assert not got[np.setdiff1d(np.arange(pages), dst_pages)].any()
+                assert full.size % rows == 0
+
+
+def test_buffers_pair_by_layer_occurrence_not_position():
+    src = RankLayout(1, 0, 2, 1, (64, 64, 64, 64), layer_ids=(4, 5, 4, 5))  # stage 2 of 3
+    dst = RankLayout(1, 0, 2, 1, (64,) * 12, layer_ids=tuple(range(6)) * 2)  # every layer
+    sl = head_slice(src, dst)
+    assert sl.src_buf == (0, 1, 2, 3) and sl.dst_buf == (4, 5, 10, 11)
+    segs, blocks = stream_segments(sl, np.array([7]), 64, "dst")
+    assert blocks == 4 and segs[:, 2].tolist() == [4, 5, 10, 11]
+    assert segs[:, 3].tolist() == [7 * 64] * 4
+
+
 def test_equal_layouts_send_whole_pages_one_block_each():
     lay = RankLayout(2, 1, 4, 4, (256, 256))
     sl = head_slice(lay, lay)
@@ -138,11 +201,32 @@ def test_mla_rows_travel_whole_between_any_tp_sizes():
         (RankLayout(1, 0, 0, 1, (64,), mla=True), RankLayout(1, 0, 2, 1, (64,)), "MLA"),
         (RankLayout(1, 0, 5, 1, (80,)), RankLayout(5, 0, 5, 1, (16,)), None),
         (RankLayout(2, 0, 5, 1, (40,)), RankLayout(1, 0, 5, 1, (80,)), "do not split"),
+        (  # a prefill stage's layer the decode (another stage) does not hold
+            RankLayout(1, 0, 2, 1, (32, 32), layer_ids=(2, 2)),
+            RankLayout(1, 0, 2, 1, (32, 32), layer_ids=(1, 1)),
+            "no .*KV buffer for model layer 2",
+        ),
+        (  # a layer sent three times, held twice (K and V)
+            RankLayout(1, 0, 2, 1, (32,) * 3, layer_ids=(0, 0, 0)),
+            RankLayout(1, 0, 2, 1, (32,) * 2, layer_ids=(0, 0)),
+            "no .*further",
+        ),
+        (  # a stage of fewer buffers without layer ids: position cannot pair it
+            RankLayout(1, 0, 2, 1, (32, 32)),
+            RankLayout(1, 0, 2, 1, (32,) * 4, layer_ids=(0, 1, 0, 1)),
+            "the prefill sent no layer ids",
+        ),
+        (  # paired by layer, but the paired buffers hold pages of other sizes
+            RankLayout(1, 0, 2, 1, (32, 64), layer_ids=(0, 1)),
+            RankLayout(1, 0, 2, 1, (64, 32), layer_ids=(1, 0)),
+            None,
+        ),
     ],
 )
 def test_layouts_that_cannot_pair_are_refused_by_name(src, dst, match):
     if match is None:  # control: a valid pair of the same shapes pairs
-        assert head_slice(src, dst).heads == (0, 1)
+        sl = head_slice(src, dst)
+        assert sl.heads == (0, 1) or sl.dst_buf == (1, 0)
         return
     with pytest.raises(ValueError, match=match):
         head_slice(src, dst)
@@ -159,6 +243,12 @@ def test_layouts_that_cannot_pair_are_refused_by_name(src, dst, match):
         b'{"tp": 1, "rank": 0, "total_heads": 2, "page_size": 1, "item_lens": [8], "mla": 1}',
         b'{"tp": 1, "rank": 0, "total_heads": -1, "page_size": 1, "item_lens": [8], "mla": false}',
         b'{"tp": 1.5, "rank": 0, "total_heads": 2, "page_size": 1, "item_lens": [8], "mla": false}',
+        b'{"tp": 1, "rank": 0, "total_heads": 2, "page_size": 1, "item_lens": [8, 8], "mla": false,'
+        b' "layer_ids": [0]}',
+        b'{"tp": 1, "rank": 0, "total_heads": 2, "page_size": 1, "item_lens": [8], "mla": false,'
+        b' "layer_ids": [-1]}',
+        b'{"tp": 1, "rank": 0, "total_heads": 2, "page_size": 1, "item_lens": [8], "mla": false,'
+        b' "layer_ids": 3}',
     ],
 )
 def test_malformed_layouts_are_refused(raw):
@@ -169,3 +259,8 @@ def test_malformed_layouts_are_refused(raw):
 def test_layout_round_trips():
     lay = RankLayout(4, 3, 8, 16, (4096, 4096), mla=False)
     assert RankLayout.from_json(lay.to_json()) == lay
+    staged = RankLayout(1, 0, 8, 16, (4096, 4096), layer_ids=(7, 7))
+    assert RankLayout.from_json(staged.to_json()) == staged
+    # a peer from before pipeline support sends no layer ids: it pairs by position
+    old = b'{"tp": 1, "rank": 0, "total_heads": 2, "page_size": 1, "item_lens": [8], "mla": false}'
+    assert RankLayout.from_json(old).layer_ids == ()

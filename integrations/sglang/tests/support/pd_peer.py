@@ -1,6 +1,6 @@
 """One side (prefill or decode) of an SGLang P/D transfer on the tpusync backend, in its own process.
 
-Run by tests/test_pd_backend.py: ``python pd_peer.py ROLE PORT SCENARIO [TP RANK]``. It builds
+Run by tests/test_pd_backend.py: ``python pd_peer.py ROLE PORT SCENARIO [TP RANK [PP PP_RANK]]``. It builds
 SGLang's real objects the way a scheduler does on CPU: a published (test) ServerArgs, SGLang's
 ``KVArgs`` over CPU torch KV buffers, the manager / sender / receiver / bootstrap server classes
 resolved through SGLang's own ``get_kv_class`` after the tpusync plugin hooked in, and drives one
@@ -18,7 +18,10 @@ kv heads of one seeded model cache, and a decode rank reports its pages next to 
 bytes for its heads; the decode leaves the model's kv heads unset in its ``KVArgs``, as SGLang's
 decode does without staging), ``tp_bad`` (room 11 with a decode that declares twice the model's
 kv heads in pages of the same size: the layouts cannot pair, and both sides must fail the room
-with the reason).
+with the reason), ``pp`` (room 11 from a prefill of PP pipeline stages, this process being stage
+PP_RANK, which holds its layers of the seeded model cache, to a decode of one stage or of as
+many: every stage fills the decode's buffers of its layers; the prefill stages share a real gloo
+group, which SGLang's consensus store of room states needs).
 """
 
 from __future__ import annotations
@@ -66,7 +69,42 @@ def model_cache() -> list:
     return [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2 * LAYERS)]
 
 
-def setup(role: str, port: int, scenario: str, tp: int, rank: int):
+def stage_layers(pp: int, pp_rank: int) -> list[int]:
+    """The model layers pipeline stage ``pp_rank`` of ``pp`` holds (earlier stages get the
+    remainder, as SGLang splits them)."""
+    per, extra = divmod(LAYERS, pp)
+    start = pp_rank * per + min(pp_rank, extra)
+    return list(range(start, start + per + (pp_rank < extra)))
+
+
+class PipelineGroup:
+    """The part of SGLang's pipeline GroupCoordinator that its P/D consensus store uses, over a
+    real torch.distributed gloo group of the prefill's stages (TPUSYNC_TEST_PP_PORT)."""
+
+    def __init__(self, pp: int, pp_rank: int) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{os.environ['TPUSYNC_TEST_PP_PORT']}",
+            rank=pp_rank,
+            world_size=pp,
+            timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        )
+        self.world_size, self.rank_in_group = pp, pp_rank
+        self.is_first_rank, self.is_last_rank = pp_rank == 0, pp_rank == pp - 1
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        import torch.distributed as dist
+
+        box = [obj if self.rank_in_group == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+
+def setup(role: str, port: int, scenario: str, tp: int, rank: int, pp: int = 1, pp_rank: int = 0):
     from sglang.srt.runtime_context import get_context, get_parallel
 
     from tpusync.sglang import pd_plugin
@@ -79,11 +117,14 @@ def setup(role: str, port: int, scenario: str, tp: int, rank: int):
         host="127.0.0.1",
         device="cpu",
         tp_size=tp,
+        pp_size=pp,
     ).install()
+    group = PipelineGroup(pp, pp_rank) if role == "prefill" and pp > 1 else None
     get_parallel().override_permanently(
         attn_tp_rank=rank, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0, tp_rank=rank,
-        pp_rank=0, pp_group=None,
+        pp_rank=pp_rank, pp_group=group,
     )  # fmt: skip
+    assert get_parallel().pp_size == pp
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     backend = TransferBackend("tpusync")  # raises ValueError unless the plugin hooked in
@@ -91,7 +132,13 @@ def setup(role: str, port: int, scenario: str, tp: int, rank: int):
     torch.manual_seed(1 if role == "prefill" else 2)
     lo, hi = rank_heads(tp, rank)
     shape = (PAGES * PAGE, hi - lo, DIM)
-    if role == "prefill" and tp == 1 and scenario != "tp":
+    layers = stage_layers(pp, pp_rank)
+    if scenario == "pp":  # K of every layer of this stage, then V (SGLang's buffer order)
+        model = model_cache()
+        bufs = [model[kv * LAYERS + i][:, lo:hi].clone() for kv in (0, 1) for i in layers]
+        if role == "decode":
+            bufs = [torch.zeros_like(b) for b in bufs]
+    elif role == "prefill" and tp == 1 and scenario != "tp":
         k = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
         v = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
         bufs = k + v
@@ -108,7 +155,7 @@ def setup(role: str, port: int, scenario: str, tp: int, rank: int):
     args.kv_data_ptrs = [b.data_ptr() for b in bufs]
     args.kv_data_lens = [b.nbytes for b in bufs]
     args.kv_item_lens = [b[0].nbytes * PAGE for b in bufs]
-    args.kv_layer_ids = list(range(LAYERS)) * 2
+    args.kv_layer_ids = layers * 2
     args.kv_cache_dtype_str = "bfloat16"
     args.aux_data_ptrs = [aux.data_ptr()]
     args.aux_data_lens = [aux.nbytes]
@@ -117,9 +164,9 @@ def setup(role: str, port: int, scenario: str, tp: int, rank: int):
     args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], []
     args.state_layer_ids = []
     args.page_size = PAGE
-    args.pp_rank = 0
+    args.pp_rank = pp_rank
     args.system_dp_rank = 0
-    args.prefill_start_layer, args.prefill_end_layer = 0, LAYERS
+    args.prefill_start_layer, args.prefill_end_layer = layers[0], layers[-1] + 1
     if role == "prefill" or scenario not in ("tp", "tp_bad"):
         args.kv_head_num, args.total_kv_head_num = hi - lo, HEADS
     elif scenario == "tp_bad":  # a decode of another model: 4 kv heads, the same page bytes
@@ -161,17 +208,18 @@ def reason(obj) -> str | None:
     return None
 
 
-def prefill(port: int, scenario: str, tp: int, rank: int) -> None:
+def prefill(port: int, scenario: str, tp: int, rank: int, pp: int, pp_rank: int) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType
     from sglang.srt.runtime_context import get_server_args
 
-    classes, args, bufs, aux = setup("prefill", port, scenario, tp, rank)
-    server = classes[KVClassType.BOOTSTRAP_SERVER]("127.0.0.1", port) if rank == 0 else None
+    classes, args, bufs, aux = setup("prefill", port, scenario, tp, rank, pp, pp_rank)
+    first = rank == 0 and pp_rank == 0
+    server = classes[KVClassType.BOOTSTRAP_SERVER]("127.0.0.1", port) if first else None
     mgr = classes[KVClassType.MANAGER](args, DisaggregationMode.PREFILL, get_server_args(), False)
     report = {"role": "prefill", "manager": type(mgr).__name__, "rooms": {}}
     say(event="ready")
-    rooms = {"ok": [11, 12], "tp": [11], "tp_bad": [11]}.get(scenario, [21])
+    rooms = {"ok": [11, 12], "tp": [11], "tp_bad": [11], "pp": [11]}.get(scenario, [21])
     for room in rooms:
         states: list[int] = []
         sender = classes[KVClassType.SENDER](mgr, f"127.0.0.1:{port}", room)
@@ -210,12 +258,12 @@ def prefill(port: int, scenario: str, tp: int, rank: int) -> None:
     say(**report)
 
 
-def decode(port: int, scenario: str, tp: int, rank: int) -> None:
+def decode(port: int, scenario: str, tp: int, rank: int, pp: int, pp_rank: int) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType
     from sglang.srt.runtime_context import get_server_args
 
-    classes, args, bufs, aux = setup("decode", port, scenario, tp, rank)
+    classes, args, bufs, aux = setup("decode", port, scenario, tp, rank, pp, pp_rank)
     mgr = classes[KVClassType.MANAGER](args, DisaggregationMode.DECODE, get_server_args(), False)
     addr = f"127.0.0.1:{port}"
     end = time.monotonic() + TIMEOUT_S
@@ -224,7 +272,7 @@ def decode(port: int, scenario: str, tp: int, rank: int) -> None:
             raise TimeoutError("no prefill parallel info from the bootstrap server")
         time.sleep(0.2)
     report = {"role": "decode", "rooms": {}}
-    rooms = {"ok": [11, 12], "tp": [11], "tp_bad": [11]}.get(scenario, [21])
+    rooms = {"ok": [11, 12], "tp": [11], "tp_bad": [11], "pp": [11]}.get(scenario, [21])
     for room in rooms:
         states: list[int] = []
         receiver = classes[KVClassType.RECEIVER](mgr, addr, room)
@@ -276,11 +324,13 @@ def decode(port: int, scenario: str, tp: int, rank: int) -> None:
             "reason": why,
             **digests(bufs, aux, dst, DST_AUX + (room == 12)),
         }
-        if scenario == "tp":  # the model's own bytes of this rank's heads, at the prefill pages
+        if scenario in ("tp", "pp"):  # the model's own bytes of this rank's heads and layers
             lo, hi = rank_heads(tp, rank)
-            mine = [b[:, lo:hi].contiguous() for b in model_cache()]
+            model, layers = model_cache(), stage_layers(pp, pp_rank)
+            mine = [model[kv * LAYERS + i][:, lo:hi].contiguous() for kv in (0, 1) for i in layers]
             report["rooms"][room]["model_pages"] = digests(mine, aux, SRC_PAGES, DST_AUX)["pages"]
             report["rooms"][room]["heads"] = [lo, hi]
+            report["rooms"][room]["layers"] = layers
         receiver.clear()
     report["received"], report["received_shm"] = mgr.received, mgr.received_shm
     mgr.teardown()
@@ -290,4 +340,5 @@ def decode(port: int, scenario: str, tp: int, rank: int) -> None:
 if __name__ == "__main__":
     role, port, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     tp, rank = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (1, 0)
-    (prefill if role == "prefill" else decode)(port, scenario, tp, rank)
+    pp, pp_rank = (int(sys.argv[6]), int(sys.argv[7])) if len(sys.argv) > 7 else (1, 0)
+    (prefill if role == "prefill" else decode)(port, scenario, tp, rank, pp, pp_rank)

@@ -50,9 +50,16 @@ Head slicing takes pages to be NHD (``[page_size, heads, head_dim]``, SGLang's M
 the size checks cannot tell another element order of the same sizes apart, so a pair of
 different TP sizes is only right for NHD pools (equal TP sizes move whole pages, any order).
 
+PP CONTRACT: a prefill of several pipeline stages sends each stage's layers from that stage's
+ranks; SGLang's rank mapping makes a decode of one stage pull from every prefill stage (and count
+their Success reports), a decode split alike pull from its own stage. Each stage's buffers go
+into the decode buffers of the same model layers (pd_layout.py, LAYER PAIRING CONTRACT, by
+``KVArgs.kv_layer_ids``), and every stage sends the aux rows with its last chunk (SGLang's
+stages all hold the request's outputs by then, as its own backends assume). The prefill's room
+states then live in SGLang's consensus store over its pipeline group, which SGLang builds.
+
 Scope (checked at start-up with a clear error): KV in host memory (SGLang's ``--device cpu``; a
-GPU KV cache needs a device <-> staging copy that is not implemented), one pipeline stage, every
-KV buffer with the same bytes per page, no hybrid state buffers (Mamba / SWA / DSA), device
+GPU KV cache needs a device <-> staging copy that is not implemented), every KV buffer with the same bytes per page, no hybrid state buffers (Mamba / SWA / DSA), device
 destinations only (``supports_host_destination = False``), no ``prefill_complete`` allocation.
 Rejected alternative: writing into the decode's KV memory from the prefill (RDMA-style push).
 tpusync's P/D primitive is pull-based with verified receipt, which also gives the prefill its
@@ -345,6 +352,11 @@ class TpusyncKVManager(CommonKVManager):
         args = self.kv_args
         per_rank = int(getattr(args, "kv_head_num", 0) or 0)
         total = int(getattr(args, "total_kv_head_num", 0) or 0) or per_rank * self.attn_tp_size
+        # LAYER PAIRING CONTRACT (pd_layout.py): the model layer of each KV buffer, as SGLang's
+        # scheduler sets it; without them (or a list of another length) buffers pair by position.
+        layer_ids = [int(x) for x in (getattr(args, "kv_layer_ids", None) or [])]
+        if len(layer_ids) != len(args.kv_item_lens):
+            layer_ids = []
         return RankLayout(
             tp=int(self.attn_tp_size),
             rank=int(self.attn_tp_rank),
@@ -352,6 +364,7 @@ class TpusyncKVManager(CommonKVManager):
             page_size=int(args.page_size),
             item_lens=tuple(int(x) for x in args.kv_item_lens),
             mla=bool(self.is_mla_backend or self.is_hybrid_mla_backend),
+            layer_ids=tuple(layer_ids),
         )
 
     def _way(self, block_bytes: int) -> _Way:

@@ -17,6 +17,17 @@ the same two :class:`RankLayout` (the decode's travels in its registration, the 
 every chunk), so neither needs the other's addresses, and equal layouts give the old stream
 exactly (whole pages, one block each).
 
+LAYER PAIRING CONTRACT (pipeline parallelism): the stream's buffers are the prefill rank's own,
+in its order; each goes into the decode buffer of the same model layer. Both sides send the layer
+of each of their buffers (SGLang's ``KVArgs.kv_layer_ids``: K of every local layer, then V), and
+occurrences pair in order (a layer's first buffer with the peer's first buffer of that layer,
+its second with the second), so a prefill pipeline stage fills exactly its layers of a decode
+that holds every layer, or its own stage's of a decode split alike. A prefill layer the decode
+does not hold is refused by name. A side that sends no layer ids pairs by position, equal buffer
+counts only (one stage on both sides). Rejected: deriving the layers from the stage's start
+layer and a K-then-V order (the draft model's buffers and hybrid pools break that order; the
+ids are what SGLang itself pairs by).
+
 Rejected alternative: sending each prefill rank's whole pages to every decode rank that shares
 them (a shared send pulled by several readers, as tpusync-vllm does when the prefill cannot know
 its readers in advance). Here the decode ranks register before the first chunk, so each gets
@@ -26,11 +37,12 @@ only its heads: a TP=1 -> TP=2 transfer moves the cache once, not twice.
 from __future__ import annotations
 
 import json
+from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-__all__ = ["HeadSlice", "RankLayout", "head_slice", "stream_segments"]
+__all__ = ["HeadSlice", "RankLayout", "head_slice", "pair_buffers", "stream_segments"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,7 @@ class RankLayout:
     page_size: int  # tokens per page
     item_lens: tuple[int, ...]  # bytes per page of each KV buffer (K of every layer, then V)
     mla: bool = False
+    layer_ids: tuple[int, ...] = ()  # the model layer of each KV buffer; () = not known
 
     def heads(self) -> tuple[int, int]:
         """The model kv heads [first, end) this rank holds; ValueError for a split SGLang does
@@ -67,6 +80,7 @@ class RankLayout:
                 "page_size": self.page_size,
                 "item_lens": list(self.item_lens),
                 "mla": self.mla,
+                "layer_ids": list(self.layer_ids),
             }
         ).encode()
 
@@ -82,10 +96,11 @@ class RankLayout:
                 page_size=d["page_size"],
                 item_lens=tuple(d["item_lens"]),
                 mla=d["mla"],
+                layer_ids=tuple(d.get("layer_ids", ())),  # absent: a peer before pipelines
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"malformed KV layout {raw[:200]!r}: {e}") from None
-        ints = (out.tp, out.rank, out.total_heads, out.page_size, *out.item_lens)
+        ints = (out.tp, out.rank, out.total_heads, out.page_size, *out.item_lens, *out.layer_ids)
         if (
             not all(type(x) is int for x in ints)
             or type(out.mla) is not bool
@@ -95,6 +110,8 @@ class RankLayout:
             or out.page_size <= 0
             or not out.item_lens
             or min(out.item_lens) <= 0
+            or (out.layer_ids and len(out.layer_ids) != len(out.item_lens))
+            or min(out.layer_ids, default=0) < 0
         ):
             raise ValueError(f"malformed KV layout {raw[:200]!r}")
         return out
@@ -106,10 +123,12 @@ class HeadSlice:
 
     heads: tuple[int, int]  # model kv heads that travel
     page_size: int
+    src_buf: tuple[int, ...]  # stream part k: prefill buffer src_buf[k] -> decode dst_buf[k]
+    dst_buf: tuple[int, ...]
     width: tuple[int, ...]  # bytes per token
     src_off: tuple[int, ...]  # where they start in a prefill token row
     dst_off: tuple[int, ...]  # where they go in a decode token row
-    src_item: tuple[int, ...]  # page bytes on each side
+    src_item: tuple[int, ...]  # page bytes of each part's buffer, on each side
     dst_item: tuple[int, ...]
 
     @property
@@ -118,15 +137,40 @@ class HeadSlice:
         return self.page_size * sum(self.width)
 
 
+def pair_buffers(src: RankLayout, dst: RankLayout) -> list[tuple[int, int]]:
+    """(prefill buffer, decode buffer) for every prefill buffer, in the prefill's order (LAYER
+    PAIRING CONTRACT); ValueError when a prefill buffer has no decode buffer."""
+    n_src, n_dst = len(src.item_lens), len(dst.item_lens)
+    if not (src.layer_ids and dst.layer_ids):
+        if n_src != n_dst:
+            raise ValueError(
+                f"KV buffer counts differ: prefill {n_src}, decode {n_dst}, and "
+                f"{'the prefill' if not src.layer_ids else 'the decode'} sent no layer ids "
+                "to pair them by"
+            )
+        return [(i, i) for i in range(n_src)]
+    free: dict[int, deque[int]] = defaultdict(deque)
+    for j, layer in enumerate(dst.layer_ids):
+        free[layer].append(j)
+    pairs = []
+    for i, layer in enumerate(src.layer_ids):
+        if not free[layer]:
+            held = sorted(set(dst.layer_ids))
+            raise ValueError(
+                f"the decode rank holds no (further) KV buffer for model layer {layer} "
+                f"(its layers: {held[0]}..{held[-1]}, {len(held)} in all); pipeline stages "
+                "that do not match"
+            )
+        pairs.append((i, free[layer].popleft()))
+    return pairs
+
+
 def head_slice(src: RankLayout, dst: RankLayout) -> HeadSlice:
     """What prefill rank ``src`` sends decode rank ``dst``; ValueError naming the mismatch when
-    the two cannot pair (page size, buffer count, MLA or not, model heads, head size)."""
+    the two cannot pair (page size, layers, MLA or not, model heads, head size)."""
     if src.page_size != dst.page_size:
         raise ValueError(f"page sizes differ: prefill {src.page_size}, decode {dst.page_size}")
-    if len(src.item_lens) != len(dst.item_lens):
-        raise ValueError(
-            f"KV buffer counts differ: prefill {len(src.item_lens)}, decode {len(dst.item_lens)}"
-        )
+    pairs = pair_buffers(src, dst)
     if src.mla != dst.mla:
         raise ValueError(f"one side is MLA and the other not (prefill {src.mla})")
     if not src.mla:
@@ -159,11 +203,13 @@ def head_slice(src: RankLayout, dst: RankLayout) -> HeadSlice:
         )
     p = src.page_size
     width, src_off, dst_off = [], [], []
-    for j, (si, di) in enumerate(zip(src.item_lens, dst.item_lens, strict=True)):
+    for i, j in pairs:
+        si, di = src.item_lens[i], dst.item_lens[j]
         hb = si // (p * (s1 - s0))
         if hb <= 0 or si != hb * p * (s1 - s0) or di != hb * p * (d1 - d0):
+            where = f"KV buffer {i}" if i == j else f"prefill KV buffer {i} -> decode buffer {j}"
             raise ValueError(
-                f"KV buffer {j}: page bytes {si} (prefill) and {di} (decode) are not "
+                f"{where}: page bytes {si} (prefill) and {di} (decode) are not "
                 f"{p} tokens of {s1 - s0} and {d1 - d0} heads of one size"
             )
         width.append((hi - lo) * hb)
@@ -172,11 +218,13 @@ def head_slice(src: RankLayout, dst: RankLayout) -> HeadSlice:
     return HeadSlice(
         heads=(lo, hi),
         page_size=p,
+        src_buf=tuple(i for i, _ in pairs),
+        dst_buf=tuple(j for _, j in pairs),
         width=tuple(width),
         src_off=tuple(src_off),
         dst_off=tuple(dst_off),
-        src_item=tuple(src.item_lens),
-        dst_item=tuple(dst.item_lens),
+        src_item=tuple(src.item_lens[i] for i, _ in pairs),
+        dst_item=tuple(dst.item_lens[j] for _, j in pairs),
     )
 
 
@@ -184,16 +232,20 @@ def stream_segments(
     sl: HeadSlice, pages: np.ndarray, block_bytes: int, side: str
 ) -> tuple[np.ndarray, int]:
     """Segment rows ``(block, block_offset, region, region_offset, bytes)`` of one chunk's stream
-    over ``side``'s memory ("src": the prefill's buffers, "dst": the decode's; region j = buffer
-    j as flat bytes), and the number of blocks the stream fills. ``pages``: that side's page
-    indices of the chunk, in order. Whole rows are one segment per page."""
+    over ``side``'s memory ("src": the prefill's buffers, "dst": the decode's; region j = that
+    side's buffer j as flat bytes, LAYER PAIRING CONTRACT), and the number of blocks the stream
+    fills. ``pages``: that side's page indices of the chunk, in order. Whole rows are one
+    segment per page."""
     if side not in ("src", "dst"):
         raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
-    items, offs = (sl.src_item, sl.src_off) if side == "src" else (sl.dst_item, sl.dst_off)
+    if side == "src":
+        items, offs, bufs = sl.src_item, sl.src_off, sl.src_buf
+    else:
+        items, offs, bufs = sl.dst_item, sl.dst_off, sl.dst_buf
     pages = np.asarray(pages, dtype=np.uint64)
     n, p = int(pages.size), sl.page_size
     out, base = [], 0
-    for j, (w, item, off) in enumerate(zip(sl.width, items, offs, strict=True)):
+    for j, w, item, off in zip(bufs, sl.width, items, offs, strict=True):
         row = item // p
         if w == row and block_bytes % (p * w) == 0 and base % (p * w) == 0:
             pos = base + np.arange(n, dtype=np.uint64) * np.uint64(p * w)
