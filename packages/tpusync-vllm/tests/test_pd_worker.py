@@ -313,3 +313,140 @@ def test_a_worker_without_a_known_head_axis_refuses_to_reshard(monkeypatch):
         assert w.pending == 0 and w.pool.num_free == 8
     finally:
         w.close()
+
+
+def test_layer_plan_takes_each_stages_rows_from_that_stage():
+    """LAYER PLAN CONTRACT: a consumer of one pipeline stage pulls each producer stage's rows
+    from that stage's ranks and maps them to its rows of the same layers (K before V)."""
+    stage_rows = [[0, 0, 1, 1], [2, 2, 3, 3]]  # K and V apart: two rows per layer
+    mine = [0, 0, 1, 1, 2, 2, 3, 3]
+    assert head_plan(4, [1, 2], [1, 1], 0, stage_rows, mine) == [
+        HeadPart(0, 1, 4, (0, 4), (0, 4), (0, 1, 2, 3)),
+        HeadPart(1, 1, 4, (0, 4), (0, 4), (4, 5, 6, 7)),
+    ]
+    # With tensor resharding on top: producer TP=2 x PP=2 (world ranks 0, 1 | 2, 3) -> TP=1.
+    per_rank = [stage_rows[0]] * 2 + [stage_rows[1]] * 2
+    assert head_plan(4, [2, 2], [1, 1], 0, per_rank, mine) == [
+        HeadPart(0, 1, 2, (0, 2), (0, 2), (0, 1, 2, 3)),
+        HeadPart(1, 1, 2, (0, 2), (2, 4), (0, 1, 2, 3)),
+        HeadPart(2, 1, 2, (0, 2), (0, 2), (4, 5, 6, 7)),
+        HeadPart(3, 1, 2, (0, 2), (2, 4), (4, 5, 6, 7)),
+    ]
+    # Layers by name, not position: an uneven split, rows listed in another order here.
+    assert head_plan(2, [1, 2], [1, 1], 0, [[5, 3], [9]], [3, 5, 9]) == [
+        HeadPart(0, 1, 2, (0, 2), (0, 2), (1, 0)),
+        HeadPart(1, 1, 2, (0, 2), (0, 2), (2,)),
+    ]
+    # No plan: layers unknown, a consumer of several stages unequal to the producer's, a layer
+    # this rank does not hold, a row of this rank no stage sends, ranks of one stage that
+    # disagree, a list per rank missing.
+    assert head_plan(4, [1, 2], [1, 1], 0) is None
+    assert head_plan(4, [1, 3], [1, 2], 0, [[0], [1], [2]], [0]) is None
+    assert head_plan(4, [1, 2], [1, 1], 0, [[0, 0], [7, 7]], [0, 0, 1, 1]) is None
+    assert head_plan(4, [1, 2], [1, 1], 0, [[0, 0], [1]], [0, 0, 1, 1]) is None
+    assert head_plan(4, [2, 2], [1, 1], 0, [[0], [1], [2], [2]], [0, 1, 2]) is None
+    assert head_plan(4, [1, 2], [1, 1], 0, [[0, 0]], [0, 0, 1, 1]) is None
+
+
+def stage_worker(cache, tp, t, layers, *, producer, timeout_s=120.0):
+    """Tensor rank t of tp of the pipeline stage holding ``layers`` (indices into cache)."""
+    lo, hi = rank_heads(HEADS, tp, t)
+    rows = [rank_rows(cache, tp, t)[i] for i in layers]
+    if not producer:
+        for r in rows:
+            r.zero_()
+    w = PdWorker(
+        rows,
+        producer=producer,
+        pool_blocks=8,
+        same_host=producer,
+        timeout_s=timeout_s,
+        name=f"stage-{layers[0]}-{t}",
+        heads=(hi - lo, 1, BLOCK_TOKENS * CHANNELS * 4),
+    )
+    return w, rows
+
+
+def model_layers(seed: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NBLOCKS, HEADS, BLOCK_TOKENS, CHANNELS, generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("tp_p,tp_c", [(1, 1), (2, 1), (1, 2)])
+def test_a_consumer_of_one_stage_gets_every_stages_layers(monkeypatch, tp_p, tp_c):
+    """Producer of two pipeline stages of unequal size (layers 0-1 and 2: blocks of two sizes,
+    pulled into two pools) -> consumer of one stage: every consumer row holds the model's bytes
+    of its layer and heads, and every producer pool is whole again."""
+    monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
+    cache = model_layers(11, 3)
+    stages = [[0, 1], [2]]
+    prods = [
+        stage_worker(cache, tp_p, t, ls, producer=True)[0] for ls in stages for t in range(tp_p)
+    ]
+    conss = [stage_worker(cache, tp_c, c, [0, 1, 2], producer=False) for c in range(tp_c)]
+    per_rank = [ls for ls in stages for _ in range(tp_p)]
+    try:
+        src_blocks, dst_blocks = [2, 5], [6, 1]
+        for p in prods:
+            p.publish(91, src_blocks)
+        for c, (w, _) in enumerate(conss):
+            plan = head_plan(HEADS, [tp_p, 2], [tp_c, 1], c, per_rank, [0, 1, 2])
+            assert plan is not None and {p.rows for p in plan} == {(0, 1), (2,)}
+            peers = [prods[part.producer_rank].unix_address for part in plan]
+            w.start_parts(f"req-{c}", 91, list(zip(peers, plan, strict=True)), dst_blocks)
+            assert w.pending == 1
+        finished = set()
+
+        def landed() -> bool:
+            for w, _ in conss:
+                done, failed = w.poll()
+                assert not failed, failed
+                finished.update(done)
+            return len(finished) == tp_c
+
+        assert until(landed)
+        for c, (w, rows) in enumerate(conss):
+            want = rank_rows(cache, tp_c, c)
+            for j in range(3):
+                assert torch.equal(rows[j][dst_blocks], want[j][src_blocks]), (c, j)
+                others = [b for b in range(NBLOCKS) if b not in dst_blocks]
+                assert int(rows[j][others].sum()) == 0
+            assert w.received == 2 and w.received_shm == 2 and w.pending == 0
+        for p in prods:
+            assert until(lambda p=p: (p.poll(), p.pool.num_free)[1] == 8)
+    finally:
+        for w, _ in conss:
+            w.close()
+        for p in prods:
+            p.close()
+
+
+def test_a_stage_that_never_offers_fails_the_request_once(monkeypatch):
+    """One stage publishes, the other never does: the request is reported failed once, with its
+    blocks, when the missing stage answers that it holds no such request (at the latest at the
+    deadline); the landed stage's part is not reported as a success, and every staging pool is
+    whole again."""
+    monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
+    cache = model_layers(12, 3)
+    p0, _ = stage_worker(cache, 1, 0, [0, 1], producer=True)
+    p1, _ = stage_worker(cache, 1, 0, [2], producer=True)
+    cons, _ = stage_worker(cache, 1, 0, [0, 1, 2], producer=False, timeout_s=2.0)
+    try:
+        p0.publish(93, [1, 2])  # stage 1 never offers request 93
+        plan = head_plan(HEADS, [1, 2], [1, 1], 0, [[0, 1], [2]], [0, 1, 2])
+        cons.start_parts("req", 93, [(p0.address, plan[0]), (p1.address, plan[1])], [3, 4])
+        reports: list[tuple[set[str], dict[str, list[int]]]] = []
+
+        def ended() -> bool:
+            reports.append(cons.poll())
+            return cons.pending == 0
+
+        assert until(ended, timeout=30.0)
+        assert [f for _, f in reports if f] == [{"req": [3, 4]}]
+        assert all(not d for d, _ in reports)
+        assert all(ways.pool.num_free == 8 for ways in cons._ways.values())
+        assert sorted(cons._ways) == [8192, 16384, 24576]  # its own size, one per stage's
+    finally:
+        cons.close()
+        p0.close()
+        p1.close()

@@ -235,6 +235,32 @@ def test_pd_between_tensor_sizes_reshards_the_heads(model_dir, tmp_path_factory,
     assert "computing it locally" not in r["stderr"]
 
 
+def test_pd_from_pipeline_stages_fills_each_layer_from_its_stage(model_dir, tmp_path_factory):
+    # LAYER PLAN CONTRACT (pd.py): a producer of two pipeline stages (one layer each) and a
+    # consumer of one: the consumer worker pulls stage 0's blocks from producer worker 0 and
+    # stage 1's from worker 1, and puts each row into its row of the same layer (the layers
+    # each producer worker holds travel in the kv_transfer_params).
+    r = _run("pd_parallel", model_dir, tmp_path_factory, "1", "pp2")
+    kvp = r["kv_transfer_params"]
+    assert kvp["tpusync_layout"] == [1, 2]
+    stage_layers = [set(rows) for rows in kvp["tpusync_rank_layers"]]
+    assert len(stage_layers) == 2 and not stage_layers[0] & stage_layers[1]
+    assert len(stage_layers[0] | stage_layers[1]) == SPEC.num_layers
+    assert r["stats"]["pd_recv_blocks"] == FULL_BLOCKS
+    [x] = r["ranks"]
+    assert x["totals"]["loaded_blocks"] == FULL_BLOCKS and x["totals"]["load_failures"] == 0
+    assert x["pending"] == 0
+    assert r["pd"]["tokens"] == r["single"]["tokens"]
+    # Both stages freed their copies after the receipt: pulled again, the transfer is gone (load
+    # errors, recomputed, same tokens).
+    assert r["stats_again"]["load_errors_seen"] == FULL_BLOCKS
+    assert r["again"]["tokens"] == r["single"]["tokens"]
+    for y in r["producer"]["ranks"]:  # only prompt 22, never pulled, waits for its deadline
+        assert y["sends_pending"] == 1, y
+        assert y["pool_free"] == y["pool_blocks"] - FULL_BLOCKS, y
+    assert "computing it locally" not in r["stderr"]
+
+
 def test_pipeline_stage_with_damaged_disk_blocks_recomputes_then_both_stages_load(
     model_dir, tmp_path_factory
 ):

@@ -143,6 +143,9 @@ class PdRecv:
     peers: list[tuple[str, str, str]]
     block_ids: list[int]
     layout: list[int]  # the producer's [tensor, pipeline] (HEAD RESHARD CONTRACT when not ours)
+    # Per producer rank, the model layer of each row of its blocks (LAYER PLAN CONTRACT, pd.py);
+    # None from a producer that did not say (older, or layer names without one index).
+    rank_layers: list[list[int]] | None = None
 
 
 _WORKER_COUNTERS = (
@@ -317,6 +320,8 @@ class TpusyncConnector(KVConnectorBase_V1):
         self._pd_tried: set[str] = set()
         self._pd_address: str | None = None
         self._pd_ranks: list[list[str]] = []  # per producer rank: [TCP, unix, host id]
+        self._pd_rank_layers: list[list[int]] | None = None  # LAYER PLAN CONTRACT (pd.py)
+        self._my_rows: list[int] | None = None  # worker 0's, for the consumer's layer plan
         self._pd_same_host: dict[str, str] = {}
         self.stats: dict[str, int] = {
             "pd_sent_blocks": 0,
@@ -338,6 +343,7 @@ class TpusyncConnector(KVConnectorBase_V1):
         self._pd_failed: dict[str, list[int]] = {}
         self._server: LookupServer | None = None
         self._row_arrays: list[torch.Tensor] = []
+        self._row_layers: list[int] | None = None  # the model layer of each row (LAYER PLAN)
         # Layer-pipelined loads: layer name -> index of its group of row arrays (K, V).
         self._layer_index: dict[str, int] = {}
         self._layer_groups: list[list[int]] = []
@@ -453,6 +459,7 @@ class TpusyncConnector(KVConnectorBase_V1):
                         peers := _pd_peers(pd),
                         [-1 if i < local else b for i, b in enumerate(ids)],
                         _pd_layout(pd, len(peers)),
+                        _pd_rank_layers(pd, len(peers)),
                     )
                 )
                 self.stats["pd_recv_blocks"] += n - local
@@ -482,6 +489,7 @@ class TpusyncConnector(KVConnectorBase_V1):
             int(params["tpusync_transfer_id"])
             peers = _pd_peers(params)
             layout = _pd_layout(params, len(peers))
+            rank_layers = _pd_rank_layers(params, len(peers))
         except (KeyError, TypeError, ValueError):
             log.warning(
                 "tpusync: request %s has malformed kv_transfer_params %r; computing it locally",
@@ -489,13 +497,22 @@ class TpusyncConnector(KVConnectorBase_V1):
                 params,
             )
             return 0, False
+        # PER-RANK P/D CONTRACT: rank r holds the KV of its own heads and pipeline stage's
+        # layers; another tensor size is resharded by heads (HEAD RESHARD CONTRACT, heads
+        # replicated on either side included: REPLICA RULE), a producer of several stages for a
+        # consumer of one by layers (LAYER PLAN CONTRACT); no other pipeline split is.
         if len(peers) != layout[0] * layout[1] or (
             layout != self.layout
-            and head_plan(self._total_kv_heads, layout, self.layout, 0) is None
+            and head_plan(
+                self._total_kv_heads,
+                layout,
+                self.layout,
+                0,
+                rank_layers,
+                self._worker_rows() if layout[1] != self.layout[1] else None,
+            )
+            is None
         ):
-            # PER-RANK P/D CONTRACT: rank r holds the KV of its own heads and pipeline stage's
-            # layers; another tensor size is resharded by heads (HEAD RESHARD CONTRACT, heads
-            # replicated on either side included: REPLICA RULE), another pipeline split is not.
             log.warning(
                 "tpusync: request %s was prefilled by %d producer rank(s) of layout TP=%s x PP=%s, "
                 "this instance has %d worker(s) of TP=%d x PP=%d (%d kv heads): computing it "
@@ -516,6 +533,14 @@ class TpusyncConnector(KVConnectorBase_V1):
             return 0, False
         self._pd_lookups[request.request_id] = (params, num_computed_tokens)
         return tokens - num_computed_tokens, True  # asynchronous: pulled while others run
+
+    def _worker_rows(self) -> list[int] | None:
+        """The model layer of each row of worker 0 (LAYER PLAN CONTRACT, from its lookup-server
+        info; asked once, when a producer of another pipeline size first shows up)."""
+        if self._my_rows is None and self.client is not None:
+            rows = self.client.info(0).get("pd_layers")
+            self._my_rows = [int(x) for x in rows] if isinstance(rows, list) else []
+        return self._my_rows or None
 
     def _release(self, req_id: str) -> None:
         if req_id in self._leased and self.client is not None:
@@ -658,6 +683,8 @@ class TpusyncConnector(KVConnectorBase_V1):
                 [str(i.get("pd_address", "")), str(i.get("pd_unix", "")), str(i.get("pd_host", ""))]
                 for i in infos
             ]
+            layers = [i.get("pd_layers") for i in infos]  # LAYER PLAN CONTRACT (pd.py)
+            self._pd_rank_layers = layers if all(isinstance(x, list) for x in layers) else None
             self._pd_address = self._pd_ranks[0][0]
             self._pd_same_host = {
                 "tpusync_unix": self._pd_ranks[0][1],
@@ -671,6 +698,7 @@ class TpusyncConnector(KVConnectorBase_V1):
             # top-level address fields are rank 0's.
             "tpusync_ranks": self._pd_ranks,
             "tpusync_layout": self.layout,
+            **({"tpusync_rank_layers": self._pd_rank_layers} if self._pd_rank_layers else {}),
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self._engine_key,
@@ -775,6 +803,7 @@ class TpusyncConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         arrays: list[torch.Tensor] = []
+        row_layers: list[int] | None = []  # LAYER PLAN CONTRACT (pd.py): the layer of each row
         for name, t in kv_caches.items():
             if t.device.type != "cpu":
                 raise ConfigError(
@@ -782,6 +811,10 @@ class TpusyncConnector(KVConnectorBase_V1):
                     "tensors only (device KV needs tpusync-torch's KVCacheManager, not merged yet)"
                 )
             parts = [t[0], t[1]] if self._kv_apart(t) else [t]  # K and V apart: two rows
+            layer = _layer_number(name)
+            row_layers = (
+                None if row_layers is None or layer is None else row_layers + [layer] * len(parts)
+            )
             self._layer_index[name] = len(self._layer_groups)
             self._layer_groups.append(list(range(len(arrays), len(arrays) + len(parts))))
             for p in parts:
@@ -804,6 +837,7 @@ class TpusyncConnector(KVConnectorBase_V1):
                 f"spec says {self.key_bytes}"
             )
         self._row_arrays = arrays
+        self._row_layers = row_layers
         rank = self._rank = _worker_rank()
         self._spare = spare_replica(self._total_kv_heads, self.layout[0], rank % self.layout[0])
         disk_dir = None
@@ -832,7 +866,9 @@ class TpusyncConnector(KVConnectorBase_V1):
                 )
             except ValueError as exc:  # no or short secret
                 raise ConfigError(f"{self.kv_role}: {exc} (auth_secret_file)") from exc
-            info = {"pd_address": self.pd.address}
+            info: dict[str, Any] = {"pd_address": self.pd.address}
+            if row_layers is not None:
+                info["pd_layers"] = row_layers
             if self.pd.unix_address:
                 info.update(pd_unix=self.pd.unix_address, pd_host=self.pd.host)
             self._server = LookupServer(None, lookup_endpoint(self._engine_key, rank), info)
@@ -920,9 +956,16 @@ class TpusyncConnector(KVConnectorBase_V1):
                         peer = self.pd.peer_for(*rv.peers[self._rank])
                         self.pd.start(rv.req_id, rv.transfer_id, peer, rv.block_ids)
                     else:  # HEAD RESHARD CONTRACT (pd.py)
-                        plan = head_plan(self._total_kv_heads, rv.layout, self.layout, self._rank)
+                        plan = head_plan(
+                            self._total_kv_heads,
+                            rv.layout,
+                            self.layout,
+                            self._rank,
+                            rv.rank_layers,
+                            self._row_layers,
+                        )
                         if plan is None:
-                            raise ValueError(f"no head plan from layout {rv.layout}")
+                            raise ValueError(f"no head / layer plan from layout {rv.layout}")
                         parts = [(self.pd.peer_for(*rv.peers[p.producer_rank]), p) for p in plan]
                         self.pd.start_parts(rv.req_id, rv.transfer_id, parts, rv.block_ids)
                 except _TRANSFER_ERRORS as exc:
@@ -1243,6 +1286,28 @@ def _pd_layout(params: dict[str, Any], ranks: int) -> list[int]:
     if not isinstance(raw, list | tuple) or len(raw) != 2:
         raise ValueError(f"tpusync_layout must be [tensor, pipeline], not {raw!r}")
     return [int(x) for x in raw]
+
+
+def _pd_rank_layers(params: dict[str, Any], ranks: int) -> list[list[int]] | None:
+    """Per producer rank, the model layer of each row of its blocks (LAYER PLAN CONTRACT), or
+    None where the producer did not send them. Raises TypeError / ValueError on malformed ones."""
+    raw = params.get("tpusync_rank_layers")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != ranks or not all(isinstance(r, list) for r in raw):
+        raise ValueError(f"tpusync_rank_layers must be one list per producer rank, not {raw!r}")
+    return [[int(x) for x in r] for r in raw]
+
+
+def _layer_number(name: str) -> int | None:
+    """The model layer of a registered KV layer name, by vLLM's own rule (the one integer in the
+    name, e.g. ``model.layers.3.self_attn.attn``); None for a name without exactly one."""
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return int(extract_layer_index(name))
+    except (AssertionError, ValueError, ImportError):
+        return None
 
 
 def _total_kv_heads(vllm_config: VllmConfig) -> int:

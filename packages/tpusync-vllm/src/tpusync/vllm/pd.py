@@ -47,17 +47,30 @@ is a multiple of it (vLLM then replicates each head on tp/H ranks: :func:`rank_h
 RULE: on a producer with more tensor ranks than heads only the first rank holding a head offers
 it (:func:`spare_replica`: the others would publish copies nobody pulls, held until their
 deadline), and every consumer rank pulls its heads from those first holders - a consumer of the
-producer's own layout too, through a head plan instead of rank r from rank r. Otherwise (another
-pipeline size) the consumer computes the prompt itself. Rejected
+producer's own layout too, through a head plan instead of rank r from rank r. Rejected
 alternatives: the producer slicing per consumer rank - it does not know the consumer's layout
 when it publishes; a gather of all heads on one rank - the whole prefill through one process.
 Each consumer rank of a larger group receives its producer rank's every head (tp_c / tp_p times
 the bytes it keeps): the price of a producer that publishes once.
 
+LAYER PLAN CONTRACT (a producer of several pipeline stages, a consumer of one): each producer
+rank's blocks hold the rows of its stage's layers only. Every worker states the model layer of
+each of its rows (``pd_layers`` in its lookup-server info, parsed by vLLM's own layer-index
+rule from the registered layer names), the producer's scheduler passes every rank's list on
+(``tpusync_rank_layers``), and a consumer rank pulls, per stage, the head parts above from that
+stage's ranks and maps each of their rows to its own row of the same layer (occurrences pair in
+order: K before V where a layer has two rows). Parts of one request may come in blocks of several
+sizes (stages of unequal layer counts): each size is pulled into its own pool, and the request
+is done when every part landed (failed on the first that did not; later parts are then not
+scattered). The plan must give every consumer row exactly one source, else there is none.
+Producers and consumers of other pipeline sizes (a consumer of several stages, unequal to the
+producer's) are not resharded: the consumer computes the prompt itself.
+
 kv_transfer_params the producer returns (and the consumer expects): ``do_remote_prefill``,
 ``remote_engine_id``, ``remote_host``, ``remote_port``, ``remote_block_ids`` (the producer's vLLM
-block ids, informational), ``tpusync_transfer_id``, ``tpusync_num_blocks`` and, for the
-same-host path, ``tpusync_unix`` and ``tpusync_host``.
+block ids, informational), ``tpusync_transfer_id``, ``tpusync_num_blocks``,
+``tpusync_ranks`` / ``tpusync_layout`` (PER-RANK P/D CONTRACT), ``tpusync_rank_layers`` (LAYER
+PLAN CONTRACT) and, for the same-host path, ``tpusync_unix`` and ``tpusync_host``.
 """
 
 from __future__ import annotations
@@ -68,6 +81,7 @@ import os
 import tempfile
 import threading
 import time
+from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -114,6 +128,9 @@ class HeadPart:
     producer_heads: int  # heads per row in the producer's blocks
     take: tuple[int, int]  # [first, end) of the producer rank's heads
     put: tuple[int, int]  # [first, end) of this consumer rank's heads
+    # LAYER PLAN CONTRACT: this consumer rank's row for each row of the producer rank's blocks;
+    # None: the same rows (equal pipeline sizes).
+    rows: tuple[int, ...] | None = None
 
 
 def rank_heads(total_heads: int, tp: int, t: int) -> tuple[int, int] | None:
@@ -138,17 +155,27 @@ def spare_replica(total_heads: int, tp: int, t: int) -> bool:
 
 
 def head_plan(
-    total_heads: int, producer: Sequence[int], consumer: Sequence[int], rank: int
+    total_heads: int,
+    producer: Sequence[int],
+    consumer: Sequence[int],
+    rank: int,
+    producer_rows: Sequence[Sequence[int]] | None = None,
+    consumer_rows: Sequence[int] | None = None,
 ) -> list[HeadPart] | None:
     """Where consumer world ``rank`` (layout ``consumer`` = [tensor, pipeline]) finds its kv
     heads among the ranks of a producer of layout ``producer``; None when the P/D stream cannot
-    reshard between them (another pipeline size, or a split :func:`rank_heads` does not know).
+    reshard between them (a split :func:`rank_heads` does not know, or pipeline sizes the
+    LAYER PLAN CONTRACT does not cover).
+
+    ``producer_rows`` (the model layer of each row, per producer world rank) and
+    ``consumer_rows`` (this rank's) are needed only when the pipeline sizes differ: a consumer of
+    one stage then takes each stage's rows from that stage's ranks.
 
     REPLICA RULE: a head the producer replicates (its tensor size above the model's heads) is
     pulled from the first rank holding it, the only one that publishes (:func:`spare_replica`),
     whatever the consumer's layout, the producer's own included."""
     (tp_p, pp_p), (tp_c, pp_c) = producer, consumer
-    if pp_p != pp_c or not 0 <= rank < tp_c * pp_c or total_heads <= 0:
+    if not 0 <= rank < tp_c * pp_c or total_heads <= 0:
         return None
     stage, t = divmod(rank, tp_c)
     mine = rank_heads(total_heads, tp_c, t)
@@ -157,7 +184,7 @@ def head_plan(
     hp = max(1, total_heads // tp_p)  # heads per producer rank
     copies = max(1, tp_p // total_heads)  # producer ranks holding each of them
     lo, hi = mine  # this rank's heads, in model head numbers
-    parts = []
+    groups = []  # (producer tensor rank, readers, take, put) within one stage
     for q in range(lo // hp, (hi - 1) // hp + 1):  # producer head groups holding some of them
         a, b = max(lo, q * hp), min(hi, (q + 1) * hp)
         # The consumer tensor ranks whose heads meet group q's, each of which pulls its blocks.
@@ -165,24 +192,66 @@ def head_plan(
         for c in range(tp_c):
             c_lo, c_hi = rank_heads(total_heads, tp_c, c)  # type: ignore[misc]
             readers += c_lo < (q + 1) * hp and q * hp < c_hi
-        parts.append(
-            HeadPart(
-                stage * tp_p + q * copies, readers, hp, (a - q * hp, b - q * hp), (a - lo, b - lo)
-            )
-        )
+        groups.append((q * copies, readers, (a - q * hp, b - q * hp), (a - lo, b - lo)))
+    if pp_p == pp_c:
+        return [HeadPart(stage * tp_p + q, r, hp, take, put) for q, r, take, put in groups]
+    if pp_c != 1 or producer_rows is None or consumer_rows is None:
+        return None
+    if len(producer_rows) != tp_p * pp_p:
+        return None
+    # LAYER PLAN CONTRACT: every producer row goes to this rank's row of the same layer
+    # (occurrences in order), and every row here gets exactly one source.
+    free: dict[int, deque[int]] = defaultdict(deque)
+    for j, layer in enumerate(consumer_rows):
+        free[layer].append(j)
+    parts = []
+    for s in range(pp_p):
+        held = {tuple(producer_rows[s * tp_p + q]) for q, _, _, _ in groups}
+        if len(held) != 1:
+            return None  # ranks of one stage hold other layers: not vLLM's split
+        rows = []
+        for layer in held.pop():
+            if not free[layer]:
+                return None  # a layer this rank does not hold (another model), or twice
+            rows.append(free[layer].popleft())
+        parts += [
+            HeadPart(s * tp_p + q, r, hp, take, put, tuple(rows)) for q, r, take, put in groups
+        ]
+    if any(free.values()):
+        return None  # a row of this rank that no stage sends
     return parts
 
 
 @dataclass
-class _Recv:
+class _Request:
+    """One request's receive, made of one pull per producer block size (LAYER PLAN CONTRACT)."""
+
     req_id: str
-    pool_ids: list[int]
     block_ids: list[int]  # vLLM blocks to fill (-1: locally computed already, skip)
+    pending: int  # pulls not ended yet
+    failed: bool = False  # a pull failed (reported; later pulls are not scattered)
+    shm: bool = True  # every pull came over the same-host path
+
+
+@dataclass
+class _Recv:
+    """One pull of a request into one pool."""
+
+    req: _Request
+    pool_ids: list[int]
     deadline: float
     ways: _Ways  # the pool / consumer it is pulled with
     # HEAD RESHARD CONTRACT: the parts in pool_ids order (len(block_ids) pool blocks each); None
     # for a same-layout pull (whole rows of this worker's own block size).
     parts: list[HeadPart] | None = None
+
+    @property
+    def req_id(self) -> str:
+        return self.req.req_id
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.req.block_ids
 
 
 class PdWorker:
@@ -246,7 +315,7 @@ class PdWorker:
         if self.consumer is not None:
             self._ways[self.key_bytes] = _Ways(self.pool, self.consumer)
         self._staging = np.empty(0, dtype=np.uint8)  # reused by _stage, grown as needed
-        self._recvs: dict[int, _Recv] = {}
+        self._recvs: dict[tuple[int, int], _Recv] = {}  # (block bytes, transfer id)
         # ABANDON CONTRACT: abandons run here, off the engine step, and free their staging blocks.
         self._abandoner: ThreadPoolExecutor | None = None
         self._abandon_lock = threading.Lock()
@@ -305,7 +374,8 @@ class PdWorker:
     def start(self, req_id: str, transfer_id: int, peer: str, block_ids: Sequence[int]) -> None:
         """Start pulling ``len(block_ids)`` blocks of ``transfer_id`` from ``peer``."""
         assert self.consumer is not None
-        self._begin(req_id, transfer_id, self._ways[self.key_bytes], [(peer, 1)], block_ids, None)
+        req = _Request(req_id, list(block_ids), 1)
+        self._begin(req, transfer_id, self._ways[self.key_bytes], [(peer, 1)], None)
 
     def start_parts(
         self,
@@ -315,28 +385,45 @@ class PdWorker:
         block_ids: Sequence[int],
     ) -> None:
         """HEAD RESHARD CONTRACT: pull ``len(block_ids)`` blocks of ``transfer_id`` from each
-        (peer, part)'s producer rank; :meth:`poll` copies this rank's heads out of them."""
+        (peer, part)'s producer rank; :meth:`poll` copies this rank's heads (and, LAYER PLAN
+        CONTRACT, rows) out of them."""
         if self.consumer is None or self.heads is None:
             raise ValueError("this worker cannot reshard P/D blocks (no head layout known)")
         own, outer, inner = self.heads
         if not parts or any(p.put[1] > own or p.take[1] > p.producer_heads for _, p in parts):
             raise ValueError(f"head parts {parts!r} do not fit {own} heads per row")
-        ways = self._ways_for(len(self.layers) * outer * parts[0][1].producer_heads * inner)
-        sources = [(peer, part.readers) for peer, part in parts]
-        self._begin(req_id, transfer_id, ways, sources, block_ids, [part for _, part in parts])
+        n_rows = len(self.layers)
+        if any(p.rows is not None and not all(0 <= r < n_rows for r in p.rows) for _, p in parts):
+            raise ValueError(f"head parts {parts!r} name rows outside this worker's {n_rows}")
+        by_size: dict[int, list[tuple[str, HeadPart]]] = {}
+        for peer, part in parts:  # one pull per producer block size
+            rows = n_rows if part.rows is None else len(part.rows)
+            by_size.setdefault(rows * outer * part.producer_heads * inner, []).append((peer, part))
+        req = _Request(req_id, list(block_ids), len(by_size))
+        started: list[tuple[int, int]] = []
+        try:
+            for size, group in by_size.items():
+                sources = [(peer, part.readers) for peer, part in group]
+                ways = self._ways_for(size)
+                self._begin(req, transfer_id, ways, sources, [part for _, part in group])
+                started.append((size, transfer_id))
+        except tc.TpusyncError:
+            for key in started:  # nothing half-started stays behind
+                rec = self._recvs.pop(key)
+                self._abandon_later(key[1], rec, "a sibling pull did not start")
+            raise
 
     def _begin(
         self,
-        req_id: str,
+        req: _Request,
         transfer_id: int,
         ways: _Ways,
         sources: Sequence[tuple[str, int]],
-        block_ids: Sequence[int],
         parts: list[HeadPart] | None,
     ) -> None:
-        """Pull ``len(block_ids)`` blocks from each (peer, readers) source into pool blocks of
-        ``ways`` (source i's in the i-th run of them) and track the receive until it ends."""
-        n = len(block_ids)
+        """Pull ``len(req.block_ids)`` blocks from each (peer, readers) source into pool blocks
+        of ``ways`` (source i's in the i-th run of them) and track the pull until it ends."""
+        n = len(req.block_ids)
         ids = ways.pool.alloc(n * len(sources))
         try:
             ways.consumer.start_recv_multi(
@@ -348,7 +435,7 @@ class PdWorker:
             ways.pool.free(ids)
             raise
         deadline = time.monotonic() + self.timeout_s
-        self._recvs[transfer_id] = _Recv(req_id, ids, list(block_ids), deadline, ways, parts)
+        self._recvs[(ways.pool.block_bytes, transfer_id)] = _Recv(req, ids, deadline, ways, parts)
 
     def _ways_for(self, block_bytes: int) -> _Ways:
         ways = self._ways.get(block_bytes)
@@ -366,17 +453,19 @@ class PdWorker:
         if self.consumer is None:
             return set()
         wanted = set(req_ids)
-        gone = [(tid, rec) for tid, rec in self._recvs.items() if rec.req_id in wanted]
-        if not gone:
-            return set()
+        gone = [(key, rec) for key, rec in self._recvs.items() if rec.req_id in wanted]
+        for key, rec in gone:
+            del self._recvs[key]
+            self._abandon_later(key[1], rec, reason)
+        return {rec.req_id for _, rec in gone}
+
+    def _abandon_later(self, transfer_id: int, rec: _Recv, reason: str) -> None:
+        """Abandon one pull on the background thread, which frees its staging blocks."""
         if self._abandoner is None:
             self._abandoner = ThreadPoolExecutor(1, thread_name_prefix="tpusync-pd-abandon")
-        for tid, rec in gone:
-            del self._recvs[tid]
-            with self._abandon_lock:
-                self._abandoning += 1
-            self._abandoner.submit(self._abandon_one, tid, rec, reason)
-        return {rec.req_id for _, rec in gone}
+        with self._abandon_lock:
+            self._abandoning += 1
+        self._abandoner.submit(self._abandon_one, transfer_id, rec, reason)
 
     def _abandon_one(self, transfer_id: int, rec: _Recv, reason: str) -> None:
         ways = rec.ways
@@ -421,31 +510,41 @@ class PdWorker:
                 # its producer. So nothing is read while abandons are outstanding (each is
                 # bounded by abandon_timeout); the ends wait for the next step.
                 return done, failed
-        for ways in list(self._ways.values()):
+        for size, ways in list(self._ways.items()):
             for r in ways.consumer.poll():
-                self._ended(r, done, failed)
+                self._ended(size, r, done, failed)
         return done, failed
 
-    def _ended(self, r: PdResult, done: set[str], failed: dict[str, list[int]]) -> None:
-        """Scatter (done) or report (failed) a receive the consumer reported ended."""
+    def _ended(self, size: int, r: PdResult, done: set[str], failed: dict[str, list[int]]) -> None:
+        """Scatter (done) or report (failed) a pull the consumer of block ``size`` reported
+        ended; its request is done when its last pull landed, failed at its first failure."""
         if not (r.done or r.failed):
             return  # still on the wire
-        rec = self._recvs.pop(r.request_id, None)
+        rec = self._recvs.pop((size, r.request_id), None)
         if rec is None:
             return
-        if r.done:
+        req = rec.req
+        req.pending -= 1
+        was_failed = req.failed
+        if req.failed:
+            pass  # reported already: vLLM may reuse the blocks, nothing more is written
+        elif r.done:
             try:
                 self._scatter(rec)
-                done.add(rec.req_id)
-                self.received += len(rec.block_ids)
-                if r.shm:
-                    self.received_shm += len(rec.block_ids)
+                req.shm = req.shm and bool(r.shm)
             except tc.TpusyncError as exc:
                 log.warning("tpusync P/D copy of %s failed: %s", rec.req_id, exc)
-                failed[rec.req_id] = [b for b in rec.block_ids if b >= 0]
+                req.failed = True
         else:
             log.warning("tpusync P/D receive of %s failed: %s", rec.req_id, r.reason)
+            req.failed = True
+        if req.failed and not was_failed:
             failed[rec.req_id] = [b for b in rec.block_ids if b >= 0]
+        elif not req.failed and req.pending == 0:
+            done.add(rec.req_id)
+            self.received += len(rec.block_ids)
+            if req.shm:
+                self.received_shm += len(rec.block_ids)
         rec.ways.pool.free(rec.pool_ids)
 
     def _scatter(self, rec: _Recv) -> None:
@@ -474,13 +573,15 @@ class PdWorker:
             prb = outer * hp * inner
             blocks = got[i * n : (i + 1) * n][np.asarray(keep, dtype=np.int64)]
             (a, b), (c, d) = part.take, part.put
-            for j, view in enumerate(self._head_views):
+            rows = range(len(self._head_views)) if part.rows is None else part.rows
+            for j, row in enumerate(rows):  # LAYER PLAN CONTRACT: producer row j -> row `row`
                 src = blocks[:, j * prb : (j + 1) * prb].reshape(len(keep), outer, hp, inner)
-                view[dst, :, c:d, :] = src[:, :, a:b, :]
+                self._head_views[row][dst, :, c:d, :] = src[:, :, a:b, :]
 
     @property
     def pending(self) -> int:
-        return len(self._recvs)
+        """Requests still receiving."""
+        return len({id(rec.req) for rec in self._recvs.values()})
 
     def close(self) -> None:
         if self._abandoner is not None:
