@@ -92,6 +92,30 @@ def _run(scenario: str, p_tp: int = 1, d_tp: int = 1, p_pp: int = 1, d_pp: int =
     return p, d, decs, [c.stderr for c in pres]
 
 
+def _decodes_hold_the_model(run: tuple, same_host: str) -> list[dict]:
+    """Room 11 of a ``tp`` / ``pp`` run: every process succeeded, every decode rank's pages hold
+    the model's bytes of its heads and layers and its aux row every prefill rank's, pulled
+    through the same-host path exactly when ``same_host`` is "1". The decode rooms, in order."""
+    p, d, decs, p_errs = run
+    for c in decs:
+        assert c.returncode == 0, c.stderr[-4000:]
+    aux = p[0]["rooms"]["11"]["aux"]
+    for rank, rep in enumerate(p):
+        room = rep["rooms"]["11"]
+        assert room["final"] == SUCCESS, (rank, room, p_errs[rank][-3000:])
+        assert room["aux"] == aux
+    rooms = []
+    for rank, rep in enumerate(d):
+        room = rep["rooms"]["11"]
+        assert room["final"] == SUCCESS, (rank, room)
+        assert room["pages"] == room["model_pages"], f"decode {rank}: wrong page bytes"
+        assert room["aux"] == aux
+        assert rep["received"] > 0, rep
+        assert rep["received_shm"] == (rep["received"] if same_host == "1" else 0), rep
+        rooms.append(room)
+    return rooms
+
+
 def _run_pair(scenario: str) -> tuple[dict, dict, subprocess.CompletedProcess, str]:
     p, d, decs, p_errs = _run(scenario)
     return p[0], d[0], decs[0], p_errs[0]
@@ -163,22 +187,12 @@ def test_pd_between_attention_tp_sizes_moves_each_rank_its_heads(p_tp, d_tp, sam
     decode rank's pages hold exactly the model's bytes of its kv heads, its aux row the
     prefill's; before, these layouts failed the room ("KV page sizes differ"). One case pulls
     through the same-host path, the other over TCP (TPUSYNC_SGLANG_SAME_HOST=0)."""
-    p, d, decs, p_errs = _run("tp", p_tp, d_tp, TPUSYNC_SGLANG_SAME_HOST=same_host)
-    for c in decs:
-        assert c.returncode == 0, c.stderr[-4000:]
-    for rank, rep in enumerate(p):
-        room = rep["rooms"]["11"]
-        assert room["final"] == SUCCESS, (rank, room, p_errs[rank][-3000:])
-    heads = []
-    for rank, rep in enumerate(d):
-        room = rep["rooms"]["11"]
-        assert room["final"] == SUCCESS, (rank, room)
-        assert room["pages"] == room["model_pages"], f"decode rank {rank}: wrong page bytes"
-        assert room["aux"] == p[0]["rooms"]["11"]["aux"]
-        assert rep["received"] > 0, rep
-        assert rep["received_shm"] == (rep["received"] if same_host == "1" else 0), rep
-        heads.append(room["heads"])
-    assert heads == [[r * 2 // d_tp, (r + 1) * 2 // d_tp] for r in range(d_tp)]
+    rooms = _decodes_hold_the_model(
+        _run("tp", p_tp, d_tp, TPUSYNC_SGLANG_SAME_HOST=same_host), same_host
+    )
+    assert [r["heads"] for r in rooms] == [
+        [r * 2 // d_tp, (r + 1) * 2 // d_tp] for r in range(d_tp)
+    ]
 
 
 def test_pd_layouts_that_cannot_pair_fail_both_sides_at_once_with_the_reason():
@@ -203,20 +217,7 @@ def test_pd_from_pipeline_stages_fills_each_layer_from_its_stage(d_pp):
     a stage's buffers went by position: a one-stage decode refused them ("KV buffer counts
     differ")."""
     same_host = "1" if d_pp == 1 else "0"
-    p, d, decs, p_errs = _run("pp", p_pp=2, d_pp=d_pp, TPUSYNC_SGLANG_SAME_HOST=same_host)
-    for c in decs:
-        assert c.returncode == 0, c.stderr[-4000:]
-    for stage, rep in enumerate(p):
-        room = rep["rooms"]["11"]
-        assert room["final"] == SUCCESS, (stage, room, p_errs[stage][-3000:])
-        assert room["aux"] == p[0]["rooms"]["11"]["aux"]
-    layers = []
-    for stage, rep in enumerate(d):
-        room = rep["rooms"]["11"]
-        assert room["final"] == SUCCESS, (stage, room)
-        assert room["pages"] == room["model_pages"], f"decode stage {stage}: wrong page bytes"
-        assert room["aux"] == p[0]["rooms"]["11"]["aux"]
-        assert rep["received"] > 0, rep
-        assert rep["received_shm"] == (rep["received"] if same_host == "1" else 0), rep
-        layers.append(room["layers"])
-    assert layers == ([[0, 1, 2]] if d_pp == 1 else [[0, 1], [2]])
+    rooms = _decodes_hold_the_model(
+        _run("pp", p_pp=2, d_pp=d_pp, TPUSYNC_SGLANG_SAME_HOST=same_host), same_host
+    )
+    assert [r["layers"] for r in rooms] == ([[0, 1, 2]] if d_pp == 1 else [[0, 1], [2]])

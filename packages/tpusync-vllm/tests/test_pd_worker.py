@@ -31,6 +31,20 @@ def until(cond, timeout: float = 10.0) -> bool:
     return cond()
 
 
+def all_landed(consumers: list[PdWorker]) -> bool:
+    """Poll every consumer until each reported its own request done (none may fail)."""
+    finished: set[str] = set()
+
+    def landed() -> bool:
+        for w in consumers:
+            done, failed = w.poll()
+            assert not failed, failed
+            finished.update(done)
+        return len(finished) == len(consumers)
+
+    return until(landed)
+
+
 @pytest.fixture
 def pair(monkeypatch):
     monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
@@ -206,6 +220,27 @@ def rank_rows(cache: list[torch.Tensor], tp: int, t: int, axis: int = 1) -> list
     ]
 
 
+def producers_let_go(producers: list[PdWorker]) -> bool:
+    """Every producer's pool is whole again: each of its readers acknowledged."""
+    return all(
+        until(lambda p=p: (p.poll(), p.pool.num_free)[1] == p.pool.num_blocks) for p in producers
+    )
+
+
+def close_all(workers: list[PdWorker]) -> None:
+    for w in workers:
+        w.close()
+
+
+def assert_rows_hold(rows, want, src_blocks, dst_blocks) -> None:
+    """A consumer's rows hold the model's bytes of src_blocks at dst_blocks, and nothing else."""
+    others = [b for b in range(NBLOCKS) if b not in dst_blocks]
+    assert len(rows) == len(want)
+    for j, (got, full) in enumerate(zip(rows, want, strict=True)):
+        assert torch.equal(got[dst_blocks], full[src_blocks]), j
+        assert int(got[others].sum()) == 0  # no other block written
+
+
 def rank_worker(cache, tp, t, *, producer, axis: int = 1):
     lo, hi = rank_heads(HEADS, tp, t)
     rows = rank_rows(cache, tp, t, axis)
@@ -249,30 +284,13 @@ def test_a_consumer_of_another_tensor_size_gets_exactly_its_heads(monkeypatch, t
                 for part in plan
             ]
             w.start_parts(f"req-{c}", 77, list(zip(peers, plan, strict=True)), dst_blocks)
-        finished = set()
-
-        def landed() -> bool:
-            for w, _ in conss:
-                done, failed = w.poll()
-                assert not failed, failed
-                finished.update(done)
-            return len(finished) == tp_c
-
-        assert until(landed)
+        assert all_landed([w for w, _ in conss])
         for c, (_, rows) in enumerate(conss):
-            want = rank_rows(cache, tp_c, c, axis)
-            for j in range(2):
-                assert torch.equal(rows[j][dst_blocks], want[j][src_blocks]), (c, j)
-                others = [b for b in range(NBLOCKS) if b not in dst_blocks]
-                assert int(rows[j][others].sum()) == 0  # no other block written
+            assert_rows_hold(rows, rank_rows(cache, tp_c, c, axis), src_blocks, dst_blocks)
             assert conss[c][0].received == len(dst_blocks)
-        for p in prods:  # every reader acknowledged: the producers let go of their copies
-            assert until(lambda p=p: (p.poll(), p.pool.num_free)[1] == 8)
+        assert producers_let_go(prods)  # every reader acknowledged
     finally:
-        for w, _ in conss:
-            w.close()
-        for p in prods:
-            p.close()
+        close_all([w for w, _ in conss] + prods)
 
 
 def test_a_shared_send_waits_for_its_last_reader(monkeypatch):
@@ -395,30 +413,13 @@ def test_a_consumer_of_one_stage_gets_every_stages_layers(monkeypatch, tp_p, tp_
             peers = [prods[part.producer_rank].unix_address for part in plan]
             w.start_parts(f"req-{c}", 91, list(zip(peers, plan, strict=True)), dst_blocks)
             assert w.pending == 1
-        finished = set()
-
-        def landed() -> bool:
-            for w, _ in conss:
-                done, failed = w.poll()
-                assert not failed, failed
-                finished.update(done)
-            return len(finished) == tp_c
-
-        assert until(landed)
+        assert all_landed([w for w, _ in conss])
         for c, (w, rows) in enumerate(conss):
-            want = rank_rows(cache, tp_c, c)
-            for j in range(3):
-                assert torch.equal(rows[j][dst_blocks], want[j][src_blocks]), (c, j)
-                others = [b for b in range(NBLOCKS) if b not in dst_blocks]
-                assert int(rows[j][others].sum()) == 0
+            assert_rows_hold(rows, rank_rows(cache, tp_c, c), src_blocks, dst_blocks)
             assert w.received == 2 and w.received_shm == 2 and w.pending == 0
-        for p in prods:
-            assert until(lambda p=p: (p.poll(), p.pool.num_free)[1] == 8)
+        assert producers_let_go(prods)  # every reader acknowledged
     finally:
-        for w, _ in conss:
-            w.close()
-        for p in prods:
-            p.close()
+        close_all([w for w, _ in conss] + prods)
 
 
 def test_a_stage_that_never_offers_fails_the_request_once(monkeypatch):
