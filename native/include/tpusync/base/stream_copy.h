@@ -19,7 +19,9 @@
 // byte against one 256 MiB glibc memcpy, same process, 15 interleaved rounds): 8 KiB runs of a
 // [heads, blocks, run] cache gathered into host blocks 0.75x (one stream, 16-byte SSE2 stores)
 // -> 1.15x (4 lanes, 64-byte AVX-512 stores); 4 KiB runs 0.72x -> 1.05x; 1 MiB contiguous spans
-// 0.81x -> 1.12x. The AVX-512 line copy is chosen at run time (SSE2, in every x86-64, otherwise).
+// 0.81x -> 1.12x. The AVX-512 line copy is chosen at run time; without AVX-512 the pieces are
+// copied one after another with 16-byte SSE2 stores (NO-AVX-512 RULE in stream_copy.cc: the
+// lanes made the SSE2 copy 3-5x slower on a CPU without AVX-512).
 // Rejected: one stream with wider stores only (AVX-512 alone: 0.87x on 8 KiB runs), software
 // prefetch ahead of one stream (no gain), AVX2 32-byte stores (slower than SSE2 on that VM).
 #pragma once
