@@ -59,7 +59,8 @@ stages all hold the request's outputs by then, as its own backends assume). The 
 states then live in SGLang's consensus store over its pipeline group, which SGLang builds.
 
 Scope (checked at start-up with a clear error): KV in host memory (SGLang's ``--device cpu``; a
-GPU KV cache needs a device <-> staging copy that is not implemented), every KV buffer with the same bytes per page, no hybrid state buffers (Mamba / SWA / DSA), device
+GPU KV cache needs a device <-> staging copy that is not implemented), every KV buffer with the
+same bytes per page, no hybrid state buffers (Mamba / SWA / DSA), device
 destinations only (``supports_host_destination = False``), no ``prefill_complete`` allocation.
 Rejected alternative: writing into the decode's KV memory from the prefill (RDMA-style push).
 tpusync's P/D primitive is pull-based with verified receipt, which also gives the prefill its
