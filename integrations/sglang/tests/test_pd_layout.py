@@ -204,7 +204,7 @@ def test_mla_rows_travel_whole_between_any_tp_sizes():
         (  # a prefill stage's layer the decode (another stage) does not hold
             RankLayout(1, 0, 2, 1, (32, 32), layer_ids=(2, 2)),
             RankLayout(1, 0, 2, 1, (32, 32), layer_ids=(1, 1)),
-            "no .*KV buffer for model layer 2",
+            "decode rank: .*no .*row for model layer 2",
         ),
         (  # a layer sent three times, held twice (K and V)
             RankLayout(1, 0, 2, 1, (32,) * 3, layer_ids=(0, 0, 0)),

@@ -10,9 +10,11 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import tpusync.core as tc
-from tpusync.core.pd import PdConsumer, PdProducer, load_secret
+from tpusync.core.pd import PdConsumer, PdProducer, load_secret, pair_layers
 
 SECRET = b"pd-python-test-secret-0123456789"
 BLOCK = 64 << 10
@@ -274,3 +276,45 @@ def test_abandon_ends_a_waiting_receive_and_refuses_bad_calls():
         with pytest.raises(tc.StateError, match="already completed"):
             consumer.abandon(9, "too late")
         assert [r.state for r in consumer.poll()] == ["done"]
+
+
+def test_pair_layers_sends_each_stage_row_to_the_same_layer_in_order():
+    """LAYER PAIRING CONTRACT: K of layers 0..3 then V of them on the destination; a source stage
+    holding layers 2 and 3 (K, K, V, V) lands on exactly those rows; a layer's second row goes to
+    the destination's second row of it."""
+    dst = [0, 1, 2, 3, 0, 1, 2, 3]
+    assert pair_layers([2, 3, 2, 3], dst) == [2, 3, 6, 7]
+    assert pair_layers([0, 1], dst) == [0, 1]
+    assert pair_layers([3, 3], dst) == [3, 7]
+    assert pair_layers([], dst) == []
+
+
+def test_pair_layers_refuses_a_layer_the_destination_lacks_by_name():
+    with pytest.raises(
+        ValueError, match=r"no \(further\) row for model layer 4 \(its layers: 0..3, 4"
+    ):
+        pair_layers([4], [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="model layer 1 "):
+        pair_layers([1, 1, 1], [0, 1, 0, 1])  # a third row of layer 1: the destination has two
+    with pytest.raises(ValueError, match="its layers: none"):
+        pair_layers([0], [])
+
+
+@given(
+    st.lists(st.integers(0, 6), max_size=24).flatmap(
+        lambda dst: st.tuples(
+            st.just(dst),
+            st.permutations(dst).flatmap(lambda p: st.integers(0, len(p)).map(lambda n: p[:n])),
+        )
+    )
+)
+def test_pair_layers_pairs_any_subset_by_layer_and_occurrence(case):
+    """Any sub-multiset of the destination's layers, in any order, pairs: every index distinct,
+    each on a row of its own layer, and a layer's k-th source row on its k-th destination row."""
+    dst, src = case
+    out = pair_layers(src, dst)
+    assert len(out) == len(src) == len(set(out))
+    assert [dst[j] for j in out] == list(src)
+    for layer in set(src):
+        mine = [j for s, j in zip(src, out, strict=True) if s == layer]
+        assert mine == [j for j, d in enumerate(dst) if d == layer][: len(mine)]

@@ -49,11 +49,13 @@
 //      verified receipts).
 //  14: pd.host_id (the same-host identity the vLLM and SGLang P/D paths compare; it lived in
 //      tpusync-vllm and was copied into the SGLang integration).
+//  15: pd.pair_layers (the LAYER PAIRING CONTRACT both P/D integrations follow when the prefill
+//      and the decode split the model into different pipeline stages).
 #pragma once
 
 namespace tpusync {
 
-inline constexpr int kApiVersion = 14;
+inline constexpr int kApiVersion = 15;
 
 #ifndef TPUSYNC_VERSION_STRING
 #define TPUSYNC_VERSION_STRING "0.0.0+unknown"

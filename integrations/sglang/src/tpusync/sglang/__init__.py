@@ -20,7 +20,8 @@ from typing import Any
 from tpusync.core import require_api
 from tpusync.sglang.page_store import InterimHostPageStore, KVStorePageStore, PageStore
 
-MIN_CORE_API = 14  # pd.host_id; 12: reclaim_stale_segments; 10: PdConsumer.abandon
+# 15: pd.pair_layers; 14: pd.host_id; 12: reclaim_stale_segments; 10: PdConsumer.abandon
+MIN_CORE_API = 15
 require_api(MIN_CORE_API, "tpusync-sglang")
 
 __all__ = [

@@ -19,14 +19,12 @@ exactly (whole pages, one block each).
 
 LAYER PAIRING CONTRACT (pipeline parallelism): the stream's buffers are the prefill rank's own,
 in its order; each goes into the decode buffer of the same model layer. Both sides send the layer
-of each of their buffers (SGLang's ``KVArgs.kv_layer_ids``: K of every local layer, then V), and
-occurrences pair in order (a layer's first buffer with the peer's first buffer of that layer,
-its second with the second), so a prefill pipeline stage fills exactly its layers of a decode
-that holds every layer, or its own stage's of a decode split alike. A prefill layer the decode
-does not hold is refused by name. A side that sends no layer ids pairs by position, equal buffer
-counts only (one stage on both sides). Rejected: deriving the layers from the stage's start
-layer and a K-then-V order (the draft model's buffers and hybrid pools break that order; the
-ids are what SGLang itself pairs by).
+of each of their buffers (SGLang's ``KVArgs.kv_layer_ids``: K of every local layer, then V, the
+ids SGLang itself pairs by), and :func:`tpusync.core.pd.pair_layers` pairs occurrences in order,
+so a prefill pipeline stage fills exactly its layers of a decode that holds every layer, or its
+own stage's of a decode split alike. A prefill layer the decode does not hold is refused by name.
+A side that sends no layer ids pairs by position, equal buffer counts only (one stage on both
+sides).
 
 Rejected alternative: sending each prefill rank's whole pages to every decode rank that shares
 them (a shared send pulled by several readers, as tpusync-vllm does when the prefill cannot know
@@ -37,10 +35,11 @@ only its heads: a TP=1 -> TP=2 transfer moves the cache once, not twice.
 from __future__ import annotations
 
 import json
-from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from tpusync.core.pd import pair_layers
 
 __all__ = ["HeadSlice", "RankLayout", "head_slice", "pair_buffers", "stream_segments"]
 
@@ -149,20 +148,10 @@ def pair_buffers(src: RankLayout, dst: RankLayout) -> list[tuple[int, int]]:
                 "to pair them by"
             )
         return [(i, i) for i in range(n_src)]
-    free: dict[int, deque[int]] = defaultdict(deque)
-    for j, layer in enumerate(dst.layer_ids):
-        free[layer].append(j)
-    pairs = []
-    for i, layer in enumerate(src.layer_ids):
-        if not free[layer]:
-            held = sorted(set(dst.layer_ids))
-            raise ValueError(
-                f"the decode rank holds no (further) KV buffer for model layer {layer} "
-                f"(its layers: {held[0]}..{held[-1]}, {len(held)} in all); pipeline stages "
-                "that do not match"
-            )
-        pairs.append((i, free[layer].popleft()))
-    return pairs
+    try:
+        return list(enumerate(pair_layers(src.layer_ids, dst.layer_ids)))
+    except ValueError as e:
+        raise ValueError(f"decode rank: {e}; pipeline stages that do not match") from None
 
 
 def head_slice(src: RankLayout, dst: RankLayout) -> HeadSlice:

@@ -10,7 +10,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-API_VERSION: int = 14
+API_VERSION: int = 15
 
 @overload
 def checksum64(data: bytes, seed: int = 0) -> int:

@@ -21,11 +21,14 @@ Contracts (enforced natively, see native/include/tpusync/transport/pd_stream.h):
 - Same-host peers reached through the producer's Unix socket copy straight out of the producer's
   ``/dev/shm`` pool (the pool must have an ``shm_name``): no TCP. Integrations tell a peer on
   their own host by :func:`host_id`.
+- A prefill of several pipeline stages pairs its rows with the decode's by model layer
+  (:func:`pair_layers`), so both integrations reshard between stage counts the same way.
 """
 
 from __future__ import annotations
 
 import os
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +44,7 @@ __all__ = [
     "PdResult",
     "host_id",
     "load_secret",
+    "pair_layers",
 ]
 
 SECRET_ENV = "TPUSYNC_AUTH_SECRET"
@@ -55,6 +59,34 @@ def host_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def pair_layers(src_layers: Sequence[int], dst_layers: Sequence[int]) -> list[int]:
+    """LAYER PAIRING CONTRACT: for each source row (a buffer, or a row of a block) in order, the
+    index of the destination row that holds the same model layer. Occurrences pair in order: the
+    k-th source row of a layer goes to the k-th destination row of that layer (K before V where a
+    layer has two rows, a draft model's layer after the target's), so a source that holds some
+    layers fills exactly those rows of a destination that holds them all. The indices are
+    distinct; a destination row no source names is left out (callers that need every row filled
+    compare the count). Raises ValueError naming the layer when the destination holds no
+    (further) row of a source layer.
+
+    Rejected: deriving the layers from a stage's first layer and a fixed K-then-V order; draft
+    models and hybrid pools break any fixed order, and engines know each row's layer."""
+    free: dict[int, deque[int]] = defaultdict(deque)
+    for j, layer in enumerate(dst_layers):
+        free[int(layer)].append(j)
+    out = []
+    for layer in src_layers:
+        if not free[int(layer)]:
+            held = sorted(int(x) for x in set(dst_layers))
+            span = f"{held[0]}..{held[-1]}, {len(held)} in all" if held else "none"
+            raise ValueError(
+                f"the destination holds no (further) row for model layer {int(layer)} "
+                f"(its layers: {span})"
+            )
+        out.append(free[int(layer)].popleft())
+    return out
 
 
 def load_secret(secret_file: str | os.PathLike[str] | None = None) -> bytes:

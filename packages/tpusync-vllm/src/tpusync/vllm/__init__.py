@@ -11,7 +11,7 @@ from typing import Any
 
 from tpusync.core import require_api
 
-MIN_CORE_API = 14  # pd.host_id; 13: shared P/D sends (SHARED-SEND CONTRACT)
+MIN_CORE_API = 15  # pd.pair_layers; 14: pd.host_id; 13: shared P/D sends (SHARED-SEND CONTRACT)
 require_api(MIN_CORE_API, "tpusync-vllm")
 
 __all__ = ["MIN_CORE_API", "TpusyncConnector"]

@@ -81,7 +81,6 @@ import os
 import tempfile
 import threading
 import time
-from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -90,7 +89,7 @@ import numpy as np
 import torch
 
 import tpusync.core as tc
-from tpusync.core.pd import PdConsumer, PdProducer, PdResult, host_id, load_secret
+from tpusync.core.pd import PdConsumer, PdProducer, PdResult, host_id, load_secret, pair_layers
 
 __all__ = [
     "HeadPart",
@@ -200,25 +199,24 @@ def head_plan(
     if len(producer_rows) != tp_p * pp_p:
         return None
     # LAYER PLAN CONTRACT: every producer row goes to this rank's row of the same layer
-    # (occurrences in order), and every row here gets exactly one source.
-    free: dict[int, deque[int]] = defaultdict(deque)
-    for j, layer in enumerate(consumer_rows):
-        free[layer].append(j)
-    parts = []
+    # (pd.pair_layers), and every row here gets exactly one source.
+    stage_rows = []
     for s in range(pp_p):
         held = {tuple(producer_rows[s * tp_p + q]) for q, _, _, _ in groups}
         if len(held) != 1:
             return None  # ranks of one stage hold other layers: not vLLM's split
-        rows = []
-        for layer in held.pop():
-            if not free[layer]:
-                return None  # a layer this rank does not hold (another model), or twice
-            rows.append(free[layer].popleft())
-        parts += [
-            HeadPart(s * tp_p + q, r, hp, take, put, tuple(rows)) for q, r, take, put in groups
-        ]
-    if any(free.values()):
+        stage_rows.append(held.pop())
+    try:
+        dst = pair_layers([layer for rows in stage_rows for layer in rows], consumer_rows)
+    except ValueError:
+        return None  # a layer this rank does not hold (another model), or twice
+    if len(dst) != len(consumer_rows):
         return None  # a row of this rank that no stage sends
+    parts, at = [], 0
+    for s, rows in enumerate(stage_rows):
+        mine = tuple(dst[at : at + len(rows)])
+        at += len(rows)
+        parts += [HeadPart(s * tp_p + q, r, hp, take, put, mine) for q, r, take, put in groups]
     return parts
 
 
