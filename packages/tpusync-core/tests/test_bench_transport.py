@@ -6,29 +6,16 @@ import sys
 
 
 def test_bench_transport_json_schema():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tpusync.core.cli",
-            "bench",
-            "transport",
-            "--json",
-            "--quiet",
-            "--total-mib",
-            "8",
-            "--repeats",
-            "1",
-            "--streams",
-            "1",
-            "2",
-        ],
+    # -X faulthandler: a crash of the child prints its Python stacks into the failure message.
+    proc = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-m", "tpusync.core.cli", "bench", "transport"]
+        + ["--json", "--quiet", "--total-mib", "8", "--repeats", "1", "--streams", "1", "2"],
         capture_output=True,
         text=True,
         timeout=300,
-        check=True,
-    ).stdout
-    data = json.loads(out)
+    )
+    assert proc.returncode == 0, f"rc {proc.returncode}, stderr:\n{proc.stderr[-6000:]}"
+    data = json.loads(proc.stdout)
     assert data["suite"] == "transport" and data["bytes"] == 8 << 20
     assert [r["streams"] for r in data["tcp"]] == [1, 2]
     for r in data["tcp"]:
