@@ -663,7 +663,9 @@ def scenario_pd_producer(model: str, work: str, par: str = "1") -> dict:
     tp, pp = layout(par)
     if tp * pp > 1:  # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    llm = make_llm(model, role="kv_producer", tp=tp, pp=pp)
+    # The send deadline (load_timeout_s) outlasts any run: a send the tests never pull must still
+    # be pending when the producer is stopped, however slow the machine (60 s was not always).
+    llm = make_llm(model, role="kv_producer", extra={"load_timeout_s": 900.0}, tp=tp, pp=pp)
     sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
     r = {"prefill": generate(llm, prompt(21), params(1, {"do_remote_decode": True}))}
     # A second prompt, which the consumer pulls over TCP as if it ran on another host.
