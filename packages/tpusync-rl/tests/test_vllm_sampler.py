@@ -159,7 +159,10 @@ def _original(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(st)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+# TP=4 (k/v heads shared by two workers) is left to test_vllm_tp.py, which checks every rank's
+# slice with vLLM's own loaders, and to the PP=2 x TP=2 test below (four workers, one update
+# group); a TP=4 engine here cost about three minutes of CI on 2 vCPUs.
+@pytest.mark.parametrize("tp", [1, 2])
 def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp):
     model_dir = tinymodel.tiny_model_dir()
     new_dir = tmp_path / "perturbed"

@@ -202,16 +202,18 @@ def test_pd_pulls_each_ranks_part_from_the_same_rank(model_dir, tmp_path_factory
 
 @pytest.mark.parametrize(
     "prod_par,par",
-    [("1", "2"), ("2", "1"), ("1", "4"), ("4", "1"), ("4", "2")],
-    ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-to-tp4", "tp4-to-tp1", "tp4-to-tp2"],
+    [("1", "2"), ("2", "1"), ("1", "4"), ("4", "2")],
+    ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-to-tp4", "tp4-to-tp2"],
 )
 def test_pd_between_tensor_sizes_reshards_the_heads(model_dir, tmp_path_factory, prod_par, par):
     # HEAD RESHARD CONTRACT (pd.py): the tiny model has 2 kv heads. TP=1 -> TP=2: both consumer
     # workers pull producer worker 0's blocks (a shared send of 2 readers) and keep one head
     # each; TP=2 -> TP=1: the consumer pulls both producer workers and joins their heads;
     # TP=1 -> TP=4: vLLM gives each head to two consumer workers, all four pull worker 0.
-    # TP=4 -> TP=1 / TP=2: each head sits on two producer workers; only the first of them (0, 2)
-    # offers it (REPLICA RULE) and the consumer workers pull those.
+    # TP=4 -> TP=2: each head sits on two producer workers; only the first of them (0, 2)
+    # offers it (REPLICA RULE) and the consumer workers pull those. (TP=4 -> TP=1, the join of
+    # tp2-to-tp1 from the holders of tp4-to-tp2, is left to test_pd_worker.py's [8-2] cases:
+    # each TP=4 run costs about two minutes of CI on 2 vCPUs.)
     r = _run("pd_parallel", model_dir, tmp_path_factory, par, prod_par)
     assert r["kv_transfer_params"]["tpusync_layout"] == [int(prod_par), 1]
     assert r["stats"]["pd_recv_blocks"] == FULL_BLOCKS
