@@ -203,7 +203,10 @@ def tests(session: nox.Session) -> None:
     session.install(*TEST_DEPS, NANOBIND)
     dirs = [str(ROOT / "packages" / p / "tests") for p in PACKAGES]
     # pytest exits 5 when it collects nothing: session.run treats that as a failure too.
-    session.run("pytest", *dirs, *session.posargs, env={"TPUSYNC_REPO_ROOT": str(ROOT)})
+    # --durations: the slowest tests in every CI log (the whole run must stay under 90 minutes).
+    session.run(
+        "pytest", *dirs, "--durations=20", *session.posargs, env={"TPUSYNC_REPO_ROOT": str(ROOT)}
+    )
 
 
 @nox.session
@@ -401,6 +404,7 @@ def integration_sglang(session: nox.Session) -> None:
     session.run(
         "pytest",
         str(SGLANG_DIR / "tests"),
+        "--durations=20",
         *session.posargs,
         env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TPUSYNC_REPO_ROOT": str(ROOT)},
     )
@@ -415,7 +419,13 @@ def integration_rl(session: nox.Session) -> None:
     for pkg in ("tpusync-torch", "tpusync-rl"):
         session.install("--no-deps", "--force-reinstall", str(ROOT / "packages" / pkg))
     env = {"TPUSYNC_REPO_ROOT": str(ROOT), "OMP_NUM_THREADS": "1"}
-    session.run("pytest", str(ROOT / "packages/tpusync-rl/tests"), *session.posargs, env=env)
+    session.run(
+        "pytest",
+        str(ROOT / "packages/tpusync-rl/tests"),
+        "--durations=20",
+        *session.posargs,
+        env=env,
+    )
     example = str(ROOT / "examples/rl_weight_sync/rl_loop.py")
     session.run("python", example, "--steps", "3", env=env)
     session.run("python", example, "--steps", "2", "--same-host", env=env)
