@@ -1,21 +1,10 @@
 """`tpusync bench transport --json` runs end to end on a small size and keeps its schema."""
 
-import json
-import subprocess
-import sys
+from tpusync.core.bench.common import run_suite
 
 
 def test_bench_transport_json_schema():
-    # -X faulthandler: a crash of the child prints its Python stacks into the failure message.
-    proc = subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-m", "tpusync.core.cli", "bench", "transport"]
-        + ["--json", "--quiet", "--total-mib", "8", "--repeats", "1", "--streams", "1", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"rc {proc.returncode}, stderr:\n{proc.stderr[-6000:]}"
-    data = json.loads(proc.stdout)
+    data = run_suite("transport", "--total-mib", "8", "--repeats", "1", "--streams", "1", "2")
     assert data["suite"] == "transport" and data["bytes"] == 8 << 20
     assert [r["streams"] for r in data["tcp"]] == [1, 2]
     for r in data["tcp"]:

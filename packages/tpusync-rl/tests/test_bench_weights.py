@@ -4,21 +4,11 @@ JSON carries each row against its same-run reference (the figures themselves mea
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from tpusync.core.bench.common import run_suite
 
 
 def test_bench_weights_json_has_every_path_against_its_same_run_reference():
-    out = subprocess.run(
-        [sys.executable, "-m", "tpusync.core.cli", "bench", "weights", "--json", "--quiet"]
-        + ["--total-mib", "32", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    data = json.loads(out.stdout)
+    data = run_suite("weights", "--total-mib", "32", "--repeats", "1", timeout=600)
     assert data["suite"] == "weights" and data["bytes"] == 32 << 20
     paths = data["paths"]
     reported = {

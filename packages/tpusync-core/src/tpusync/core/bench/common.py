@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -75,3 +77,18 @@ def result_entry(nbytes: int, seconds: float, limit_seconds: float, limit: str) 
         "ratio": round(gbps / limit_gbps, 3),
         "better": "higher",
     }
+
+
+def run_suite(suite: str, *args: str, timeout: float = 300.0) -> dict:
+    """``tpusync bench SUITE --json --quiet ARGS`` in a child interpreter (faulthandler on, so a
+    crash prints its Python stacks), its JSON parsed. RuntimeError with the child's exit status and
+    the tail of its stderr when it fails; subprocess.TimeoutExpired after ``timeout`` seconds."""
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "tpusync.core.cli", "bench", suite]
+    proc = subprocess.run(
+        [*cmd, "--json", "--quiet", *args], capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"tpusync bench {suite} exited with {proc.returncode}:\n{proc.stderr[-6000:]}"
+        )
+    return json.loads(proc.stdout)
