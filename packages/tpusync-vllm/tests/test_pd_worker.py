@@ -3,10 +3,13 @@ get_finished relies on for requests finished (aborted) while their KV is still l
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tpusync.vllm.pd import HeadPart, PdWorker, head_plan, rank_heads, spare_replica
 
@@ -338,32 +341,120 @@ def test_layer_plan_takes_each_stages_rows_from_that_stage():
     from that stage's ranks and maps them to its rows of the same layers (K before V)."""
     stage_rows = [[0, 0, 1, 1], [2, 2, 3, 3]]  # K and V apart: two rows per layer
     mine = [0, 0, 1, 1, 2, 2, 3, 3]
-    assert head_plan(4, [1, 2], [1, 1], 0, stage_rows, mine) == [
+    assert head_plan(4, [1, 2], [1, 1], 0, stage_rows, [mine]) == [
         HeadPart(0, 1, 4, (0, 4), (0, 4), (0, 1, 2, 3)),
         HeadPart(1, 1, 4, (0, 4), (0, 4), (4, 5, 6, 7)),
     ]
     # With tensor resharding on top: producer TP=2 x PP=2 (world ranks 0, 1 | 2, 3) -> TP=1.
     per_rank = [stage_rows[0]] * 2 + [stage_rows[1]] * 2
-    assert head_plan(4, [2, 2], [1, 1], 0, per_rank, mine) == [
+    assert head_plan(4, [2, 2], [1, 1], 0, per_rank, [mine]) == [
         HeadPart(0, 1, 2, (0, 2), (0, 2), (0, 1, 2, 3)),
         HeadPart(1, 1, 2, (0, 2), (2, 4), (0, 1, 2, 3)),
         HeadPart(2, 1, 2, (0, 2), (0, 2), (4, 5, 6, 7)),
         HeadPart(3, 1, 2, (0, 2), (2, 4), (4, 5, 6, 7)),
     ]
     # Layers by name, not position: an uneven split, rows listed in another order here.
-    assert head_plan(2, [1, 2], [1, 1], 0, [[5, 3], [9]], [3, 5, 9]) == [
+    assert head_plan(2, [1, 2], [1, 1], 0, [[5, 3], [9]], [[3, 5, 9]]) == [
         HeadPart(0, 1, 2, (0, 2), (0, 2), (1, 0)),
         HeadPart(1, 1, 2, (0, 2), (0, 2), (2,)),
     ]
-    # No plan: layers unknown, a consumer of several stages unequal to the producer's, a layer
-    # this rank does not hold, a row of this rank no stage sends, ranks of one stage that
-    # disagree, a list per rank missing.
+    # No plan: layers unknown, a layer no consumer stage holds, a row no producer stage sends,
+    # ranks of one producer stage that disagree, a list per rank missing, a layer the producer
+    # holds twice and the consumer once.
     assert head_plan(4, [1, 2], [1, 1], 0) is None
-    assert head_plan(4, [1, 3], [1, 2], 0, [[0], [1], [2]], [0]) is None
-    assert head_plan(4, [1, 2], [1, 1], 0, [[0, 0], [7, 7]], [0, 0, 1, 1]) is None
-    assert head_plan(4, [1, 2], [1, 1], 0, [[0, 0], [1]], [0, 0, 1, 1]) is None
-    assert head_plan(4, [2, 2], [1, 1], 0, [[0], [1], [2], [2]], [0, 1, 2]) is None
-    assert head_plan(4, [1, 2], [1, 1], 0, [[0, 0]], [0, 0, 1, 1]) is None
+    assert head_plan(4, [1, 2], [1, 1], 0, [[0, 0], [7, 7]], [[0, 0, 1, 1]]) is None
+    assert head_plan(4, [1, 3], [1, 2], 0, [[0], [1], [2]], [[0], [1]]) is None
+    assert head_plan(4, [1, 2], [1, 1], 0, [[0, 0], [1]], [[0, 0, 1, 1]]) is None
+    assert head_plan(4, [1, 3], [1, 2], 1, [[0], [1], [2]], [[0], [1, 2, 3]]) is None
+    assert head_plan(4, [2, 2], [1, 1], 0, [[0], [1], [2], [2]], [[0, 1, 2]]) is None
+    assert head_plan(4, [1, 2], [1, 1], 0, [[0, 0]], [[0, 0, 1, 1]]) is None
+    assert head_plan(4, [1, 2], [1, 1], 0, [[0, 1], [1]], [[0, 1]]) is None
+
+
+def test_layer_plan_for_a_consumer_of_several_stages():
+    """LAYER PLAN CONTRACT, any pipeline sizes: a consumer stage pulls only the producer stages
+    holding some of its layers and copies only those layers' rows (-1: another stage's row); a
+    producer stage split across consumer stages is pulled by both, and every consumer rank names
+    the same number of readers for it (SHARED-SEND CONTRACT)."""
+    one = [[0, 0, 1, 1, 2, 2]]  # PP=1 producer: every layer, K and V rows
+    cons = [[0, 0, 1, 1], [2, 2]]  # PP=2 consumer of an uneven split
+    assert head_plan(4, [1, 1], [1, 2], 0, one, cons) == [
+        HeadPart(0, 2, 4, (0, 4), (0, 4), (0, 1, 2, 3, -1, -1))
+    ]
+    assert head_plan(4, [1, 1], [1, 2], 1, one, cons) == [
+        HeadPart(0, 2, 4, (0, 4), (0, 4), (-1, -1, -1, -1, 0, 1))
+    ]
+    # PP=3 -> PP=2 with stage boundaries that do not line up: producer stage 1 (layer 1) feeds
+    # consumer stage 0, producer stage 2 (layers 2, 3) feeds both consumer stages.
+    prod = [[0], [1], [2, 3]]
+    cons = [[0, 1, 2], [3]]
+    assert head_plan(2, [1, 3], [1, 2], 0, prod, cons) == [
+        HeadPart(0, 1, 2, (0, 2), (0, 2), (0,)),
+        HeadPart(1, 1, 2, (0, 2), (0, 2), (1,)),
+        HeadPart(2, 2, 2, (0, 2), (0, 2), (2, -1)),
+    ]
+    assert head_plan(2, [1, 3], [1, 2], 1, prod, cons) == [
+        HeadPart(2, 2, 2, (0, 2), (0, 2), (-1, 0)),
+    ]
+    # With heads resharded too: producer TP=1 x PP=1 -> consumer TP=2 x PP=2: producer rank 0's
+    # send has four readers, two tensor ranks in each of the two stages.
+    plans = [head_plan(4, [1, 1], [2, 2], r, one, [[0, 0, 1, 1], [2, 2]]) for r in range(4)]
+    assert [[(p.producer_rank, p.readers, p.put, p.rows) for p in plan] for plan in plans] == [
+        [(0, 4, (0, 2), (0, 1, 2, 3, -1, -1))],
+        [(0, 4, (0, 2), (0, 1, 2, 3, -1, -1))],
+        [(0, 4, (0, 2), (-1, -1, -1, -1, 0, 1))],
+        [(0, 4, (0, 2), (-1, -1, -1, -1, 0, 1))],
+    ]
+    assert [[p.take for p in plan] for plan in plans] == [[(0, 2)], [(2, 4)], [(0, 2)], [(2, 4)]]
+
+
+@given(
+    layers=st.integers(1, 12),
+    pp_p=st.integers(1, 4),
+    pp_c=st.integers(1, 4),
+    rows_per_layer=st.integers(1, 2),
+    data=st.data(),
+)
+def test_layer_plan_fills_every_row_once_for_any_contiguous_splits(
+    layers, pp_p, pp_c, rows_per_layer, data
+):
+    """Property: for contiguous splits of the same layers (vLLM's pipeline split, uneven
+    allowed), every consumer row gets exactly one producer row of its layer, every producer row
+    goes to exactly one consumer stage, and a producer stage's readers are the number of consumer
+    stages taking rows from it."""
+
+    def split(n_stages: int) -> list[list[int]]:
+        cuts = sorted(
+            data.draw(
+                st.lists(st.integers(0, layers), min_size=n_stages - 1, max_size=n_stages - 1)
+            )
+        )
+        bounds = [0, *cuts, layers]
+        return [
+            [x for x in range(a, b) for _ in range(rows_per_layer)]
+            for a, b in itertools.pairwise(bounds)
+        ]
+
+    prod, cons = split(pp_p), split(pp_c)
+    if pp_p == pp_c:
+        return  # the equal-pipeline path does not use the layer plan
+    filled = {(s, j): 0 for s, rows in enumerate(cons) for j in range(len(rows))}
+    taken = {(s, j): 0 for s, rows in enumerate(prod) for j in range(len(rows))}
+    readers = {}
+    for c in range(pp_c):
+        plan = head_plan(2, [1, pp_p], [1, pp_c], c, prod, cons)
+        assert plan is not None
+        for part in plan:
+            readers.setdefault(part.producer_rank, set()).add(part.readers)
+            for j, row in enumerate(part.rows):
+                if row >= 0:
+                    assert cons[c][row] == prod[part.producer_rank][j]
+                    filled[(c, row)] += 1
+                    taken[(part.producer_rank, j)] += 1
+    assert all(v == 1 for v in filled.values()) and all(v == 1 for v in taken.values())
+    for s, seen in readers.items():
+        pulling = sum(bool(set(prod[s]) & set(rows)) for rows in cons)
+        assert seen == {pulling}
 
 
 def stage_worker(cache, tp, t, layers, *, producer, timeout_s=120.0):
@@ -408,7 +499,7 @@ def test_a_consumer_of_one_stage_gets_every_stages_layers(monkeypatch, tp_p, tp_
         for p in prods:
             p.publish(91, src_blocks)
         for c, (w, _) in enumerate(conss):
-            plan = head_plan(HEADS, [tp_p, 2], [tp_c, 1], c, per_rank, [0, 1, 2])
+            plan = head_plan(HEADS, [tp_p, 2], [tp_c, 1], c, per_rank, [[0, 1, 2]])
             assert plan is not None and {p.rows for p in plan} == {(0, 1), (2,)}
             peers = [prods[part.producer_rank].unix_address for part in plan]
             w.start_parts(f"req-{c}", 91, list(zip(peers, plan, strict=True)), dst_blocks)
@@ -420,6 +511,54 @@ def test_a_consumer_of_one_stage_gets_every_stages_layers(monkeypatch, tp_p, tp_
         assert producers_let_go(prods)  # every reader acknowledged
     finally:
         close_all([w for w, _ in conss] + prods)
+
+
+@pytest.mark.parametrize(
+    "prod_stages,cons_stages,tp_p,tp_c",
+    [
+        ([[0, 1, 2]], [[0, 1], [2]], 1, 1),
+        ([[0, 1, 2]], [[0], [1, 2]], 1, 2),
+        ([[0], [1, 2]], [[0], [1], [2]], 2, 1),
+    ],
+    ids=["pp1-to-pp2", "pp1-to-pp2xtp2", "pp2xtp2-to-pp3"],
+)
+def test_consumer_stages_take_their_layers_from_any_producer_split(
+    monkeypatch, prod_stages, cons_stages, tp_p, tp_c
+):
+    """LAYER PLAN CONTRACT with a consumer of several stages: each consumer rank pulls the
+    producer stages holding some of its layers and copies only those rows; a producer send that
+    several consumer stages read is freed after the last of them (every producer pool whole)."""
+    monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
+    cache = model_layers(13, 3)
+    prods = [
+        stage_worker(cache, tp_p, t, ls, producer=True)[0]
+        for ls in prod_stages
+        for t in range(tp_p)
+    ]
+    conss = [
+        (stage_worker(cache, tp_c, t, ls, producer=False), ls)
+        for ls in cons_stages
+        for t in range(tp_c)
+    ]
+    per_rank = [ls for ls in prod_stages for _ in range(tp_p)]
+    layout_p, layout_c = [tp_p, len(prod_stages)], [tp_c, len(cons_stages)]
+    try:
+        src_blocks, dst_blocks = [3, 0], [4, 7]
+        for p in prods:
+            p.publish(92, src_blocks)
+        for r, ((w, _), _) in enumerate(conss):
+            plan = head_plan(HEADS, layout_p, layout_c, r, per_rank, cons_stages)
+            assert plan is not None
+            peers = [prods[part.producer_rank].unix_address for part in plan]
+            w.start_parts(f"req-{r}", 92, list(zip(peers, plan, strict=True)), dst_blocks)
+        assert all_landed([w for (w, _), _ in conss])
+        for r, ((w, rows), ls) in enumerate(conss):
+            want = rank_rows(cache, tp_c, r % tp_c)
+            assert_rows_hold(rows, [want[i] for i in ls], src_blocks, dst_blocks)
+            assert w.received == 2 and w.pending == 0
+        assert producers_let_go(prods)  # every reader of every send acknowledged
+    finally:
+        close_all([w for (w, _), _ in conss] + prods)
 
 
 def test_a_stage_that_never_offers_fails_the_request_once(monkeypatch):
@@ -434,7 +573,7 @@ def test_a_stage_that_never_offers_fails_the_request_once(monkeypatch):
     cons, _ = stage_worker(cache, 1, 0, [0, 1, 2], producer=False, timeout_s=2.0)
     try:
         p0.publish(93, [1, 2])  # stage 1 never offers request 93
-        plan = head_plan(HEADS, [1, 2], [1, 1], 0, [[0, 1], [2]], [0, 1, 2])
+        plan = head_plan(HEADS, [1, 2], [1, 1], 0, [[0, 1], [2]], [[0, 1, 2]])
         cons.start_parts("req", 93, [(p0.address, plan[0]), (p1.address, plan[1])], [3, 4])
         reports: list[tuple[set[str], dict[str, list[int]]]] = []
 

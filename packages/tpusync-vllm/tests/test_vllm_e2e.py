@@ -263,6 +263,30 @@ def test_pd_from_pipeline_stages_fills_each_layer_from_its_stage(model_dir, tmp_
     assert "computing it locally" not in r["stderr"]
 
 
+def test_pd_into_pipeline_stages_takes_each_stages_layers(model_dir, tmp_path_factory):
+    # LAYER PLAN CONTRACT (pd.py), the other way: a producer of one stage and a consumer of two.
+    # Both consumer workers pull producer worker 0's blocks (a shared send of 2 readers) and each
+    # copies the rows of its own stage's layers (the consumer's scheduler hands every worker the
+    # layers of each of its stages).
+    r = _run("pd_parallel", model_dir, tmp_path_factory, "pp2", "1")
+    kvp = r["kv_transfer_params"]
+    assert kvp["tpusync_layout"] == [1, 1]
+    assert set(kvp["tpusync_rank_layers"][0]) == set(range(SPEC.num_layers))
+    assert r["stats"]["pd_recv_blocks"] == FULL_BLOCKS
+    assert sorted(x["rank"] for x in r["ranks"]) == [0, 1]
+    for x in r["ranks"]:
+        assert x["totals"]["loaded_blocks"] == FULL_BLOCKS and x["totals"]["load_failures"] == 0
+        assert x["pending"] == 0
+    assert r["pd"]["tokens"] == r["single"]["tokens"]
+    # The producer freed its copy after both stages' receipts: pulled again, the transfer is
+    # gone (load errors, recomputed, same tokens).
+    assert FULL_BLOCKS <= r["stats_again"]["load_errors_seen"] <= 2 * FULL_BLOCKS
+    assert r["again"]["tokens"] == r["single"]["tokens"]
+    [y] = r["producer"]["ranks"]  # only prompt 22, never pulled, waits for its deadline
+    assert y["sends_pending"] == 1 and y["pool_free"] == y["pool_blocks"] - FULL_BLOCKS, y
+    assert "computing it locally" not in r["stderr"]
+
+
 def test_pipeline_stage_with_damaged_disk_blocks_recomputes_then_both_stages_load(
     model_dir, tmp_path_factory
 ):

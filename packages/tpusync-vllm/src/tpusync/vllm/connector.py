@@ -146,6 +146,9 @@ class PdRecv:
     # Per producer rank, the model layer of each row of its blocks (LAYER PLAN CONTRACT, pd.py);
     # None from a producer that did not say (older, or layer names without one index).
     rank_layers: list[list[int]] | None = None
+    # Per consumer pipeline stage, the model layer of each row (LAYER PLAN CONTRACT); set when
+    # the producer's pipeline size differs from this instance's.
+    stage_rows: list[list[int]] | None = None
 
 
 _WORKER_COUNTERS = (
@@ -321,7 +324,7 @@ class TpusyncConnector(KVConnectorBase_V1):
         self._pd_address: str | None = None
         self._pd_ranks: list[list[str]] = []  # per producer rank: [TCP, unix, host id]
         self._pd_rank_layers: list[list[int]] | None = None  # LAYER PLAN CONTRACT (pd.py)
-        self._my_rows: list[int] | None = None  # worker 0's, for the consumer's layer plan
+        self._my_rows: list[list[int]] | None = None  # per stage, for the consumer's layer plan
         self._pd_same_host: dict[str, str] = {}
         self.stats: dict[str, int] = {
             "pd_sent_blocks": 0,
@@ -458,8 +461,9 @@ class TpusyncConnector(KVConnectorBase_V1):
                         int(pd["tpusync_transfer_id"]),
                         peers := _pd_peers(pd),
                         [-1 if i < local else b for i, b in enumerate(ids)],
-                        _pd_layout(pd, len(peers)),
+                        layout := _pd_layout(pd, len(peers)),
                         _pd_rank_layers(pd, len(peers)),
+                        self._stage_rows() if layout[1] != self.layout[1] else None,
                     )
                 )
                 self.stats["pd_recv_blocks"] += n - local
@@ -499,19 +503,22 @@ class TpusyncConnector(KVConnectorBase_V1):
             return 0, False
         # PER-RANK P/D CONTRACT: rank r holds the KV of its own heads and pipeline stage's
         # layers; another tensor size is resharded by heads (HEAD RESHARD CONTRACT, heads
-        # replicated on either side included: REPLICA RULE), a producer of several stages for a
-        # consumer of one by layers (LAYER PLAN CONTRACT); no other pipeline split is.
+        # replicated on either side included: REPLICA RULE), another pipeline size by layers
+        # (LAYER PLAN CONTRACT). Every worker rank must have a plan.
         if len(peers) != layout[0] * layout[1] or (
             layout != self.layout
-            and head_plan(
-                self._total_kv_heads,
-                layout,
-                self.layout,
-                0,
-                rank_layers,
-                self._worker_rows() if layout[1] != self.layout[1] else None,
+            and any(
+                head_plan(
+                    self._total_kv_heads,
+                    layout,
+                    self.layout,
+                    rank,
+                    rank_layers,
+                    self._stage_rows() if layout[1] != self.layout[1] else None,
+                )
+                is None
+                for rank in range(self.world_size)
             )
-            is None
         ):
             log.warning(
                 "tpusync: request %s was prefilled by %d producer rank(s) of layout TP=%s x PP=%s, "
@@ -534,12 +541,15 @@ class TpusyncConnector(KVConnectorBase_V1):
         self._pd_lookups[request.request_id] = (params, num_computed_tokens)
         return tokens - num_computed_tokens, True  # asynchronous: pulled while others run
 
-    def _worker_rows(self) -> list[int] | None:
-        """The model layer of each row of worker 0 (LAYER PLAN CONTRACT, from its lookup-server
-        info; asked once, when a producer of another pipeline size first shows up)."""
+    def _stage_rows(self) -> list[list[int]] | None:
+        """Per pipeline stage of this instance, the model layer of each row (LAYER PLAN CONTRACT,
+        from the lookup-server info of the stage's first worker; asked once, when a producer of
+        another pipeline size first shows up). None when a worker did not say."""
         if self._my_rows is None and self.client is not None:
-            rows = self.client.info(0).get("pd_layers")
-            self._my_rows = [int(x) for x in rows] if isinstance(rows, list) else []
+            tp, pp = self.layout
+            infos = [self.client.info(s * tp).get("pd_layers") for s in range(pp)]
+            rows = [[int(x) for x in r] for r in infos if isinstance(r, list)]
+            self._my_rows = rows if len(rows) == pp else []
         return self._my_rows or None
 
     def _release(self, req_id: str) -> None:
@@ -956,13 +966,19 @@ class TpusyncConnector(KVConnectorBase_V1):
                         peer = self.pd.peer_for(*rv.peers[self._rank])
                         self.pd.start(rv.req_id, rv.transfer_id, peer, rv.block_ids)
                     else:  # HEAD RESHARD CONTRACT (pd.py)
+                        stage = self._rank // self.layout[0]
+                        if rv.stage_rows is not None and rv.stage_rows[stage] != self._row_layers:
+                            raise ValueError(
+                                f"the scheduler's layers of stage {stage} {rv.stage_rows[stage]} "
+                                f"are not this worker's {self._row_layers}"
+                            )
                         plan = head_plan(
                             self._total_kv_heads,
                             rv.layout,
                             self.layout,
                             self._rank,
                             rv.rank_layers,
-                            self._row_layers,
+                            rv.stage_rows,
                         )
                         if plan is None:
                             raise ValueError(f"no head / layer plan from layout {rv.layout}")

@@ -53,18 +53,23 @@ when it publishes; a gather of all heads on one rank - the whole prefill through
 Each consumer rank of a larger group receives its producer rank's every head (tp_c / tp_p times
 the bytes it keeps): the price of a producer that publishes once.
 
-LAYER PLAN CONTRACT (a producer of several pipeline stages, a consumer of one): each producer
-rank's blocks hold the rows of its stage's layers only. Every worker states the model layer of
-each of its rows (``pd_layers`` in its lookup-server info, parsed by vLLM's own layer-index
-rule from the registered layer names), the producer's scheduler passes every rank's list on
-(``tpusync_rank_layers``), and a consumer rank pulls, per stage, the head parts above from that
-stage's ranks and maps each of their rows to its own row of the same layer (occurrences pair in
-order: K before V where a layer has two rows). Parts of one request may come in blocks of several
-sizes (stages of unequal layer counts): each size is pulled into its own pool, and the request
-is done when every part landed (failed on the first that did not; later parts are then not
-scattered). The plan must give every consumer row exactly one source, else there is none.
-Producers and consumers of other pipeline sizes (a consumer of several stages, unequal to the
-producer's) are not resharded: the consumer computes the prompt itself.
+LAYER PLAN CONTRACT (producer and consumer of different pipeline sizes): each rank's blocks hold
+the rows of its stage's layers only. Every worker states the model layer of each of its rows
+(``pd_layers`` in its lookup-server info, parsed by vLLM's own layer-index rule from the
+registered layer names); the producer's scheduler passes every rank's list on
+(``tpusync_rank_layers``), the consumer's scheduler hands its workers every consumer stage's list
+(``stage_rows`` of the connector's ``PdRecv``). A consumer rank pulls, from each producer stage holding some of
+its layers, the head parts above from that stage's ranks, and maps each row of a layer it holds
+to its own row of the same layer (occurrences pair in order: K before V where a layer has two
+rows, :func:`tpusync.core.pd.pair_layers`); rows of layers another consumer stage holds arrive
+with the block and are not copied (blocks are pulled whole: a stage split across two consumer
+stages is pulled by both). Each consumer rank knows every consumer stage's layers, so all of
+them name the same number of readers of a producer stage's send (SHARED-SEND CONTRACT). Parts
+of one request may come in blocks of several sizes (stages of unequal layer counts): each size
+is pulled into its own pool, and the request is done when every part landed (failed on the
+first that did not; later parts are then not scattered). The plan must give every consumer row
+exactly one source and every producer row a consumer stage, else there is none and the
+consumer computes the prompt itself (:func:`layer_plan`).
 
 kv_transfer_params the producer returns (and the consumer expects): ``do_remote_prefill``,
 ``remote_engine_id``, ``remote_host``, ``remote_port``, ``remote_block_ids`` (the producer's vLLM
@@ -95,6 +100,7 @@ __all__ = [
     "HeadPart",
     "PdWorker",
     "head_plan",
+    "layer_plan",
     "host_id",
     "rank_heads",
     "spare_replica",
@@ -127,8 +133,9 @@ class HeadPart:
     producer_heads: int  # heads per row in the producer's blocks
     take: tuple[int, int]  # [first, end) of the producer rank's heads
     put: tuple[int, int]  # [first, end) of this consumer rank's heads
-    # LAYER PLAN CONTRACT: this consumer rank's row for each row of the producer rank's blocks;
-    # None: the same rows (equal pipeline sizes).
+    # LAYER PLAN CONTRACT: this consumer rank's row for each row of the producer rank's blocks
+    # (-1: a layer another stage of the consumer holds, not copied); None: the same rows (equal
+    # pipeline sizes).
     rows: tuple[int, ...] | None = None
 
 
@@ -159,16 +166,19 @@ def head_plan(
     consumer: Sequence[int],
     rank: int,
     producer_rows: Sequence[Sequence[int]] | None = None,
-    consumer_rows: Sequence[int] | None = None,
+    consumer_rows: Sequence[Sequence[int]] | None = None,
 ) -> list[HeadPart] | None:
     """Where consumer world ``rank`` (layout ``consumer`` = [tensor, pipeline]) finds its kv
     heads among the ranks of a producer of layout ``producer``; None when the P/D stream cannot
-    reshard between them (a split :func:`rank_heads` does not know, or pipeline sizes the
-    LAYER PLAN CONTRACT does not cover).
+    reshard between them (a split :func:`rank_heads` does not know, or layers the LAYER PLAN
+    CONTRACT cannot pair).
 
     ``producer_rows`` (the model layer of each row, per producer world rank) and
-    ``consumer_rows`` (this rank's) are needed only when the pipeline sizes differ: a consumer of
-    one stage then takes each stage's rows from that stage's ranks.
+    ``consumer_rows`` (the same, per consumer pipeline STAGE) are needed only when the pipeline
+    sizes differ: a consumer rank then takes, from each producer stage holding some of its
+    layers, the rows of those layers (LAYER PLAN CONTRACT). Equal pipeline sizes are taken to
+    split the layers alike (vLLM's rule for one model); were they not, the blocks' sizes differ
+    and the transport refuses the pull (InvalidArgument), so the prompt is computed.
 
     REPLICA RULE: a head the producer replicates (its tensor size above the model's heads) is
     pulled from the first rank holding it, the only one that publishes (:func:`spare_replica`),
@@ -194,30 +204,56 @@ def head_plan(
         groups.append((q * copies, readers, (a - q * hp, b - q * hp), (a - lo, b - lo)))
     if pp_p == pp_c:
         return [HeadPart(stage * tp_p + q, r, hp, take, put) for q, r, take, put in groups]
-    if pp_c != 1 or producer_rows is None or consumer_rows is None:
+    plans = layer_plan(tp_p, pp_p, producer_rows, consumer_rows)
+    if plans is None:
         return None
-    if len(producer_rows) != tp_p * pp_p:
-        return None
-    # LAYER PLAN CONTRACT: every producer row goes to this rank's row of the same layer
-    # (pd.pair_layers), and every row here gets exactly one source.
-    stage_rows = []
-    for s in range(pp_p):
-        held = {tuple(producer_rows[s * tp_p + q]) for q, _, _, _ in groups}
-        if len(held) != 1:
-            return None  # ranks of one stage hold other layers: not vLLM's split
-        stage_rows.append(held.pop())
-    try:
-        dst = pair_layers([layer for rows in stage_rows for layer in rows], consumer_rows)
-    except ValueError:
-        return None  # a layer this rank does not hold (another model), or twice
-    if len(dst) != len(consumer_rows):
-        return None  # a row of this rank that no stage sends
-    parts, at = [], 0
-    for s, rows in enumerate(stage_rows):
-        mine = tuple(dst[at : at + len(rows)])
-        at += len(rows)
-        parts += [HeadPart(s * tp_p + q, r, hp, take, put, mine) for q, r, take, put in groups]
+    # SHARED-SEND CONTRACT: a producer stage's send is pulled by every consumer stage that takes
+    # rows from it, each through its tensor ranks meeting the head group.
+    stages = [sum(any(r >= 0 for r in p[s]) for p in plans) for s in range(pp_p)]
+    parts = []
+    for s, rows in enumerate(plans[stage]):
+        if any(r >= 0 for r in rows):  # a stage holding none of this rank's layers: no pull
+            parts += [
+                HeadPart(s * tp_p + q, r * stages[s], hp, take, put, rows)
+                for q, r, take, put in groups
+            ]
     return parts
+
+
+def layer_plan(
+    tp_p: int,
+    pp_p: int,
+    producer_rows: Sequence[Sequence[int]] | None,
+    consumer_rows: Sequence[Sequence[int]] | None,
+) -> list[list[tuple[int, ...]]] | None:
+    """LAYER PLAN CONTRACT: per consumer stage, per producer stage, the consumer row for each row
+    of that producer stage's blocks (-1: a layer the consumer stage does not hold, not copied).
+    None when the layers do not pair: a producer layer no consumer stage holds (another model),
+    a consumer row no producer stage sends, ranks of one producer stage holding other layers
+    (not vLLM's split), or lists missing."""
+    if producer_rows is None or consumer_rows is None or len(producer_rows) != tp_p * pp_p:
+        return None
+    src = []  # the rows of each producer stage
+    for s in range(pp_p):
+        held = {tuple(int(x) for x in producer_rows[s * tp_p + q]) for q in range(tp_p)}
+        if len(held) != 1:
+            return None
+        src.append(held.pop())
+    sent = {layer for rows in src for layer in rows}
+    if not consumer_rows or not sent <= {int(x) for rows in consumer_rows for x in rows}:
+        return None
+    plans = []
+    for rows_c in consumer_rows:
+        wanted = {int(x) for x in rows_c}
+        try:  # pd.pair_layers over the rows of this stage's layers, in producer stage order
+            dst = iter(pair_layers([x for rows in src for x in rows if x in wanted], rows_c))
+        except ValueError:
+            return None  # a layer held more often by the producer than here
+        plan = [tuple(next(dst) if x in wanted else -1 for x in rows) for rows in src]
+        if sum(r >= 0 for rows in plan for r in rows) != len(rows_c):
+            return None  # a row here that no producer stage sends
+        plans.append(plan)
+    return plans
 
 
 @dataclass
@@ -391,7 +427,7 @@ class PdWorker:
         if not parts or any(p.put[1] > own or p.take[1] > p.producer_heads for _, p in parts):
             raise ValueError(f"head parts {parts!r} do not fit {own} heads per row")
         n_rows = len(self.layers)
-        if any(p.rows is not None and not all(0 <= r < n_rows for r in p.rows) for _, p in parts):
+        if any(p.rows is not None and not all(-1 <= r < n_rows for r in p.rows) for _, p in parts):
             raise ValueError(f"head parts {parts!r} name rows outside this worker's {n_rows}")
         by_size: dict[int, list[tuple[str, HeadPart]]] = {}
         for peer, part in parts:  # one pull per producer block size
@@ -573,6 +609,8 @@ class PdWorker:
             (a, b), (c, d) = part.take, part.put
             rows = range(len(self._head_views)) if part.rows is None else part.rows
             for j, row in enumerate(rows):  # LAYER PLAN CONTRACT: producer row j -> row `row`
+                if row < 0:
+                    continue  # a layer another stage of this consumer holds
                 src = blocks[:, j * prb : (j + 1) * prb].reshape(len(keep), outer, hp, inner)
                 self._head_views[row][dst, :, c:d, :] = src[:, :, a:b, :]
 
