@@ -391,8 +391,9 @@ SGLANG_DIR = ROOT / "integrations/sglang"
 
 @nox.session(name="integration-sglang")
 def integration_sglang(session: nox.Session) -> None:
-    """tpusync-sglang's suite against real SGLang 0.5.23 objects on CPU, and a live SGLang server
-    with HiCache on tpusync (its test-only CPU shim: integrations/sglang/tests/support).
+    """tpusync-sglang's suite against real SGLang 0.5.23 objects on CPU, a live SGLang server
+    with HiCache on tpusync, and live prefill + decode servers with P/D over tpusync (their
+    test-only CPU shim: integrations/sglang/tests/support).
 
     SGLang goes in with --no-deps: its metadata pins a CUDA torch and CUDA-only kernel wheels.
     What it needs to import on CPU is listed in integrations/sglang/requirements-cpu-test.txt,

@@ -321,6 +321,14 @@ class TpusyncKVManager(CommonKVManager):
             self._start(self._prefill_control_loop, "tpusync-pd-control")
             self._start(self._prefill_worker_loop, "tpusync-pd-send")
             self._start(self._prefill_ack_loop, "tpusync-pd-ack")
+            assert self.producer is not None
+            logger.info(
+                "tpusync P/D prefill rank %d: offering %d-byte pages at %s%s",
+                args.engine_rank,
+                item,
+                self.producer.address,
+                f" and {self.producer.unix_address}" if self.producer.unix_address else "",
+            )
         else:
             self._recv_rooms: dict[int, _RecvRoom] = {}
             self._fetching: dict[int, _Fetch] = {}
@@ -332,6 +340,12 @@ class TpusyncKVManager(CommonKVManager):
             self._start(self._decode_fetch_loop, "tpusync-pd-fetch")
             self._start(self._decode_abandon_loop, "tpusync-pd-abandon")
             self._threads.append(self._start_heartbeat_checker_thread())
+            logger.info(
+                "tpusync P/D decode rank %d: pulling %d-byte pages (same-host path %s)",
+                args.engine_rank,
+                item,
+                "on" if self.host else "off",
+            )
 
     # -- helpers -----------------------------------------------------------------------------
 
