@@ -1,5 +1,7 @@
 #include "tpusync/transport/link.h"
 
+#include <poll.h>
+
 #include <algorithm>
 #include <cstdio>
 
@@ -28,6 +30,18 @@ void SetLogSink(std::function<void(const std::string&)> sink) {
 bool Link::healthy() const {
   return !streams.empty() &&
          std::none_of(streams.begin(), streams.end(), [](const auto& s) { return s->broken(); });
+}
+
+bool Link::idle_and_open() const {
+  if (!healthy()) return false;
+  for (const auto& s : streams) {
+    const int fd = s->fd();
+    if (fd < 0) continue;
+    pollfd p{.fd = fd, .events = POLLIN | POLLRDHUP, .revents = 0};
+    const int n = ::poll(&p, 1, 0);
+    if (n < 0 || (n > 0 && p.revents != 0)) return false;
+  }
+  return true;
 }
 
 void Link::Close() {
@@ -245,7 +259,8 @@ Result<std::unique_ptr<Link>> LinkPool::Acquire(const Address& peer, Deadline de
     while (!idle.empty()) {
       auto link = std::move(idle.back());
       idle.pop_back();
-      if (link->healthy()) return link;
+      if (link->idle_and_open()) return link;
+      link->Close();  // POOL CONTRACT: the peer closed it (or it is out of step)
     }
   }
   return ConnectLink(peer, secret_, options_, deadline);

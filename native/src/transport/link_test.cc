@@ -199,6 +199,41 @@ TEST(Transport, LinkPoolReusesHealthyLinksAndDropsBrokenOnes) {
   EXPECT_EQ(pool.idle(), 0u);
 }
 
+TEST(Transport, LinkPoolNeverHandsOutALinkThePeerClosedWhileIdle) {
+  // A server that answers one ping per link and then drops the link, the way a producer's
+  // Cancel or its idle timeout does while the consumer's pool holds the link.
+  std::atomic<int> served{0};
+  auto server = Server::Start({}, TestSecret(), [&](std::shared_ptr<Link> link) {
+    Stream& s = *link->streams[0];
+    auto f = s.Expect(Op::kPing, DeadlineInMs(5000));
+    if (f.ok()) (void)s.SendMeta(Op::kPong, f->header.request_id, {}, DeadlineInMs(5000));
+    served++;
+  });
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  LinkPool pool(TestSecret(), {.streams = 2});
+  auto ping = [&](Link& l, uint64_t id) {
+    Status sent = l.streams[0]->SendMeta(Op::kPing, id, {}, DeadlineInMs(5000));
+    if (!sent.ok()) return sent;
+    return l.streams[0]->Expect(Op::kPong, DeadlineInMs(5000)).status();
+  };
+  auto a = pool.Acquire((*server)->address());
+  ASSERT_TRUE(a.ok());
+  const uint64_t first = (*a)->id;
+  ASSERT_TRUE(ping(**a, 1).ok());
+  pool.Release(std::move(*a));
+  ASSERT_EQ(pool.idle(), 1u);  // healthy on our side: the close has not been seen yet
+  for (int i = 0; i < 500 && served.load() < 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(served.load(), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the FIN reaches our socket
+  auto b = pool.Acquire((*server)->address());
+  ASSERT_TRUE(b.ok());
+  EXPECT_NE((*b)->id, first) << "the pool handed out the link its peer had closed";
+  EXPECT_TRUE(ping(**b, 2).ok());
+  EXPECT_EQ(pool.idle(), 0u);
+}
+
 TEST(Transport, DeadPeerTimesOutInsteadOfHanging) {
   // A listener that accepts and never answers: the handshake must end at its deadline.
   auto lfd = Listen(*ParseAddress("127.0.0.1:0"));

@@ -8,7 +8,12 @@
 // payload, so large transfers are striped (SendStriped).
 //
 // POOL CONTRACT: LinkPool keeps idle healthy links per peer address and hands each out to one user
-// at a time; a link with a broken stream is closed on release, never reused.
+// at a time; a link with a broken stream is closed on release, never reused. Acquire hands out an
+// idle link only if no stream of it is readable: on an idle link the peer has nothing to say, so
+// readable means it closed its end (a producer that cancelled the request the link last carried,
+// or a server that dropped the link after its idle timeout) or is out of step; such a link is
+// closed and the next one tried, then a new one connected. A link closed in the window between
+// that check and its first frame still fails its request (one poll per stream, no retry).
 //
 // SHUTDOWN CONTRACT: Server::Stop stops accepting, closes every live link's streams (blocked reads
 // return), and joins every thread it started before it returns.
@@ -39,6 +44,9 @@ struct Link {
   Address peer;
   std::vector<std::unique_ptr<Stream>> streams;
   bool healthy() const;
+  // POOL CONTRACT: no stream is broken and none is readable (checked without waiting; a stream
+  // with no fd, like the fault double's memory stream, counts as open).
+  bool idle_and_open() const;
   void Close();
   std::vector<Stream*> raw() const;
 };
