@@ -401,7 +401,7 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
                " bytes, the producer registered ", e->blocks.size(), " blocks of ",
                pool_->block_bytes(), " bytes")));
   }
-  // A TCP pull stays in e->sending until it returns (its ack wait too: Cancel ends that as well).
+  // A TCP pull stays in e->sending until its last byte left (or it failed): Cancel shuts it then.
   struct Unhook {
     PdProducer* self;
     Entry* e;
@@ -540,6 +540,12 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
   // TCP: every byte left our blocks. Same-host: the consumer may still be copying out of them,
   // so the borrow lasts until its ack or its socket closes (CANCEL CONTRACT).
   if (!shm_path) let_go();
+  if (!shm_path && sent.ok()) {
+    // CANCEL CONTRACT: nothing left to stop; the consumer may already have put the link back in
+    // its pool with the ack on its way, so a Cancel from now on leaves the link open.
+    std::lock_guard lock(mu_);
+    e->sending.erase(&link);
+  }
   if (!sent.ok()) {
     let_go();
     return sent;

@@ -687,6 +687,41 @@ TEST(PdStream, CancelRacingAnInFlightPullNeverRecyclesBlocksUnderIt) {
   EXPECT_TRUE((*producer)->Poll().empty());  // reported once, nothing left
 }
 
+// CANCEL CONTRACT, a pull whose last byte left: Cancel does not shut its link. The consumer, its
+// ack delayed, has every block and puts the link back in its pool; its next pull reuses that link
+// (seen in CI when the link was shut: an RL sampler's next version failed at once).
+TEST(PdStream, CancelAfterTheLastByteLeftKeepsTheConsumersLinkUsable) {
+  auto ppool = MakePool(4096, 8), cpool = MakePool(4096, 8);
+  auto producer = PdProducer::Start(ppool, TestSecret(), {});
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  OfferFilled(**producer, *ppool, 51, 4, 0, 7);
+  std::atomic<int> connected{0};
+  PdConsumerOptions co;
+  co.connect.streams = 1;
+  co.connect.wrap = [&](std::unique_ptr<Stream> s, size_t) -> std::unique_ptr<Stream> {
+    connected++;
+    return std::make_unique<FaultyStream>(std::move(s),
+                                          FaultPlan{.delay = std::chrono::milliseconds(800)});
+  };
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), co);
+  ASSERT_TRUE(consumer.ok());
+  auto dst = *cpool->Alloc(4);
+  const std::string tcp = (*producer)->address().ToString();
+  ASSERT_TRUE((*consumer)->StartRecv(51, {{tcp, dst}}, DeadlineInMs(60000)).ok());
+  auto landed = (*consumer)->Wait(51, 1, DeadlineInMs(20000));  // one group: every block
+  ASSERT_TRUE(landed.ok()) << landed.status().ToString();
+  // The producer's PdEnd follows its last frame at once; the consumer's ack waits 800 ms.
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  ASSERT_TRUE((*producer)->Cancel(51, Status::Cancelled("version over")).ok());
+  EXPECT_EQ(WaitEnd(**consumer, 51).state, PdState::kDone);
+  OfferFilled(**producer, *ppool, 52, 4, 0, 9);
+  auto dst2 = *cpool->Alloc(4);
+  auto again = (*consumer)->Recv(52, {{tcp, dst2}}, DeadlineInMs(20000));
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->state, PdState::kDone) << again->reason.ToString();
+  EXPECT_EQ(connected.load(), 1) << "the consumer had to connect anew: Cancel shut its link";
+}
+
 // CANCEL CONTRACT, same-host path: after the offer the consumer copies out of the producer's
 // segment, so a cancelled request's slots stay borrowed until the consumer acknowledged; its copy
 // is intact (the slots were not handed out under it).

@@ -10,9 +10,9 @@
 // POOL CONTRACT: LinkPool keeps idle healthy links per peer address and hands each out to one user
 // at a time; a link with a broken stream is closed on release, never reused. Acquire hands out an
 // idle link only if no stream of it is readable: on an idle link the peer has nothing to say, so
-// readable means it closed its end (a producer that cancelled the request the link last carried,
-// or a server that dropped the link after its idle timeout) or is out of step; such a link is
-// closed and the next one tried, then a new one connected. A link closed in the window between
+// readable means it closed its end (a server that dropped the link after its idle timeout, a
+// restarted peer) or is out of step; such a link is closed and the next one tried, then a new one
+// connected. A link closed in the window between
 // that check and its first frame still fails its request (one poll per stream, no retry).
 //
 // SHUTDOWN CONTRACT: Server::Stop stops accepting, closes every live link's streams (blocked reads

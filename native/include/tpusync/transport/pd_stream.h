@@ -41,12 +41,15 @@
 // BlockAllocator), taken under the producer's lock while the request was still registered, so
 // the slots return to the free list only when the last such pull let go of them: never while a
 // socket send still reads them. Cancel shuts the TCP links serving the request down, so those
-// sends fail and let go at once instead of at the deadline. A same-host pull keeps its borrow
-// until the consumer acknowledges or its socket closes (at once when its process died): the
-// consumer copies straight out of our segment after the offer, and only its ack or its socket
-// says it stopped reading. A pull that arrives after Cancel is refused (kNotFound). Rejected
-// alternative: Cancel waits for in-flight pulls to end before it returns - a send to a dead host
-// blocks in the kernel until its deadline, which is the stall Cancel exists to end.
+// sends fail and let go at once instead of at the deadline; a link whose pull already sent its
+// last byte (only the consumer's ack is awaited, bounded by the deadline) stays open: the
+// consumer may have put it back in its pool already, and a shut link would fail its next pull. A
+// same-host pull keeps its borrow until the consumer acknowledges or its socket closes (at once
+// when its process died): the consumer copies straight out of our segment after the offer, and only
+// its ack or its socket says it stopped reading. A pull that arrives after Cancel is refused
+// (kNotFound). Rejected alternative: Cancel waits for in-flight pulls to end before it returns - a
+// send to a dead host blocks in the kernel until its deadline, which is the stall Cancel exists to
+// end.
 //
 // ABANDON CONTRACT: a consumer that gives up on a request for good (its decode request was
 // aborted) calls PdConsumer::Abandon(request_id, reason). Locally, at once: the request fails
