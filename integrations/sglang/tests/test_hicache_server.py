@@ -8,7 +8,9 @@ storage: ``meta_info.cached_tokens_details.storage`` counts them, the backend's 
 counters (SGLang's ``sglang:prefetch_pgs`` histogram, fed by the backend's ``get_stats``) count
 the pages it served, and greedy output is identical. The backend also publishes its store's
 placement changes as KV events (``kv_events_endpoint``): the subscriber sees every page of the
-prompt announced in medium CPU under SGLang's own page hashes.
+prompt announced in medium CPU under SGLang's own page hashes. Last, the server is killed with
+SIGKILL and a replacement with the same extra config (``namespace``: host tier in /dev/shm;
+``disk_dir``) serves a prompt the killed server had stored from storage, with identical output.
 
 CPU only through the TEST-ONLY shim ``support/cpu_server_shim.py`` (installed in every server
 process by ``support/server_site/sitecustomize.py``): CPU stand-ins for SGLang's host-pool copy
@@ -38,7 +40,9 @@ def server(tmp_path_factory):
     root = Path(os.environ.get("TPUSYNC_REPO_ROOT", Path(__file__).resolve().parents[3]))
     model = tiny_model.ensure(root)
     events_endpoint = f"tcp://127.0.0.1:{free_port()}"
-    log = tmp_path_factory.mktemp("sglang-server") / "server.log"
+    work = tmp_path_factory.mktemp("sglang-server")
+    log = work / "server.log"
+    namespace = f"sglang-live-{os.getpid()}"
     extra = {
         "backend_name": "tpusync",
         "module_path": "tpusync.sglang",
@@ -46,6 +50,10 @@ def server(tmp_path_factory):
         "interface_v1": 1,
         "capacity_pages": 512,
         "prefault": False,
+        # Host tier in /dev/shm and a disk tier: a replacement server re-attaches both.
+        "namespace": namespace,
+        "disk_dir": str(work / "disk"),
+        "disk_gb": 0.05,
         "kv_events_endpoint": events_endpoint,
         "kv_events_pod_id": "pod-live",
         "kv_events_model": "tiny",
@@ -65,11 +73,16 @@ def server(tmp_path_factory):
     srv = launch(model, log, args)
     srv.model_dir = model
     srv.events_endpoint = events_endpoint
+    srv.args = args
+    srv.work = work
     try:
         srv.wait_ready()
         yield srv
     finally:
         srv.stop()
+        from tpusync.core import KVStore
+
+        KVStore.unlink_namespace(namespace)
 
 
 def test_flushed_prefix_is_loaded_from_tpusync_with_identical_output(server):
@@ -132,3 +145,41 @@ def test_flushed_prefix_is_loaded_from_tpusync_with_identical_output(server):
         assert pages <= stored, f"{len(pages - stored)} prompt page(s) never announced"
     finally:
         sub.close(0)
+
+
+RESTART_PROMPT = (
+    "a server killed without warning comes back warm: its host tier in shared memory and its "
+    "disk tier are found again by the next server with the same namespace and directory"
+)
+
+
+def test_a_server_killed_with_sigkill_is_replaced_warm(server):
+    """Runs last in this module: it kills the module's server. The replacement, started with the
+    same extra config, has empty device and host caches, so every prefix page it reports from
+    storage was found in the /dev/shm host tier the killed server left behind (its disk tier
+    lock died with it too, or the replacement would not start)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(server.model_dir)(RESTART_PROMPT).input_ids
+    expected = (len(ids) - 1) // PAGE * PAGE
+    backed_before = server.metric("sglang:backup_pgs_sum")
+    first = server.generate(ids)
+    assert first["meta_info"]["cached_tokens"] == 0
+    deadline = time.monotonic() + 60
+    while server.metric("sglang:backup_pgs_sum") - backed_before < expected // PAGE:
+        assert time.monotonic() < deadline, f"prompt pages not all backed up:\n{server.tail()}"
+        time.sleep(1)
+    server.kill()
+
+    replacement = launch(server.model_dir, server.work / "replacement.log", server.args)
+    try:
+        replacement.wait_ready()
+        second = replacement.generate(ids)
+        meta = second["meta_info"]
+        details = meta.get("cached_tokens_details") or {}
+        assert details.get("storage", 0) == expected, (meta, replacement.tail())
+        assert details.get("device", 0) == 0 and details.get("host", 0) == 0, meta
+        assert second["output_ids"] == first["output_ids"]
+        assert "cold start" not in replacement.log.read_text(errors="replace")
+    finally:
+        replacement.stop()

@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,10 +36,10 @@ EXTRA = {
 }
 
 
-def _create(host, extra):
+def _create(host, extra, tp_rank=0, tp_size=1):
     cfg = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         pp_rank=0,
         pp_size=1,
         attn_cp_rank=0,
@@ -166,6 +168,7 @@ def test_two_backends_share_pages_through_a_store_node(
         ({"store": "interim", "store_nodes": ["h:1"], "auth_secret_file": "/x"}, "kvstore"),
         ({"store": "interim", "kv_events_endpoint": "tcp://127.0.0.1:*"}, "kvstore"),
         ({"kv_events_interval_s": 0}, "positive"),
+        ({"namespace": "../etc"}, "namespace"),
         ({"kv_events_endpoint": "tcp://127.0.0.1:*", "kv_events_bind": "no"}, "kv_events_bind"),
     ],
 )
@@ -173,6 +176,51 @@ def test_bad_remote_or_event_options_fail_at_startup(sglang_pools, extra, match)
     _, host = sglang_pools("layer_first")
     with pytest.raises(ValueError, match=match):
         _create(host, {"capacity_pages": 4, **extra})
+
+
+def test_ranks_of_one_server_get_their_own_disk_directory_and_shm_namespace(sglang_pools, tmp_path):
+    """RANK RESOURCES CONTRACT: the TP ranks of one server, configured with one extra config,
+    each lock their own disk directory and /dev/shm namespace (a shared one would stop the second
+    rank at start-up), keep their own shard of a page, and only the first rank publishes events."""
+    from tpusync.core import KVStore
+
+    namespace = f"sglang-ranks-{os.getpid()}"
+    extra = {
+        "capacity_pages": 2,
+        "disk_dir": str(tmp_path / "disk"),
+        "disk_gb": 0.01,
+        "namespace": namespace,
+        "kv_events_endpoint": "tcp://127.0.0.1:*",
+    }
+    backends, hosts = [], []
+    try:
+        for rank in range(2):
+            _, host = sglang_pools("layer_first")
+            hosts.append(host)
+            backends.append(_create(host, extra, tp_rank=rank, tp_size=2))
+        assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["tp0", "tp1"]
+        for rank in range(2):
+            assert Path(f"/dev/shm/tpusync-{namespace}-tp{rank}-host").exists()
+        assert backends[0].events is not None and backends[1].events is None
+        n = 4  # twice the host tier: pages go down to each rank's own disk tier
+        keys = _hashes(n, hosts[0].page_size, seed=61)
+        shards = []
+        for rank, (b, host) in enumerate(zip(backends, hosts, strict=True)):
+            src = host.alloc(n * host.page_size)
+            shards.append(_fill(host, src, seed=62 + rank))  # a different shard per rank
+            assert b.batch_set_v1(keys, src) == [True] * n
+            b.store.flush(30)
+            assert b.store.stats()["tiers"]["disk"]["demotions_in"] > 0
+        for rank, (b, host) in enumerate(zip(backends, hosts, strict=True)):
+            dst = host.alloc(n * host.page_size)
+            assert b.batch_get_v1(keys, dst) == [True] * n
+            got = [host.get_data_page(int(dst[i * host.page_size]), flat=True) for i in range(n)]
+            assert all(torch.equal(x, y) for x, y in zip(shards[rank], got, strict=True))
+    finally:
+        for b in backends:
+            b.close()
+        for rank in range(2):
+            KVStore.unlink_namespace(f"{namespace}-tp{rank}")
 
 
 def _drain(sub: zmq.Socket, until, timeout_s: float = 20.0):

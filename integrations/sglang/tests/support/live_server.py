@@ -155,6 +155,12 @@ class Server:
                 pytest.fail(f"SGLang server not ready in {timeout_s} s:\n{self.tail()}")
             time.sleep(2)
 
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group (a crash: no shutdown code runs)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)  # the server's own process group

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import re
 import socket
 import threading
 import time
@@ -208,13 +210,27 @@ class TpusyncHiCacheStorage(HiCacheStorage):
             raise ValueError(
                 f"tpusync HiCache option store={self._store_kind!r}: use 'kvstore' or 'interim'"
             )
+        # RANK RESOURCES CONTRACT: every rank of a multi-rank server is its own process with its
+        # own store; the local tiers it must not share (a disk directory and a /dev/shm namespace
+        # are each locked by one process) get a per-rank name, and one rank publishes KV events.
+        tag = _rank_tag(storage_config)
         self._disk_dir = extra.get("disk_dir") or None
+        if self._disk_dir is not None and tag:
+            self._disk_dir = os.path.join(self._disk_dir, tag)
         self._disk_gb = _positive(extra, "disk_gb", None, float)
         if (self._disk_dir is None) != (self._disk_gb is None):
             raise ValueError("tpusync HiCache options disk_dir and disk_gb go together")
         if self._disk_dir is not None and self._store_kind != "kvstore":
             raise ValueError("a disk tier needs store='kvstore'")
         self._shm_namespace = extra.get("namespace") or None
+        if self._shm_namespace is not None and not re.fullmatch(
+            r"[A-Za-z0-9_.-]{1,48}", str(self._shm_namespace)
+        ):
+            raise ValueError(
+                f"tpusync HiCache option namespace={self._shm_namespace!r}: 1-48 of [A-Za-z0-9_.-]"
+            )
+        if self._shm_namespace is not None and tag:
+            self._shm_namespace = f"{self._shm_namespace}-{tag}"
         nodes = extra.get("store_nodes") or []
         if isinstance(nodes, str):
             nodes = [n.strip() for n in nodes.split(",") if n.strip()]
@@ -241,6 +257,13 @@ class TpusyncHiCacheStorage(HiCacheStorage):
                 "auth_secret_file / replicas / write_through only apply with store_nodes"
             )
         self._events_endpoint = extra.get("kv_events_endpoint") or None
+        if self._events_endpoint is not None and not _publishing_rank(storage_config):
+            # One announcement per page and server, as SGLang's own publisher (its first rank):
+            # a router matches pages, not shards. Options are still checked below.
+            logger.info("tpusync HiCache storage %s: KV events come from the first rank", tag)
+            self._events_off = True
+        else:
+            self._events_off = False
         self._events_pod_id = str(extra.get("kv_events_pod_id") or socket.gethostname())
         self._events_model = str(
             extra.get("kv_events_model") or storage_config.model_name or "unknown"
@@ -307,7 +330,7 @@ class TpusyncHiCacheStorage(HiCacheStorage):
             )
         self._rows = rows
         self._namespace = _namespace(self.storage_config, mem_pool_host, rows)
-        if self._events_endpoint is not None and self._events is None:
+        if self._events_endpoint is not None and self._events is None and not self._events_off:
             if not isinstance(self._store, KVStorePageStore):
                 raise ValueError("kv_events_endpoint needs a KVStorePageStore")
             self._events = _PageEvents(
@@ -582,6 +605,26 @@ def _positive(extra: dict, name: str, default, kind):
     if value <= 0:
         raise ValueError(f"tpusync HiCache option {name} must be positive, got {extra[name]!r}")
     return value
+
+
+def _ranks(cfg: HiCacheStorageConfig) -> list[tuple[str, int, int]]:
+    """(name, rank, size) of every parallel dimension SGLang gives a storage backend."""
+    return [
+        ("tp", cfg.tp_rank, cfg.tp_size),
+        ("pp", cfg.pp_rank, cfg.pp_size),
+        ("cp", cfg.attn_cp_rank, cfg.attn_cp_size),
+        ("dcp", getattr(cfg, "dcp_rank", 0), getattr(cfg, "dcp_size", 1)),
+    ]
+
+
+def _rank_tag(cfg: HiCacheStorageConfig) -> str:
+    """RANK RESOURCES CONTRACT: '' for a one-rank server (names stay as configured), else the
+    rank in every dimension of size > 1, e.g. 'tp1' or 'tp3-pp1'."""
+    return "-".join(f"{name}{rank}" for name, rank, size in _ranks(cfg) if (size or 1) > 1)
+
+
+def _publishing_rank(cfg: HiCacheStorageConfig) -> bool:
+    return all(not rank for _, rank, _ in _ranks(cfg))
 
 
 def _namespace(cfg: HiCacheStorageConfig, host_pool: Any, rows: HostPoolRows) -> bytes:
