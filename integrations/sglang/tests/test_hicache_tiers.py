@@ -36,8 +36,9 @@ EXTRA = {
 }
 
 
-def _create(host, extra, tp_rank=0, tp_size=1):
+def _create(host, extra, tp_rank=0, tp_size=1, dp_rank=0):
     cfg = HiCacheStorageConfig(
+        dp_rank=dp_rank,
         tp_rank=tp_rank,
         tp_size=tp_size,
         pp_rank=0,
@@ -178,13 +179,25 @@ def test_bad_remote_or_event_options_fail_at_startup(sglang_pools, extra, match)
         _create(host, {"capacity_pages": 4, **extra})
 
 
-def test_ranks_of_one_server_get_their_own_disk_directory_and_shm_namespace(sglang_pools, tmp_path):
-    """RANK RESOURCES CONTRACT: the TP ranks of one server, configured with one extra config,
-    each lock their own disk directory and /dev/shm namespace (a shared one would stop the second
-    rank at start-up), keep their own shard of a page, and only the first rank publishes events."""
+@pytest.mark.parametrize(
+    ("ranks", "tags"),
+    [
+        ([{"tp_rank": 0, "tp_size": 2}, {"tp_rank": 1, "tp_size": 2}], ["tp0", "tp1"]),
+        # attention DP: both replicas are attention-TP rank 0 of 1; SGLang gives no dp size
+        ([{"dp_rank": 0}, {"dp_rank": 1}], ["", "dp1"]),
+    ],
+    ids=["tp2", "attention-dp2"],
+)
+def test_ranks_of_one_server_get_their_own_disk_directory_and_shm_namespace(
+    sglang_pools, tmp_path, ranks, tags
+):
+    """RANK RESOURCES CONTRACT: the ranks of one server, configured with one extra config, each
+    lock their own disk directory and /dev/shm namespace (a shared one would stop the second rank
+    at start-up), keep their own copy of a page, and only the first rank publishes events."""
     from tpusync.core import KVStore
 
     namespace = f"sglang-ranks-{os.getpid()}"
+    names = [f"{namespace}-{t}" if t else namespace for t in tags]
     extra = {
         "capacity_pages": 2,
         "disk_dir": str(tmp_path / "disk"),
@@ -194,13 +207,14 @@ def test_ranks_of_one_server_get_their_own_disk_directory_and_shm_namespace(sgla
     }
     backends, hosts = [], []
     try:
-        for rank in range(2):
+        for rank in ranks:
             _, host = sglang_pools("layer_first")
             hosts.append(host)
-            backends.append(_create(host, extra, tp_rank=rank, tp_size=2))
-        assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["tp0", "tp1"]
-        for rank in range(2):
-            assert Path(f"/dev/shm/tpusync-{namespace}-tp{rank}-host").exists()
+            backends.append(_create(host, extra, **rank))
+        for tag in tags:
+            assert (tmp_path / "disk" / tag / "tier.meta").exists(), tag
+        for name in names:
+            assert Path(f"/dev/shm/tpusync-{name}-host").exists(), name
         assert backends[0].events is not None and backends[1].events is None
         n = 4  # twice the host tier: pages go down to each rank's own disk tier
         keys = _hashes(n, hosts[0].page_size, seed=61)
@@ -219,8 +233,8 @@ def test_ranks_of_one_server_get_their_own_disk_directory_and_shm_namespace(sgla
     finally:
         for b in backends:
             b.close()
-        for rank in range(2):
-            KVStore.unlink_namespace(f"{namespace}-tp{rank}")
+        for name in names:
+            KVStore.unlink_namespace(name)
 
 
 def _drain(sub: zmq.Socket, until, timeout_s: float = 20.0):

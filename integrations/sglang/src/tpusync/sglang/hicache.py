@@ -609,17 +609,21 @@ def _positive(extra: dict, name: str, default, kind):
 
 def _ranks(cfg: HiCacheStorageConfig) -> list[tuple[str, int, int]]:
     """(name, rank, size) of every parallel dimension SGLang gives a storage backend."""
+    # Attention DP: tp_rank is local to the attention group and dp_rank tells the groups apart;
+    # SGLang gives no dp size, so replica 0 counts as a dimension of size 1 (its plain names).
+    dp_rank = getattr(cfg, "dp_rank", 0) or 0
     return [
         ("tp", cfg.tp_rank, cfg.tp_size),
         ("pp", cfg.pp_rank, cfg.pp_size),
         ("cp", cfg.attn_cp_rank, cfg.attn_cp_size),
         ("dcp", getattr(cfg, "dcp_rank", 0), getattr(cfg, "dcp_size", 1)),
+        ("dp", dp_rank, getattr(cfg, "dp_size", None) or dp_rank + 1),
     ]
 
 
 def _rank_tag(cfg: HiCacheStorageConfig) -> str:
     """RANK RESOURCES CONTRACT: '' for a one-rank server (names stay as configured), else the
-    rank in every dimension of size > 1, e.g. 'tp1' or 'tp3-pp1'."""
+    rank in every dimension of size > 1, e.g. 'tp1', 'tp3-pp1' or 'dp1'."""
     return "-".join(f"{name}{rank}" for name, rank, size in _ranks(cfg) if (size or 1) > 1)
 
 

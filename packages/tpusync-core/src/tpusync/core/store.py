@@ -366,7 +366,7 @@ class KVStore:
         self.close()
 
     def __repr__(self) -> str:
-        if self._native is None:
+        if getattr(self, "_native", None) is None:  # closed, or its __init__ failed
             return "KVStore(closed)"
         s = self.stats()
         tiers = ", ".join(
