@@ -34,14 +34,11 @@ bool Link::healthy() const {
 
 bool Link::idle_and_open() const {
   if (!healthy()) return false;
+  std::vector<pollfd> fds;  // one poll for every stream (Acquire runs once per pull)
   for (const auto& s : streams) {
-    const int fd = s->fd();
-    if (fd < 0) continue;
-    pollfd p{.fd = fd, .events = POLLIN | POLLRDHUP, .revents = 0};
-    const int n = ::poll(&p, 1, 0);
-    if (n < 0 || (n > 0 && p.revents != 0)) return false;
+    if (s->fd() >= 0) fds.push_back({.fd = s->fd(), .events = POLLIN | POLLRDHUP, .revents = 0});
   }
-  return true;
+  return fds.empty() || ::poll(fds.data(), fds.size(), 0) == 0;
 }
 
 void Link::Close() {
