@@ -13,6 +13,9 @@ SGLang's factory calls ``TpusyncHiCacheStorage(storage_config, kwargs)`` and the
 indices. Pages move between SGLang's host KV pool and tpusync on tpusync's engine threads (GIL
 released), addressed by row tables over the host pool's own buffer: no per-page tensors, no
 staging copy. The legacy tensor path (get / set / batch_get / batch_set / exists) works too.
+Hybrid models (Mamba, SWA, DSA indexer state beside the KV) use the v2 calls
+(``register_mem_host_pool_v2``, ``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2``): each
+extra pool gets its own page store, see :mod:`tpusync.sglang.hicache_pools`.
 
 SEGMENT ORDER CONTRACT: a page's segments are stored in ascending address order within the host
 pool buffer. For SGLang's MHA host layouts (layer_first, page_first, page_first_direct, page_head)
@@ -44,7 +47,11 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
+from tpusync.sglang.hicache_pools import SidecarPool, restorable
 from tpusync.sglang.page_store import (
     DEFAULT_TIMEOUT_S,
     InterimHostPageStore,
@@ -63,6 +70,8 @@ _CONFIG_KEYS = {
     "interface_v1",
     "capacity_gb",
     "capacity_pages",
+    "sidecar_capacity_gb",
+    "sidecar_disk_gb",
     "timeout_s",
     "prefault",
     "store",
@@ -175,7 +184,9 @@ class TpusyncHiCacheStorage(HiCacheStorage):
     extra_config keys (besides SGLang's backend_name / module_path / class_name / interface_v1):
     ``capacity_gb`` (host bytes for the interim store, default 1) or ``capacity_pages``;
     ``timeout_s`` (per batch copy, default 60); ``prefault`` (default true); ``disk_dir`` with
-    ``disk_gb`` (a disk tier below the host tier); ``namespace`` (/dev/shm host tier, warm
+    ``disk_gb`` (a disk tier below the host tier); ``sidecar_capacity_gb`` / ``sidecar_disk_gb``
+    (host / disk bytes for each extra pool of a hybrid model, default ``capacity_gb`` /
+    ``disk_gb``); ``namespace`` (/dev/shm host tier, warm
     restart); ``store_nodes`` (list or comma-separated ``host:port`` of tpusync store nodes, the
     last tier, shared by every instance with the same list) with ``auth_secret_file`` and
     ``replicas`` (default 1) and ``write_through`` (copy each new page to the nodes at once,
@@ -203,6 +214,7 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self._capacity_gb = _positive(extra, "capacity_gb", 1.0, float)
         self._capacity_pages = _positive(extra, "capacity_pages", None, int)
+        self._sidecar_gb = _positive(extra, "sidecar_capacity_gb", self._capacity_gb, float)
         self._timeout = _positive(extra, "timeout_s", DEFAULT_TIMEOUT_S, float)
         self._prefault = bool(extra.get("prefault", True))
         self._store_kind = str(extra.get("store", "kvstore"))
@@ -220,6 +232,9 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         self._disk_gb = _positive(extra, "disk_gb", None, float)
         if (self._disk_dir is None) != (self._disk_gb is None):
             raise ValueError("tpusync HiCache options disk_dir and disk_gb go together")
+        self._sidecar_disk_gb = _positive(extra, "sidecar_disk_gb", self._disk_gb, float)
+        if self._disk_dir is None and "sidecar_disk_gb" in extra:
+            raise ValueError("tpusync HiCache option sidecar_disk_gb needs disk_dir")
         if self._disk_dir is not None and self._store_kind != "kvstore":
             raise ValueError("a disk tier needs store='kvstore'")
         self._shm_namespace = extra.get("namespace") or None
@@ -282,6 +297,10 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         self._store: PageStore | None = store
         self._rows: HostPoolRows | None = None
         self._namespace = b""
+        self._namespace_parts: list[str] = []
+        # SIDECAR CONTRACT (hicache_pools.py): the v2 state pools of a hybrid model, by name.
+        self._sidecars: dict[str, SidecarPool] = {}
+        self._sidecars_lock = threading.Lock()
         # SGLang's storage metrics for the interval since the last get_stats() call.
         self._metrics_lock = threading.Lock()
         self._metrics: dict[str, list] = _empty_metrics()
@@ -292,33 +311,16 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         rows = HostPoolRows(mem_pool_host)
         if self._store is None:
-            pages = self._capacity_pages or max(
-                1, int(self._capacity_gb * 2**30) // rows.page_bytes
+            pages = self._capacity_pages or _pages(self._capacity_gb, rows.page_bytes)
+            self._store = self._new_store(
+                rows.segment_bytes,
+                rows.segments_per_page,
+                pages,
+                _pages(self._disk_gb, rows.page_bytes),
+                self._disk_dir,
+                self._shm_namespace,
+                remote=True,
             )
-            if self._store_kind == "interim":
-                self._store = InterimHostPageStore(
-                    rows.segment_bytes, rows.segments_per_page, pages, prefault=self._prefault
-                )
-            else:
-                disk_pages = (
-                    max(1, int(self._disk_gb * 2**30) // rows.page_bytes)
-                    if self._disk_gb is not None
-                    else 0
-                )
-                self._store = KVStorePageStore(
-                    rows.segment_bytes,
-                    rows.segments_per_page,
-                    pages,
-                    disk_dir=self._disk_dir,
-                    disk_pages=disk_pages,
-                    namespace=self._shm_namespace,
-                    fingerprint=self._shm_namespace or "",
-                    prefault=self._prefault,
-                    remote=self._store_nodes or None,
-                    auth_secret_file=self._auth_secret_file,
-                    replicas=self._replicas,
-                    write_through=self._write_through and bool(self._store_nodes),
-                )
         elif (self._store.segment_bytes, self._store.segments_per_page) != (
             rows.segment_bytes,
             rows.segments_per_page,
@@ -329,7 +331,8 @@ class TpusyncHiCacheStorage(HiCacheStorage):
                 f"{rows.segments_per_page} x {rows.segment_bytes} B"
             )
         self._rows = rows
-        self._namespace = _namespace(self.storage_config, mem_pool_host, rows)
+        self._namespace_parts = _namespace_parts(self.storage_config, mem_pool_host, rows)
+        self._namespace = _digest(self._namespace_parts)
         if self._events_endpoint is not None and self._events is None and not self._events_off:
             if not isinstance(self._store, KVStorePageStore):
                 raise ValueError("kv_events_endpoint needs a KVStorePageStore")
@@ -348,6 +351,88 @@ class TpusyncHiCacheStorage(HiCacheStorage):
             rows.segments_per_page,
             rows.segment_bytes,
             self._namespace.hex(),
+        )
+
+    def _new_store(
+        self,
+        segment_bytes: int,
+        segments_per_page: int,
+        pages: int,
+        disk_pages: int,
+        disk_dir: str | None,
+        namespace: str | None,
+        *,
+        remote: bool,
+    ) -> PageStore:
+        """A page store with this backend's tiers (``remote``: the store nodes too)."""
+        if self._store_kind == "interim":
+            return InterimHostPageStore(
+                segment_bytes, segments_per_page, pages, prefault=self._prefault
+            )
+        return KVStorePageStore(
+            segment_bytes,
+            segments_per_page,
+            pages,
+            disk_dir=disk_dir,
+            disk_pages=disk_pages if disk_dir is not None else 0,
+            namespace=namespace,
+            fingerprint=namespace or "",
+            prefault=self._prefault,
+            remote=(self._store_nodes or None) if remote else None,
+            auth_secret_file=self._auth_secret_file if remote else None,
+            replicas=self._replicas,
+            write_through=remote and self._write_through and bool(self._store_nodes),
+        )
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Register an extra host pool of a hybrid model (SIDECAR CONTRACT, hicache_pools.py).
+
+        The KV pool itself is the anchor (``register_mem_pool_host``) and is skipped here. Each
+        other pool gets its own page store: ``sidecar_capacity_gb`` of host memory (default
+        ``capacity_gb``), ``sidecar_disk_gb`` on disk under ``disk_dir/pool-<name>`` (default
+        ``disk_gb``), the /dev/shm namespace ``<namespace>-<name>``; store nodes hold KV pages
+        only.
+        """
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == str(PoolName.KV):
+            return
+        if self._rows is None:
+            raise RuntimeError(
+                "register_mem_pool_host() must come before register_mem_host_pool_v2()"
+            )
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise ValueError(f"SGLang host pool name {name!r} is not usable as a file name")
+        with self._sidecars_lock:
+            if name in self._sidecars:
+                raise ValueError(f"SGLang host pool {name!r} is registered twice")
+
+            def make_store(page_bytes: int) -> PageStore:
+                disk_dir = os.path.join(self._disk_dir, f"pool-{name}") if self._disk_dir else None
+                if disk_dir is not None:
+                    os.makedirs(disk_dir, exist_ok=True)
+                return self._new_store(
+                    page_bytes,
+                    1,
+                    _pages(self._sidecar_gb, page_bytes),
+                    _pages(self._sidecar_disk_gb, page_bytes),
+                    disk_dir,
+                    f"{self._shm_namespace}-{name}" if self._shm_namespace else None,
+                    remote=False,
+                )
+
+            cfg = self.storage_config
+            namespace = _digest(
+                [*self._namespace_parts, f"pool={name}", f"tp{cfg.tp_rank}/{cfg.tp_size}"]
+            )
+            pool = SidecarPool(name, host_pool, namespace, make_store, page_key)
+            self._sidecars[name] = pool
+        logger.info(
+            "tpusync HiCache storage: pool %s, pages of %d B (%d slot(s) each), %d in host memory",
+            name,
+            pool.page_bytes,
+            pool.page_size,
+            _pages(self._sidecar_gb, pool.page_bytes),
         )
 
     @property
@@ -403,6 +488,76 @@ class TpusyncHiCacheStorage(HiCacheStorage):
             return ok
         except Exception as e:  # noqa: BLE001 - SGLang threads must get per-page failures
             logger.error("tpusync batch_%s_v1 failed for %d page(s): %s", what, len(keys), e)
+            return [False] * len(keys)
+
+    # -- v2: hybrid models' extra pools (hicache_pools.py) ------------------------------------
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The longest KV prefix every extra pool can restore (VERDICT CONTRACT), each pool's own
+        longest, and the whole set of restorable prefix lengths."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits: dict = {PoolName.KV: kv_pages} if kv_pages else {}
+        stops = set(range(1, kv_pages + 1))
+        try:
+            for transfer in pool_transfers or []:
+                if not stops:
+                    break
+                pool = self._sidecars.get(str(transfer.name))
+                if pool is None:
+                    raise ValueError(f"pool {str(transfer.name)!r} was never registered")
+                window = len(transfer.keys or ())
+                policy = getattr(transfer.hit_policy, "value", transfer.hit_policy)
+                verdict = restorable(pool.stored(keys[:kv_pages]), str(policy), window)
+                if verdict is None:
+                    continue
+                if verdict:
+                    hits[transfer.name] = max(verdict)
+                stops &= verdict
+        except Exception as e:  # noqa: BLE001 - SGLang threads get a miss, not an exception
+            logger.error("tpusync batch_exists_v2 failed: %s", e)
+            return PoolTransferResult(0, {}, [])
+        ordered = sorted(stops)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
+
+    def batch_get_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        return {t.name: self._v2("get", t) for t in transfers}
+
+    def batch_set_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        return {t.name: self._v2("set", t) for t in transfers}
+
+    def _v2(self, what: str, transfer: PoolTransfer) -> list[bool]:
+        keys = list(transfer.keys or ())
+        try:
+            if str(transfer.name) == str(PoolName.KV):
+                if transfer.host_indices is None:
+                    raise ValueError("a KV transfer without host_indices")
+                return self._v1(what, keys, transfer.host_indices)
+            pool = self._sidecars.get(str(transfer.name))
+            if pool is None:
+                raise ValueError(f"pool {str(transfer.name)!r} was never registered")
+            op = pool.get if what == "get" else pool.put
+            return op(keys, transfer.host_indices, self._timeout)
+        except Exception as e:  # noqa: BLE001 - SGLang threads must get per-page failures
+            logger.error(
+                "tpusync batch_%s_v2 failed for %d page(s) of pool %s: %s",
+                what,
+                len(keys),
+                transfer.name,
+                e,
+            )
             return [False] * len(keys)
 
     # -- legacy tensor path -------------------------------------------------------------------
@@ -478,6 +633,8 @@ class TpusyncHiCacheStorage(HiCacheStorage):
     def clear(self) -> None:
         if self._store is not None:
             self._store.clear()
+        for pool in list(self._sidecars.values()):
+            pool.store.clear()
 
     def get_stats(self):
         """SGLang StorageMetrics for the zero-copy traffic since the previous call (then reset).
@@ -631,8 +788,17 @@ def _publishing_rank(cfg: HiCacheStorageConfig) -> bool:
     return all(not rank for _, rank, _ in _ranks(cfg))
 
 
-def _namespace(cfg: HiCacheStorageConfig, host_pool: Any, rows: HostPoolRows) -> bytes:
-    """8-byte digest of everything that makes two ranks' pages with one hash differ."""
+def _pages(gb: float | None, page_bytes: int) -> int:
+    """Whole pages in ``gb`` GiB (at least 1); 0 without a size."""
+    return max(1, int(gb * 2**30) // page_bytes) if gb is not None else 0
+
+
+def _digest(parts: list[str]) -> bytes:
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
+
+
+def _namespace_parts(cfg: HiCacheStorageConfig, host_pool: Any, rows: HostPoolRows) -> list[str]:
+    """Everything that makes two ranks' pages with one hash differ (digested to 8 bytes)."""
     # MLA KV is identical on every TP rank (one shared copy); MHA KV is sharded by TP rank.
     shard = "mla" if cfg.is_mla_model else f"tp{cfg.tp_rank}/{cfg.tp_size}"
     parts = [
@@ -645,4 +811,4 @@ def _namespace(cfg: HiCacheStorageConfig, host_pool: Any, rows: HostPoolRows) ->
         str(getattr(host_pool, "dtype", "")),
         f"{rows.segments_per_page}x{rows.segment_bytes}",
     ]
-    return hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
+    return parts
