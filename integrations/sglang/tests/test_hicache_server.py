@@ -11,6 +11,9 @@ placement changes as KV events (``kv_events_endpoint``): the subscriber sees eve
 prompt announced in medium CPU under SGLang's own page hashes. Last, the server is killed with
 SIGKILL and a replacement with the same extra config (``namespace``: host tier in /dev/shm;
 ``disk_dir``) serves a prompt the killed server had stored from storage, with identical output.
+The store's host tier holds fewer pages than either prompt, so both prompts come back partly from
+the disk tier (written back as the host tier overflowed), in the running server and after the
+SIGKILL.
 
 CPU only through the TEST-ONLY shim ``support/cpu_server_shim.py`` (installed in every server
 process by ``support/server_site/sitecustomize.py``): CPU stand-ins for SGLang's host-pool copy
@@ -28,6 +31,10 @@ from pathlib import Path
 import pytest
 import tiny_model
 from live_server import PAGE, free_port, launch
+
+# The store's host tier, in pages: fewer than either prompt has, so their pages overflow into the
+# disk tier and are read back from it.
+HOST_PAGES = 6
 
 PROMPT = (
     "the cache page block host disk token model prefix hit miss store load copy layer head key "
@@ -48,7 +55,7 @@ def server(tmp_path_factory):
         "module_path": "tpusync.sglang",
         "class_name": "TpusyncHiCacheStorage",
         "interface_v1": 1,
-        "capacity_pages": 512,
+        "capacity_pages": HOST_PAGES,
         "prefault": False,
         # Host tier in /dev/shm and a disk tier: a replacement server re-attaches both.
         "namespace": namespace,
@@ -119,6 +126,7 @@ def test_flushed_prefix_is_loaded_from_tpusync_with_identical_output(server):
         # every whole page of the prompt but the last token's, from tpusync storage, none from
         # device or host
         expected = (len(ids) - 1) // PAGE * PAGE
+        assert expected // PAGE > HOST_PAGES  # so some of them are read from the disk tier
         assert details.get("storage", 0) == expected, meta
         assert details.get("device", 0) == 0 and details.get("host", 0) == 0, meta
         assert meta["cached_tokens"] == expected, meta
@@ -156,12 +164,14 @@ RESTART_PROMPT = (
 def test_a_server_killed_with_sigkill_is_replaced_warm(server):
     """Runs last in this module: it kills the module's server. The replacement, started with the
     same extra config, has empty device and host caches, so every prefix page it reports from
-    storage was found in the /dev/shm host tier the killed server left behind (its disk tier
-    lock died with it too, or the replacement would not start)."""
+    storage was found in the tiers the killed server left behind: at most HOST_PAGES of them in
+    the /dev/shm host tier, the rest in the disk tier (whose lock died with the killed server, or
+    the replacement would not start)."""
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(server.model_dir)(RESTART_PROMPT).input_ids
     expected = (len(ids) - 1) // PAGE * PAGE
+    assert expected // PAGE > 2 * HOST_PAGES  # most of them come back from the disk tier
     backed_before = server.metric("sglang:backup_pgs_sum")
     first = server.generate(ids)
     assert first["meta_info"]["cached_tokens"] == 0
