@@ -11,6 +11,7 @@ import logging
 
 import pytest
 import torch
+from hicache_backend import create, storage_config
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
@@ -20,39 +21,17 @@ from tpusync.sglang.hicache import TpusyncHiCacheStorage
 
 MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
-EXTRA = {
-    "backend_name": "tpusync",
-    "module_path": "tpusync.sglang",
-    "class_name": "TpusyncHiCacheStorage",
-    "interface_v1": 1,
-    "capacity_pages": 64,  # the 1 GiB default would prefault 1 GiB per test
-}
+# the 1 GiB default would prefault 1 GiB per test
+EXTRA = {"capacity_pages": 64}
 
 
-def _config(
-    extra=None, *, tp_rank=0, tp_size=1, model="tiny-test", mla=False
-) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=mla,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name=model,
-        extra_config={**EXTRA, **(extra or {})},
-    )
+def _config(extra=None, **cfg) -> HiCacheStorageConfig:
+    return storage_config({**EXTRA, **(extra or {})}, **cfg)
 
 
 def _create(host, extra=None, **cfg):
     """Exactly what SGLang's HiCacheController.attach_storage_backend does."""
-    backend = StorageBackendFactory.create_backend("dynamic", _config(extra, **cfg), host)
-    backend.register_mem_pool_host(host)
-    backend.on_host_pools_registered()
-    return backend
+    return create(host, {**EXTRA, **(extra or {})}, **cfg)
 
 
 def _page_hashes(n_pages: int, page_size: int, seed: int = 0) -> list[str]:

@@ -12,28 +12,20 @@ import logging
 
 import pytest
 import torch
+from hicache_backend import create
 from hypothesis import given
 from hypothesis import strategies as st
 from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorageConfig,
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
     count_pool_hits,
 )
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from tpusync.core import KVStore
 from tpusync.sglang.hicache_pools import restorable
 
-EXTRA = {
-    "backend_name": "tpusync",
-    "module_path": "tpusync.sglang",
-    "class_name": "TpusyncHiCacheStorage",
-    "interface_v1": 1,
-    "prefault": False,
-}
 MAMBA, SWA = PoolName.MAMBA, PoolName.SWA
 TRAILING, ALL = PoolHitPolicy.TRAILING_PAGES, PoolHitPolicy.ALL_PAGES
 
@@ -64,21 +56,10 @@ def hybrid(sglang_pools, request):
 
 
 def _backend(kv, mamba, swa, extra, tp_rank=0, tp_size=1):
-    cfg = HiCacheStorageConfig(
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name="tiny-hybrid",
-        extra_config={**EXTRA, "capacity_pages": 32, **extra},
-    )
-    backend = StorageBackendFactory.create_backend("dynamic", cfg, kv)
-    backend.register_mem_pool_host(kv)
+    """As SGLang's hybrid cache controller attaches a backend: the KV pool, then every pool of
+    its group through v2 (the KV pool included), then the end of registration."""
+    extra = {"prefault": False, "capacity_pages": 32, **extra}
+    backend = create(kv, extra, tp_rank=tp_rank, tp_size=tp_size, model="tiny-hybrid", attach=False)
     for pool, name in ((kv, PoolName.KV), (mamba, MAMBA), (swa, SWA)):
         backend.register_mem_host_pool_v2(pool, name)
     backend.on_host_pools_registered()

@@ -20,40 +20,20 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from hicache_backend import create
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from tpusync.core import events as tev
 
 SECRET = b"sglang-hicache-test-secret-0123456789"
-EXTRA = {
-    "backend_name": "tpusync",
-    "module_path": "tpusync.sglang",
-    "class_name": "TpusyncHiCacheStorage",
-    "interface_v1": 1,
-    "prefault": False,
-}
+EXTRA = {"prefault": False}
 
 
 def _create(host, extra, tp_rank=0, tp_size=1, dp_rank=0):
-    cfg = HiCacheStorageConfig(
-        dp_rank=dp_rank,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=False,
-        model_name="tiny-test",
-        extra_config={**EXTRA, **extra},
-    )
-    backend = StorageBackendFactory.create_backend("dynamic", cfg, host)
-    backend.register_mem_pool_host(host)
-    return backend
+    return create(
+        host, {**EXTRA, **extra}, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
+        page_first=False,
+    )  # fmt: skip
 
 
 def _hashes(n_pages: int, page_size: int, seed: int) -> list[str]:
