@@ -6,7 +6,10 @@ model on CPU; a third, ordinary server computes the same prompts alone for refer
 does what SGLang's router does: it sends each request to both P/D servers at once with the
 prefill's bootstrap address and one random ``bootstrap_room``. The decode server receives the
 prompt's KV pages and first token from the prefill server through tpusync and decodes; its
-greedy tokens must equal the reference server's. (Measured once by hand, 2026-12-02: a decode
+greedy tokens must equal the reference server's. Two decode servers take turns with the one
+prefill server: one pulls through the same-host path (the prefill's /dev/shm pool, the default
+on one host), the other with it turned off (``TPUSYNC_SGLANG_SAME_HOST=0``), over TCP as it
+would from another host. (Measured once by hand, 2026-12-02: a decode
 server whose received pages were dropped before the scatter decoded [210, 167, 381, ...] where
 the reference decodes [210, 441, 122, ...], so equal tokens do show that the KV landed.)
 
@@ -14,7 +17,7 @@ Then the prefill server is stopped: a request to the decode server fails with SG
 error naming the lost prefill's bootstrap address, in bounded time, and the decode server stays
 healthy.
 
-Servers are started by ``support/live_server.py`` (LIVE SERVER CONTRACT), all three at once.
+Servers are started by ``support/live_server.py`` (LIVE SERVER CONTRACT), all four at once.
 """
 
 from __future__ import annotations
@@ -42,12 +45,13 @@ PROMPTS = [
 @dataclass
 class PdServers:
     prefill: Server
-    decode: Server
+    decode: Server  # pulls through the same-host path
+    decode_tcp: Server  # pulls over TCP (same-host path off)
     reference: Server
     bootstrap: int  # the prefill's bootstrap port
 
-    def disaggregated(self, ids: list[int]) -> tuple[dict, dict]:
-        """One request through both P/D servers at once, as SGLang's router sends it."""
+    def disaggregated(self, ids: list[int], decode: Server) -> tuple[dict, dict]:
+        """One request through the prefill and ``decode`` at once, as SGLang's router sends it."""
         route = {
             "bootstrap_host": "127.0.0.1",
             "bootstrap_port": self.bootstrap,
@@ -55,7 +59,7 @@ class PdServers:
         }
         with ThreadPoolExecutor(2) as pool:
             pre = pool.submit(self.prefill.generate, ids, **route)
-            dec = pool.submit(self.decode.generate, ids, **route)
+            dec = pool.submit(decode.generate, ids, **route)
             return pre.result(timeout=300), dec.result(timeout=300)
 
 
@@ -69,14 +73,18 @@ def servers(tmp_path_factory):
     env = {"TPUSYNC_AUTH_SECRET": SECRET}
     started: list[Server] = []
     try:
-        for name, args in (
-            ("prefill", [*pd, "--disaggregation-mode", "prefill",
-                         "--disaggregation-bootstrap-port", str(bootstrap), "--enable-metrics"]),
-            ("decode", [*pd, "--disaggregation-mode", "decode"]),
-            ("reference", []),
+        for name, args, extra_env in (
+            # --disable-overlap-schedule: SGLang's overlapped prefill makes a torch.cuda.Event
+            # when it sends a cached prefix early, which fails on CPU.
+            ("prefill", [*pd, "--disaggregation-mode", "prefill", "--disable-overlap-schedule",
+                         "--disaggregation-bootstrap-port", str(bootstrap), "--enable-metrics"], {}),
+            ("decode", [*pd, "--disaggregation-mode", "decode"], {}),
+            ("decode-tcp", [*pd, "--disaggregation-mode", "decode"],
+             {"TPUSYNC_SGLANG_SAME_HOST": "0"}),
+            ("reference", [], {}),
         ):  # fmt: skip
-            started.append(launch(model, logs / f"{name}.log", args, env))
-        for srv in started:  # all three start at once; then each is waited for
+            started.append(launch(model, logs / f"{name}.log", args, {**env, **extra_env}))
+        for srv in started:  # all four start at once; then each is waited for
             srv.wait_ready()
         yield PdServers(*started, bootstrap=bootstrap)
     finally:
@@ -84,20 +92,29 @@ def servers(tmp_path_factory):
             srv.stop()
 
 
-def test_decode_server_continues_from_the_prefill_servers_kv(servers: PdServers):
-    for ids in PROMPTS:
-        want = servers.reference.generate(ids)["output_ids"]
-        pre, dec = servers.disaggregated(ids)
-        assert len(want) == 8
-        assert dec["output_ids"] == want, (ids[:4], dec, servers.decode.tail())
-        # The prefill server computed the first token only; the decode server did not prefill.
-        assert pre["output_ids"] == want[:1]
-        assert dec["meta_info"]["prompt_tokens"] == len(ids) > 8 * PAGE
-    # The tpusync backend ran on both sides (its start-up lines), and SGLang's prefill observed
-    # each request's transfer through the backend's sender.
+def test_decode_servers_continue_from_the_prefill_servers_kv(servers: PdServers):
+    """First the same-host decode, with the prefill's radix cache empty; then the TCP decode with
+    the same prompts: the prefill's cache now holds them, so SGLang sends their cached pages early,
+    in a chunk of their own, before the chunk that ends the request."""
+    for path, decode in (("same-host", servers.decode), ("tcp", servers.decode_tcp)):
+        transfers_before = servers.prefill.metric("sglang:kv_transfer_total_mb_count")
+        for ids in PROMPTS:
+            want = servers.reference.generate(ids)["output_ids"]
+            pre, dec = servers.disaggregated(ids, decode)
+            assert len(want) == 8
+            assert dec["output_ids"] == want, (path, ids[:4], dec, decode.tail())
+            # The prefill server computed the first token only; the decode did not prefill.
+            assert pre["output_ids"] == want[:1]
+            assert dec["meta_info"]["prompt_tokens"] == len(ids) > 8 * PAGE
+            assert (pre["meta_info"]["cached_tokens"] > 0) == (path == "tcp"), (path, pre)
+        # SGLang's prefill observed each request's transfer through the backend's sender, and
+        # the decode's start-up line names its path.
+        transfers = servers.prefill.metric("sglang:kv_transfer_total_mb_count") - transfers_before
+        assert transfers >= len(PROMPTS), path
+        on_off = "on" if path == "same-host" else "off"
+        log = decode.log.read_text()
+        assert "tpusync P/D decode rank 0: pulling" in log and f"(same-host path {on_off})" in log
     assert "tpusync P/D prefill rank 0: offering" in servers.prefill.log.read_text()
-    assert "tpusync P/D decode rank 0: pulling" in servers.decode.log.read_text()
-    assert servers.prefill.metric("sglang:kv_transfer_total_mb_count") >= len(PROMPTS)
 
 
 def test_a_lost_prefill_fails_the_decode_request_clearly(servers: PdServers):
