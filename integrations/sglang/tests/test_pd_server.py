@@ -6,10 +6,11 @@ model on CPU; a third, ordinary server computes the same prompts alone for refer
 does what SGLang's router does: it sends each request to both P/D servers at once with the
 prefill's bootstrap address and one random ``bootstrap_room``. The decode server receives the
 prompt's KV pages and first token from the prefill server through tpusync and decodes; its
-greedy tokens must equal the reference server's. Two decode servers take turns with the one
-prefill server: one pulls through the same-host path (the prefill's /dev/shm pool, the default
-on one host), the other with it turned off (``TPUSYNC_SGLANG_SAME_HOST=0``), over TCP as it
-would from another host. (Measured once by hand, 2026-12-02: a decode
+greedy tokens must equal the reference server's. Four pairings of two prefill servers (TP=1
+and TP=2) and three decode servers (TP=1 through the same-host path, the default on one host;
+TP=1 with it turned off, ``TPUSYNC_SGLANG_SAME_HOST=0``, over TCP as from another host; TP=2)
+take turns: equal TP sizes both ways, a larger prefill TP and a larger decode TP (each side's
+ranks move only the kv heads both hold). (Measured once by hand, 2026-12-02: a decode
 server whose received pages were dropped before the scatter decoded [210, 167, 381, ...] where
 the reference decodes [210, 441, 122, ...], so equal tokens do show that the KV landed.)
 
@@ -17,7 +18,8 @@ Then the prefill server is stopped: a request to the decode server fails with SG
 error naming the lost prefill's bootstrap address, in bounded time, and the decode server stays
 healthy.
 
-Servers are started by ``support/live_server.py`` (LIVE SERVER CONTRACT), all four at once.
+Servers are started by ``support/live_server.py`` (LIVE SERVER CONTRACT), all six at once (a
+TP=2 server on CPU is two scheduler processes, one core each).
 """
 
 from __future__ import annotations
@@ -42,23 +44,28 @@ PROMPTS = [
 ]
 
 
+TP2 = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}  # a CPU server of two ranks: one core each
+
+
 @dataclass
 class PdServers:
-    prefill: Server
-    decode: Server  # pulls through the same-host path
-    decode_tcp: Server  # pulls over TCP (same-host path off)
-    reference: Server
-    bootstrap: int  # the prefill's bootstrap port
+    prefill: Server  # TP=1
+    prefill_tp2: Server
+    decode: Server  # TP=1, pulls through the same-host path
+    decode_tcp: Server  # TP=1, pulls over TCP (same-host path off)
+    decode_tp2: Server
+    reference: Server  # an ordinary TP=1 server
+    bootstrap: dict[str, int]  # the prefills' bootstrap ports, by name
 
-    def disaggregated(self, ids: list[int], decode: Server) -> tuple[dict, dict]:
-        """One request through the prefill and ``decode`` at once, as SGLang's router sends it."""
+    def disaggregated(self, ids: list[int], prefill: str, decode: Server) -> tuple[dict, dict]:
+        """One request through ``prefill`` and ``decode`` at once, as SGLang's router sends it."""
         route = {
             "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": self.bootstrap,
+            "bootstrap_port": self.bootstrap[prefill],
             "bootstrap_room": random.getrandbits(62),
         }
         with ThreadPoolExecutor(2) as pool:
-            pre = pool.submit(self.prefill.generate, ids, **route)
+            pre = pool.submit(getattr(self, prefill).generate, ids, **route)
             dec = pool.submit(decode.generate, ids, **route)
             return pre.result(timeout=300), dec.result(timeout=300)
 
@@ -68,23 +75,27 @@ def servers(tmp_path_factory):
     root = Path(os.environ.get("TPUSYNC_REPO_ROOT", Path(__file__).resolve().parents[3]))
     model = tiny_model.ensure(root)
     logs = tmp_path_factory.mktemp("sglang-pd-servers")
-    bootstrap = free_port()
+    bootstrap = {"prefill": free_port(), "prefill_tp2": free_port()}
     pd = ["--disaggregation-transfer-backend", "tpusync"]
+    # --disable-overlap-schedule: SGLang's overlapped prefill makes a torch.cuda.Event when it
+    # sends a cached prefix early, which fails on CPU.
+    prefill = [*pd, "--disaggregation-mode", "prefill", "--disable-overlap-schedule",
+               "--enable-metrics", "--disaggregation-bootstrap-port"]  # fmt: skip
+    decode = [*pd, "--disaggregation-mode", "decode"]
+    tp2 = ["--tp-size", "2"]
     env = {"TPUSYNC_AUTH_SECRET": SECRET}
     started: list[Server] = []
     try:
         for name, args, extra_env in (
-            # --disable-overlap-schedule: SGLang's overlapped prefill makes a torch.cuda.Event
-            # when it sends a cached prefix early, which fails on CPU.
-            ("prefill", [*pd, "--disaggregation-mode", "prefill", "--disable-overlap-schedule",
-                         "--disaggregation-bootstrap-port", str(bootstrap), "--enable-metrics"], {}),
-            ("decode", [*pd, "--disaggregation-mode", "decode"], {}),
-            ("decode-tcp", [*pd, "--disaggregation-mode", "decode"],
-             {"TPUSYNC_SGLANG_SAME_HOST": "0"}),
+            ("prefill", [*prefill, str(bootstrap["prefill"])], {}),
+            ("prefill-tp2", [*prefill, str(bootstrap["prefill_tp2"]), *tp2], TP2),
+            ("decode", decode, {}),
+            ("decode-tcp", decode, {"TPUSYNC_SGLANG_SAME_HOST": "0"}),
+            ("decode-tp2", [*decode, *tp2], TP2),
             ("reference", [], {}),
-        ):  # fmt: skip
+        ):
             started.append(launch(model, logs / f"{name}.log", args, {**env, **extra_env}))
-        for srv in started:  # all four start at once; then each is waited for
+        for srv in started:  # all start at once; then each is waited for
             srv.wait_ready()
         yield PdServers(*started, bootstrap=bootstrap)
     finally:
@@ -93,28 +104,49 @@ def servers(tmp_path_factory):
 
 
 def test_decode_servers_continue_from_the_prefill_servers_kv(servers: PdServers):
-    """First the same-host decode, with the prefill's radix cache empty; then the TCP decode with
-    the same prompts: the prefill's cache now holds them, so SGLang sends their cached pages early,
-    in a chunk of their own, before the chunk that ends the request."""
-    for path, decode in (("same-host", servers.decode), ("tcp", servers.decode_tcp)):
-        transfers_before = servers.prefill.metric("sglang:kv_transfer_total_mb_count")
-        for ids in PROMPTS:
-            want = servers.reference.generate(ids)["output_ids"]
-            pre, dec = servers.disaggregated(ids, decode)
-            assert len(want) == 8
-            assert dec["output_ids"] == want, (path, ids[:4], dec, decode.tail())
+    """Four pairings, in this order:
+    - TP=1 to TP=1 through the same-host path, the prefill's radix cache empty;
+    - TP=1 to TP=1 over TCP, the same prompts: the prefill's cache now holds them, so SGLang sends
+      their cached pages early, in a chunk of their own, before the chunk that ends the request;
+    - a prefill of TP=2 to a decode of TP=1: the decode rank pulls half the kv heads from each
+      prefill rank (pd_layout.py, HEAD SLICE CONTRACT) and counts both ranks' reports;
+    - TP=1 to TP=2: each decode rank pulls its half of the heads from the one prefill rank."""
+    cases = [
+        ("same-host", "prefill", servers.decode, False),
+        ("tcp", "prefill", servers.decode_tcp, True),
+        ("tp2-to-tp1", "prefill_tp2", servers.decode, False),
+        ("tp1-to-tp2", "prefill", servers.decode_tp2, True),
+    ]
+    want = [servers.reference.generate(ids)["output_ids"] for ids in PROMPTS]
+    for case, prefill, decode, cached in cases:
+        source = getattr(servers, prefill)
+        transfers_before = source.metric("sglang:kv_transfer_total_mb_count")
+        for ids, tokens in zip(PROMPTS, want, strict=True):
+            pre, dec = servers.disaggregated(ids, prefill, decode)
+            assert len(tokens) == 8
+            assert dec["output_ids"] == tokens, (case, ids[:4], dec, decode.tail())
             # The prefill server computed the first token only; the decode did not prefill.
-            assert pre["output_ids"] == want[:1]
+            assert pre["output_ids"] == tokens[:1], case
             assert dec["meta_info"]["prompt_tokens"] == len(ids) > 8 * PAGE
-            assert (pre["meta_info"]["cached_tokens"] > 0) == (path == "tcp"), (path, pre)
-        # SGLang's prefill observed each request's transfer through the backend's sender, and
-        # the decode's start-up line names its path.
-        transfers = servers.prefill.metric("sglang:kv_transfer_total_mb_count") - transfers_before
-        assert transfers >= len(PROMPTS), path
-        on_off = "on" if path == "same-host" else "off"
-        log = decode.log.read_text()
-        assert "tpusync P/D decode rank 0: pulling" in log and f"(same-host path {on_off})" in log
-    assert "tpusync P/D prefill rank 0: offering" in servers.prefill.log.read_text()
+            assert (pre["meta_info"]["cached_tokens"] > 0) == cached, (case, pre)
+        # SGLang's prefill observed each request's transfer through the backend's sender.
+        transfers = source.metric("sglang:kv_transfer_total_mb_count") - transfers_before
+        assert transfers >= len(PROMPTS), case
+    # The backend's start-up lines: every rank of every server, and each decode's path.
+    for srv, ranks in ((servers.prefill, 1), (servers.prefill_tp2, 2)):
+        log = srv.log.read_text()
+        assert [f"tpusync P/D prefill rank {r}: offering" in log for r in range(2)] == [
+            r < ranks for r in range(2)
+        ]
+    for srv, ranks, on_off in (
+        (servers.decode, 1, "on"),
+        (servers.decode_tcp, 1, "off"),
+        (servers.decode_tp2, 2, "on"),
+    ):
+        log = srv.log.read_text()
+        for r in range(ranks):
+            assert f"tpusync P/D decode rank {r}: pulling" in log
+        assert f"(same-host path {on_off})" in log
 
 
 def test_a_lost_prefill_fails_the_decode_request_clearly(servers: PdServers):
@@ -125,7 +157,7 @@ def test_a_lost_prefill_fails_the_decode_request_clearly(servers: PdServers):
         servers.decode.generate(
             PROMPTS[0],
             bootstrap_host="127.0.0.1",
-            bootstrap_port=servers.bootstrap,
+            bootstrap_port=servers.bootstrap["prefill"],
             bootstrap_room=random.getrandbits(62),
         )
     body = json.loads(err.value.read().decode())
@@ -133,6 +165,6 @@ def test_a_lost_prefill_fails_the_decode_request_clearly(servers: PdServers):
     # SGLang's words depend on whether its heartbeat saw the loss first ("Lost connection with
     # prefill instance (bootstrap_addr: ...)") or the request did ("Prefill server with
     # bootstrap_addr: ... is ... down"); both name the lost prefill's bootstrap address.
-    assert f"bootstrap_addr: 127.0.0.1:{servers.bootstrap}" in body["message"], body
+    assert f"bootstrap_addr: 127.0.0.1:{servers.bootstrap['prefill']}" in body["message"], body
     assert time.monotonic() - t0 < 120
     assert servers.decode.healthy()
