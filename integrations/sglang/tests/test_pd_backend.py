@@ -14,12 +14,12 @@ import hashlib
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from live_server import free_port
 
 pytest.importorskip("sglang")
 
@@ -28,15 +28,9 @@ PROC_TIMEOUT_S = 420
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = 0, 1, 2, 3, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _report(out: str, what: str, err: str) -> dict:
+def _report(out: str, what: str, err: str, more: str = "") -> dict:
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    assert lines, f"{what} printed no report:\n{err[-4000:]}"
+    assert lines, f"{what} printed no report:\n{err[-4000:]}{more}"
     return json.loads(lines[-1])
 
 
@@ -45,7 +39,7 @@ def _run(scenario: str, p_tp: int = 1, d_tp: int = 1, p_pp: int = 1, d_pp: int =
     each of d_pp stages, each its own process (one rank per process, as SGLang's schedulers);
     their last reports (stage-major), the decode processes, and the prefill stderrs. Every
     process is bounded by PROC_TIMEOUT_S and killed after it."""
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "TPUSYNC_AUTH_SECRET": secrets.token_hex(16),
@@ -58,7 +52,7 @@ def _run(scenario: str, p_tp: int = 1, d_tp: int = 1, p_pp: int = 1, d_pp: int =
         "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "300",
         "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "300",
         "SGLANG_PLUGINS": "tpusync",
-        "TPUSYNC_TEST_PP_PORT": str(_free_port()),  # the prefill stages' gloo group
+        "TPUSYNC_TEST_PP_PORT": str(free_port()),  # the prefill stages' gloo group
         **extra_env,
     }
 
@@ -87,8 +81,12 @@ def _run(scenario: str, p_tp: int = 1, d_tp: int = 1, p_pp: int = 1, d_pp: int =
                 proc.kill()
                 proc.communicate()
     decs, pres = outs[:n_d], outs[n_d:]
+    # A decode without a report most often waited for a prefill that never came up: show both.
+    prefill_tails = "".join(
+        f"\n--- prefill {i} stderr:\n{c.stderr[-2000:]}" for i, c in enumerate(pres)
+    )
+    d = [_report(c.stdout, "decode", c.stderr, prefill_tails) for c in decs]
     p = [_report(c.stdout, "prefill", c.stderr) for c in pres]
-    d = [_report(c.stdout, "decode", c.stderr) for c in decs]
     return p, d, decs, [c.stderr for c in pres]
 
 
