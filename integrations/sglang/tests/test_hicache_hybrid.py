@@ -3,7 +3,7 @@
 The backend is built by SGLang's own factory; the extra pools are SGLang's own ``MambaPoolHost``
 (one buffer per state tensor, page size 1) and ``MHATokenToKVPoolHost`` (the SWA layers' KV),
 registered through ``register_mem_host_pool_v2`` as SGLang's hybrid cache controller does. No
-server: no hybrid model runs in SGLang on CPU here.
+server: the tiny test model is a Llama, which has no hybrid layers in SGLang.
 """
 
 from __future__ import annotations
