@@ -23,14 +23,13 @@ kernel and host-memory registration, nothing of tpusync. The server is started b
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import pytest
 import tiny_model
-from live_server import PAGE, free_port, launch
+from live_server import PAGE, free_port, hicache_args, launch
 
 # The store's host tier, in pages: fewer than either prompt has, so their pages overflow into the
 # disk tier and are read back from it.
@@ -50,33 +49,18 @@ def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("sglang-server")
     log = work / "server.log"
     namespace = f"sglang-live-{os.getpid()}"
-    extra = {
-        "backend_name": "tpusync",
-        "module_path": "tpusync.sglang",
-        "class_name": "TpusyncHiCacheStorage",
-        "interface_v1": 1,
-        "capacity_pages": HOST_PAGES,
-        "prefault": False,
-        # Host tier in /dev/shm and a disk tier: a replacement server re-attaches both.
-        "namespace": namespace,
-        "disk_dir": str(work / "disk"),
-        "disk_gb": 0.05,
-        "kv_events_endpoint": events_endpoint,
-        "kv_events_pod_id": "pod-live",
-        "kv_events_model": "tiny",
-        # SGLang's own prefetch knobs (popped by SGLang before the backend sees the config):
-        # prefetch from one page on, and give a slow CPU machine time to finish it.
-        "prefetch_threshold": PAGE,
-        "prefetch_timeout_base": 60,
-    }
-    args = [
-        "--enable-hierarchical-cache", "--hicache-ratio", "2",
-        "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-        "--hicache-storage-prefetch-policy", "wait_complete",
-        "--hicache-storage-backend", "dynamic",
-        "--hicache-storage-backend-extra-config", json.dumps(extra),
-        "--enable-metrics", "--enable-cache-report",
-    ]  # fmt: skip
+    args = hicache_args(
+        {
+            "capacity_pages": HOST_PAGES,
+            # Host tier in /dev/shm and a disk tier: a replacement server re-attaches both.
+            "namespace": namespace,
+            "disk_dir": str(work / "disk"),
+            "disk_gb": 0.05,
+            "kv_events_endpoint": events_endpoint,
+            "kv_events_pod_id": "pod-live",
+            "kv_events_model": "tiny",
+        }
+    )
     srv = launch(model, log, args)
     srv.model_dir = model
     srv.events_endpoint = events_endpoint

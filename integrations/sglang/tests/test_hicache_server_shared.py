@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import tiny_model
-from live_server import PAGE, free_port, http, launch
+from live_server import PAGE, free_port, hicache_args, http, launch
 
 PROMPT = (
     "two servers one store node: the second server finds every page of this prompt on the node "
@@ -58,26 +58,9 @@ def servers(tmp_path_factory):
         line = node.stdout.readline()
         assert line, "the store node did not start"
         address = json.loads(line)["address"]
-        extra = {
-            "backend_name": "tpusync",
-            "module_path": "tpusync.sglang",
-            "class_name": "TpusyncHiCacheStorage",
-            "interface_v1": 1,
-            "capacity_pages": 64,
-            "prefault": False,
-            "store_nodes": [address],
-            "auth_secret_file": str(secret),
-            "prefetch_threshold": PAGE,
-            "prefetch_timeout_base": 60,
-        }
-        args = [
-            "--enable-hierarchical-cache", "--hicache-ratio", "2",
-            "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-            "--hicache-storage-prefetch-policy", "wait_complete",
-            "--hicache-storage-backend", "dynamic",
-            "--hicache-storage-backend-extra-config", json.dumps(extra),
-            "--enable-metrics", "--enable-cache-report",
-        ]  # fmt: skip
+        args = hicache_args(
+            {"capacity_pages": 64, "store_nodes": [address], "auth_secret_file": str(secret)}
+        )
         for name in ("a", "b"):
             started.append(launch(model, work / f"server-{name}.log", args))
         for srv in started:

@@ -17,14 +17,13 @@ CPU only through the TEST-ONLY shim (see test_hicache_server.py); started by
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import pytest
 import tiny_model
-from live_server import PAGE, launch
+from live_server import PAGE, hicache_args, launch
 
 HOST_PAGES = 6  # per rank: fewer than the prompt's pages, so some come back from disk
 PROMPT = list(range(40, 77))  # 37 tokens: 9 whole pages and one partial
@@ -36,27 +35,10 @@ def server(tmp_path_factory):
     model = tiny_model.ensure(root)
     work = tmp_path_factory.mktemp("sglang-server-tp2")
     namespace = f"sglang-tp2-{os.getpid()}"
-    extra = {
-        "backend_name": "tpusync",
-        "module_path": "tpusync.sglang",
-        "class_name": "TpusyncHiCacheStorage",
-        "interface_v1": 1,
-        "capacity_pages": HOST_PAGES,
-        "prefault": False,
-        "namespace": namespace,
-        "disk_dir": str(work / "disk"),
-        "disk_gb": 0.05,
-        "prefetch_threshold": PAGE,
-        "prefetch_timeout_base": 60,
-    }
     args = [
         "--tp-size", "2",
-        "--enable-hierarchical-cache", "--hicache-ratio", "2",
-        "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-        "--hicache-storage-prefetch-policy", "wait_complete",
-        "--hicache-storage-backend", "dynamic",
-        "--hicache-storage-backend-extra-config", json.dumps(extra),
-        "--enable-metrics", "--enable-cache-report",
+        *hicache_args({"capacity_pages": HOST_PAGES, "namespace": namespace,
+                       "disk_dir": str(work / "disk"), "disk_gb": 0.05}),
     ]  # fmt: skip
     srv = launch(model, work / "server.log", args, {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"})
     srv.work = work

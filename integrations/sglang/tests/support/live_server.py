@@ -171,6 +171,32 @@ class Server:
                 self.proc.wait(timeout=30)
 
 
+def hicache_args(extra: dict) -> list[str]:
+    """Server flags for HiCache with tpusync as its storage backend (layer_first host pool, the
+    ``direct`` io backend, prefetch waited for), ``extra`` over the backend config every live
+    scenario shares: SGLang's dynamic-loader keys, no prefault, and SGLang's own prefetch knobs
+    (popped by SGLang before the backend sees the config): prefetch from one page on, and give a
+    slow CPU machine time to finish it."""
+    config = {
+        "backend_name": "tpusync",
+        "module_path": "tpusync.sglang",
+        "class_name": "TpusyncHiCacheStorage",
+        "interface_v1": 1,
+        "prefault": False,
+        "prefetch_threshold": PAGE,
+        "prefetch_timeout_base": 60,
+        **extra,
+    }
+    return [
+        "--enable-hierarchical-cache", "--hicache-ratio", "2",
+        "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+        "--hicache-storage-prefetch-policy", "wait_complete",
+        "--hicache-storage-backend", "dynamic",
+        "--hicache-storage-backend-extra-config", json.dumps(config),
+        "--enable-metrics", "--enable-cache-report",
+    ]  # fmt: skip
+
+
 def launch(model: Path, log: Path, args: list[str], env: dict[str, str] | None = None) -> Server:
     """Start (not wait for) a server of ``model`` with the shared flags plus ``args``."""
     cmd = [
