@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import tiny_model
-from live_server import PAGE, free_port, hicache_args, launch
+from live_server import PAGE, assert_from_storage, free_port, hicache_args, launch
 
 # The store's host tier, in pages: fewer than either prompt has, so their pages overflow into the
 # disk tier and are read back from it.
@@ -104,16 +104,12 @@ def test_flushed_prefix_is_loaded_from_tpusync_with_identical_output(server):
         server.flush_cache()
 
         second = server.generate(ids)
-        meta = second["meta_info"]
-        details = meta.get("cached_tokens_details") or {}
-        assert details.get("storage_backend") == "TpusyncHiCacheStorage", meta
         # every whole page of the prompt but the last token's, from tpusync storage, none from
         # device or host
         expected = (len(ids) - 1) // PAGE * PAGE
         assert expected // PAGE > HOST_PAGES  # so some of them are read from the disk tier
-        assert details.get("storage", 0) == expected, meta
-        assert details.get("device", 0) == 0 and details.get("host", 0) == 0, meta
-        assert meta["cached_tokens"] == expected, meta
+        assert_from_storage(second, expected, server)
+        assert second["meta_info"]["cached_tokens"] == expected, second["meta_info"]
         assert second["output_ids"] == first["output_ids"]
         assert second["text"] == first["text"]
 
@@ -169,10 +165,7 @@ def test_a_server_killed_with_sigkill_is_replaced_warm(server):
     try:
         replacement.wait_ready()
         second = replacement.generate(ids)
-        meta = second["meta_info"]
-        details = meta.get("cached_tokens_details") or {}
-        assert details.get("storage", 0) == expected, (meta, replacement.tail())
-        assert details.get("device", 0) == 0 and details.get("host", 0) == 0, meta
+        assert_from_storage(second, expected, replacement)
         assert second["output_ids"] == first["output_ids"]
         assert "cold start" not in replacement.log.read_text(errors="replace")
     finally:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import tiny_model
-from live_server import PAGE, free_port, hicache_args, http, launch
+from live_server import PAGE, assert_from_storage, free_port, hicache_args, http, launch
 
 PROMPT = (
     "two servers one store node: the second server finds every page of this prompt on the node "
@@ -99,9 +99,5 @@ def test_a_second_server_serves_the_first_servers_prefix_from_the_store_node(ser
         time.sleep(1)
 
     second = b.generate(ids)
-    meta = second["meta_info"]
-    details = meta.get("cached_tokens_details") or {}
-    assert details.get("storage_backend") == "TpusyncHiCacheStorage", meta
-    assert details.get("storage", 0) == expected, (meta, b.tail())
-    assert details.get("device", 0) == 0 and details.get("host", 0) == 0, meta
+    assert_from_storage(second, expected, b)
     assert second["output_ids"] == first["output_ids"]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import tiny_model
-from live_server import PAGE, hicache_args, launch
+from live_server import PAGE, assert_from_storage, hicache_args, launch
 
 HOST_PAGES = 6  # per rank: fewer than the prompt's pages, so some come back from disk
 PROMPT = list(range(40, 77))  # 37 tokens: 9 whole pages and one partial
@@ -66,11 +66,7 @@ def test_each_rank_serves_its_shard_back_from_its_own_tiers(server):
     server.flush_cache()
 
     second = server.generate(PROMPT)
-    meta = second["meta_info"]
-    details = meta.get("cached_tokens_details") or {}
-    assert details.get("storage_backend") == "TpusyncHiCacheStorage", meta
-    assert details.get("storage", 0) == expected, (meta, server.tail())
-    assert details.get("device", 0) == 0 and details.get("host", 0) == 0, meta
+    assert_from_storage(second, expected, server)
     assert second["output_ids"] == first["output_ids"]
 
     # One store per rank, each with its own disk directory and /dev/shm host tier.

@@ -197,6 +197,16 @@ def hicache_args(extra: dict) -> list[str]:
     ]  # fmt: skip
 
 
+def assert_from_storage(response: dict, tokens: int, server: Server) -> None:
+    """``response`` (from ``server``) had its first ``tokens`` prompt tokens from tpusync storage
+    (HiCache L3), none from the device or host cache."""
+    meta = response["meta_info"]
+    details = meta.get("cached_tokens_details") or {}
+    assert details.get("storage_backend") == "TpusyncHiCacheStorage", meta
+    assert details.get("storage", 0) == tokens, (meta, server.tail())
+    assert details.get("device", 0) == 0 and details.get("host", 0) == 0, meta
+
+
 def launch(model: Path, log: Path, args: list[str], env: dict[str, str] | None = None) -> Server:
     """Start (not wait for) a server of ``model`` with the shared flags plus ``args``."""
     cmd = [
