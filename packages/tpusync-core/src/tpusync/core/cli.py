@@ -77,8 +77,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         plugins = _plugin_suites()
         if args.suite not in plugins:
             raise SystemExit(f"unknown bench suite {args.suite}")
+        # Suite options other than the plugin contract's three go only to the suite they name.
+        extra = {} if args.link_gbit is None else {"link_gbit": args.link_gbit}
+        if extra and args.suite != "weights":
+            raise SystemExit("--link-gbit applies to the weights suite only")
         result = plugins[args.suite].load()(
-            total_bytes=args.total_mib << 20, repeats=args.repeats, show_progress=not args.quiet
+            total_bytes=args.total_mib << 20,
+            repeats=args.repeats,
+            show_progress=not args.quiet,
+            **extra,
         )
     if args.json:
         print(json.dumps(result, indent=2))
@@ -223,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--session-tokens", type=int, default=1 << 20, help="tiers: long-session stream length"
+    )
+    p.add_argument(
+        "--link-gbit",
+        type=float,
+        default=None,
+        help="weights: link rate of the emulated hosts (default 2; 0 skips those rows)",
     )
     p.set_defaults(func=_cmd_bench)
 

@@ -34,6 +34,14 @@ times of the last version (trainer rank 0 and each sampler; docs/rl.md explains 
   row says how close the shared path gets to it, the second the best ratio against gloo that any
   pipeline of these passes could reach on this machine (``docs/rl.md``, "Passes over each byte").
 
+- ``chain_links_vs_gloo`` and ``chain_links_vs_iperf3``: the chain, gloo's broadcast and iperf3
+  again, each process on its own emulated host (a network namespace whose link carries
+  ``link_gbit`` Gbit/s each way, HOSTS CONTRACT in :mod:`tpusync.core.bench.hosts`), so that a
+  link, not this machine's CPU, sets the rates, as between the hosts of a cluster. There the
+  root of a broadcast sends every byte once per receiver through its one link, a chain's trainer
+  once: no path can beat gloo by more than the ratio of gloo's time to one link's (about 2 with
+  two samplers). Skipped, with the reason in ``links.skipped``, without root, iproute2 or iperf3.
+
 GOALS: chain >= 2x gloo, chain >= 0.8x iperf3, resharded <= 1.3x plain.
 """
 
@@ -49,10 +57,12 @@ import time
 
 import torch
 
+from tpusync.core.bench import hosts
 from tpusync.core.bench.common import result_entry
 
 GOAL = {"vs_gloo": 2.0, "vs_iperf3": 0.8, "resharded_over_plain": 1.3}
 STREAMS = 4
+LINK_GBIT = 2.0  # the emulated hosts' link rate (``--link-gbit``; 0 skips those rows)
 BLOCK = 4 << 20
 COLS = 1024
 
@@ -73,6 +83,8 @@ def _free_port() -> int:
 
 
 def _sampler(spec: dict, q, stop) -> None:
+    if spec.get("netns"):  # before any socket or thread (HOSTS CONTRACT)
+        hosts.enter(spec["netns"])
     torch.set_num_threads(1)
     from tpusync.rl import SamplerSync, WeightSubscriber
 
@@ -88,6 +100,7 @@ def _sampler(spec: dict, q, stop) -> None:
         block_bytes=BLOCK,
         pool_bytes=spec["pool_bytes"],
         streams=STREAMS,
+        listen=f"{spec['addr']}:0",
     )
     q.put("joined")
     # Until the bench sets ``stop`` (every version was reported committed): then a normal exit,
@@ -140,10 +153,14 @@ def _run_sync(
     same_host,
     pool_bytes: int | None = None,
     share: bool = True,
+    on: list[hosts.Host] | None = None,
 ) -> tuple[list[float], dict]:
     """Seconds per version (median-ready list) of one topology, and what the last version did
-    (sampler paths, stage times); trainer rank 0 is this process."""
+    (sampler paths, stage times); trainer rank 0 is this process. ``on``: emulated hosts, the
+    first for this process (which must already be in it), one more per sampler."""
     from tpusync.rl import TrainerSync
+
+    addr = [h.addr for h in on] if on else ["127.0.0.1"] * (len(samplers) + 1)
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -159,13 +176,17 @@ def _run_sync(
         pool_bytes=pool,
         same_host=same_host,
         share=share,
+        listen=f"{addr[0]}:0",
+        control=f"tcp://{addr[0]}:0",
     )
     procs = []
     stop = ctx.Event()
     tensors = _local(shapes, src, 0)
     try:
-        for replica, rank in samplers:
+        for i, (replica, rank) in enumerate(samplers):
             spec = {
+                "netns": on[1 + i].ns if on else None,
+                "addr": addr[1 + i],
                 "replica": replica,
                 "rank": rank,
                 "layouts": dst,
@@ -218,6 +239,32 @@ def _run_sync(
                 p.kill()
 
 
+def _hosted(ns: str, fn, args: tuple, q) -> None:
+    hosts.enter(ns)  # first: every socket and thread of ``fn`` lives on that host
+    try:
+        q.put(("ok", fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        q.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def _on_host(host: hosts.Host, fn, *args, timeout: float = 1800.0):
+    """``fn(*args)`` in a fresh process on emulated ``host``; its result (picklable)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    # Not daemonic: ``fn`` may start processes of its own (a daemonic process may not).
+    p = ctx.Process(target=_hosted, args=(host.ns, fn, args, q))
+    p.start()
+    try:
+        kind, value = q.get(timeout=timeout)
+    finally:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+    if kind != "ok":
+        raise RuntimeError(f"bench weights on emulated host {host.addr}: {value}")
+    return value
+
+
 def _log_sampler_stages(q, last: int, samplers: int) -> dict:
     """Log each sampler's stage split of the last version (reported right after its commit);
     returns them with the paths the samplers took."""
@@ -238,11 +285,15 @@ def _log_sampler_stages(q, last: int, samplers: int) -> dict:
     return out
 
 
-def _gloo_rank(rank: int, port: int, shapes, repeats: int, q) -> None:
+def _gloo_rank(rank: int, port: int, shapes, repeats: int, q, on: list | None) -> None:
+    if on:  # rank r on emulated host r (HOSTS CONTRACT), gloo on its one interface
+        hosts.enter(on[rank].ns)
+        os.environ["GLOO_SOCKET_IFNAME"] = hosts.IFNAME
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    root = on[0].addr if on else "127.0.0.1"
+    dist.init_process_group("gloo", init_method=f"tcp://{root}:{port}", rank=rank, world_size=3)
     tensors = [torch.rand(s) if rank == 0 else torch.zeros(s) for s in shapes.values()]
     times = []
     for _ in range(repeats + 1):
@@ -257,12 +308,12 @@ def _gloo_rank(rank: int, port: int, shapes, repeats: int, q) -> None:
     dist.destroy_process_group()
 
 
-def _gloo(shapes, repeats: int) -> list[float]:
+def _gloo(shapes, repeats: int, on: list[hosts.Host] | None = None) -> list[float]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = _free_port()  # on emulated hosts: free on the host's own stack, which is fresh
     procs = [
-        ctx.Process(target=_gloo_rank, args=(r, port, shapes, repeats, q), daemon=True)
+        ctx.Process(target=_gloo_rank, args=(r, port, shapes, repeats, q, on), daemon=True)
         for r in range(3)
     ]
     for p in procs:
@@ -347,7 +398,51 @@ def _cpu_floor(nbytes: int, passes: int = 3, chunk: int = 256 << 20) -> float:
     return best * nbytes / (rounds * chunk)
 
 
-def run(total_bytes: int, repeats: int, show_progress: bool = True) -> dict:
+def _links(
+    shapes, whole, chain, repeats: int, nbytes: int, gbit: float, iperf: str, row
+) -> tuple[dict, dict]:
+    """The chain, gloo and iperf3 between three emulated hosts whose links carry ``gbit`` Gbit/s
+    each way (HOSTS CONTRACT, :mod:`tpusync.core.bench.hosts`): trainer, sampler 0, sampler 1
+    each on its own host, so the link, not this machine's CPU, sets the rates. Returns the two
+    rows and the seconds of each path."""
+    from tpusync.core.bench.transport import _iperf3
+
+    with hosts.emulated_hosts(3, gbit) as on:
+        _log(f"emulated hosts ({gbit:g} Gbit/s links): chain trainer -> sampler 0 -> sampler 1")
+        times, info = _on_host(
+            on[0], _run_sync, shapes, whole, whole, 1, chain, repeats, False, None, True, on
+        )
+        chain_s = statistics.median(times)
+        _log(f"emulated hosts: chain {chain_s:.3f} s, paths {info.get('paths')}")
+        _log("emulated hosts: gloo broadcast to 2 ranks")
+        gloo = statistics.median(_gloo(shapes, repeats, on))
+        _log("emulated hosts: iperf3 trainer host -> sampler 0 host")
+        one_link = statistics.median(
+            _iperf3(iperf, STREAMS, nbytes, server=on[1], client=on[0]) for _ in range(repeats)
+        )
+    path = f"chain trainer -> sampler 0 -> sampler 1, one emulated host each ({gbit:g} Gbit/s)"
+    seconds = {"chain": chain_s, "gloo": gloo, "iperf3": one_link}
+    return {
+        "chain_links_vs_gloo": row(
+            chain_s,
+            gloo,
+            "torch.distributed gloo broadcast to 2 ranks on the same emulated hosts, same run",
+            info,
+            path,
+        ),
+        "chain_links_vs_iperf3": row(
+            chain_s,
+            one_link,
+            f"iperf3 between two of the emulated hosts, {STREAMS} streams, same bytes, same run",
+            info,
+            path,
+        ),
+    }, seconds
+
+
+def run(
+    total_bytes: int, repeats: int, show_progress: bool = True, link_gbit: float = LINK_GBIT
+) -> dict:
     from tpusync.rl import ShardLayout
 
     torch.set_num_threads(1)  # every process of every path copies on one thread
@@ -413,6 +508,20 @@ def run(total_bytes: int, repeats: int, show_progress: bool = True) -> dict:
             tcp_info,
             "chain trainer -> sampler 0 -> sampler 1, loopback TCP",
         )
+    why = hosts.unavailable() if link_gbit > 0 else "--link-gbit 0"
+    if why is None and not iperf:
+        why = "iperf3 not found (the link rows' reference)"
+    result["links"] = {"gbit": link_gbit, "skipped": why}
+    if why is None:
+        rows, secs = _links(shapes, whole, chain, repeats, nbytes, link_gbit, iperf, row)
+        paths.update(rows)
+        # A chain's trainer sends each byte once, gloo's root once per sampler: the best ratio
+        # against gloo that any path could reach on these links.
+        result["links"].update(
+            seconds=secs, best_possible_vs_gloo=round(secs["gloo"] / secs["iperf3"], 3)
+        )
+    else:
+        _log(f"emulated hosts skipped: {why}")
     _log("resharded vs plain: 2 trainer ranks (dim 0) -> 2 sampler ranks (dim 1 / dim 0)")
     src = {n: ShardLayout.split(s, 0, 2) for n, s in shapes.items()}
     plain_dst = {n: ShardLayout.split(s, 0, 2) for n, s in shapes.items()}

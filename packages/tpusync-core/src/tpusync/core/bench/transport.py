@@ -178,13 +178,20 @@ def _check(src_pool, src, dst_pool, dst) -> None:
             raise RuntimeError("bench transport: data check failed")
 
 
-def _iperf3(iperf: str, streams: int, nbytes: int) -> float:
-    """Seconds iperf3 needs to move nbytes over loopback with `streams` parallel streams."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [iperf, "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
+def _iperf3(iperf: str, streams: int, nbytes: int, server=None, client=None) -> float:
+    """Seconds iperf3 needs to move nbytes with `streams` parallel streams: over loopback, or
+    from emulated host ``client`` to emulated host ``server`` (:mod:`tpusync.core.bench.hosts`)."""
+    if server is not None:
+        addr, port = server.addr, 5201  # the server host's own network stack: the port is free
+    else:
+        addr = "127.0.0.1"
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+    on_server = server.prefix if server is not None else []
+    on_client = client.prefix if client is not None else []
+    server_proc = subprocess.Popen(
+        [*on_server, iperf, "-s", "-1", "-B", addr, "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -194,9 +201,10 @@ def _iperf3(iperf: str, streams: int, nbytes: int) -> float:
             time.sleep(0.05)
             proc = subprocess.run(
                 [
+                    *on_client,
                     iperf,
                     "-c",
-                    "127.0.0.1",
+                    addr,
                     "-p",
                     str(port),
                     "-n",
@@ -207,7 +215,7 @@ def _iperf3(iperf: str, streams: int, nbytes: int) -> float:
                 ],
                 capture_output=True,
                 text=True,
-                timeout=120,
+                timeout=600,
             )
             if proc.returncode == 0:
                 out = json.loads(proc.stdout)
@@ -216,8 +224,8 @@ def _iperf3(iperf: str, streams: int, nbytes: int) -> float:
             raise RuntimeError("bench transport: iperf3 client never connected")
         return nbytes * 8 / out["end"]["sum_received"]["bits_per_second"]
     finally:
-        server.kill()
-        server.wait(timeout=10)
+        server_proc.kill()
+        server_proc.wait(timeout=10)
 
 
 def _shm_copy_seconds(name: str, nbytes: int) -> float:

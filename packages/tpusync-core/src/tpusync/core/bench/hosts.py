@@ -1,0 +1,123 @@
+"""Emulated hosts for benchmarks: network namespaces behind one bridge, each with a shaped link.
+
+A benchmark on one machine talks over loopback, where the CPU, not a link, sets every rate. A
+cluster's hosts each have a NIC of a fixed rate; what a topology (a chain, a broadcast from one
+root) gains there comes from which NIC carries how many copies of each byte. This module gives a
+benchmark such hosts on one machine.
+
+HOSTS CONTRACT: ``emulated_hosts(n, gbit)`` creates ``n`` host namespaces and one hub namespace
+holding a bridge; host ``i`` has one interface, ``eth0``, with the address ``10.232.<k>.<i+1>``
+(``k`` from this process's pid), joined to the bridge by a veth pair. Each host's link is a
+full-duplex NIC of ``gbit`` Gbit/s: a token bucket (``tc`` tbf) shapes both the host's egress
+(what it sends) and the bridge port's egress towards it (what it receives). The hosts see only
+each other; nothing touches the machine's own interfaces or addresses. Every namespace is removed
+on exit, also when the body raises. Needs root and iproute2 (``ip``, ``tc``);
+:func:`unavailable` says why not where they are missing.
+
+A process joins a host with :func:`enter` before it opens any socket (``setns`` moves the calling
+thread; threads it starts afterwards inherit the namespace), or runs a command under
+``Host.prefix`` (``ip netns exec``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+CLONE_NEWNET = 0x40000000
+IFNAME = "eth0"
+
+
+@dataclass(frozen=True)
+class Host:
+    """One emulated host: its namespace and its address on the shared bridge."""
+
+    ns: str
+    addr: str
+
+    @property
+    def prefix(self) -> list[str]:
+        """Command prefix that runs a program on this host."""
+        return ["ip", "netns", "exec", self.ns]
+
+
+def unavailable() -> str | None:
+    """Why emulated hosts cannot be made here, or None when they can."""
+    if os.geteuid() != 0:
+        return "they need root (network namespaces, tc)"
+    for tool in ("ip", "tc"):
+        if not shutil.which(tool):
+            return f"they need iproute2 ({tool!r} not found)"
+    return None
+
+
+def _run(*cmd: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        raise RuntimeError(f"emulated hosts: {' '.join(cmd)} failed: {proc.stderr.strip()}")
+
+
+def _shape(ns: str, dev: str, gbit: float) -> None:
+    # burst: at least one tick of the rate at HZ=100 (else tbf cannot reach it) and 64 KiB (a GSO
+    # segment); latency: a queue of at most 10 ms of traffic (tbf drops beyond it). The queue is
+    # a plain FIFO: this kernel may lack fq_codel; 2, 5 and 50 ms gave the same chain times.
+    burst = max(int(gbit * 1e9 / 8 / 100), 64 << 10)
+    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+         "rate", f"{gbit:g}gbit", "burst", str(burst), "latency", "10ms")  # fmt: skip
+
+
+@contextmanager
+def emulated_hosts(n: int, gbit: float) -> Iterator[list[Host]]:
+    """``n`` hosts with ``gbit`` Gbit/s full-duplex links to one bridge (HOSTS CONTRACT)."""
+    if n < 1 or n > 250:
+        raise ValueError(f"emulated hosts: n must be 1..250, not {n}")
+    if not gbit > 0:
+        raise ValueError(f"emulated hosts: the link rate must be > 0 Gbit/s, not {gbit}")
+    why = unavailable()
+    if why:
+        raise RuntimeError(f"emulated hosts cannot be made here: {why}")
+    tag = f"{os.getpid() % 100000:05d}"
+    subnet = f"10.232.{os.getpid() % 250 + 1}"
+    hub = f"tpe{tag}hub"
+    names = [f"tpe{tag}h{i}" for i in range(n)]
+    made: list[str] = []
+    try:
+        _run("ip", "netns", "add", hub)
+        made.append(hub)
+        _run("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", hub, "link", "set", "br0", "up")
+        for i, ns in enumerate(names):
+            port = f"p{i}"
+            _run("ip", "netns", "add", ns)
+            made.append(ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "link", "add", IFNAME, "netns", ns, "type", "veth",
+                 "peer", "name", port, "netns", hub)  # fmt: skip
+            _run("ip", "-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", IFNAME)
+            _run("ip", "-n", ns, "link", "set", IFNAME, "up")
+            _run("ip", "-n", hub, "link", "set", port, "master", "br0")
+            _run("ip", "-n", hub, "link", "set", port, "up")
+            _shape(ns, IFNAME, gbit)  # what host i sends
+            _shape(hub, port, gbit)  # what host i receives
+        yield [Host(ns, f"{subnet}.{i + 1}") for i, ns in enumerate(names)]
+    finally:
+        for ns in reversed(made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def enter(ns: str) -> None:
+    """Move the calling thread into host ``ns``'s network namespace (call before any socket or
+    thread is made: see the module doc)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise PermissionError(f"emulated hosts: cannot enter {ns} ({os.strerror(err)})")
+    finally:
+        os.close(fd)
