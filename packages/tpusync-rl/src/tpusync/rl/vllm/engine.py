@@ -47,7 +47,7 @@ class TpusyncInitInfo(WeightTransferInitInfo):
     block_bytes: int = 4 << 20
     pool_bytes: int = 256 << 20
     streams: int = 4
-    window: int = 4
+    window: int = 1  # bucket pulls in flight per source (HOP LAG CONTRACT, sampler.py)
     listen: str = "127.0.0.1:0"
     same_host: bool = False
     sharded: bool = True
