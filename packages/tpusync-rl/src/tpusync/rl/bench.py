@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import socket
 import statistics
@@ -254,8 +255,19 @@ def _on_host(host: hosts.Host, fn, *args, timeout: float = 1800.0):
     # Not daemonic: ``fn`` may start processes of its own (a daemonic process may not).
     p = ctx.Process(target=_hosted, args=(host.ns, fn, args, q))
     p.start()
+    end = time.monotonic() + timeout
     try:
-        kind, value = q.get(timeout=timeout)
+        while True:
+            try:
+                kind, value = q.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not p.is_alive() and q.empty():  # died without a word (signal, os._exit)
+                    kind, value = "error", f"the process exited with {p.exitcode}"
+                    break
+                if time.monotonic() > end:
+                    kind, value = "error", f"no result within {timeout:.0f} s"
+                    break
     finally:
         p.join(60)
         if p.is_alive():
