@@ -103,7 +103,7 @@ class SamplerSync:
         # share its link, so each lands only when all of them do: a child can forward a bucket
         # ``window`` bucket-times after its first byte left the source, and a chain of n hops adds
         # that n - 1 times (measured on 2 Gbit/s emulated hosts, 1 GiB, trainer -> 4 samplers:
-        # 5.19 s with 1, 5.54 s with 2, 6.32 s with 4; one link alone 4.52 s; docs/rl.md). With
+        # 5.19-5.34 s with 1, 5.54 s with 2, 6.32 s with 4; one link alone 4.52 s; docs/rl.md). With
         # 1 the link idles one round trip per bucket (a 32 MiB bucket: 1-4% at 100 Gbit/s and
         # 20-100 us). Several sources (trainer ranks of another layout) are pulled at once.
         self._window = max(window, 1)
