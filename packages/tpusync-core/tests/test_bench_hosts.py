@@ -110,6 +110,13 @@ def test_hosts_are_removed_even_when_the_body_raises():
 
 
 @netns
+def test_unshaped_hosts_have_no_token_bucket():
+    with hosts.emulated_hosts(1, None) as on:
+        assert on[0].ns in _namespaces()
+        assert "tbf" not in _qdisc(on[0].ns, hosts.IFNAME)
+
+
+@netns
 def test_enter_a_missing_host_is_a_clear_error():
     with pytest.raises(FileNotFoundError):
         hosts.enter("tpe-no-such-host")

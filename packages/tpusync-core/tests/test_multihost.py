@@ -3,7 +3,8 @@ fourth namespace (nothing touches the host's own network). Store nodes run on tw
 with replication 2 on the third; a P/D pull crosses hosts too.
 
 Runs only as root with iproute2 and TPUSYNC_NETNS=1 (the `multihost` nox session sets it; CI runs
-as root). Traffic goes only to 10.231.<n>.0/24 addresses of namespaces this test created.
+as root). The hosts are tpusync.core.bench.hosts.emulated_hosts (HOSTS CONTRACT) with unshaped
+links: traffic goes only to their 10.232.<k>.0/24 addresses.
 """
 
 from __future__ import annotations
@@ -17,41 +18,20 @@ import textwrap
 
 import pytest
 
+from tpusync.core.bench.hosts import emulated_hosts
+
 pytestmark = pytest.mark.skipif(
     os.environ.get("TPUSYNC_NETNS") != "1" or os.geteuid() != 0 or not shutil.which("ip"),
     reason="multi-host tests need root, iproute2 and TPUSYNC_NETNS=1 (nox -s multihost)",
 )
 
 SECRET = "multihost-test-secret-0123456789"
-TAG = f"{os.getpid() % 10000:04d}"
-SUBNET = f"10.231.{os.getpid() % 200 + 1}"
-
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
 @pytest.fixture(scope="module")
 def hosts():
-    hub = f"tps{TAG}hub"
-    names = [f"tps{TAG}h{i}" for i in (1, 2, 3)]
-    try:
-        ip("netns", "add", hub)
-        ip("-n", hub, "link", "add", "br0", "type", "bridge")
-        ip("-n", hub, "link", "set", "br0", "up")
-        for i, ns in enumerate(names, start=1):
-            ip("netns", "add", ns)
-            ip("-n", ns, "link", "set", "lo", "up")
-            ip("link", "add", f"tv{TAG}{i}", "netns", ns, "type", "veth",
-               "peer", "name", f"tb{TAG}{i}", "netns", hub)  # fmt: skip
-            ip("-n", ns, "addr", "add", f"{SUBNET}.{i}/24", "dev", f"tv{TAG}{i}")
-            ip("-n", ns, "link", "set", f"tv{TAG}{i}", "up")
-            ip("-n", hub, "link", "set", f"tb{TAG}{i}", "master", "br0")
-            ip("-n", hub, "link", "set", f"tb{TAG}{i}", "up")
-        yield [(ns, f"{SUBNET}.{i}") for i, ns in enumerate(names, start=1)]
-    finally:
-        for ns in [*names, hub]:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    with emulated_hosts(3, None) as on:  # unshaped links: these tests need addresses, not rates
+        yield [(h.ns, h.addr) for h in on]
 
 
 def in_ns(ns: str, code: str, **popen) -> subprocess.Popen:

@@ -1,4 +1,5 @@
-"""Emulated hosts for benchmarks: network namespaces behind one bridge, each with a shaped link.
+"""Emulated hosts for benchmarks and tests: network namespaces behind one bridge, each with its
+own address and, for benchmarks, a link shaped to a rate.
 
 A benchmark on one machine talks over loopback, where the CPU, not a link, sets every rate. A
 cluster's hosts each have a NIC of a fixed rate; what a topology (a chain, a broadcast from one
@@ -7,9 +8,10 @@ benchmark such hosts on one machine.
 
 HOSTS CONTRACT: ``emulated_hosts(n, gbit)`` creates ``n`` host namespaces and one hub namespace
 holding a bridge; host ``i`` has one interface, ``eth0``, with the address ``10.232.<k>.<i+1>``
-(``k`` from this process's pid), joined to the bridge by a veth pair. Each host's link is a
-full-duplex NIC of ``gbit`` Gbit/s: a token bucket (``tc`` tbf) shapes both the host's egress
-(what it sends) and the bridge port's egress towards it (what it receives). The hosts see only
+(``k`` from this process's pid), joined to the bridge by a veth pair. With ``gbit``, each host's
+link is a full-duplex NIC of ``gbit`` Gbit/s: a token bucket (``tc`` tbf) shapes both the host's
+egress (what it sends) and the bridge port's egress towards it (what it receives); with None the
+links are not shaped (the multi-host tests, which need addresses, not rates). The hosts see only
 each other; nothing touches the machine's own interfaces or addresses. Every namespace is removed
 on exit, also when the body raises. Needs root and iproute2 (``ip``, ``tc``);
 :func:`unavailable` says why not where they are missing.
@@ -72,11 +74,12 @@ def _shape(ns: str, dev: str, gbit: float) -> None:
 
 
 @contextmanager
-def emulated_hosts(n: int, gbit: float) -> Iterator[list[Host]]:
-    """``n`` hosts with ``gbit`` Gbit/s full-duplex links to one bridge (HOSTS CONTRACT)."""
+def emulated_hosts(n: int, gbit: float | None) -> Iterator[list[Host]]:
+    """``n`` hosts with ``gbit`` Gbit/s full-duplex links (None: unshaped) to one bridge (HOSTS
+    CONTRACT)."""
     if n < 1 or n > 250:
         raise ValueError(f"emulated hosts: n must be 1..250, not {n}")
-    if not gbit > 0:
+    if gbit is not None and not gbit > 0:
         raise ValueError(f"emulated hosts: the link rate must be > 0 Gbit/s, not {gbit}")
     why = unavailable()
     if why:
@@ -102,8 +105,9 @@ def emulated_hosts(n: int, gbit: float) -> Iterator[list[Host]]:
             _run("ip", "-n", ns, "link", "set", IFNAME, "up")
             _run("ip", "-n", hub, "link", "set", port, "master", "br0")
             _run("ip", "-n", hub, "link", "set", port, "up")
-            _shape(ns, IFNAME, gbit)  # what host i sends
-            _shape(hub, port, gbit)  # what host i receives
+            if gbit is not None:
+                _shape(ns, IFNAME, gbit)  # what host i sends
+                _shape(hub, port, gbit)  # what host i receives
         yield [Host(ns, f"{subnet}.{i + 1}") for i, ns in enumerate(names)]
     finally:
         for ns in reversed(made):
