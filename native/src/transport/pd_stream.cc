@@ -133,6 +133,23 @@ struct PdProducer::Entry {
   // mu_: links whose serving thread is pulling this request over TCP (sending it or waiting for
   // its ack; CANCEL CONTRACT); each is removed by that thread before the link can go away.
   std::set<Link*> sending;
+  // RELAY CONTRACT (mu_): a relay's blocks[i] and checksums[i] are valid once opened[i] is set;
+  // `ended` is set when the request leaves entries_ (waiting pulls then stop).
+  bool relay = false;
+  std::vector<uint8_t> opened;
+  bool ended = false;
+  bool all_open() const {
+    return std::all_of(opened.begin(), opened.end(), [](uint8_t o) { return o != 0; });
+  }
+  // The blocks this entry holds a reference on: all of them, or a relay's opened ones.
+  std::vector<BlockId> owned() const {
+    if (!relay) return blocks;
+    std::vector<BlockId> out;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      if (opened[i]) out.push_back(blocks[i]);
+    }
+    return out;
+  }
 };
 
 Result<std::unique_ptr<PdProducer>> PdProducer::Start(std::shared_ptr<BlockAllocator> pool,
@@ -212,6 +229,69 @@ Status PdProducer::RegisterSend(uint64_t request_id, std::vector<BlockId> blocks
   return Status::OK();
 }
 
+Status PdProducer::RegisterRelay(uint64_t request_id, uint32_t num_blocks,
+                                 uint32_t blocks_per_group, Deadline deadline) {
+  if (num_blocks == 0) return Status::InvalidArgument("RegisterRelay needs at least one block");
+  if (num_blocks > (1u << 24)) {
+    return Status::InvalidArgument(StrCat("RegisterRelay of ", num_blocks, " blocks"));
+  }
+  auto e = std::make_shared<Entry>();
+  e->id = request_id;
+  e->bpg = blocks_per_group == 0 ? num_blocks : blocks_per_group;
+  e->deadline = deadline;
+  e->relay = true;
+  e->blocks.assign(num_blocks, 0);
+  e->checksums.assign(num_blocks, 0);
+  e->opened.assign(num_blocks, 0);
+  std::lock_guard lock(mu_);
+  if (stop_) return Status::FailedPrecondition("producer stopped");
+  if (entries_.count(request_id)) {
+    return Status::AlreadyExists(StrCat("request ", request_id, " is already registered"));
+  }
+  entries_[request_id] = e;
+  cv_.notify_all();
+  return Status::OK();
+}
+
+Status PdProducer::Open(uint64_t request_id, uint32_t first, std::span<const BlockId> blocks,
+                        std::span<const uint64_t> checksums) {
+  if (checksums.size() != blocks.size()) {
+    return Status::InvalidArgument(StrCat("Open of relay ", request_id, ": ", blocks.size(),
+                                          " blocks with ", checksums.size(),
+                                          " checksums (one per block)"));
+  }
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(request_id);
+  if (it == entries_.end()) {
+    return Status::NotFound(StrCat("relay ", request_id,
+                                   " is not live on this producer (never registered, or already "
+                                   "acknowledged, expired or cancelled)"));
+  }
+  Entry& e = *it->second;
+  if (!e.relay) {
+    return Status::InvalidArgument(
+        StrCat("request ", request_id, " was registered with its blocks, not as a relay"));
+  }
+  if (uint64_t{first} + blocks.size() > e.blocks.size()) {
+    return Status::InvalidArgument(StrCat("Open of blocks [", first, ", ", first + blocks.size(),
+                                          ") of relay ", request_id, ", which has ",
+                                          e.blocks.size()));
+  }
+  std::vector<BlockId> fresh;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (!e.opened[first + i]) fresh.push_back(blocks[i]);  // the first copy stays
+  }
+  TPUSYNC_RETURN_IF_ERROR(pool_->Retain(fresh));  // OWNERSHIP CONTRACT: our own reference
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (e.opened[first + i]) continue;
+    e.blocks[first + i] = blocks[i];
+    e.checksums[first + i] = checksums[i];
+    e.opened[first + i] = 1;
+  }
+  cv_.notify_all();
+  return Status::OK();
+}
+
 Status PdProducer::Cancel(uint64_t request_id, Status reason) {
   if (reason.ok()) {
     return Status::InvalidArgument(
@@ -256,7 +336,8 @@ Status PdProducer::ServeRelease(const InFrame& release, const std::string& peer)
 void PdProducer::Finish(uint64_t request_id, Status reason) {
   auto it = entries_.find(request_id);
   if (it == entries_.end()) return;
-  (void)pool_->Free(it->second->blocks);  // a borrow of an in-flight send keeps memory valid
+  (void)pool_->Free(it->second->owned());  // a borrow of an in-flight send keeps memory valid
+  it->second->ended = true;                // RELAY CONTRACT: pulls waiting for blocks stop
   PdStatus st;
   st.request_id = request_id;
   st.state = reason.ok() ? PdState::kDone : PdState::kFailed;
@@ -384,8 +465,10 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
       // The blocks stay owned by us (Retain at RegisterSend); the borrow keeps them valid even
       // if the reaper expires or Cancel ends the request while the bytes are on the wire. Taken
       // under mu_ while the request is registered, so its blocks still have an owner (CANCEL
-      // CONTRACT).
-      if (Status b = pool_->AcquireBorrow(e->blocks); !b.ok()) return b;
+      // CONTRACT). A relay's blocks are borrowed frame by frame as they open (RELAY CONTRACT).
+      if (!e->relay) {
+        if (Status b = pool_->AcquireBorrow(e->blocks); !b.ok()) return b;
+      }
       if (!shm_path) e->sending.insert(&link);
       e->readers = readers;
     }
@@ -411,18 +494,54 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
       e->sending.erase(link);
     }
   } unhook{this, e.get(), &link};
-  bool borrowed = true;
-  auto let_go = [&] {  // ends the borrow once
-    if (!borrowed) return;
-    borrowed = false;
-    pool_->ReleaseBorrow(e->blocks);
+  // The blocks this pull borrowed: all of them, or (relay) those of the frames it reached.
+  std::vector<BlockId> held = e->relay ? std::vector<BlockId>{} : e->blocks;
+  auto let_go = [&] {  // ends the borrow once; no sender thread runs when it is called
+    pool_->ReleaseBorrow(held);
+    held.clear();
   };
-  std::vector<const uint8_t*> addrs;
-  for (BlockId b : e->blocks) addrs.push_back(pool_->SlotAddress(BlockAllocator::SlotOf(b)));
+  std::vector<const uint8_t*> addrs(e->blocks.size(), nullptr);
+  if (!e->relay) {
+    for (size_t i = 0; i < addrs.size(); ++i) {
+      addrs[i] = pool_->SlotAddress(BlockAllocator::SlotOf(e->blocks[i]));
+    }
+  }
   const uint64_t bb = pool_->block_bytes();
   const uint32_t groups = GroupsOf(addrs.size(), e->bpg);
+  std::atomic<bool> failed{false};  // a stream of this pull failed (the others stop)
+  // RELAY CONTRACT: waits until blocks [lo, hi) are open, then borrows them (under mu_, while the
+  // request is still registered: CANCEL CONTRACT) and fills their addresses.
+  auto await_open = [&](size_t lo, size_t hi) -> Status {
+    if (!e->relay) return Status::OK();
+    std::unique_lock lock(mu_);
+    auto open = [&] {
+      for (size_t i = lo; i < hi; ++i) {
+        if (!e->opened[i]) return false;
+      }
+      return true;
+    };
+    cv_.wait_until(lock, e->deadline, [&] { return stop_ || e->ended || failed.load() || open(); });
+    if (e->ended || stop_) {
+      return Status::Cancelled(
+          StrCat("relay ", id, " ended before its blocks [", lo, ", ", hi, ") landed here"));
+    }
+    if (failed.load()) return Status::Cancelled("another stream of the link failed");
+    if (!open()) {
+      return Status::Timeout(
+          StrCat("relay ", id, ": blocks [", lo, ", ", hi, ") did not land here by the deadline"));
+    }
+    const std::span<const BlockId> ids(e->blocks.data() + lo, hi - lo);
+    TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(ids));
+    held.insert(held.end(), ids.begin(), ids.end());
+    for (size_t i = lo; i < hi; ++i) {
+      addrs[i] = pool_->SlotAddress(BlockAllocator::SlotOf(e->blocks[i]));
+    }
+    return Status::OK();
+  };
   Status sent;
-  if (shm_path) {
+  if (shm_path && !(sent = await_open(0, addrs.size())).ok()) {
+    // the relay never filled: nothing offered
+  } else if (shm_path) {
     MetaWriter w;
     w.U64(pool_->host_pool().size()).U64(bb).U32(e->bpg).U32(static_cast<uint32_t>(addrs.size()));
     for (const uint8_t* a : addrs) w.U64(static_cast<uint64_t>(a - pool_->host_pool().data()));
@@ -440,7 +559,6 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
     const size_t k = std::max<size_t>(1, raw.size());
     const size_t per_frame =
         std::clamp<size_t>(kPdFrameBytes / std::max<uint64_t>(bb, 1), 1, kMaxBlocksPerFrame);
-    std::atomic<bool> failed{false};
     static const size_t kHardwareThreads =
         std::max<size_t>(1, std::thread::hardware_concurrency());  // once: it is a syscall
     const size_t below = options_.hash_ahead_below_streams > 0 ? options_.hash_ahead_below_streams
@@ -448,6 +566,11 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
     // Cheap screen first (a small pull must not pay for building the send order).
     const bool use_hasher =
         e->checksums.empty() && k < below && addrs.size() * bb >= kHashAheadMinBytes;
+    auto fail = [&] {  // stops the other streams, also those waiting for relay blocks
+      std::lock_guard lock(mu_);
+      failed.store(true);
+      cv_.notify_all();
+    };
     auto send_stream = [&](size_t si) -> Status {
       std::unique_ptr<HashAhead> hasher;  // HASH-AHEAD CONTRACT
       if (use_hasher) {
@@ -474,6 +597,10 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
             return Status::Cancelled("another stream of the link failed");
           }
           const size_t c = std::min(per_frame, hi - b);
+          if (Status st = await_open(b, b + c); !st.ok()) {
+            fail();
+            return st;
+          }
           MetaWriter w;
           w.U32(g).U32(groups).U32(e->bpg);
           w.U32(static_cast<uint32_t>(b)).U32(static_cast<uint32_t>(c));
@@ -491,14 +618,14 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
           } else if (hasher) {
             auto sums = hasher->Take(pos, pos + c, e->deadline);
             if (!sums.ok()) {
-              failed.store(true);
+              fail();
               return sums.status();
             }
             f.checksums = *sums;
           }
           pos += c;
           if (Status st = raw[si]->Send(f, e->deadline); !st.ok()) {
-            failed.store(true);
+            fail();
             return st;
           }
         }
@@ -548,6 +675,18 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
   }
   if (!sent.ok()) {
     let_go();
+    // A failure between frames (a relay whose blocks never came, a hasher past the deadline)
+    // leaves every stream in step: each gets the reason instead of its PdEnd, so the consumer
+    // fails at once with it (not at its own deadline) and the link stays usable. A stream that
+    // broke mid-frame leaves the link to be closed by our caller.
+    const bool in_step = std::none_of(link.streams.begin(), link.streams.end(),
+                                      [](const auto& st) { return st->broken(); });
+    if (!in_step) return sent;
+    for (auto& st : link.streams) {
+      TPUSYNC_RETURN_IF_ERROR(st->SendMeta(Op::kError, id, EncodeStatus(sent), DeadlineInMs(5000)));
+    }
+    auto ack = s0.Expect(Op::kPdAck, DeadlineInMs(5000));
+    if (!ack.ok()) return ack.status();
     return sent;
   }
   {
@@ -594,6 +733,7 @@ struct PdConsumer::Source {
   std::vector<uint8_t> summed;  // whether sums[i] is known
   uint32_t ready = 0;
   bool shm = false;
+  uint32_t offset = 0;  // index of this source's first block in the request (RELAY CONTRACT)
 };
 
 struct PdConsumer::Request {
@@ -610,6 +750,7 @@ struct PdConsumer::Request {
   std::atomic<bool> abandoned{false};
   size_t pulling = 0;
   bool borrowed = false;
+  PdLanded on_landed;  // RELAY CONTRACT: set at Begin, then only read
 };
 
 namespace {
@@ -669,14 +810,14 @@ void PdConsumer::WorkerLoop() {
   }
 }
 
-Status PdConsumer::StartRecv(uint64_t request_id, std::vector<PdSource> sources,
-                             Deadline deadline) {
-  return Begin(request_id, std::move(sources), deadline, 0).status();
+Status PdConsumer::StartRecv(uint64_t request_id, std::vector<PdSource> sources, Deadline deadline,
+                             PdLanded on_landed) {
+  return Begin(request_id, std::move(sources), deadline, 0, std::move(on_landed)).status();
 }
 
 Result<PdStatus> PdConsumer::Recv(uint64_t request_id, std::vector<PdSource> sources,
                                   Deadline deadline) {
-  TPUSYNC_ASSIGN_OR_RETURN(auto req, Begin(request_id, std::move(sources), deadline, 1));
+  TPUSYNC_ASSIGN_OR_RETURN(auto req, Begin(request_id, std::move(sources), deadline, 1, {}));
   RunSource(req, 0);  // INLINE CONTRACT: the calling thread pulls the first source
   std::unique_lock lock(mu_);
   // Every wait of a source is bounded by the request deadline; the grace covers noticing it.
@@ -696,17 +837,20 @@ Result<PdStatus> PdConsumer::Recv(uint64_t request_id, std::vector<PdSource> sou
 Result<std::shared_ptr<PdConsumer::Request>> PdConsumer::Begin(uint64_t request_id,
                                                                std::vector<PdSource> sources,
                                                                Deadline deadline,
-                                                               size_t first_queued) {
+                                                               size_t first_queued,
+                                                               PdLanded on_landed) {
   if (sources.empty()) return Status::InvalidArgument("StartRecv needs at least one source");
   auto req = std::make_shared<Request>();
   req->id = request_id;
   req->deadline = deadline;
+  req->on_landed = std::move(on_landed);
   req->status.request_id = request_id;
   for (auto& s : sources) {
     if (s.blocks.empty()) return Status::InvalidArgument("a source with no destination blocks");
     if (s.readers == 0) return Status::InvalidArgument("a source with 0 readers (at least 1)");
     Source src;
     src.readers = s.readers;
+    src.offset = static_cast<uint32_t>(req->all_blocks.size());
     TPUSYNC_ASSIGN_OR_RETURN(src.peer, ParseAddress(s.peer));
     for (BlockId b : s.blocks) {
       src.addrs.push_back(pool_->SlotAddress(BlockAllocator::SlotOf(b)));
@@ -982,6 +1126,19 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
     return Status::OK();
   };
 
+  // RELAY CONTRACT: hands landed, verified blocks [first, first + count) of this source on. A
+  // block that came without an origin checksum (same-host path without them) is hashed here.
+  // Only this source's reading threads write these blocks' sums, each its own, before calling.
+  auto hand_on = [&](uint32_t first, uint32_t count) {
+    if (!req.on_landed) return;
+    std::vector<uint64_t> sums(count);
+    for (uint32_t i = 0; i < count; ++i) {
+      sums[i] = src.summed[first + i] ? src.sums[first + i] : Checksum64(src.addrs[first + i], bb);
+    }
+    req.on_landed(src.offset + first, std::span<const BlockId>(src.blocks).subspan(first, count),
+                  sums);
+  };
+
   auto read_stream = [&](size_t si) -> Status {
     Stream& st = *link.streams[si];
     Status first_error;
@@ -1021,6 +1178,7 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
             }
           }
           TPUSYNC_RETURN_IF_ERROR(land(*g, *groups, *bpg, *first, *count));
+          hand_on(*first, *count);
           break;
         }
         case Op::kPdShmOffer: {
@@ -1073,6 +1231,7 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
             if (damaged.ok()) {
               TPUSYNC_RETURN_IF_ERROR(land(g, groups, *bpg, static_cast<uint32_t>(gfirst),
                                            static_cast<uint32_t>(glast - gfirst)));
+              hand_on(static_cast<uint32_t>(gfirst), static_cast<uint32_t>(glast - gfirst));
             }
           }
           if (!damaged.ok()) {

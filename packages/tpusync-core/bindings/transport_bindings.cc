@@ -121,6 +121,24 @@ void init_transport(nb::module_& m) {
           nb::arg("request_id"), nb::arg("blocks"), nb::arg("deadline"),
           nb::arg("blocks_per_group") = 0, nb::arg("checksums") = std::vector<uint64_t>{})
       .def(
+          "register_relay",
+          [](PdProducer& p, uint64_t request_id, uint32_t num_blocks, double deadline,
+             uint32_t blocks_per_group) {
+            const Deadline d = After(deadline);
+            nb::gil_scoped_release release;
+            ThrowIfError(p.RegisterRelay(request_id, num_blocks, blocks_per_group, d));
+          },
+          nb::arg("request_id"), nb::arg("num_blocks"), nb::arg("deadline"),
+          nb::arg("blocks_per_group") = 0)
+      .def(
+          "open",
+          [](PdProducer& p, uint64_t request_id, uint32_t first, std::vector<BlockId> blocks,
+             std::vector<uint64_t> checksums) {
+            nb::gil_scoped_release release;
+            ThrowIfError(p.Open(request_id, first, blocks, checksums));
+          },
+          nb::arg("request_id"), nb::arg("first"), nb::arg("blocks"), nb::arg("checksums"))
+      .def(
           "cancel",
           [](PdProducer& p, uint64_t request_id, const std::string& reason) {
             nb::gil_scoped_release release;
@@ -179,14 +197,25 @@ void init_transport(nb::module_& m) {
           "start_recv",
           [](PdConsumer& c, uint64_t request_id,
              std::vector<std::pair<std::string, std::vector<BlockId>>> sources, double deadline,
-             const std::vector<uint32_t>& readers) {
+             const std::vector<uint32_t>& readers, std::shared_ptr<PdProducer> relay,
+             std::vector<uint64_t> relay_ids) {
             auto src = Sources(std::move(sources), readers);
             const Deadline d = After(deadline);
+            transport::PdLanded on_landed;
+            if (relay && !relay_ids.empty()) {
+              // RELAY CONTRACT: each landed run is opened on every relay, natively (no GIL). A
+              // relay that ended (its reader died, it was cancelled) refuses; the others go on.
+              on_landed = [relay, relay_ids](uint32_t first, std::span<const BlockId> blocks,
+                                             std::span<const uint64_t> checksums) {
+                for (uint64_t id : relay_ids) (void)relay->Open(id, first, blocks, checksums);
+              };
+            }
             nb::gil_scoped_release release;
-            ThrowIfError(c.StartRecv(request_id, std::move(src), d));
+            ThrowIfError(c.StartRecv(request_id, std::move(src), d, std::move(on_landed)));
           },
           nb::arg("request_id"), nb::arg("sources"), nb::arg("deadline"),
-          nb::arg("readers") = std::vector<uint32_t>{})
+          nb::arg("readers") = std::vector<uint32_t>{}, nb::arg("relay").none() = nullptr,
+          nb::arg("relay_ids") = std::vector<uint64_t>{})
       .def(
           "abandon",
           [](PdConsumer& c, uint64_t request_id, const std::string& reason) {

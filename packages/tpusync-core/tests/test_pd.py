@@ -149,6 +149,72 @@ def test_cancel_ends_a_send_at_once_reports_it_once_and_frees_its_blocks():
             prod.cancel(9, "again")
 
 
+def test_a_relay_forwards_a_receive_block_by_block_with_the_origins_checksums():
+    """RELAY CONTRACT: origin -> middle (its consumer hands every landed block to its own
+    producer's relay) -> end, across three pools. The end gets the origin's bytes and checksums;
+    the middle may free its blocks at once (the relay holds its own references until the end
+    acknowledged)."""
+    n = 6
+    opool, mpool, epool = (tc.HostBlockPool(BLOCK, n) for _ in range(3))
+    src = opool.alloc(n)
+    for i, b in enumerate(src):
+        opool.view(b)[:] = expected(i)
+    sums = [tc.checksum64(opool.view(b)) for b in src]
+    with (
+        PdProducer(opool, secret=SECRET) as origin,
+        PdProducer(mpool, secret=SECRET) as middle_out,
+    ):
+        origin.register_send(1, src, deadline=30.0, checksums=sums)
+        opool.free(src)
+        middle_out.register_relay(2, n, deadline=30.0, blocks_per_group=1)
+        middle_out.register_relay(3, n, deadline=30.0)  # a second child of the same bucket
+        middle_in = PdConsumer(mpool, streams=2, secret=SECRET)
+        mid = mpool.alloc(n)
+        end = PdConsumer(epool, streams=2, secret=SECRET)
+        dst, dst2 = epool.alloc(n), None
+        end.start_recv(2, middle_out.address, dst, deadline=30.0)  # waits for the blocks
+        middle_in.start_recv(
+            1, origin.address, mid, deadline=30.0, relay=middle_out, relay_ids=[2, 3]
+        )
+        assert middle_in.wait(1, timeout=30.0).done
+        mpool.free(mid)
+        res = end.wait(2, timeout=30.0)
+        assert res.done, res.reason
+        assert list(res.checksums) == sums
+        for i, b in enumerate(dst):
+            np.testing.assert_array_equal(epool.view(b), expected(i))
+        epool.free(dst)
+        dst2 = epool.alloc(n)
+        res2 = end.recv(3, middle_out.address, dst2, deadline=30.0)
+        assert res2.done and list(res2.checksums) == sums, res2.reason
+        for _ in range(500):
+            if mpool.num_free == n:
+                break
+            time.sleep(0.01)
+        assert mpool.num_free == n  # both relays let go once acknowledged
+
+
+def test_relay_open_errors_are_typed():
+    pool = tc.HostBlockPool(4096, 4)
+    with PdProducer(pool, secret=SECRET) as prod:
+        ids = pool.alloc(2)
+        sums = [tc.checksum64(pool.view(b)) for b in ids]
+        with pytest.raises(tc.NotFoundError, match="relay 4 is not live"):
+            prod.open(4, 0, ids, sums)
+        prod.register_send(5, ids[:1], deadline=10.0)
+        with pytest.raises(tc.InvalidArgumentError, match="not as a relay"):
+            prod.open(5, 0, ids[:1], sums[:1])
+        prod.register_relay(4, 2, deadline=10.0)
+        with pytest.raises(tc.AlreadyExistsError):
+            prod.register_relay(4, 2, deadline=10.0)
+        with pytest.raises(tc.InvalidArgumentError, match="which has 2"):
+            prod.open(4, 1, ids, sums)
+        with pytest.raises(tc.InvalidArgumentError, match="one per block"):
+            prod.open(4, 0, ids, sums[:1])
+        with pytest.raises(tc.InvalidArgumentError):
+            prod.register_relay(6, 0, deadline=10.0)
+
+
 def test_secret_comes_from_file_or_env(tmp_path, monkeypatch):
     f = tmp_path / "secret"
     f.write_bytes(SECRET + b"\n")

@@ -82,6 +82,26 @@
 // the send once per reader - it does not know the consumers' layout when it registers, and
 // registrations nobody pulls would hold the blocks until the deadline.
 //
+// RELAY CONTRACT (cut-through forwarding): a process that receives blocks and passes them on (a
+// sampler forwarding a weight bucket down a chain) registers the onward send before the blocks
+// exist with RegisterRelay(request_id, num_blocks, ...) and hands each block over as it lands with
+// Open(request_id, first, blocks, checksums) - usually from PdConsumer's `on_landed` callback
+// (StartRecv), on the receiving thread, right after the block was verified. A pull of a relay send
+// waits, frame by frame, until the blocks of that frame are open (bounded by the send's deadline;
+// Cancel, expiry and Stop end the wait), so the next hop starts while the bucket is still on the
+// wire and a chain adds one block's share of a stream per hop instead of one whole bucket. The
+// same-host path waits until every block is open (its offer names all offsets at once). Open
+// takes the producer's own reference on each block (OWNERSHIP CONTRACT) and needs the origin's
+// checksum of each (CHECKSUM CONTRACT: the next hop checks the origin's hash). Opening a block
+// that is already open changes nothing, so a receive that is retried, or re-pulled from another
+// source into other destination blocks, may feed the same relay: blocks already handed over keep
+// the first copy. A relay whose blocks never come is ended by its deadline or by Cancel. Errors:
+// kNotFound (no live relay with that id), kInvalidArgument (not a relay, blocks out of range,
+// checksums not one per block). Rejected alternatives: registering the onward send once the
+// bucket landed (each hop then added more than a bucket-time: 0.21-0.25 s per hop on 2 Gbit/s
+// emulated hosts with 32 MiB buckets, docs/rl.md), and smaller buckets (less lag on links but
+// 7-9% slower on loopback from the per-bucket round trips).
+//
 // SAME-HOST PATH: when the consumer reaches the producer through its Unix socket and the producer's
 // pool lives in /dev/shm, the producer passes the segment's file descriptor (SCM_RIGHTS) and block
 // offsets, and the consumer memcpys from the mapping; no TCP, no socket copy.
@@ -94,10 +114,12 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -150,6 +172,13 @@ class PdProducer {
   // Checksum64 of each block (CHECKSUM CONTRACT), which the producer sends instead of hashing.
   Status RegisterSend(uint64_t request_id, std::vector<BlockId> blocks, uint32_t blocks_per_group,
                       Deadline deadline, std::vector<uint64_t> checksums = {});
+  // RELAY CONTRACT: a send of `num_blocks` blocks that are handed over later by Open.
+  Status RegisterRelay(uint64_t request_id, uint32_t num_blocks, uint32_t blocks_per_group,
+                       Deadline deadline);
+  // RELAY CONTRACT: blocks [first, first + blocks.size()) of relay `request_id` landed, verified,
+  // with these origin checksums (one per block).
+  Status Open(uint64_t request_id, uint32_t first, std::span<const BlockId> blocks,
+              std::span<const uint64_t> checksums);
   // CANCEL CONTRACT: ends a registered send as failed with `reason` (which must not be OK) at
   // once. kNotFound when `request_id` is not registered (never was, or already done / expired /
   // cancelled: each request ends once).
@@ -198,6 +227,12 @@ struct PdRelease {
   Status status;
 };
 
+// RELAY CONTRACT: called by a receive on its own thread (no lock held) each time destination
+// blocks [first, first + blocks.size()) of the request (sources in order) landed and passed their
+// checksum, with those checksums. It must not block for long: it delays that stream's next read.
+using PdLanded = std::function<void(uint32_t first, std::span<const BlockId> blocks,
+                                    std::span<const uint64_t> checksums)>;
+
 struct PdConsumerOptions {
   ConnectOptions connect;  // streams per link, timeouts, socket options, fault wrapper
   // SMALL-PULL CONTRACT: a source of at most this many payload bytes is pulled over a 1-stream link
@@ -216,7 +251,9 @@ class PdConsumer {
   static Result<std::unique_ptr<PdConsumer>> Create(std::shared_ptr<BlockAllocator> pool,
                                                     Secret secret, PdConsumerOptions options);
   ~PdConsumer();
-  Status StartRecv(uint64_t request_id, std::vector<PdSource> sources, Deadline deadline);
+  // `on_landed` (optional): RELAY CONTRACT.
+  Status StartRecv(uint64_t request_id, std::vector<PdSource> sources, Deadline deadline,
+                   PdLanded on_landed = {});
   // INLINE CONTRACT: StartRecv + Wait for the whole request, with the first source pulled on the
   // calling thread (no hand-off to a worker and back: a small pull costs the two socket wake-ups of
   // a plain round trip); other sources run on workers as with StartRecv. Returns by `deadline`
@@ -245,7 +282,8 @@ class PdConsumer {
   PdConsumer(std::shared_ptr<BlockAllocator> pool, Secret secret, PdConsumerOptions options);
   // Validates and registers a request (borrowing its destinations); queues sources [first, n).
   Result<std::shared_ptr<Request>> Begin(uint64_t request_id, std::vector<PdSource> sources,
-                                         Deadline deadline, size_t first_queued);
+                                         Deadline deadline, size_t first_queued,
+                                         PdLanded on_landed);
   void RunSource(std::shared_ptr<Request> req, size_t index);
   Status PullFrom(Request& req, Source& src, Link& link);
   Result<std::shared_ptr<Mapping>> MapSegment(Fd fd);

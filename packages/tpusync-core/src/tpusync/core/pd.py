@@ -225,6 +225,29 @@ class PdProducer:
             request_id, list(blocks), deadline, blocks_per_group, [int(c) for c in checksums]
         )
 
+    def register_relay(
+        self, request_id: int, num_blocks: int, deadline: float, blocks_per_group: int = 0
+    ) -> None:
+        """Offer ``num_blocks`` blocks under ``request_id`` before they exist: a receive started
+        with ``relay=self, relay_ids=[request_id, ...]`` (:meth:`PdConsumer.start_recv`) hands
+        each block over as it lands and is verified, with the origin's checksum, and a consumer's
+        pull of this send gets each block as soon as it is here (RELAY CONTRACT in pd_stream.h:
+        cut-through forwarding down a chain). A block handed over twice (a retried or re-sourced
+        receive) keeps its first copy. Ends like any send: acknowledged, ``deadline`` seconds,
+        or :meth:`cancel`. AlreadyExistsError for a live request id.
+        """
+        self._native.register_relay(request_id, num_blocks, deadline, blocks_per_group)
+
+    def open(
+        self, request_id: int, first: int, blocks: Sequence[int], checksums: Sequence[int]
+    ) -> None:
+        """Hand blocks ``[first, first + len(blocks))`` of relay ``request_id`` over by hand,
+        with the :func:`tpusync.core.checksum64` of each (RELAY CONTRACT); the producer takes its
+        own reference on each. NotFoundError when no such relay is live; InvalidArgumentError for
+        a send registered with its blocks, a range past the relay's end or a checksum count that
+        is not one per block."""
+        self._native.open(request_id, first, list(blocks), [int(c) for c in checksums])
+
     def cancel(self, request_id: int, reason: str) -> None:
         """End registered send ``request_id`` as failed at once (e.g. its consumer is known dead).
 
@@ -302,14 +325,29 @@ class PdConsumer:
         return PdResult(**self._native.recv(request_id, pairs, deadline, readers))
 
     def start_recv(
-        self, request_id: int, peer: str, blocks: Sequence[int], deadline: float = 30.0
+        self,
+        request_id: int,
+        peer: str,
+        blocks: Sequence[int],
+        deadline: float = 30.0,
+        relay: PdProducer | None = None,
+        relay_ids: Sequence[int] = (),
     ) -> None:
         """Start pulling request ``request_id`` from ``peer`` (``HOST:PORT`` or ``unix:PATH``)
-        into ``blocks`` (as many as the producer registered); fails by ``deadline`` seconds."""
-        self.start_recv_multi(request_id, [(peer, blocks)], deadline)
+        into ``blocks`` (as many as the producer registered); fails by ``deadline`` seconds.
+
+        ``relay`` / ``relay_ids``: every block is handed over, as it lands, to each of those
+        relay sends of ``relay`` (:meth:`PdProducer.register_relay`; the producer must serve the
+        pool this consumer receives into), in the natively running receive (RELAY CONTRACT)."""
+        self.start_recv_multi(request_id, [(peer, blocks)], deadline, relay, relay_ids)
 
     def start_recv_multi(
-        self, request_id: int, sources: Sequence[tuple[str, Sequence[int]]], deadline: float = 30.0
+        self,
+        request_id: int,
+        sources: Sequence[tuple[str, Sequence[int]]],
+        deadline: float = 30.0,
+        relay: PdProducer | None = None,
+        relay_ids: Sequence[int] = (),
     ) -> None:
         """Like :meth:`start_recv` with several senders, each filling its own destination blocks;
         the request is done only when every sender landed.
@@ -319,7 +357,10 @@ class PdConsumer:
         heads out of one prefill rank's blocks), every one naming the same count; the producer
         ends it after that many verified receipts."""
         pairs, readers = _sources(sources)
-        self._native.start_recv(request_id, pairs, deadline, readers)
+        native_relay = None if relay is None else relay._native
+        self._native.start_recv(
+            request_id, pairs, deadline, readers, native_relay, [int(i) for i in relay_ids]
+        )
 
     def abandon(self, request_id: int, reason: str) -> list[PdRelease]:
         """Give up receiving ``request_id`` for good (e.g. its decode request was aborted).
