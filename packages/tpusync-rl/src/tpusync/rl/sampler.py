@@ -100,12 +100,14 @@ class SamplerSync:
         self._client = ControlClient(self._secret, control)
         # HOP LAG CONTRACT: buckets are pulled in plan order, at most ``window`` at a time from
         # each source process (the parent, or each trainer rank). Pulls in flight from one source
-        # share its link, so each lands only when all of them do: a child can forward a bucket
-        # ``window`` bucket-times after its first byte left the source, and a chain of n hops adds
-        # that n - 1 times (measured on 2 Gbit/s emulated hosts, 1 GiB, trainer -> 4 samplers:
-        # 5.19-5.34 s with 1, 5.54 s with 2, 6.32 s with 4; one link alone 4.52 s; docs/rl.md). With
-        # 1 the link idles one round trip per bucket (a 32 MiB bucket: 1-4% at 100 Gbit/s and
-        # 20-100 us). Several sources (trainer ranks of another layout) are pulled at once.
+        # share its link, so each lands only when all of them do. When a child forwarded a bucket
+        # only once it had landed, a chain of n hops added ``window`` bucket-times n - 1 times
+        # (2 Gbit/s emulated hosts, 1 GiB, trainer -> 4 samplers: 5.19-5.34 s with 1, 5.54 s with
+        # 2, 6.32 s with 4; one link alone 4.52 s; docs/rl.md). Now each block goes on as it lands
+        # (RELAY CONTRACT, pd_stream.h): 4.95-5.15 s with 1, the last sampler done ~40 ms per hop
+        # after the first. With 1 the link idles one round trip per bucket (a 32 MiB bucket: 1-4%
+        # at 100 Gbit/s and 20-100 us). Several sources (trainer ranks of another layout) are
+        # pulled at once.
         self._window = max(window, 1)
         self._poll = poll_interval
         # SAMPLER LAYOUTS CONTRACT: sent with the polls until trainer rank 0 says it has them.
@@ -526,6 +528,10 @@ class SamplerSync:
         stages = self.stages = dict.fromkeys(self.stages, 0.0)
         finished: dict[int, Any] = {}  # terminal statuses polled before their turn
         source = {"peers": dict(peers), "slot": slot, "parent": parent}
+        # RELAY CONTRACT (pd_stream.h): each bucket's sends to the children are registered before
+        # it is pulled, once, and the receive hands every block on as it lands (a retried or
+        # re-sourced pull of the bucket feeds the same relays).
+        relays: dict[tuple[int, int], list[int]] = {}
         with self._fwd_lock:
             self._fwd_version = version
             self._fwd = {j: [] for j in range(len(children))}
@@ -550,14 +556,38 @@ class SamplerSync:
             queue.popleft()
             rid = request_id(version, s, me, source["slot"], b)
             try:
+                relay(s, b, len(ids))
                 ep.consumer.start_recv(
-                    rid, source["peers"][s], ids, deadline=max(deadline - time.monotonic(), 0)
+                    rid,
+                    source["peers"][s],
+                    ids,
+                    deadline=max(deadline - time.monotonic(), 0),
+                    relay=ep.producer,
+                    relay_ids=relays[(s, b)],
                 )
             except Exception:
                 ep.pool.free(ids)
                 raise
             flight.append((s, b, rid, ids))
             return True
+
+        def relay(s: int, b: int, n: int) -> None:
+            """Registers bucket ``b`` of source ``s`` for every live child, once."""
+            nonlocal forwarded
+            if (s, b) in relays:
+                return
+            t1 = time.monotonic()
+            rids = relays[(s, b)] = []
+            for j, _child in enumerate(children):
+                with self._fwd_lock:
+                    if j in self._dead_children:
+                        continue  # failed this version (HEARTBEAT CONTRACT)
+                    fwd_rid = request_id(version, s, me, j, b)
+                    ep.producer.register_relay(fwd_rid, n, max(deadline - time.monotonic(), 0))
+                    self._fwd[j].append(fwd_rid)
+                rids.append(fwd_rid)
+                forwarded += 1
+            stages["forward_s"] += time.monotonic() - t1
 
         def room() -> bool:
             peers = source["peers"]
@@ -584,6 +614,8 @@ class SamplerSync:
                             source["peers"][s],
                             ids,
                             deadline=max(deadline - time.monotonic(), 0),
+                            relay=ep.producer,
+                            relay_ids=relays[(s, b)],
                         )
                         continue
                     if not st.done or len(st.checksums) != len(ids):
@@ -623,24 +655,9 @@ class SamplerSync:
                     continue
                 while room() and start():
                     pass
-                # Forward first (the children's pulls overlap our staging), then stage.
-                t1 = time.monotonic()
-                for j, _child in enumerate(children):
-                    with self._fwd_lock:
-                        if j in self._dead_children:
-                            continue  # failed this version (HEARTBEAT CONTRACT)
-                        # The trainer's checksums travel on: every hop checks the origin's hash.
-                        fwd_rid = request_id(version, s, me, j, b)
-                        ep.producer.register_send(
-                            fwd_rid,
-                            ids,
-                            max(deadline - time.monotonic(), 0),
-                            checksums=st.checksums,
-                        )
-                        self._fwd[j].append(fwd_rid)
-                    forwarded += 1
+                # The children already have the bucket's blocks (RELAY CONTRACT, with the
+                # trainer's checksums: every hop checks the origin's hash); stage it.
                 t2 = time.monotonic()
-                stages["forward_s"] += t2 - t1
                 try:
                     first, _ = streams[s].buckets[b]
                     for k, block in enumerate(ids):
