@@ -138,9 +138,6 @@ struct PdProducer::Entry {
   bool relay = false;
   std::vector<uint8_t> opened;
   bool ended = false;
-  bool all_open() const {
-    return std::all_of(opened.begin(), opened.end(), [](uint8_t o) { return o != 0; });
-  }
   // The blocks this entry holds a reference on: all of them, or a relay's opened ones.
   std::vector<BlockId> owned() const {
     if (!relay) return blocks;

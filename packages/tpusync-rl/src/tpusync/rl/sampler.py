@@ -557,19 +557,23 @@ class SamplerSync:
             rid = request_id(version, s, me, source["slot"], b)
             try:
                 relay(s, b, len(ids))
-                ep.consumer.start_recv(
-                    rid,
-                    source["peers"][s],
-                    ids,
-                    deadline=max(deadline - time.monotonic(), 0),
-                    relay=ep.producer,
-                    relay_ids=relays[(s, b)],
-                )
+                recv(s, b, rid, ids)
             except Exception:
                 ep.pool.free(ids)
                 raise
             flight.append((s, b, rid, ids))
             return True
+
+        def recv(s: int, b: int, rid: int, ids: list[int]) -> None:
+            """Pulls bucket ``b`` of source ``s`` into ``ids``, handing it on to its relays."""
+            ep.consumer.start_recv(
+                rid,
+                source["peers"][s],
+                ids,
+                deadline=max(deadline - time.monotonic(), 0),
+                relay=ep.producer,
+                relay_ids=relays[(s, b)],
+            )
 
         def relay(s: int, b: int, n: int) -> None:
             """Registers bucket ``b`` of source ``s`` for every live child, once."""
@@ -609,14 +613,7 @@ class SamplerSync:
                     if st.code == "NotFound" and time.monotonic() < deadline:
                         # A pull waits ~10 s for its registration; a sender still busy (a loaded
                         # host, a slow device -> host copy) is asked again until the deadline.
-                        ep.consumer.start_recv(
-                            rid,
-                            source["peers"][s],
-                            ids,
-                            deadline=max(deadline - time.monotonic(), 0),
-                            relay=ep.producer,
-                            relay_ids=relays[(s, b)],
-                        )
+                        recv(s, b, rid, ids)
                         continue
                     if not st.done or len(st.checksums) != len(ids):
                         why = st.reason or st.state if not st.done else "no origin checksums"
