@@ -198,6 +198,22 @@ void PdProducer::Stop() {
   for (uint64_t id : ids) Finish(id, Status::Cancelled("producer stopped"));
 }
 
+// Shared by RegisterSend and RegisterRelay, which checked the block count: `e` has its blocks
+// (a relay's are placeholders).
+Status PdProducer::Register(std::shared_ptr<Entry> e, uint32_t blocks_per_group) {
+  e->bpg = blocks_per_group == 0 ? static_cast<uint32_t>(e->blocks.size()) : blocks_per_group;
+  std::lock_guard lock(mu_);
+  if (stop_) return Status::FailedPrecondition("producer stopped");
+  if (entries_.count(e->id)) {
+    return Status::AlreadyExists(StrCat("request ", e->id, " is already registered"));
+  }
+  // OWNERSHIP CONTRACT: our own reference (a relay takes it block by block in Open).
+  TPUSYNC_RETURN_IF_ERROR(pool_->Retain(e->owned()));
+  entries_[e->id] = e;
+  cv_.notify_all();
+  return Status::OK();
+}
+
 Status PdProducer::RegisterSend(uint64_t request_id, std::vector<BlockId> blocks,
                                 uint32_t blocks_per_group, Deadline deadline,
                                 std::vector<uint64_t> checksums) {
@@ -210,20 +226,11 @@ Status PdProducer::RegisterSend(uint64_t request_id, std::vector<BlockId> blocks
                                           checksums.size(), " checksums (one per block or none)"));
   }
   auto e = std::make_shared<Entry>();
-  e->checksums = std::move(checksums);
   e->id = request_id;
-  e->bpg = blocks_per_group == 0 ? static_cast<uint32_t>(blocks.size()) : blocks_per_group;
   e->deadline = deadline;
-  std::lock_guard lock(mu_);
-  if (stop_) return Status::FailedPrecondition("producer stopped");
-  if (entries_.count(request_id)) {
-    return Status::AlreadyExists(StrCat("request ", request_id, " is already registered"));
-  }
-  TPUSYNC_RETURN_IF_ERROR(pool_->Retain(blocks));  // OWNERSHIP CONTRACT: our own reference
   e->blocks = std::move(blocks);
-  entries_[request_id] = e;
-  cv_.notify_all();
-  return Status::OK();
+  e->checksums = std::move(checksums);
+  return Register(std::move(e), blocks_per_group);
 }
 
 Status PdProducer::RegisterRelay(uint64_t request_id, uint32_t num_blocks,
@@ -234,20 +241,12 @@ Status PdProducer::RegisterRelay(uint64_t request_id, uint32_t num_blocks,
   }
   auto e = std::make_shared<Entry>();
   e->id = request_id;
-  e->bpg = blocks_per_group == 0 ? num_blocks : blocks_per_group;
   e->deadline = deadline;
   e->relay = true;
   e->blocks.assign(num_blocks, 0);
   e->checksums.assign(num_blocks, 0);
   e->opened.assign(num_blocks, 0);
-  std::lock_guard lock(mu_);
-  if (stop_) return Status::FailedPrecondition("producer stopped");
-  if (entries_.count(request_id)) {
-    return Status::AlreadyExists(StrCat("request ", request_id, " is already registered"));
-  }
-  entries_[request_id] = e;
-  cv_.notify_all();
-  return Status::OK();
+  return Register(std::move(e), blocks_per_group);
 }
 
 Status PdProducer::Open(uint64_t request_id, uint32_t first, std::span<const BlockId> blocks,
@@ -491,9 +490,13 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
       e->sending.erase(link);
     }
   } unhook{this, e.get(), &link};
-  // The blocks this pull borrowed: all of them, or (relay) those of the frames it reached.
-  std::vector<BlockId> held = e->relay ? std::vector<BlockId>{} : e->blocks;
+  // The borrow this pull holds: all of e->blocks (a plain send, taken above), or a relay's
+  // blocks of the frames it reached (`held`).
+  bool borrowed_all = !e->relay;
+  std::vector<BlockId> held;
   auto let_go = [&] {  // ends the borrow once; no sender thread runs when it is called
+    if (borrowed_all) pool_->ReleaseBorrow(e->blocks);
+    borrowed_all = false;
     pool_->ReleaseBorrow(held);
     held.clear();
   };

@@ -195,6 +195,7 @@ class PdProducer {
   void ServeLink(const std::shared_ptr<Link>& link, bool is_unix);
   // ABANDON CONTRACT: a consumer's kPdRelease; the status to send back.
   Status ServeRelease(const InFrame& release, const std::string& peer);
+  Status Register(std::shared_ptr<Entry> e, uint32_t blocks_per_group);
   Status CancelLocked(uint64_t request_id, Status reason, std::string_view verb);  // mu_ held
   Status ServePull(Link& link, bool is_unix, const InFrame& pull);
   void ReapLoop();
