@@ -7,6 +7,7 @@ session sets it; CI runs as root)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -37,6 +38,23 @@ def _qdisc(ns: str, dev: str) -> str:
     return out.stdout
 
 
+def _classes(ns: str, dev: str) -> str:
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, "tc", "-s", "class", "show", "dev", dev],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return out.stdout
+
+
+def _sent_packets(ns: str, dev: str, classid: str) -> int:
+    """Packets the htb class ``classid`` of ``dev`` has sent."""
+    m = re.search(rf"class htb {classid} .*?\n Sent \d+ bytes (\d+) pkt", _classes(ns, dev))
+    assert m, _classes(ns, dev)
+    return int(m.group(1))
+
+
 def test_bad_arguments_are_refused_before_anything_is_made():
     with pytest.raises(ValueError, match="n must be 1..250"):
         with hosts.emulated_hosts(0, 1.0):
@@ -52,11 +70,13 @@ def test_hosts_talk_over_shaped_links_and_enter_moves_a_process():
         assert {h.ns for h in on} <= _namespaces()
         assert len({h.addr for h in on}) == 2
         hub = on[0].ns[: -len("h0")] + "hub"
-        # Both directions of each link are shaped: the host's egress and the bridge port's.
+        # Both directions of each link are shaped: the host's egress and the bridge port's,
+        # small packets first where the kernel has htb and u32 (this machine's has).
         for i, h in enumerate(on):
+            assert h.queue == "sparse-first"
             for ns, dev in ((h.ns, hosts.IFNAME), (hub, f"p{i}")):
-                shown = _qdisc(ns, dev)
-                assert "tbf" in shown and "500Mbit" in shown, (ns, dev, shown)
+                shown = _classes(ns, dev)
+                assert "class htb 1:1 " in shown and "rate 500Mbit" in shown, (ns, dev, shown)
         # The hosts' addresses are not this namespace's.
         with socket.socket() as s, pytest.raises(OSError):
             s.bind((on[0].addr, 0))
@@ -92,6 +112,9 @@ def test_hosts_talk_over_shaped_links_and_enter_moves_a_process():
             )  # fmt: skip
             assert client.returncode == 0, client.stderr
             assert client.stdout.split() == [on[0].addr, str(1 << 20)]
+            # The receiver's ACKs took the sparse class, the sender's data the bulk one.
+            assert _sent_packets(on[1].ns, hosts.IFNAME, "1:10") > 0
+            assert _sent_packets(on[0].ns, hosts.IFNAME, "1:20") >= (1 << 20) // 65536
         finally:
             server.kill()
             server.wait(timeout=10)
@@ -113,7 +136,25 @@ def test_hosts_are_removed_even_when_the_body_raises():
 def test_unshaped_hosts_have_no_token_bucket():
     with hosts.emulated_hosts(1, None) as on:
         assert on[0].ns in _namespaces()
-        assert "tbf" not in _qdisc(on[0].ns, hosts.IFNAME)
+        assert on[0].queue is None
+        shown = _qdisc(on[0].ns, hosts.IFNAME)
+        assert "tbf" not in shown and "htb" not in shown
+
+
+@netns
+def test_a_kernel_without_htb_gets_one_fifo_token_bucket(monkeypatch):
+    real = hosts._run
+
+    def no_htb(*cmd: str) -> None:
+        if "htb" in cmd:
+            raise RuntimeError(f"emulated hosts: {' '.join(cmd)} failed: unknown qdisc kind")
+        real(*cmd)
+
+    monkeypatch.setattr(hosts, "_run", no_htb)
+    with hosts.emulated_hosts(1, 0.5) as on:
+        assert on[0].queue == "fifo"
+        shown = _qdisc(on[0].ns, hosts.IFNAME)
+        assert "tbf" in shown and "500Mbit" in shown, shown
 
 
 @netns

@@ -43,6 +43,7 @@ def test_bench_weights_json_has_every_path_against_its_same_run_reference():
         assert hosts.unavailable() is None and data["iperf3"], (hosts.unavailable(), data["iperf3"])
     if links["skipped"] is None:
         assert links["gbit"] == 2.0
+        assert links["queue"] in ("sparse-first", "fifo"), links
         for name in ("chain_links_vs_gloo", "chain_links_vs_iperf3"):
             row = paths[name]
             assert abs(row["ratio"] - row["gbps"] / row["limit_gbps"]) < 0.01, name

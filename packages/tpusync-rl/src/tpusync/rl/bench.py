@@ -412,15 +412,19 @@ def _cpu_floor(nbytes: int, passes: int = 3, chunk: int = 256 << 20) -> float:
 
 def _links(
     shapes, whole, chain, repeats: int, nbytes: int, gbit: float, iperf: str, row
-) -> tuple[dict, dict]:
+) -> tuple[dict, dict, str | None]:
     """The chain, gloo and iperf3 between three emulated hosts whose links carry ``gbit`` Gbit/s
     each way (HOSTS CONTRACT, :mod:`tpusync.core.bench.hosts`): trainer, sampler 0, sampler 1
     each on its own host, so the link, not this machine's CPU, sets the rates. Returns the two
-    rows and the seconds of each path."""
+    rows, the seconds of each path and the links' egress queues (``Host.queue``)."""
     from tpusync.core.bench.transport import _iperf3
 
     with hosts.emulated_hosts(3, gbit) as on:
-        _log(f"emulated hosts ({gbit:g} Gbit/s links): chain trainer -> sampler 0 -> sampler 1")
+        link_queue = on[0].queue
+        _log(
+            f"emulated hosts ({gbit:g} Gbit/s links, {link_queue} queues): "
+            "chain trainer -> sampler 0 -> sampler 1"
+        )
         times, info = _on_host(
             on[0], _run_sync, shapes, whole, whole, 1, chain, repeats, False, None, True, on
         )
@@ -434,7 +438,7 @@ def _links(
         )
     path = f"chain trainer -> sampler 0 -> sampler 1, one emulated host each ({gbit:g} Gbit/s)"
     seconds = {"chain": chain_s, "gloo": gloo, "iperf3": one_link}
-    return {
+    rows = {
         "chain_links_vs_gloo": row(
             chain_s,
             gloo,
@@ -449,7 +453,8 @@ def _links(
             info,
             path,
         ),
-    }, seconds
+    }
+    return rows, seconds, link_queue
 
 
 def run(
@@ -525,12 +530,16 @@ def run(
         why = "iperf3 not found (the link rows' reference)"
     result["links"] = {"gbit": link_gbit, "skipped": why}
     if why is None:
-        rows, secs = _links(shapes, whole, chain, repeats, nbytes, link_gbit, iperf, row)
+        rows, secs, link_queue = _links(
+            shapes, whole, chain, repeats, nbytes, link_gbit, iperf, row
+        )
         paths.update(rows)
         # A chain's trainer sends each byte once, gloo's root once per sampler: the best ratio
         # against gloo that any path could reach on these links.
         result["links"].update(
-            seconds=secs, best_possible_vs_gloo=round(secs["gloo"] / secs["iperf3"], 3)
+            queue=link_queue,
+            seconds=secs,
+            best_possible_vs_gloo=round(secs["gloo"] / secs["iperf3"], 3),
         )
     else:
         _log(f"emulated hosts skipped: {why}")

@@ -9,9 +9,14 @@ benchmark such hosts on one machine.
 HOSTS CONTRACT: ``emulated_hosts(n, gbit)`` creates ``n`` host namespaces and one hub namespace
 holding a bridge; host ``i`` has one interface, ``eth0``, with the address ``10.232.<k>.<i+1>``
 (``k`` from this process's pid), joined to the bridge by a veth pair. With ``gbit``, each host's
-link is a full-duplex NIC of ``gbit`` Gbit/s: a token bucket (``tc`` tbf) shapes both the host's
-egress (what it sends) and the bridge port's egress towards it (what it receives); with None the
-links are not shaped (the multi-host tests, which need addresses, not rates). The hosts see only
+link is a full-duplex NIC of ``gbit`` Gbit/s: both the host's egress (what it sends) and the
+bridge port's egress towards it (what it receives) are shaped to that rate; with None the links
+are not shaped (the multi-host tests, which need addresses, not rates). Each shaped egress is
+``Host.queue``: ``"sparse-first"`` where the kernel has htb and the u32 classifier (packets under
+128 bytes, pure ACKs and control messages, leave ahead of bulk data, as the sparse flows of
+fq_codel, the default queue of Linux hosts, do; bulk data waits in a FIFO of 10 ms of the rate),
+else ``"fifo"`` (one ``tc`` tbf with a 10 ms queue, where a host's ACKs wait behind the data it
+sends). The hosts see only
 each other; nothing touches the machine's own interfaces or addresses. Every namespace is removed
 on exit, also when the body raises. Needs root and iproute2 (``ip``, ``tc``);
 :func:`unavailable` says why not where they are missing.
@@ -19,6 +24,15 @@ on exit, also when the body raises. Needs root and iproute2 (``ip``, ``tc``);
 A process joins a host with :func:`enter` before it opens any socket (``setns`` moves the calling
 thread; threads it starts afterwards inherit the namespace), or runs a command under
 ``Host.prefix`` (``ip netns exec``).
+
+Why sparse-first: with one FIFO per egress, a host that sends and receives bulk data at once (the
+middle of a chain) queues the ACKs of what it receives behind up to 10 ms of what it sends, and
+its sender slows: on 2 Gbit/s links the first sampler of a chain of four that forwards every block
+as it lands finished ~5% later than alone. Real hosts do not pay that (fq_codel, or fq, serve a
+flow of small packets first), so the emulation would blame the chain for its own queue. A link
+that only sends or only receives (iperf3, gloo's root and its ranks) runs the same under both.
+Rejected: no shaping on the host side (the bridge alone shapes both ways): the same ACK wait
+moves to the bridge port.
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ class Host:
 
     ns: str
     addr: str
+    queue: str | None = None  # its link's egress queues: "sparse-first", "fifo", None (unshaped)
 
     @property
     def prefix(self) -> list[str]:
@@ -64,13 +79,39 @@ def _run(*cmd: str) -> None:
         raise RuntimeError(f"emulated hosts: {' '.join(cmd)} failed: {proc.stderr.strip()}")
 
 
-def _shape(ns: str, dev: str, gbit: float) -> None:
-    # burst: at least one tick of the rate at HZ=100 (else tbf cannot reach it) and 64 KiB (a GSO
-    # segment); latency: a queue of at most 10 ms of traffic (tbf drops beyond it). The queue is
-    # a plain FIFO: this kernel may lack fq_codel; 2, 5 and 50 ms gave the same chain times.
+SPARSE_BYTES = 128  # IP packets shorter than this leave first (pure ACKs, control messages)
+
+
+def _shape(ns: str, dev: str, gbit: float) -> str:
+    """Shapes ``dev``'s egress to ``gbit`` and returns its ``Host.queue`` (HOSTS CONTRACT)."""
+    # burst: at least one tick of the rate at HZ=100 (else a token bucket cannot reach it) and
+    # 64 KiB (a GSO segment); bulk queue: 10 ms of traffic (dropped beyond it; with the FIFO
+    # token bucket 2, 5 and 50 ms gave the same chain times).
     burst = max(int(gbit * 1e9 / 8 / 100), 64 << 10)
-    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-         "rate", f"{gbit:g}gbit", "burst", str(burst), "latency", "10ms")  # fmt: skip
+    queue = max(int(gbit * 1e9 / 8 * 0.010), 64 << 10)
+    rate = f"{gbit:g}gbit"
+    tc = ["ip", "netns", "exec", ns, "tc"]
+    try:
+        _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20")
+        _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+             "rate", rate, "ceil", rate, "burst", str(burst), "cburst", str(burst))  # fmt: skip
+        for cls, prio, share in (("10", "0", 0.05), ("20", "1", 0.95)):
+            _run(*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", f"1:{cls}", "htb",
+                 "rate", f"{gbit * share:g}gbit", "ceil", rate, "prio", prio, "quantum", "60000",
+                 "burst", str(burst), "cburst", str(burst))  # fmt: skip
+        _run(*tc, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", "pfifo")
+        _run(*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "bfifo",
+             "limit", str(queue))  # fmt: skip
+        # The IPv4 total length (offset 2) below SPARSE_BYTES: the sparse class.
+        _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+             "u32", "match", "u16", "0", f"{0xFFFF & ~(SPARSE_BYTES - 1):#06x}", "at", "2",
+             "flowid", "1:10")  # fmt: skip
+        return "sparse-first"
+    except RuntimeError:  # this kernel lacks htb or u32: one FIFO token bucket
+        subprocess.run([*tc, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=30)
+        _run(*tc, "qdisc", "add", "dev", dev, "root", "tbf",
+             "rate", rate, "burst", str(burst), "latency", "10ms")  # fmt: skip
+        return "fifo"
 
 
 @contextmanager
@@ -89,6 +130,7 @@ def emulated_hosts(n: int, gbit: float | None) -> Iterator[list[Host]]:
     hub = f"tpe{tag}hub"
     names = [f"tpe{tag}h{i}" for i in range(n)]
     made: list[str] = []
+    queues: list[str | None] = []
     try:
         _run("ip", "netns", "add", hub)
         made.append(hub)
@@ -105,10 +147,13 @@ def emulated_hosts(n: int, gbit: float | None) -> Iterator[list[Host]]:
             _run("ip", "-n", ns, "link", "set", IFNAME, "up")
             _run("ip", "-n", hub, "link", "set", port, "master", "br0")
             _run("ip", "-n", hub, "link", "set", port, "up")
+            queue = None
             if gbit is not None:
-                _shape(ns, IFNAME, gbit)  # what host i sends
-                _shape(hub, port, gbit)  # what host i receives
-        yield [Host(ns, f"{subnet}.{i + 1}") for i, ns in enumerate(names)]
+                sends = _shape(ns, IFNAME, gbit)  # what host i sends
+                receives = _shape(hub, port, gbit)  # what host i receives
+                queue = sends if sends == receives else "fifo"
+            queues.append(queue)
+        yield [Host(ns, f"{subnet}.{i + 1}", queues[i]) for i, ns in enumerate(names)]
     finally:
         for ns in reversed(made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
