@@ -99,9 +99,9 @@
 // kNotFound (no live relay with that id), kInvalidArgument (not a relay, blocks out of range,
 // checksums not one per block). Rejected alternatives: registering the onward send once the
 // bucket landed (each hop then added more than a bucket-time: on 2 Gbit/s emulated hosts with
-// 32 MiB buckets the last of 4 chained samplers finished ~0.17 s per hop after the first, ~40 ms
-// with relays; docs/rl.md), and smaller buckets (less lag on links but 7-9% slower on loopback
-// from the per-bucket round trips).
+// 32 MiB buckets the last of 4 chained samplers finished 0.15-0.31 s per hop after the first,
+// 45-140 ms with relays; docs/rl.md), and smaller buckets (less lag on links before relays but
+// 7-9% slower on loopback from the per-bucket round trips; no gain on links with relays).
 //
 // SAME-HOST PATH: when the consumer reaches the producer through its Unix socket and the producer's
 // pool lives in /dev/shm, the producer passes the segment's file descriptor (SCM_RIGHTS) and block

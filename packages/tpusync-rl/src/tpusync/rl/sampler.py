@@ -104,8 +104,9 @@ class SamplerSync:
         # only once it had landed, a chain of n hops added ``window`` bucket-times n - 1 times
         # (2 Gbit/s emulated hosts, 1 GiB, trainer -> 4 samplers: 5.19-5.34 s with 1, 5.54 s with
         # 2, 6.32 s with 4; one link alone 4.52 s; docs/rl.md). Now each block goes on as it lands
-        # (RELAY CONTRACT, pd_stream.h): 4.95-5.15 s with 1, the last sampler done ~40 ms per hop
-        # after the first. With 1 the link idles one round trip per bucket (a 32 MiB bucket: 1-4%
+        # (RELAY CONTRACT, pd_stream.h): 4.68-4.95 s with 1 and 5.02-5.05 s with 2, the last
+        # sampler done 45-140 ms per hop after the first (links that send small packets first,
+        # as hosts do). With 1 the link idles one round trip per bucket (a 32 MiB bucket: 1-4%
         # at 100 Gbit/s and 20-100 us). Several sources (trainer ranks of another layout) are
         # pulled at once.
         self._window = max(window, 1)
