@@ -106,9 +106,12 @@ class SamplerSync:
         # 2, 6.32 s with 4; one link alone 4.52 s; docs/rl.md). Now each block goes on as it lands
         # (RELAY CONTRACT, pd_stream.h): 4.68-4.95 s with 1 and 5.02-5.05 s with 2, the last
         # sampler done 45-140 ms per hop after the first (links that send small packets first,
-        # as hosts do). With 1 the link idles one round trip per bucket (a 32 MiB bucket: 1-4%
-        # at 100 Gbit/s and 20-100 us). Several sources (trainer ranks of another layout) are
-        # pulled at once.
+        # as hosts do): a block is handed on once it landed whole, and it shares the link with
+        # the other ``window x streams`` connections' blocks, so a hop lags by
+        # window x streams x block_bytes / link rate (docs/rl.md, Sizing: 10-50 ms with one
+        # stream, 2-8 ms with 1 MiB blocks). With 1 the link idles one round trip per bucket (a
+        # 32 MiB bucket: 1-4% at 100 Gbit/s and 20-100 us). Several sources (trainer ranks of
+        # another layout) are pulled at once.
         self._window = max(window, 1)
         self._poll = poll_interval
         # SAMPLER LAYOUTS CONTRACT: sent with the polls until trainer rank 0 says it has them.
