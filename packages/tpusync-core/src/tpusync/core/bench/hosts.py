@@ -28,11 +28,11 @@ thread; threads it starts afterwards inherit the namespace), or runs a command u
 Why sparse-first: with one FIFO per egress, a host that sends and receives bulk data at once (the
 middle of a chain) queues the ACKs of what it receives behind up to 10 ms of what it sends, and
 its sender slows: on 2 Gbit/s links the first sampler of a chain of four that forwards every block
-as it lands finished ~5% later than alone. Real hosts do not pay that (fq_codel, or fq, serve a
-flow of small packets first), so the emulation would blame the chain for its own queue. A link
-that only sends or only receives (iperf3, gloo's root and its ranks) runs the same under both.
-Rejected: no shaping on the host side (the bridge alone shapes both ways): the same ACK wait
-moves to the bridge port.
+as it lands finished ~5% later than with a sampler that forwards between buckets. Real hosts do
+not pay that (fq_codel, or fq, serve a flow of small packets first), so the emulation would blame
+the chain for its own queue. A host that only sends or only receives bulk (iperf3, gloo's root
+and its ranks) runs the same under both. Rejected: shaping only the bridge ports (a host could
+then send at the full rate to each of several hosts at once: gloo's root would get two NICs).
 """
 
 from __future__ import annotations
