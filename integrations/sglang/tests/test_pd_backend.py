@@ -193,6 +193,19 @@ def test_pd_between_attention_tp_sizes_moves_each_rank_its_heads(p_tp, d_tp, sam
     ]
 
 
+def test_a_room_with_two_decode_peers_succeeds_only_after_both_have_every_chunk():
+    """TP=1 prefill to TP=2 decode: each chunk is staged and offered once per decode rank, one
+    after the other. The second rank's copy of each chunk is slowed (0.5 s), so the first rank's
+    last chunk is acknowledged while the second's is still being staged. The prefill must not
+    conclude the room then: it did, and SGLang could reuse the pages the second copy was still
+    reading or clear the room before that offer (a decode rank waiting for a chunk that never came,
+    seen once in a live TP=1 -> TP=2 run). Now the room concludes after all four copies."""
+    run = _run("tp", 1, 2, TPUSYNC_SGLANG_SAME_HOST="0", TPUSYNC_TEST_SLOW_COPY_S="0.5")
+    p = run[0]
+    assert p[0]["copies_at_success"] == [4], p[0]
+    _decodes_hold_the_model(run, "0")
+
+
 def test_pd_layouts_that_cannot_pair_fail_both_sides_at_once_with_the_reason():
     """A decode whose KV layout cannot pair with the prefill's (here: another model's kv head
     count in pages of the same size, which the old page-size check let through) fails the room on

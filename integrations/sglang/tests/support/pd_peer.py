@@ -218,6 +218,26 @@ def prefill(port: int, scenario: str, tp: int, rank: int, pp: int, pp_rank: int)
     server = classes[KVClassType.BOOTSTRAP_SERVER]("127.0.0.1", port) if first else None
     mgr = classes[KVClassType.MANAGER](args, DisaggregationMode.PREFILL, get_server_args(), False)
     report = {"role": "prefill", "manager": type(mgr).__name__, "rooms": {}}
+    slow = float(os.environ.get("TPUSYNC_TEST_SLOW_COPY_S", "0"))
+    if slow:
+        # Every second staging copy (the second decode peer's copy of each chunk) waits ``slow``
+        # seconds; the report says how many copies were done when the room was concluded.
+        real_copy, real_conclude = mgr._copy, mgr.conclude_transfer
+        copies: list[int] = [0]
+        report["copies_at_success"] = []
+
+        def slow_copy(*a: object) -> None:
+            if copies[0] % 2 == 1:
+                time.sleep(slow)
+            real_copy(*a)
+            copies[0] += 1
+
+        def conclude(*a: object, **kw: object) -> None:
+            if kw.get("status") == KVPoll.Success:
+                report["copies_at_success"].append(copies[0])
+            real_conclude(*a, **kw)
+
+        mgr._copy, mgr.conclude_transfer = slow_copy, conclude
     say(event="ready")
     rooms = {"ok": [11, 12], "tp": [11], "tp_bad": [11], "pp": [11]}.get(scenario, [21])
     for room in rooms:

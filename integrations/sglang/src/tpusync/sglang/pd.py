@@ -629,8 +629,6 @@ class TpusyncKVManager(CommonKVManager):
                 with self._lock:
                     self._offered[rid] = (room, chunk.is_last)
                     self._room_offers.setdefault(room, set()).add(rid)
-                    if chunk.is_last:
-                        self._room_last_offered.add(room)
                 if ids:
                     self.producer.register_send(rid, ids, self.send_deadline, 0)
                 else:  # an empty last chunk and no aux buffers: nothing to move
@@ -660,6 +658,19 @@ class TpusyncKVManager(CommonKVManager):
                     self.host.encode("ascii"),
                 ],
             )
+        if chunk.is_last:
+            # Only now is every decode peer's last chunk offered: from here an acknowledgement may
+            # conclude the room (_ack). Marked earlier, the first peer's ack concluded it while
+            # the next peer's copy was still staging, and SGLang could reuse those pages.
+            with self._lock:
+                offers = self._room_offers.get(room)
+                if offers is None:  # a chunk failed: _ack concluded the room already
+                    return
+                if offers:
+                    self._room_last_offered.add(room)
+                    return
+                self._room_offers.pop(room, None)  # every offer was acknowledged meanwhile
+            self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
 
     def _cancel_offers(self, room: int, why: str) -> None:
         """ABORT CONTRACT: end every offered chunk of ``room`` now, so the producer drops their
