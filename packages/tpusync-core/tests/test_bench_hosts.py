@@ -28,30 +28,27 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
 
 
-def _qdisc(ns: str, dev: str) -> str:
+def _tc(ns: str, *what: str) -> str:
+    """What ``tc *what`` prints in namespace ``ns``."""
     out = subprocess.run(
-        ["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
-        capture_output=True,
-        text=True,
-        timeout=30,
+        ["ip", "netns", "exec", ns, "tc", *what], capture_output=True, text=True, timeout=30
     )
     return out.stdout
+
+
+def _qdisc(ns: str, dev: str) -> str:
+    return _tc(ns, "qdisc", "show", "dev", dev)
 
 
 def _classes(ns: str, dev: str) -> str:
-    out = subprocess.run(
-        ["ip", "netns", "exec", ns, "tc", "-s", "class", "show", "dev", dev],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    return out.stdout
+    return _tc(ns, "-s", "class", "show", "dev", dev)
 
 
 def _sent(ns: str, dev: str, classid: str) -> tuple[int, int]:
     """Bytes and packets the htb class ``classid`` of ``dev`` has sent."""
-    m = re.search(rf"class htb {classid} .*?\n Sent (\d+) bytes (\d+) pkt", _classes(ns, dev))
-    assert m, _classes(ns, dev)
+    shown = _classes(ns, dev)
+    m = re.search(rf"class htb {classid} .*?\n Sent (\d+) bytes (\d+) pkt", shown)
+    assert m, shown
     return int(m.group(1)), int(m.group(2))
 
 
