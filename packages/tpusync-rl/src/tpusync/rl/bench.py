@@ -15,6 +15,10 @@ Paths (every process is a real process, every byte crosses a real socket):
 
 Every row names the path its samplers reported (``UpdateResult.path``) and carries the stage
 times of the last version (trainer rank 0 and each sampler; docs/rl.md explains them).
+The loopback rows (the three paths above, gloo, iperf3 and the CPU floor below) run in
+``repeats`` rounds, each path and reference once per round, and each row's ``ratio`` is the
+median of its per-round ratios (``ratio_rounds``; PAIRED ROUNDS in :func:`_loopback_rounds`);
+``gbps`` and ``limit_gbps`` are the medians of the rounds' figures, ``rounds`` has them all.
 - ``resharded`` vs ``plain``: two trainer processes (TP=2, dim 0) to one sampler group of two
   ranks, split on dim 1 (resharded: every piece is a strided box) or on dim 0 (plain: shards map
   one to one); the figure is the time ratio (lower is better).
@@ -457,6 +461,49 @@ def _links(
     return rows, seconds, link_queue
 
 
+def _loopback_rounds(
+    shapes, whole, chain, nbytes: int, rounds: int, iperf: str | None
+) -> tuple[dict[str, list[float]], dict[str, dict]]:
+    """Seconds of every loopback path and reference, one figure each per round, and the stage
+    info of each path's last round.
+
+    PAIRED ROUNDS: on a shared machine the references swing between minutes (gloo's loopback
+    broadcast measured 1.06 to 2.14 GB/s in runs of the same day) and a reference timed once,
+    minutes away from the path it divides, made ratios that moved 2x between runs. So every
+    round times each path and each reference once (a sync of one version after a warm-up
+    version, one broadcast after a warm-up broadcast, one iperf3 run, one CPU floor), in an order
+    rotated by one each round, and a row's ratio is the median of its per-round ratios
+    (``ratio_rounds``): each divides figures taken within the same minute or so."""
+
+    def sync(*a, **kw) -> tuple[float, dict]:
+        times, info = _run_sync(shapes, whole, whole, 1, chain, 1, *a, **kw)
+        return times[0], info
+
+    jobs = {
+        "chain_tcp": lambda: sync(False),
+        "chain_same_host": lambda: sync(True, share=False),
+        "shared_same_host": lambda: sync(True),
+        "gloo": lambda: (_gloo(shapes, 1)[0], {}),
+        "cpu_floor": lambda: (_cpu_floor(nbytes), {}),
+    }
+    if iperf:
+        from tpusync.core.bench.transport import _iperf3
+
+        jobs["iperf3"] = lambda: (_iperf3(iperf, STREAMS, nbytes), {})
+    names = list(jobs)
+    secs: dict[str, list[float]] = {n: [] for n in names}
+    infos: dict[str, dict] = {}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        _log(f"round {r + 1} of {rounds}, {nbytes >> 20} MiB: {', '.join(order)}")
+        for name in order:
+            seconds, info = jobs[name]()
+            secs[name].append(seconds)
+            infos[name] = info
+            _log(f"round {r + 1}: {name} {seconds:.3f} s, paths {info.get('paths', '-')}")
+    return secs, infos
+
+
 def run(
     total_bytes: int, repeats: int, show_progress: bool = True, link_gbit: float = LINK_GBIT
 ) -> dict:
@@ -480,57 +527,55 @@ def run(
         entry["stages"] = {k: info[k] for k in ("trainer_stages", "sampler_stages") if k in info}
         return entry
 
-    _log(f"chain over TCP, {nbytes >> 20} MiB, trainer -> 2 samplers")
-    tcp, tcp_info = sync("chain over TCP", shapes, whole, whole, 1, chain, repeats, False)
-    _log("chain over the same-host P/D path (Unix socket, copy into each sampler's pool)")
-    shm, shm_info = sync(
-        "chain same-host", shapes, whole, whole, 1, chain, repeats, True, share=False
-    )
-    _log("same-host samplers reading the trainer's shared pool")
-    shared, shared_info = sync("shared segment", shapes, whole, whole, 1, chain, repeats, True)
-    _log("gloo broadcast to 2 ranks")
-    gloo = statistics.median(_gloo(shapes, repeats))
     iperf = shutil.which("iperf3")
-    gloo_ref = "torch.distributed gloo broadcast to 2 ranks, same tensors, same run"
-    paths = {
-        "chain_tcp_vs_gloo": row(
-            tcp, gloo, gloo_ref, tcp_info, "chain trainer -> sampler 0 -> sampler 1, loopback TCP"
-        ),
-        "chain_same_host_vs_gloo": row(
-            shm, gloo, gloo_ref, shm_info, "chain over the same-host P/D path (Unix socket + shm)"
-        ),
-        "shared_same_host_vs_gloo": row(
-            shared, gloo, gloo_ref, shared_info, "both samplers read the trainer's /dev/shm pool"
-        ),
-    }
-    _log("CPU floor of the shared path: 3 concurrent fused copy + hash passes, nothing else")
-    floor = _cpu_floor(nbytes)
-    floor_ref = "3 concurrent fused copy + hash passes of the same bytes in one process, same run"
-    paths["shared_same_host_vs_cpu_floor"] = row(
-        shared, floor, floor_ref, shared_info, "both samplers read the trainer's /dev/shm pool"
-    )
-    paths["cpu_floor_vs_gloo"] = {
-        **result_entry(nbytes, floor, gloo, gloo_ref),
-        "path": floor_ref + ": the best any pipeline of the shared path's passes could do",
-    }
-    if iperf:
-        from tpusync.core.bench.transport import _iperf3
+    secs, infos = _loopback_rounds(shapes, whole, chain, nbytes, repeats, iperf)
 
-        _log("iperf3")
-        ref = statistics.median(_iperf3(iperf, STREAMS, nbytes) for _ in range(repeats))
-        paths["chain_tcp_vs_iperf3"] = row(
-            tcp,
-            ref,
-            f"iperf3 over loopback TCP, {STREAMS} streams, same bytes, same run",
-            tcp_info,
-            "chain trainer -> sampler 0 -> sampler 1, loopback TCP",
+    def paired(name: str, ref: str, limit: str, path: str) -> dict:
+        """PAIRED ROUNDS: the row's ratio is the median of the per-round ratios."""
+        entry = row(
+            statistics.median(secs[name]), statistics.median(secs[ref]), limit, infos[name], path
+        )
+        ratios = [r / s for s, r in zip(secs[name], secs[ref], strict=True)]
+        entry["ratio"] = round(statistics.median(ratios), 3)
+        entry["ratio_rounds"] = [round(x, 3) for x in ratios]
+        return entry
+
+    gloo_ref = "torch.distributed gloo broadcast to 2 ranks, same tensors, same rounds"
+    tcp_path = "chain trainer -> sampler 0 -> sampler 1, loopback TCP"
+    shared_path = "both samplers read the trainer's /dev/shm pool"
+    floor_ref = (
+        "3 concurrent fused copy + hash passes of the same bytes in one process, same rounds"
+    )
+    paths = {
+        "chain_tcp_vs_gloo": paired("chain_tcp", "gloo", gloo_ref, tcp_path),
+        "chain_same_host_vs_gloo": paired(
+            "chain_same_host",
+            "gloo",
+            gloo_ref,
+            "chain over the same-host P/D path (Unix socket + shm)",
+        ),
+        "shared_same_host_vs_gloo": paired("shared_same_host", "gloo", gloo_ref, shared_path),
+        "shared_same_host_vs_cpu_floor": paired(
+            "shared_same_host", "cpu_floor", floor_ref, shared_path
+        ),
+    }
+    floor_row = paired("cpu_floor", "gloo", gloo_ref, "")
+    floor_row.pop("stages")
+    floor_row["path"] = floor_ref + ": the best any pipeline of the shared path's passes could do"
+    paths["cpu_floor_vs_gloo"] = floor_row
+    if iperf:
+        paths["chain_tcp_vs_iperf3"] = paired(
+            "chain_tcp",
+            "iperf3",
+            f"iperf3 over loopback TCP, {STREAMS} streams, same bytes, same rounds",
+            tcp_path,
         )
     why = hosts.unavailable() if link_gbit > 0 else "--link-gbit 0"
     if why is None and not iperf:
         why = "iperf3 not found (the link rows' reference)"
     result["links"] = {"gbit": link_gbit, "skipped": why}
     if why is None:
-        rows, secs, link_queue = _links(
+        rows, link_secs, link_queue = _links(
             shapes, whole, chain, repeats, nbytes, link_gbit, iperf, row
         )
         paths.update(rows)
@@ -538,8 +583,8 @@ def run(
         # against gloo that any path could reach on these links.
         result["links"].update(
             queue=link_queue,
-            seconds=secs,
-            best_possible_vs_gloo=round(secs["gloo"] / secs["iperf3"], 3),
+            seconds=link_secs,
+            best_possible_vs_gloo=round(link_secs["gloo"] / link_secs["iperf3"], 3),
         )
     else:
         _log(f"emulated hosts skipped: {why}")
@@ -563,12 +608,7 @@ def run(
         _log(f"delta bytes, 1% of rows changed ({kind}): per-chunk vs per-tensor")
         paths[f"delta_{kind}_chunk_vs_tensor"] = _delta_bytes(shapes, kind == "scattered")
     result["paths"] = paths
-    result["seconds"] = {
-        "chain_tcp": tcp,
-        "chain_same_host": shm,
-        "shared_same_host": shared,
-        "cpu_floor": floor,
-        "gloo": gloo,
-    }
+    result["seconds"] = {k: statistics.median(v) for k, v in secs.items()}
+    result["rounds"] = {k: [round(x, 4) for x in v] for k, v in secs.items()}
     result["iperf3"] = iperf is not None
     return result
