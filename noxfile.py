@@ -395,8 +395,9 @@ SGLANG_DIR = ROOT / "integrations/sglang"
 @nox.session(name="integration-sglang")
 def integration_sglang(session: nox.Session) -> None:
     """tpusync-sglang's suite against real SGLang 0.5.23 objects on CPU, a live SGLang server
-    with HiCache on tpusync, and live prefill + decode servers with P/D over tpusync (their
-    test-only CPU shim: integrations/sglang/tests/support).
+    with HiCache on tpusync, live prefill + decode servers with P/D over tpusync, and live
+    servers taking RL weight updates from a tpusync-rl trainer (their test-only CPU shim:
+    integrations/sglang/tests/support).
 
     SGLang goes in with --no-deps: its metadata pins a CUDA torch and CUDA-only kernel wheels.
     What it needs to import on CPU is listed in integrations/sglang/requirements-cpu-test.txt,
@@ -408,7 +409,10 @@ def integration_sglang(session: nox.Session) -> None:
     session.install("-c", str(constraints), "-r", str(SGLANG_DIR / "requirements-cpu-test.txt"))
     session.install("--no-deps", SGLANG)
     install_core(session)
-    session.install("--no-deps", "--force-reinstall", str(SGLANG_DIR))
+    # tpusync-rl (and tpusync-torch under it) for the RL weight sync into a live server; their
+    # other dependencies (torch, numpy, msgpack, pyzmq) are SGLang's too.
+    rl = [str(ROOT / "packages" / p) for p in ("tpusync-torch", "tpusync-rl")]
+    session.install("--no-deps", "--force-reinstall", *rl, str(SGLANG_DIR))
     session.run(
         "pytest",
         str(SGLANG_DIR / "tests"),

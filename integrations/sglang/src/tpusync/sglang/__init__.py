@@ -8,6 +8,9 @@
 - ``tpusync.sglang.pd``: the P/D (prefill/decode disaggregation) transfer backend on tpusync's P/D
   primitive, hooked into SGLang by ``tpusync.sglang.pd_plugin`` (entry point group
   ``sglang.srt.plugins``); select it with ``--disaggregation-transfer-backend tpusync``.
+- ``tpusync.sglang.weight_sync`` (client) and ``tpusync.sglang.weight_loader`` (server, SGLang's
+  ``--custom-weight-loader``): a running SGLang server as a tpusync-rl sampler, taking versioned
+  weight updates from RL trainers (needs tpusync-rl: ``pip install tpusync-sglang[rl]``).
 
 ``TpusyncHiCacheStorage`` is imported lazily so that the page store can be used (and tested)
 without SGLang installed.

@@ -1,0 +1,251 @@
+"""The server side of RL weight sync into a running SGLang server: a custom weight loader.
+
+SGLang (0.5.23) runs a function named in the server's ``--custom-weight-loader`` when a client
+posts ``/update_weights_from_tensor`` with ``load_format`` set to that function's import path:
+every tensor-parallel scheduler process calls ``fn(model, named_tensors)`` between batches, after
+in-flight requests ended (the HTTP server holds new ones back meanwhile). :func:`load` (start the
+server with ``--custom-weight-loader tpusync.sglang.weight_loader.load``) is that function. Its
+``named_tensors`` carry one request (REQUEST CONTRACT, :mod:`tpusync.sglang.weight_request`):
+
+- ``init``: open one :class:`~tpusync.rl.sampler.SamplerSync` per scheduler process, sampler rank
+  = the process's tensor-parallel rank, all of one ``replica``; each receives whole checkpoint
+  tensors (``ShardLayout.replicated``) into shadow buffers (checkpoint names, shapes; ``dtype``,
+  by default the model's) and SGLang's own ``load_weights`` keeps its slice of each;
+- ``update``: pull one version (``timeout``, optionally at least ``version``) and, once every
+  rank verified it, load it with ``model.load_weights`` - SGLang's own path for tensors it is
+  handed;
+- ``close``: close the sampler.
+
+NEVER-RAISE CONTRACT: SGLang calls a custom loader with nothing around it that catches: an
+exception would end the scheduler process and with it the server. So :func:`load` never raises.
+Every outcome - done, or why not - goes to the client as one signed message on the request's
+``reply`` address (a :class:`~tpusync.rl.control.ControlServer`, HMAC with the shared secret from
+``$TPUSYNC_AUTH_SECRET``), sent by tensor-parallel rank 0 for the whole server, and SGLang's own
+HTTP answer (always "Success" for a loader that returned) is not the outcome:
+:mod:`tpusync.sglang.weight_sync` waits for the message.
+
+ENGINE OUTCOME CONTRACT: the ranks of the server agree before any of them changes state: an
+``init`` opens on every rank or on none (ranks that opened close again), and an ``update`` is
+committed and loaded on every rank or on none (the GROUP COMMIT callback of
+:meth:`SamplerSync.update` gathers every rank's verdict over SGLang's tensor-parallel CPU group),
+so the server never serves two versions at once and keeps the old weights on any failure. A
+failure inside ``load_weights`` itself (after the agreement) leaves the model partly updated:
+reported as such, and the sampler's version has moved on, so the client must replace the
+server (SGLang's own loaders say the same of their failures).
+
+Not supported (refused at ``init`` with the reason): pipeline parallelism, and a sampler that
+receives only its slices (each rank receives whole tensors: a TP=N server pulls N copies).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from tpusync.sglang.weight_request import decode
+
+log = logging.getLogger("tpusync.sglang")
+
+REPLY_TIMEOUT_S = 30.0
+
+
+class _Worker:
+    """The sampler of this scheduler process (one per process: SGLang runs one model runner per
+    tensor-parallel rank and process)."""
+
+    sampler: Any = None
+    last_version = 0
+
+
+_W = _Worker()
+
+
+def _group() -> tuple[int, int, Any]:
+    """(tensor-parallel rank, size, CPU process group or None) of this scheduler process."""
+    from sglang.srt.runtime_context import get_parallel
+
+    tp = get_parallel().tp_group
+    return tp.rank_in_group, tp.world_size, (tp.cpu_group if tp.world_size > 1 else None)
+
+
+def _gather(mine: Any) -> list[Any]:
+    """Every tensor-parallel rank's ``mine``, in rank order (all ranks take part)."""
+    import torch.distributed as dist
+
+    _rank, world, group = _group()
+    if group is None:
+        return [mine]
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, mine, group=group)
+    return parts
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _init(model: Any, req: dict) -> str | None:
+    """Open this rank's sampler; the failure of any rank (every rank's reason) or None."""
+    import torch
+
+    from tpusync.rl.chunks import WeightSubscriber, _torch_dtype
+    from tpusync.rl.layout import ShardLayout
+    from tpusync.rl.sampler import SamplerSync
+
+    rank, world, _ = _group()
+    error = None
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        if _W.sampler is not None:
+            raise RuntimeError("tpusync weight sync is already initialized on this server")
+        if get_parallel().pp_group.world_size > 1:
+            raise ValueError("pipeline-parallel SGLang servers are not supported")
+        params = req.get("params") or {}
+        if not params:
+            raise ValueError("params is empty: pass checkpoint_params(model_dir)")
+        if req.get("dtype"):
+            dtype = _torch_dtype(req["dtype"])
+        else:
+            dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        layouts = {
+            str(n): ShardLayout.replicated(tuple(int(x) for x in shape), range(world))
+            for n, (shape, _dt) in params.items()
+        }
+        weights = {n: torch.zeros(lay.shape, dtype=dtype) for n, lay in layouts.items()}
+        sub = WeightSubscriber(rank, weights, layouts, mode="shadow", recycle=True)
+        _W.sampler = SamplerSync(
+            sub, replica=int(req["replica"]), control=str(req["control"]), **req.get("options", {})
+        )
+    except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT: reported to the client
+        error = _why(e)
+    outcomes = _gather((rank, error))
+    failed = [(r, f) for r, f in outcomes if f is not None]
+    if not failed:
+        return None
+    if error is None and _W.sampler is not None:  # another rank failed: undo this one
+        _W.sampler.close()
+        _W.sampler = None
+    return "; ".join(f"rank {r}: {f}" for r, f in failed)
+
+
+def _update(model: Any, req: dict) -> dict[str, Any]:
+    """Pull, agree, load: the outcome (``ok``, ``version``, ``failure``, ``timed_out``)."""
+    rank, _world, _ = _group()
+    t0 = time.monotonic()
+    if _W.sampler is None:
+        why = ("rejected", "call init_server before update_server: no tpusync sampler here")
+        return _outcome(_gather((rank, None, why)), None, t0)
+    want = req.get("version")
+    timeout = float(req.get("timeout", 60.0))
+    gathered: list[list] = []
+
+    def confirm(version: int) -> str | None:
+        gathered.append(_gather((rank, version, None)))
+        failed = _failed(gathered[0])
+        return None if not failed else "verified here, not loaded: " + _say(failed)
+
+    result, failure = None, None
+    try:
+        if want is not None and _W.sampler.version >= int(want):
+            failure = (
+                "rejected",
+                f"version {want} requested but this rank already took {_W.sampler.version}",
+            )
+        else:
+            result = _W.sampler.update(timeout=timeout, confirm=confirm)
+            if result is None:
+                failure = ("timeout", f"no version newer than {_W.sampler.version} in {timeout} s")
+            elif not result.ok:
+                failure = ("rejected", f"version {result.version} rejected: {result.reason}")
+    except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT
+        failure = ("rejected", _why(e))
+    if not gathered:  # this rank failed before its version verified
+        gathered.append(_gather((rank, None, failure)))
+    if _failed(gathered[0]):
+        return _outcome(gathered[0], None, t0)
+    assert result is not None and result.ok
+    try:
+        model.load_weights(list(_W.sampler.sub.weights.items()))
+    except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT
+        why = (
+            "rejected",
+            f"version {result.version} verified but load_weights failed, the model is partly "
+            f"updated; replace this server: {_why(e)}",
+        )
+        return _outcome([(rank, None, why)], None, t0)
+    _W.last_version = result.version
+    log.info("SGLang rank %d now serves version %d (%.3f s)", rank, result.version, result.seconds)
+    return _outcome(gathered[0], result.version, t0)
+
+
+def _failed(outcomes: list[tuple]) -> list[tuple[int, tuple[str, str]]]:
+    """The ranks that did not verify, as ``(rank, (kind, reason))``; when every rank verified
+    but not the same version (they polled across an announcement), all of them."""
+    failed = [(r, f) for r, _v, f in outcomes if f is not None]
+    versions = {v for _r, v, f in outcomes if f is None}
+    if not failed and len(versions) > 1:
+        failed = [(r, ("rejected", f"verified version {v}")) for r, v, _f in outcomes]
+    return failed
+
+
+def _say(failed: list[tuple[int, tuple[str, str]]]) -> str:
+    return "; ".join(f"rank {r}: {msg}" for r, (_kind, msg) in failed)
+
+
+def _outcome(outcomes: list[tuple], version: int | None, t0: float) -> dict[str, Any]:
+    failed = _failed(outcomes)
+    return {
+        "ok": not failed,
+        "version": version if not failed else None,
+        "failure": _say(failed) or None,
+        "timed_out": bool(failed) and all(kind == "timeout" for _r, (kind, _m) in failed),
+        "seconds": round(time.monotonic() - t0, 4),
+    }
+
+
+def _reply(req: dict, outcome: dict) -> None:
+    from tpusync.core.pd import load_secret
+    from tpusync.rl.control import ControlClient
+
+    client = ControlClient(load_secret(), req["reply"])
+    try:
+        client.request({"op": "outcome", "token": req["token"], **outcome}, REPLY_TIMEOUT_S)
+    finally:
+        client.close()
+
+
+def load(model: Any, named_tensors: list) -> None:
+    """SGLang's custom weight loader entry point (NEVER-RAISE CONTRACT: never raises)."""
+    try:
+        req = decode(named_tensors)
+    except Exception as e:  # noqa: BLE001 - not ours: nothing to reply to, so only logged
+        log.error("tpusync weight loader: %s; the model was not touched", e)
+        return
+    outcome: dict[str, Any]
+    try:
+        if req["kind"] == "init":
+            failure = _init(model, req)
+            outcome = {"ok": failure is None, "failure": failure}
+        elif req["kind"] == "update":
+            outcome = _update(model, req)
+        else:
+            if _W.sampler is not None:
+                _W.sampler.close()
+                _W.sampler = None
+            outcome = {"ok": True, "failure": None}
+        outcome["serving"] = _W.last_version
+    except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT
+        outcome = {"ok": False, "failure": _why(e), "serving": _W.last_version}
+    if outcome.get("failure"):
+        log.error("tpusync weight %s: %s", req["kind"], outcome["failure"])
+    try:
+        if _group()[0] != 0:
+            return  # rank 0 speaks for the server (the ranks agreed on the outcome)
+    except Exception:  # noqa: BLE001 - no tensor-parallel group: this process is the server
+        pass
+    try:
+        _reply(req, outcome)
+    except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT: the client times out instead
+        log.error("tpusync weight loader: could not report to %s: %s", req["reply"], _why(e))

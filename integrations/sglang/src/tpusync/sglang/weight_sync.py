@@ -1,0 +1,192 @@
+"""RL weight sync into a running SGLang server: the client side (an RL driver's calls).
+
+A rollout SGLang server started with ``--custom-weight-loader tpusync.sglang.weight_loader.load``
+(:data:`LOADER`) and ``$TPUSYNC_AUTH_SECRET`` in its environment becomes a tpusync-rl sampler:
+
+    from tpusync.rl.vllm import checkpoint_params
+    from tpusync.sglang import weight_sync
+
+    weight_sync.init_server(url, control=trainer_control_address, replica=0,
+                            params=checkpoint_params(model_dir))
+    # trainer: TrainerSync(0, 1, None, ...).publish(version, state_dict) in its own process
+    weight_sync.update_server(url, timeout=60)   # raises if the version was not loaded
+    # ... rollouts on the new weights ...
+
+Each call is SGLang's weight-update session (``/begin_weight_update``,
+``/update_weights_from_tensor`` with ``load_format=LOADER`` and one tpusync request, REQUEST
+CONTRACT in :mod:`tpusync.sglang.weight_request`, ``/end_weight_update``) plus the loader's
+outcome, which comes back as a signed message to a :class:`~tpusync.rl.control.ControlServer`
+this call opens for the length of the request (NEVER-RAISE CONTRACT in
+:mod:`tpusync.sglang.weight_loader`: SGLang's own answer says "Success" whatever the loader
+found). ``reply_host`` is the address the server's processes reach this process at (default
+127.0.0.1: a server on this host).
+
+SERVER UPDATE CONTRACT: SGLang applies the update once in-flight requests ended and holds new
+ones back meanwhile, so no request sees two versions; after a loaded version it drops its radix
+cache (KV computed with the old weights; SGLang's ``flush_cache``) and this call records the
+version as the server's weight version (``/update_weight_version``: ``weight_version`` in
+``/model_info``). A version that did not load raises (:class:`UpdateRejectedError` or
+TimeoutError) and the server serves the weights it had. Every wait is bounded: ``timeout`` for
+the pull, plus ``slack_s`` for the HTTP round trips and the load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import urllib.error
+import urllib.request
+from typing import Any
+
+from tpusync.sglang.weight_request import encode
+
+log = logging.getLogger("tpusync.sglang")
+
+LOADER = "tpusync.sglang.weight_loader.load"
+SLACK_S = 120.0
+
+__all__ = ["LOADER", "UpdateRejectedError", "close_server", "init_server", "update_server"]
+
+
+class UpdateRejectedError(RuntimeError):
+    """The server did not load the version (digest mismatch, version skew, a trainer died, ...);
+    it serves the weights it had."""
+
+
+def _http(base: str, path: str, body: Any = None, timeout: float = 60.0) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        base + path,
+        data=data,
+        headers={"Content-Type": "application/json"},
+        method="POST" if body is not None else "GET",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:2000]
+        raise RuntimeError(f"SGLang server {base}{path}: HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ConnectionError(f"SGLang server {base}{path}: {getattr(e, 'reason', e)}") from None
+    return json.loads(raw) if raw else None
+
+
+def _tp_size(base: str) -> int:
+    info = _http(base, "/server_info")
+    args = info.get("server_args") if isinstance(info.get("server_args"), dict) else {}
+    return int(info.get("tp_size") or args.get("tp_size") or 1)
+
+
+def _call(url: str, body: dict, wait_s: float, flush: bool) -> dict:
+    """One request through SGLang's weight-update session; the loader's outcome."""
+    from tpusync.core.pd import load_secret
+    from tpusync.rl.control import ControlServer
+
+    base = url.rstrip("/")
+    outcomes: queue.Queue = queue.Queue()
+    token = os.urandom(16).hex()
+
+    def handler(msg: dict, _answer) -> dict:
+        if msg.get("op") == "outcome" and msg.get("token") == token:
+            outcomes.put(msg)
+        return {"op": "ok"}
+
+    reply_host = body.pop("reply_host", "127.0.0.1")
+    server = ControlServer(load_secret(), handler, listen=f"tcp://{reply_host}:0")
+    try:
+        request = {**body, "reply": server.address, "token": token}
+        payload = encode(request, _tp_size(base))
+        _http(base, "/begin_weight_update", {})
+        try:
+            reply = _http(
+                base,
+                "/update_weights_from_tensor",
+                {
+                    "serialized_named_tensors": payload,
+                    "load_format": LOADER,
+                    "flush_cache": flush,
+                },
+                timeout=wait_s,
+            )
+        finally:
+            _http(base, "/end_weight_update", {})
+        try:
+            outcome = outcomes.get(timeout=SLACK_S)
+        except queue.Empty:
+            raise TimeoutError(
+                f"SGLang server {base} answered {reply!r} but its tpusync loader sent no outcome "
+                f"within {SLACK_S:.0f} s (started with --custom-weight-loader {LOADER} and "
+                "$TPUSYNC_AUTH_SECRET? can it reach this process at "
+                f"{server.address}?)"
+            ) from None
+        outcome["sglang"] = reply
+        return outcome
+    finally:
+        server.close()
+
+
+def init_server(
+    url: str,
+    *,
+    control: str,
+    replica: int,
+    params: dict[str, Any],
+    dtype: str | None = None,
+    reply_host: str = "127.0.0.1",
+    timeout: float = SLACK_S,
+    **options: Any,
+) -> None:
+    """Make the SGLang server at ``url`` sampler replica ``replica`` of the trainers whose rank 0
+    listens on ``control``. ``params``: ``{checkpoint name: [shape, dtype]}`` the trainer
+    publishes (:func:`tpusync.rl.vllm.checkpoint_params` of the model directory); ``dtype``:
+    the staging dtype (default: the model's); ``options``: :class:`~tpusync.rl.sampler.SamplerSync`
+    options (``block_bytes``, ``pool_bytes``, ``streams``, ``window``, ``listen``,
+    ``same_host``). Raises RuntimeError with every rank's reason when a rank could not open
+    (none stays open then)."""
+    body = {
+        "kind": "init",
+        "control": control,
+        "replica": int(replica),
+        "params": {str(k): [list(v[0]), str(v[1])] for k, v in params.items()},
+        "dtype": dtype,
+        "options": options,
+        "reply_host": reply_host,
+    }
+    outcome = _call(url, body, timeout, flush=False)
+    if not outcome.get("ok"):
+        raise RuntimeError(f"tpusync weight sync not set up on {url}: {outcome.get('failure')}")
+
+
+def update_server(
+    url: str,
+    timeout: float,
+    version: int | None = None,
+    *,
+    reply_host: str = "127.0.0.1",
+    slack_s: float = SLACK_S,
+) -> int:
+    """Pull the next version (at least ``version``) into the server and load it; returns the
+    version it now serves (SERVER UPDATE CONTRACT). TimeoutError when no newer version was
+    announced within ``timeout`` s, :class:`UpdateRejectedError` when it was not loaded."""
+    body = {"kind": "update", "timeout": float(timeout), "version": version}
+    body["reply_host"] = reply_host
+    outcome = _call(url, body, float(timeout) + slack_s, flush=True)
+    if not outcome.get("ok"):
+        why = outcome.get("failure")
+        serving = outcome.get("serving")
+        if outcome.get("timed_out"):
+            raise TimeoutError(f"no new version reached {url}: {why}; still serving {serving}")
+        raise UpdateRejectedError(f"update not loaded on {url}: {why}; still serving {serving}")
+    sglang = outcome.get("sglang") or {}
+    if isinstance(sglang, dict) and sglang.get("success") is False:
+        raise RuntimeError(f"version {outcome['version']} loaded on {url}, but: {sglang}")
+    _http(url.rstrip("/"), "/update_weight_version", {"new_version": str(outcome["version"])})
+    return int(outcome["version"])
+
+
+def close_server(url: str, *, reply_host: str = "127.0.0.1") -> None:
+    """Close the server's samplers (it keeps serving the weights it has)."""
+    _call(url, {"kind": "close", "reply_host": reply_host}, SLACK_S, flush=False)
