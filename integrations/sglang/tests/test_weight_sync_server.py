@@ -8,7 +8,9 @@ from A's own before, so the comparison can fail). Then the faults: an update wit
 published times out and A keeps serving; asking for a version A already has is refused; a
 version damaged in transit (one flipped byte after the trainer took its checksum) is rejected and
 A keeps serving version 1; the next good version (the original weights) loads and A's outputs
-are its first ones again. The server's weight version follows every loaded version.
+are its first ones again. The server's weight version follows every loaded version. At TP=2 the
+ranks pull only their slices of each tensor (SLICE CONTRACT of the loader), or with
+``sharded=False`` whole tensors each; the trainer's byte count tells which happened.
 
 CPU only through the TEST-ONLY server shim (``support/live_server.py``, LIVE SERVER CONTRACT).
 """
@@ -69,11 +71,14 @@ def _perturbed(model_dir: Path, dst: Path) -> dict[str, torch.Tensor]:
     return new
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(
+    scope="module", params=[(1, True), (2, True), (2, False)], ids=["tp1", "tp2", "tp2-whole"]
+)
 def servers(request, tmp_path_factory):
-    """(A, B, A's model directory, B's weights, A's tensor-parallel size). A at TP=2 runs two
-    scheduler processes, one per core (SGLANG_CPU_OMP_THREADS_BIND)."""
-    tp = request.param
+    """(A, B, A's model directory, B's weights, A's tensor-parallel size, whether A's ranks pull
+    only their slices). A at TP=2 runs two scheduler processes, one per core
+    (SGLANG_CPU_OMP_THREADS_BIND)."""
+    tp, sharded = request.param
     root = Path(os.environ.get("TPUSYNC_REPO_ROOT", Path(__file__).resolve().parents[3]))
     model = tiny_model.ensure(root)
     work = tmp_path_factory.mktemp(f"sglang-weights-tp{tp}")
@@ -89,7 +94,7 @@ def servers(request, tmp_path_factory):
     try:
         a.wait_ready()
         b.wait_ready()
-        yield a, b, model, new, tp
+        yield a, b, model, new, tp, sharded
     finally:
         a.stop()
         b.stop()
@@ -115,23 +120,40 @@ def _publish_and_update(trainer, version, tensors, url, tp, timeout=120.0):
 
 
 def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(servers, monkeypatch):
-    a, b, model_dir, new, tp = servers
+    a, b, model_dir, new, tp, sharded = servers
     monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
     before, reference = _outputs(a), _outputs(b)
     assert before != reference  # the perturbed weights change greedy outputs: the check can fail
+    # Small blocks: bytes_sent counts whole blocks.
+    small = {"block_bytes": 1 << 13, "pool_bytes": 16 << 20}
     trainer = DamagingTrainer(
-        0, 1, None, secret=SECRET.encode(), control="tcp://127.0.0.1:0", deadline=60.0
+        0, 1, None, secret=SECRET.encode(), control="tcp://127.0.0.1:0", deadline=60.0, **small
     )
     trainer.last_rank = tp - 1
     try:
-        weight_sync.init_server(
-            a.base, control=trainer.control_address, replica=0, params=checkpoint_params(model_dir)
+        took_slices = weight_sync.init_server(
+            a.base,
+            control=trainer.control_address,
+            replica=0,
+            params=checkpoint_params(model_dir),
+            sharded=sharded,
+            **small,
         )
+        assert took_slices == (sharded and tp > 1)
 
         version, report = _publish_and_update(trainer, 1, new, a.base, tp)
         assert version == 1 and report.ok, report
-        # One sampler rank per scheduler process, each with whole tensors (SGLang slices them).
+        # One sampler rank per scheduler process.
         assert sorted(report.committed) == [f"0:{r}" for r in range(tp)], report
+        # SLICE CONTRACT: sliced, a TP=2 server pulls about one copy of the model (the small
+        # replicated tensors twice), not two; whole, every rank pulls a copy.
+        model_bytes = sum(t.numel() * t.element_size() for t in new.values())
+        copies = report.bytes_sent / model_bytes
+        print(f"tp={tp} sharded={sharded}: {report.bytes_sent} bytes sent, {copies:.2f} copies")
+        if took_slices:
+            assert 1.0 <= copies < 1.3, (report.bytes_sent, model_bytes)
+        else:
+            assert tp <= copies < tp + 0.3, (report.bytes_sent, model_bytes)
         assert _outputs(a) == reference
         assert _weight_version(a) == "1"
 

@@ -8,9 +8,9 @@ server with ``--custom-weight-loader tpusync.sglang.weight_loader.load``) is tha
 ``named_tensors`` carry one request (REQUEST CONTRACT, :mod:`tpusync.sglang.weight_request`):
 
 - ``init``: open one :class:`~tpusync.rl.sampler.SamplerSync` per scheduler process, sampler rank
-  = the process's tensor-parallel rank, all of one ``replica``; each receives whole checkpoint
-  tensors (``ShardLayout.replicated``) into shadow buffers (checkpoint names, shapes; ``dtype``,
-  by default the model's) and SGLang's own ``load_weights`` keeps its slice of each;
+  = the process's tensor-parallel rank, all of one ``replica``, staging into shadow buffers
+  under the checkpoint names (``dtype``, by default the model's). What each rank receives: SLICE
+  CONTRACT below;
 - ``update``: pull one version (``timeout``, optionally at least ``version``) and, once every
   rank verified it, load it with ``model.load_weights`` - SGLang's own path for tensors it is
   handed;
@@ -33,8 +33,19 @@ failure inside ``load_weights`` itself (after the agreement) leaves the model pa
 reported as such, and the sampler's version has moved on, so the client must replace the
 server (SGLang's own loaders say the same of their failures).
 
-Not supported (refused at ``init`` with the reason): pipeline parallelism, and a sampler that
-receives only its slices (each rank receives whole tensors: a TP=N server pulls N copies).
+SLICE CONTRACT: with ``sharded`` (the default) and a model class in :data:`SLICED_MODELS`, each
+rank receives only the part of each checkpoint tensor that SGLang's ``load_weights`` keeps on it
+(the Llama-family rules of :func:`tpusync.rl.vllm.tp.planned_box`: rows of q/k/v and gate/up,
+with key/value heads replicated when the TP size exceeds their count, columns of o_proj and
+down_proj, a vocabulary range of the embedding and the LM head padded to 64 rows, the whole of
+everything else; SGLang's Llama loaders use the same parallel layers with the same arithmetic),
+and places it in a tensor of the checkpoint's shape before ``load_weights``, which reads only
+that part. Every rank plans every rank's part from the model's config, so all report the same
+layouts to a trainer built without ``dst_layouts``. Any other model class, or ``sharded=False``,
+gets whole tensors on every rank (a TP=N server then pulls N copies); the outcome of ``init``
+says which (``sharded``).
+
+Not supported (refused at ``init`` with the reason): pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -48,6 +59,10 @@ from tpusync.sglang.weight_request import decode
 log = logging.getLogger("tpusync.sglang")
 
 REPLY_TIMEOUT_S = 30.0
+# SLICE CONTRACT: the SGLang model classes whose checkpoint tensors are sliced by the
+# Llama-family rules (Mistral checkpoints run on SGLang's Llama class). Only the Llama class is
+# tested (test_weight_sync_server.py, TP=2); other classes get whole tensors.
+SLICED_MODELS = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
 
 
 class _Worker:
@@ -56,6 +71,8 @@ class _Worker:
 
     sampler: Any = None
     last_version = 0
+    # name -> (checkpoint shape, this rank's part of it): SLICE CONTRACT
+    slices: dict[str, tuple[tuple[int, ...], Any]] = {}
 
 
 _W = _Worker()
@@ -85,16 +102,39 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _init(model: Any, req: dict) -> str | None:
-    """Open this rank's sampler; the failure of any rank (every rank's reason) or None."""
+def _layouts(model: Any, params: dict, world: int, sharded: bool) -> dict[str, Any]:
+    """Every checkpoint tensor's layout over the server's ranks (SLICE CONTRACT)."""
+    from tpusync.rl.layout import ShardLayout
+    from tpusync.rl.vllm.tp import planned_box
+
+    shapes = {str(n): tuple(int(x) for x in shape) for n, (shape, _dt) in params.items()}
+    if not sharded:
+        return {n: ShardLayout.replicated(shape, range(world)) for n, shape in shapes.items()}
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    vocab = int(cfg.vocab_size)
+    return {
+        n: ShardLayout(
+            shape,
+            tuple((r, planned_box(n, shape, r, world, kv_heads, vocab)) for r in range(world)),
+        )
+        for n, shape in shapes.items()
+    }
+
+
+def _init(model: Any, req: dict) -> tuple[str | None, bool]:
+    """Open this rank's sampler: (the failure of any rank, every rank's reason, or None;
+    whether the ranks receive only their slices)."""
     import torch
 
     from tpusync.rl.chunks import WeightSubscriber, _torch_dtype
-    from tpusync.rl.layout import ShardLayout
     from tpusync.rl.sampler import SamplerSync
 
     rank, world, _ = _group()
     error = None
+    sharded = world > 1 and bool(req.get("sharded", True))
+    sharded = sharded and type(model).__name__ in SLICED_MODELS
     try:
         from sglang.srt.runtime_context import get_parallel
 
@@ -109,11 +149,9 @@ def _init(model: Any, req: dict) -> str | None:
             dtype = _torch_dtype(req["dtype"])
         else:
             dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        layouts = {
-            str(n): ShardLayout.replicated(tuple(int(x) for x in shape), range(world))
-            for n, (shape, _dt) in params.items()
-        }
-        weights = {n: torch.zeros(lay.shape, dtype=dtype) for n, lay in layouts.items()}
+        layouts = _layouts(model, params, world, sharded)
+        _W.slices = {n: (lay.shape, lay.box_of(rank)) for n, lay in layouts.items()}
+        weights = {n: torch.zeros(box.shape, dtype=dtype) for n, (_s, box) in _W.slices.items()}
         sub = WeightSubscriber(rank, weights, layouts, mode="shadow", recycle=True)
         _W.sampler = SamplerSync(
             sub, replica=int(req["replica"]), control=str(req["control"]), **req.get("options", {})
@@ -123,11 +161,25 @@ def _init(model: Any, req: dict) -> str | None:
     outcomes = _gather((rank, error))
     failed = [(r, f) for r, f in outcomes if f is not None]
     if not failed:
-        return None
+        return None, sharded
     if error is None and _W.sampler is not None:  # another rank failed: undo this one
         _W.sampler.close()
         _W.sampler = None
-    return "; ".join(f"rank {r}: {f}" for r, f in failed)
+    return "; ".join(f"rank {r}: {f}" for r, f in failed), sharded
+
+
+def _full(name: str, part: Any) -> Any:
+    """``part`` in a zero tensor of the checkpoint's shape (SLICE CONTRACT: only it is read)."""
+    import torch
+
+    from tpusync.rl.layout import Box
+
+    shape, box = _W.slices[name]
+    if tuple(box.shape) == tuple(shape):
+        return part
+    out = torch.zeros(shape, dtype=part.dtype)
+    out[Box((0,) * len(shape), shape).local_slices(box)] = part
+    return out
 
 
 def _update(model: Any, req: dict) -> dict[str, Any]:
@@ -167,7 +219,7 @@ def _update(model: Any, req: dict) -> dict[str, Any]:
         return _outcome(gathered[0], None, t0)
     assert result is not None and result.ok
     try:
-        model.load_weights(list(_W.sampler.sub.weights.items()))
+        model.load_weights([(n, _full(n, t)) for n, t in _W.sampler.sub.weights.items()])
     except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT
         why = (
             "rejected",
@@ -226,8 +278,8 @@ def load(model: Any, named_tensors: list) -> None:
     outcome: dict[str, Any]
     try:
         if req["kind"] == "init":
-            failure = _init(model, req)
-            outcome = {"ok": failure is None, "failure": failure}
+            failure, sharded = _init(model, req)
+            outcome = {"ok": failure is None, "failure": failure, "sharded": sharded}
         elif req["kind"] == "update":
             outcome = _update(model, req)
         else:

@@ -135,16 +135,19 @@ def init_server(
     replica: int,
     params: dict[str, Any],
     dtype: str | None = None,
+    sharded: bool = True,
     reply_host: str = "127.0.0.1",
     timeout: float = SLACK_S,
     **options: Any,
-) -> None:
+) -> bool:
     """Make the SGLang server at ``url`` sampler replica ``replica`` of the trainers whose rank 0
     listens on ``control``. ``params``: ``{checkpoint name: [shape, dtype]}`` the trainer
     publishes (:func:`tpusync.rl.vllm.checkpoint_params` of the model directory); ``dtype``:
     the staging dtype (default: the model's); ``options``: :class:`~tpusync.rl.sampler.SamplerSync`
     options (``block_bytes``, ``pool_bytes``, ``streams``, ``window``, ``listen``,
-    ``same_host``). Raises RuntimeError with every rank's reason when a rank could not open
+    ``same_host``). ``sharded``: each tensor-parallel rank receives only its slices where the
+    model class allows it (SLICE CONTRACT in :mod:`tpusync.sglang.weight_loader`); returns
+    whether it does. Raises RuntimeError with every rank's reason when a rank could not open
     (none stays open then)."""
     body = {
         "kind": "init",
@@ -152,12 +155,14 @@ def init_server(
         "replica": int(replica),
         "params": {str(k): [list(v[0]), str(v[1])] for k, v in params.items()},
         "dtype": dtype,
+        "sharded": bool(sharded),
         "options": options,
         "reply_host": reply_host,
     }
     outcome = _call(url, body, timeout, flush=False)
     if not outcome.get("ok"):
         raise RuntimeError(f"tpusync weight sync not set up on {url}: {outcome.get('failure')}")
+    return bool(outcome.get("sharded"))
 
 
 def update_server(
