@@ -33,7 +33,6 @@ the pull, plus ``slack_s`` for the HTTP round trips and the load.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import queue
 import urllib.error
@@ -41,8 +40,6 @@ import urllib.request
 from typing import Any
 
 from tpusync.sglang.weight_request import encode
-
-log = logging.getLogger("tpusync.sglang")
 
 LOADER = "tpusync.sglang.weight_loader.load"
 SLACK_S = 120.0
@@ -80,7 +77,7 @@ def _tp_size(base: str) -> int:
     return int(info.get("tp_size") or args.get("tp_size") or 1)
 
 
-def _call(url: str, body: dict, wait_s: float, flush: bool) -> dict:
+def _call(url: str, body: dict, wait_s: float, flush: bool, reply_host: str) -> dict:
     """One request through SGLang's weight-update session; the loader's outcome."""
     from tpusync.core.pd import load_secret
     from tpusync.rl.control import ControlServer
@@ -94,7 +91,6 @@ def _call(url: str, body: dict, wait_s: float, flush: bool) -> dict:
             outcomes.put(msg)
         return {"op": "ok"}
 
-    reply_host = body.pop("reply_host", "127.0.0.1")
     server = ControlServer(load_secret(), handler, listen=f"tcp://{reply_host}:0")
     try:
         request = {**body, "reply": server.address, "token": token}
@@ -111,8 +107,13 @@ def _call(url: str, body: dict, wait_s: float, flush: bool) -> dict:
                 },
                 timeout=wait_s,
             )
-        finally:
-            _http(base, "/end_weight_update", {})
+        except Exception:
+            try:  # close SGLang's session; the update's own error is what the caller sees
+                _http(base, "/end_weight_update", {})
+            except (RuntimeError, ConnectionError):
+                pass
+            raise
+        _http(base, "/end_weight_update", {})
         try:
             outcome = outcomes.get(timeout=SLACK_S)
         except queue.Empty:
@@ -157,9 +158,8 @@ def init_server(
         "dtype": dtype,
         "sharded": bool(sharded),
         "options": options,
-        "reply_host": reply_host,
     }
-    outcome = _call(url, body, timeout, flush=False)
+    outcome = _call(url, body, timeout, flush=False, reply_host=reply_host)
     if not outcome.get("ok"):
         raise RuntimeError(f"tpusync weight sync not set up on {url}: {outcome.get('failure')}")
     return bool(outcome.get("sharded"))
@@ -177,8 +177,7 @@ def update_server(
     version it now serves (SERVER UPDATE CONTRACT). TimeoutError when no newer version was
     announced within ``timeout`` s, :class:`UpdateRejectedError` when it was not loaded."""
     body = {"kind": "update", "timeout": float(timeout), "version": version}
-    body["reply_host"] = reply_host
-    outcome = _call(url, body, float(timeout) + slack_s, flush=True)
+    outcome = _call(url, body, float(timeout) + slack_s, flush=True, reply_host=reply_host)
     if not outcome.get("ok"):
         why = outcome.get("failure")
         serving = outcome.get("serving")
@@ -194,4 +193,4 @@ def update_server(
 
 def close_server(url: str, *, reply_host: str = "127.0.0.1") -> None:
     """Close the server's samplers (it keeps serving the weights it has)."""
-    _call(url, {"kind": "close", "reply_host": reply_host}, SLACK_S, flush=False)
+    _call(url, {"kind": "close"}, SLACK_S, flush=False, reply_host=reply_host)
