@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import tiny_model
 import torch
-from live_server import http, launch
+from live_server import http, launch, model_modules_except
 
 from tpusync.rl import TrainerSync
 from tpusync.rl.vllm import checkpoint_params
@@ -71,20 +71,58 @@ def _perturbed(model_dir: Path, dst: Path) -> dict[str, torch.Tensor]:
     return new
 
 
-@pytest.fixture(
-    scope="module", params=[(1, True), (2, True), (2, False)], ids=["tp1", "tp2", "tp2-whole"]
-)
+def _qwen2(llama: Path, dst: Path) -> Path:
+    """A tiny random Qwen2 (biased q/k/v projections: SGLang's Qwen2ForCausalLM) with the tiny
+    Llama's byte-level tokenizer."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from tpusync.core.tinymodel import tiny_model_of
+
+    tok = AutoTokenizer.from_pretrained(llama)
+    tiny_model_of(
+        dst,
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.unk_token_id,
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama / name, dst / name)
+    return dst
+
+
+CASES = {  # id: (tensor-parallel size, sharded, architecture)
+    "tp1": (1, True, "llama"),
+    "tp2": (2, True, "llama"),
+    "tp2-whole": (2, False, "llama"),
+    "tp2-qwen2": (2, True, "qwen2"),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES.values()), ids=list(CASES))
 def servers(request, tmp_path_factory):
     """(A, B, A's model directory, B's weights, A's tensor-parallel size, whether A's ranks pull
     only their slices). A at TP=2 runs two scheduler processes, one per core
     (SGLANG_CPU_OMP_THREADS_BIND)."""
-    tp, sharded = request.param
+    tp, sharded, arch = request.param
     root = Path(os.environ.get("TPUSYNC_REPO_ROOT", Path(__file__).resolve().parents[3]))
     model = tiny_model.ensure(root)
-    work = tmp_path_factory.mktemp(f"sglang-weights-tp{tp}")
+    work = tmp_path_factory.mktemp(f"sglang-weights-tp{tp}-{arch}")
+    env = {"TPUSYNC_AUTH_SECRET": SECRET}
+    if arch == "qwen2":
+        model = _qwen2(model, work / "qwen2")
+        env["SGLANG_DISABLED_MODEL_ARCHS"] = model_modules_except("llama", "qwen2")
     new_dir = work / "trained"
     new = _perturbed(model, new_dir)
-    env = {"TPUSYNC_AUTH_SECRET": SECRET}
     args = ["--custom-weight-loader", weight_sync.LOADER]
     if tp > 1:
         args += ["--tp-size", str(tp)]

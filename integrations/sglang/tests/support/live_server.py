@@ -70,12 +70,15 @@ def http(url: str, payload: dict | None = None, timeout: float = REQUEST_TIMEOUT
         return resp.status, resp.read().decode()
 
 
-def _other_model_modules() -> str:
+def model_modules_except(*keep: str) -> str:
+    """``SGLANG_DISABLED_MODEL_ARCHS`` for a server that imports only the model modules ``keep``
+    (default: llama)."""
+    keep = keep or ("llama",)
     spec = importlib.util.find_spec("sglang.srt.models")
     assert spec is not None and spec.submodule_search_locations
     names = [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)]
-    assert "llama" in names
-    return ",".join(n for n in names if n != "llama")
+    assert set(keep) <= set(names), (keep, names)
+    return ",".join(n for n in names if n not in keep)
 
 
 class Server:
@@ -223,7 +226,7 @@ def launch(model: Path, log: Path, args: list[str], env: dict[str, str] | None =
             [str(SUPPORT / "server_site"), *filter(None, [os.environ.get("PYTHONPATH")])]
         ),
         "TPUSYNC_SGLANG_CPU_SHIM": "1",
-        "SGLANG_DISABLED_MODEL_ARCHS": _other_model_modules(),
+        "SGLANG_DISABLED_MODEL_ARCHS": model_modules_except(),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         **(env or {}),

@@ -60,9 +60,9 @@ log = logging.getLogger("tpusync.sglang")
 
 REPLY_TIMEOUT_S = 30.0
 # SLICE CONTRACT: the SGLang model classes whose checkpoint tensors are sliced by the
-# Llama-family rules (Mistral checkpoints run on SGLang's Llama class). Only the Llama class is
-# tested (test_weight_sync_server.py, TP=2); other classes get whole tensors.
-SLICED_MODELS = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
+# Llama-family rules (Mistral checkpoints run on SGLang's Llama class). The Llama and Qwen2
+# classes are tested (test_weight_sync_server.py, TP=2); other classes get whole tensors.
+SLICED_MODELS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
 
 class _Worker:
