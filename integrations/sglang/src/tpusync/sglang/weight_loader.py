@@ -69,10 +69,11 @@ class _Worker:
     """The sampler of this scheduler process (one per process: SGLang runs one model runner per
     tensor-parallel rank and process)."""
 
-    sampler: Any = None
-    last_version = 0
-    # name -> (checkpoint shape, this rank's part of it): SLICE CONTRACT
-    slices: dict[str, tuple[tuple[int, ...], Any]] = {}
+    def __init__(self) -> None:
+        self.sampler: Any = None
+        self.last_version = 0
+        # name -> (checkpoint shape, this rank's part of it): SLICE CONTRACT
+        self.slices: dict[str, tuple[tuple[int, ...], Any]] = {}
 
 
 _W = _Worker()
@@ -219,7 +220,9 @@ def _update(model: Any, req: dict) -> dict[str, Any]:
         return _outcome(gathered[0], None, t0)
     assert result is not None and result.ok
     try:
-        model.load_weights([(n, _full(n, t)) for n, t in _W.sampler.sub.weights.items()])
+        # One checkpoint-shaped tensor at a time (a generator): a list would hold the whole
+        # model at checkpoint size on every rank while load_weights runs.
+        model.load_weights((n, _full(n, t)) for n, t in _W.sampler.sub.weights.items())
     except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT
         why = (
             "rejected",

@@ -15,10 +15,6 @@ Paths (every process is a real process, every byte crosses a real socket):
 
 Every row names the path its samplers reported (``UpdateResult.path``) and carries the stage
 times of the last version (trainer rank 0 and each sampler; docs/rl.md explains them).
-The loopback rows (the three paths above, gloo, iperf3 and the CPU floor below) run in
-``repeats`` rounds, each path and reference once per round, and each row's ``ratio`` is the
-median of its per-round ratios (``ratio_rounds``; PAIRED ROUNDS in :func:`_loopback_rounds`);
-``gbps`` and ``limit_gbps`` are the medians of the rounds' figures, ``rounds`` has them all.
 - ``resharded`` vs ``plain``: two trainer processes (TP=2, dim 0) to one sampler group of two
   ranks, split on dim 1 (resharded: every piece is a strided box) or on dim 0 (plain: shards map
   one to one); the figure is the time ratio (lower is better).
@@ -45,6 +41,11 @@ median of its per-round ratios (``ratio_rounds``; PAIRED ROUNDS in :func:`_loopb
   root of a broadcast sends every byte once per receiver through its one link, a chain's trainer
   once: no path can beat gloo by more than the ratio of gloo's time to one link's (about 2 with
   two samplers). Skipped, with the reason in ``links.skipped``, without root, iproute2 or iperf3.
+
+The loopback rows (``chain``, ``chain_same_host``, ``shared_same_host``, gloo, iperf3 and the CPU floor) run in
+``repeats`` rounds, each path and reference once per round, and each row's ``ratio`` is the
+median of its per-round ratios (``ratio_rounds``; PAIRED ROUNDS in :func:`_loopback_rounds`);
+``gbps`` and ``limit_gbps`` are the medians of the rounds' figures, ``rounds`` has them all.
 
 GOALS: chain >= 2x gloo, chain >= 0.8x iperf3, resharded <= 1.3x plain.
 """
