@@ -10,7 +10,11 @@ version damaged in transit (one flipped byte after the trainer took its checksum
 A keeps serving version 1; the next good version (the original weights) loads and A's outputs
 are its first ones again. The server's weight version follows every loaded version. At TP=2 the
 ranks pull only their slices of each tensor (SLICE CONTRACT of the loader), or with
-``sharded=False`` whole tensors each; the trainer's byte count tells which happened.
+``sharded=False`` whole tensors each; the trainer's byte count tells which happened, and every
+sliced server's dry run must tell every tensor's part (``ServerSetup.whole`` empty) on the tiny
+Llama, Qwen2 and Qwen3. The TP=1 server guards its weight-update endpoints with
+``--admin-api-key``: without the key ``init_server`` fails with SGLang's 401 and says which key to
+pass; every call after that passes it (KEYS RULE of ``weight_sync``).
 
 CPU only through the TEST-ONLY server shim (``support/live_server.py``, LIVE SERVER CONTRACT).
 """
@@ -34,6 +38,7 @@ from tpusync.sglang import weight_sync
 from tpusync.sglang.weight_sync import UpdateRejectedError
 
 SECRET = "tpusync-sglang-weight-sync-test-secret"
+ADMIN_KEY = "tpusync-sglang-admin-key"
 PROMPTS = [[ord(c) for c in "the cache page block host"], [ord(c) for c in "tpusync moves weights"]]
 
 
@@ -71,18 +76,22 @@ def _perturbed(model_dir: Path, dst: Path) -> dict[str, torch.Tensor]:
     return new
 
 
-def _qwen2(llama: Path, dst: Path) -> Path:
-    """A tiny random Qwen2 (biased q/k/v projections: SGLang's Qwen2ForCausalLM) with the tiny
-    Llama's byte-level tokenizer."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+def _qwen(arch: str, llama: Path, dst: Path) -> Path:
+    """A tiny random Qwen2 (biased q/k/v projections: SGLang's Qwen2ForCausalLM) or Qwen3 (q/k
+    norms, no biases: Qwen3ForCausalLM) with the tiny Llama's byte-level tokenizer."""
+    import transformers
+    from transformers import AutoTokenizer
 
     from tpusync.core.tinymodel import tiny_model_of
 
+    big = arch.capitalize()  # Qwen2 / Qwen3
+    extra = {"head_dim": 16} if arch == "qwen3" else {}
     tok = AutoTokenizer.from_pretrained(llama)
     tiny_model_of(
         dst,
-        Qwen2ForCausalLM,
-        Qwen2Config,
+        getattr(transformers, f"{big}ForCausalLM"),
+        getattr(transformers, f"{big}Config"),
+        **extra,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -105,6 +114,7 @@ CASES = {  # id: (tensor-parallel size, sharded, architecture)
     "tp2": (2, True, "llama"),
     "tp2-whole": (2, False, "llama"),
     "tp2-qwen2": (2, True, "qwen2"),
+    "tp2-qwen3": (2, True, "qwen3"),
 }
 
 
@@ -118,12 +128,15 @@ def servers(request, tmp_path_factory):
     model = tiny_model.ensure(root)
     work = tmp_path_factory.mktemp(f"sglang-weights-tp{tp}-{arch}")
     env = {"TPUSYNC_AUTH_SECRET": SECRET}
-    if arch == "qwen2":
-        model = _qwen2(model, work / "qwen2")
-        env["SGLANG_DISABLED_MODEL_ARCHS"] = model_modules_except("llama", "qwen2")
+    if arch != "llama":
+        model = _qwen(arch, model, work / arch)
+        env["SGLANG_DISABLED_MODEL_ARCHS"] = model_modules_except("llama", "qwen2", arch)
     new_dir = work / "trained"
     new = _perturbed(model, new_dir)
     args = ["--custom-weight-loader", weight_sync.LOADER]
+    # KEYS RULE: the TP=1 server guards its weight-update endpoints with an admin key.
+    keys = {"admin_api_key": ADMIN_KEY} if tp == 1 else {}
+    args += ["--admin-api-key", ADMIN_KEY] if keys else []
     if tp > 1:
         args += ["--tp-size", str(tp)]
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"
@@ -132,7 +145,7 @@ def servers(request, tmp_path_factory):
     try:
         a.wait_ready()
         b.wait_ready()
-        yield a, b, model, new, tp, sharded
+        yield a, b, model, new, tp, sharded, keys
     finally:
         a.stop()
         b.stop()
@@ -147,18 +160,18 @@ def _weight_version(server) -> str:
     return json.loads(body)["weight_version"]
 
 
-def _publish_and_update(trainer, version, tensors, url, tp, timeout=120.0):
+def _publish_and_update(trainer, version, tensors, url, tp, keys, timeout=120.0):
     """The server's update (its samplers join the trainer with their first poll), then the
     trainer's publish of ``version``: (the version the server serves, the trainer's report)."""
     with ThreadPoolExecutor(1) as pool:
-        update = pool.submit(weight_sync.update_server, url, timeout=timeout)
+        update = pool.submit(weight_sync.update_server, url, timeout=timeout, **keys)
         trainer.wait_for_samplers(tp, timeout=60)
         report = trainer.publish(version, tensors)
         return update.result(timeout=timeout + 180), report
 
 
 def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(servers, monkeypatch):
-    a, b, model_dir, new, tp, sharded = servers
+    a, b, model_dir, new, tp, sharded, keys = servers
     monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
     before, reference = _outputs(a), _outputs(b)
     assert before != reference  # the perturbed weights change greedy outputs: the check can fail
@@ -168,18 +181,23 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         0, 1, None, secret=SECRET.encode(), control="tcp://127.0.0.1:0", deadline=60.0, **small
     )
     trainer.last_rank = tp - 1
+    init = dict(
+        control=trainer.control_address,
+        replica=0,
+        params=checkpoint_params(model_dir),
+        sharded=sharded,
+        **small,
+    )
     try:
-        took_slices = weight_sync.init_server(
-            a.base,
-            control=trainer.control_address,
-            replica=0,
-            params=checkpoint_params(model_dir),
-            sharded=sharded,
-            **small,
-        )
-        assert took_slices == (sharded and tp > 1)
+        if keys:  # without the key SGLang refuses the session, and says which key it wants
+            with pytest.raises(RuntimeError, match=r"HTTP 401.*pass api_key= or admin_api_key="):
+                weight_sync.init_server(a.base, **init)
+        setup = weight_sync.init_server(a.base, **init, **keys)
+        # SLICE CONTRACT: the dry run of SGLang's own load_weights tells every tensor's part.
+        assert setup.sharded == (sharded and tp > 1) and setup.whole == {}, setup
+        took_slices = setup.sharded
 
-        version, report = _publish_and_update(trainer, 1, new, a.base, tp)
+        version, report = _publish_and_update(trainer, 1, new, a.base, tp, keys)
         assert version == 1 and report.ok, report
         # One sampler rank per scheduler process.
         assert sorted(report.committed) == [f"0:{r}" for r in range(tp)], report
@@ -196,25 +214,25 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         assert _weight_version(a) == "1"
 
         with pytest.raises(TimeoutError, match="no new version"):
-            weight_sync.update_server(a.base, timeout=2)
+            weight_sync.update_server(a.base, timeout=2, **keys)
         with pytest.raises(UpdateRejectedError, match="already took 1"):
-            weight_sync.update_server(a.base, timeout=2, version=1)
+            weight_sync.update_server(a.base, timeout=2, version=1, **keys)
         assert _outputs(a) == reference
 
         original = _weights(model_dir)
         with pytest.raises(UpdateRejectedError, match="checksum") as rejected:
-            _publish_and_update(trainer, 2, original, a.base, tp)
+            _publish_and_update(trainer, 2, original, a.base, tp, keys)
         assert "still serving 1" in str(rejected.value)
         # ENGINE OUTCOME CONTRACT: at TP=2 only rank 1 got the damaged block; rank 0 verified
         # the version and still did not load it (the outputs below are version 1's).
         assert f"rank {tp - 1}: version 2 rejected" in str(rejected.value)
         assert _outputs(a) == reference and _weight_version(a) == "1"
 
-        version, report = _publish_and_update(trainer, 3, original, a.base, tp)
+        version, report = _publish_and_update(trainer, 3, original, a.base, tp, keys)
         assert version == 3 and report.ok, report
         assert _outputs(a) == before and _weight_version(a) == "3"
     finally:
         try:
-            weight_sync.close_server(a.base)
+            weight_sync.close_server(a.base, **keys)
         finally:
             trainer.close()

@@ -33,17 +33,16 @@ failure inside ``load_weights`` itself (after the agreement) leaves the model pa
 reported as such, and the sampler's version has moved on, so the client must replace the
 server (SGLang's own loaders say the same of their failures).
 
-SLICE CONTRACT: with ``sharded`` (the default) and a model class in :data:`SLICED_MODELS`, each
-rank receives only the part of each checkpoint tensor that SGLang's ``load_weights`` keeps on it
-(the Llama-family rules of :func:`tpusync.rl.vllm.tp.planned_box`: rows of q/k/v and gate/up,
-with key/value heads replicated when the TP size exceeds their count, columns of o_proj and
-down_proj, a vocabulary range of the embedding and the LM head padded to 64 rows, the whole of
-everything else; SGLang's Llama loaders use the same parallel layers with the same arithmetic),
-and places it in a tensor of the checkpoint's shape before ``load_weights``, which reads only
-that part. Every rank plans every rank's part from the model's config, so all report the same
-layouts to a trainer built without ``dst_layouts``. Any other model class, or ``sharded=False``,
-gets whole tensors on every rank (a TP=N server then pulls N copies); the outcome of ``init``
-says which (``sharded``).
+SLICE CONTRACT: with ``sharded`` (the default) each rank receives only the part of each
+checkpoint tensor that the model's ``load_weights`` keeps on it, as a dry run of that same
+``load_weights`` on shapes alone finds it (DRY-RUN CONTRACT, :mod:`tpusync.sglang.weight_slices`:
+exact, whatever the model class, or the whole tensor where the dry run cannot tell), and places it
+in a zero tensor of the checkpoint's shape before ``load_weights``, which reads only that part.
+The ranks exchange their parts at ``init``, so all report the same layouts to a trainer built
+without ``dst_layouts``; a tensor whole on any rank is whole on all of them. With
+``sharded=False`` every rank receives whole tensors (a TP=N server then pulls N copies). The
+outcome of ``init`` says whether any tensor was split (``sharded``) and which tensors were left
+whole, with the reason (``whole``).
 
 Not supported (refused at ``init`` with the reason): pipeline parallelism.
 """
@@ -59,10 +58,6 @@ from tpusync.sglang.weight_request import decode
 log = logging.getLogger("tpusync.sglang")
 
 REPLY_TIMEOUT_S = 30.0
-# SLICE CONTRACT: the SGLang model classes whose checkpoint tensors are sliced by the
-# Llama-family rules (Mistral checkpoints run on SGLang's Llama class). The Llama and Qwen2
-# classes are tested (test_weight_sync_server.py, TP=2); other classes get whole tensors.
-SLICED_MODELS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
 
 class _Worker:
@@ -103,39 +98,40 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _layouts(model: Any, params: dict, world: int, sharded: bool) -> dict[str, Any]:
-    """Every checkpoint tensor's layout over the server's ranks (SLICE CONTRACT)."""
-    from tpusync.rl.layout import ShardLayout
-    from tpusync.rl.vllm.tp import planned_box
+def _layouts(
+    parts: list[dict], shapes: dict[str, tuple[int, ...]], whole: dict[str, str]
+) -> dict[str, Any]:
+    """Every checkpoint tensor's layout over the server's ranks from each rank's kept parts
+    (``parts[r]``: rank r's ``{name: (lo, hi) or None}``; SLICE CONTRACT). A tensor whole on any
+    rank, or whose parts do not tile it, is whole on every rank; ``whole`` gets the reason."""
+    from tpusync.rl.layout import Box, ShardLayout
 
-    shapes = {str(n): tuple(int(x) for x in shape) for n, (shape, _dt) in params.items()}
-    if not sharded:
-        return {n: ShardLayout.replicated(shape, range(world)) for n, shape in shapes.items()}
-    cfg = model.config
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    vocab = int(cfg.vocab_size)
-    return {
-        n: ShardLayout(
-            shape,
-            tuple((r, planned_box(n, shape, r, world, kv_heads, vocab)) for r in range(world)),
-        )
-        for n, shape in shapes.items()
-    }
+    world = len(parts)
+    out = {}
+    for n, shape in shapes.items():
+        boxes = [p.get(n) for p in parts]
+        if all(b is not None for b in boxes):
+            try:
+                out[n] = ShardLayout(shape, tuple((r, Box(*b)) for r, b in enumerate(boxes)))
+                continue
+            except ValueError as e:
+                whole.setdefault(n, f"the ranks' parts do not tile it ({e})")
+        out[n] = ShardLayout.replicated(shape, range(world))
+    return out
 
 
-def _init(model: Any, req: dict) -> tuple[str | None, bool]:
+def _init(model: Any, req: dict) -> tuple[str | None, bool, dict[str, str]]:
     """Open this rank's sampler: (the failure of any rank, every rank's reason, or None;
-    whether the ranks receive only their slices)."""
+    whether any tensor is split over the ranks; the tensors left whole, and why)."""
     import torch
 
     from tpusync.rl.chunks import WeightSubscriber, _torch_dtype
     from tpusync.rl.sampler import SamplerSync
+    from tpusync.sglang.weight_slices import kept_boxes
 
     rank, world, _ = _group()
-    error = None
-    sharded = world > 1 and bool(req.get("sharded", True))
-    sharded = sharded and type(model).__name__ in SLICED_MODELS
+    error, mine, whole, dtype = None, {}, {}, None
+    shapes: dict[str, tuple[int, ...]] = {}
     try:
         from sglang.srt.runtime_context import get_parallel
 
@@ -146,27 +142,50 @@ def _init(model: Any, req: dict) -> tuple[str | None, bool]:
         params = req.get("params") or {}
         if not params:
             raise ValueError("params is empty: pass checkpoint_params(model_dir)")
+        shapes = {str(n): tuple(int(x) for x in shape) for n, (shape, _dt) in params.items()}
         if req.get("dtype"):
             dtype = _torch_dtype(req["dtype"])
         else:
             dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        layouts = _layouts(model, params, world, sharded)
-        _W.slices = {n: (lay.shape, lay.box_of(rank)) for n, lay in layouts.items()}
-        weights = {n: torch.zeros(box.shape, dtype=dtype) for n, (_s, box) in _W.slices.items()}
-        sub = WeightSubscriber(rank, weights, layouts, mode="shadow", recycle=True)
-        _W.sampler = SamplerSync(
-            sub, replica=int(req["replica"]), control=str(req["control"]), **req.get("options", {})
-        )
+        if world > 1 and bool(req.get("sharded", True)):
+            t0 = time.monotonic()
+            boxes, whole = kept_boxes(model, shapes, dtype)
+            log.info(
+                "tpusync weight sync: rank %d's parts of %d tensors in %.3f s (%d whole)",
+                rank, len(boxes), time.monotonic() - t0, len(whole),
+            )  # fmt: skip
+            mine = {n: None if b is None else (b.lo, b.hi) for n, b in boxes.items()}
     except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT: reported to the client
         error = _why(e)
-    outcomes = _gather((rank, error))
-    failed = [(r, f) for r, f in outcomes if f is not None]
+    # Every rank takes part in both gathers, whatever failed where.
+    first = _gather((rank, error, mine, whole))
+    failed = [(r, f) for r, f, _m, _w in first if f is not None]
+    whole = {n: why for _r, _f, _m, w in first for n, why in w.items()}
+    sharded = False
     if not failed:
-        return None, sharded
+        try:
+            parts = [m for _r, _f, m, _w in first]
+            if not all(parts):  # not sharded: whole tensors everywhere
+                parts = [{}] * world
+                whole = {}
+            layouts = _layouts(parts, shapes, whole)
+            sharded = any(len({b for _r, b in lay.shards}) > 1 for lay in layouts.values())
+            _W.slices = {n: (lay.shape, lay.box_of(rank)) for n, lay in layouts.items()}
+            weights = {n: torch.zeros(b.shape, dtype=dtype) for n, (_s, b) in _W.slices.items()}
+            sub = WeightSubscriber(rank, weights, layouts, mode="shadow", recycle=True)
+            _W.sampler = SamplerSync(
+                sub, replica=int(req["replica"]), control=str(req["control"]),
+                **req.get("options", {}),
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT
+            error = _why(e)
+        failed = [(r, f) for r, f in _gather((rank, error)) if f is not None]
+    if not failed:
+        return None, sharded, whole
     if error is None and _W.sampler is not None:  # another rank failed: undo this one
         _W.sampler.close()
         _W.sampler = None
-    return "; ".join(f"rank {r}: {f}" for r, f in failed), sharded
+    return "; ".join(f"rank {r}: {f}" for r, f in failed), sharded, whole
 
 
 def _full(name: str, part: Any) -> Any:
@@ -281,8 +300,9 @@ def load(model: Any, named_tensors: list) -> None:
     outcome: dict[str, Any]
     try:
         if req["kind"] == "init":
-            failure, sharded = _init(model, req)
+            failure, sharded, whole = _init(model, req)
             outcome = {"ok": failure is None, "failure": failure, "sharded": sharded}
+            outcome["whole"] = whole
         elif req["kind"] == "update":
             outcome = _update(model, req)
         else:

@@ -37,6 +37,7 @@ import os
 import queue
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from typing import Any
 
 from tpusync.sglang.weight_request import encode
@@ -44,7 +45,28 @@ from tpusync.sglang.weight_request import encode
 LOADER = "tpusync.sglang.weight_loader.load"
 SLACK_S = 120.0
 
-__all__ = ["LOADER", "UpdateRejectedError", "close_server", "init_server", "update_server"]
+__all__ = [
+    "LOADER",
+    "ServerSetup",
+    "UpdateRejectedError",
+    "close_server",
+    "init_server",
+    "update_server",
+]
+
+
+@dataclass(frozen=True)
+class ServerSetup:
+    """What :func:`init_server` set up (SLICE CONTRACT in :mod:`tpusync.sglang.weight_loader`).
+
+    ``sharded``: some checkpoint tensors are split over the tensor-parallel ranks (each pulls
+    only its part). ``whole``: ``{checkpoint name: why}`` for each tensor every rank pulls whole
+    because the dry run of the model's ``load_weights`` could not tell its part (empty for
+    SGLang's dense Llama / Qwen models; tensors every rank keeps whole, such as norms, are not
+    listed)."""
+
+    sharded: bool
+    whole: dict[str, str] = field(default_factory=dict)
 
 
 class UpdateRejectedError(RuntimeError):
@@ -52,12 +74,27 @@ class UpdateRejectedError(RuntimeError):
     it serves the weights it had."""
 
 
-def _http(base: str, path: str, body: Any = None, timeout: float = 60.0) -> Any:
+@dataclass(frozen=True)
+class _Keys:
+    """SGLang's keys (KEYS RULE): ``--admin-api-key`` guards the weight-update endpoints when the
+    server has one, else ``--api-key``; ``--api-key`` guards the others (``/server_info``)."""
+
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    def header(self, admin: bool) -> dict[str, str]:
+        key = (self.admin_api_key or self.api_key) if admin else self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _http(
+    base: str, path: str, body: Any = None, timeout: float = 60.0, keys: _Keys = _Keys()
+) -> Any:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(
         base + path,
         data=data,
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **keys.header(path != "/server_info")},
         method="POST" if body is not None else "GET",
     )
     try:
@@ -65,19 +102,22 @@ def _http(base: str, path: str, body: Any = None, timeout: float = 60.0) -> Any:
             raw = resp.read()
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:2000]
+        if e.code in (401, 403):
+            detail += " (a server started with --api-key or --admin-api-key wants that key: "
+            detail += "pass api_key= or admin_api_key=)"
         raise RuntimeError(f"SGLang server {base}{path}: HTTP {e.code}: {detail}") from None
     except (urllib.error.URLError, OSError) as e:
         raise ConnectionError(f"SGLang server {base}{path}: {getattr(e, 'reason', e)}") from None
     return json.loads(raw) if raw else None
 
 
-def _tp_size(base: str) -> int:
-    info = _http(base, "/server_info")
+def _tp_size(base: str, keys: _Keys) -> int:
+    info = _http(base, "/server_info", keys=keys)
     args = info.get("server_args") if isinstance(info.get("server_args"), dict) else {}
     return int(info.get("tp_size") or args.get("tp_size") or 1)
 
 
-def _call(url: str, body: dict, wait_s: float, flush: bool, reply_host: str) -> dict:
+def _call(url: str, body: dict, wait_s: float, flush: bool, reply_host: str, keys: _Keys) -> dict:
     """One request through SGLang's weight-update session; the loader's outcome."""
     from tpusync.core.pd import load_secret
     from tpusync.rl.control import ControlServer
@@ -94,8 +134,8 @@ def _call(url: str, body: dict, wait_s: float, flush: bool, reply_host: str) -> 
     server = ControlServer(load_secret(), handler, listen=f"tcp://{reply_host}:0")
     try:
         request = {**body, "reply": server.address, "token": token}
-        payload = encode(request, _tp_size(base))
-        _http(base, "/begin_weight_update", {})
+        payload = encode(request, _tp_size(base, keys))
+        _http(base, "/begin_weight_update", {}, keys=keys)
         try:
             reply = _http(
                 base,
@@ -106,14 +146,15 @@ def _call(url: str, body: dict, wait_s: float, flush: bool, reply_host: str) -> 
                     "flush_cache": flush,
                 },
                 timeout=wait_s,
+                keys=keys,
             )
         except Exception:
             try:  # close SGLang's session; the update's own error is what the caller sees
-                _http(base, "/end_weight_update", {})
+                _http(base, "/end_weight_update", {}, keys=keys)
             except (RuntimeError, ConnectionError):
                 pass
             raise
-        _http(base, "/end_weight_update", {})
+        _http(base, "/end_weight_update", {}, keys=keys)
         try:
             outcome = outcomes.get(timeout=SLACK_S)
         except queue.Empty:
@@ -139,17 +180,20 @@ def init_server(
     sharded: bool = True,
     reply_host: str = "127.0.0.1",
     timeout: float = SLACK_S,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
     **options: Any,
-) -> bool:
+) -> ServerSetup:
     """Make the SGLang server at ``url`` sampler replica ``replica`` of the trainers whose rank 0
     listens on ``control``. ``params``: ``{checkpoint name: [shape, dtype]}`` the trainer
     publishes (:func:`tpusync.rl.vllm.checkpoint_params` of the model directory); ``dtype``:
     the staging dtype (default: the model's); ``options``: :class:`~tpusync.rl.sampler.SamplerSync`
     options (``block_bytes``, ``pool_bytes``, ``streams``, ``window``, ``listen``,
-    ``same_host``). ``sharded``: each tensor-parallel rank receives only its slices where the
-    model class allows it (SLICE CONTRACT in :mod:`tpusync.sglang.weight_loader`); returns
-    whether it does. Raises RuntimeError with every rank's reason when a rank could not open
-    (none stays open then)."""
+    ``same_host``). ``sharded``: each tensor-parallel rank receives only the part of each tensor
+    its ``load_weights`` keeps (SLICE CONTRACT in :mod:`tpusync.sglang.weight_loader`); the
+    :class:`ServerSetup` says what was split. ``api_key`` / ``admin_api_key``: the server's
+    ``--api-key`` / ``--admin-api-key``, where it has them (KEYS RULE). Raises RuntimeError with
+    every rank's reason when a rank could not open (none stays open then)."""
     body = {
         "kind": "init",
         "control": control,
@@ -159,10 +203,11 @@ def init_server(
         "sharded": bool(sharded),
         "options": options,
     }
-    outcome = _call(url, body, timeout, flush=False, reply_host=reply_host)
+    keys = _Keys(api_key, admin_api_key)
+    outcome = _call(url, body, timeout, flush=False, reply_host=reply_host, keys=keys)
     if not outcome.get("ok"):
         raise RuntimeError(f"tpusync weight sync not set up on {url}: {outcome.get('failure')}")
-    return bool(outcome.get("sharded"))
+    return ServerSetup(bool(outcome.get("sharded")), dict(outcome.get("whole") or {}))
 
 
 def update_server(
@@ -172,12 +217,16 @@ def update_server(
     *,
     reply_host: str = "127.0.0.1",
     slack_s: float = SLACK_S,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
 ) -> int:
     """Pull the next version (at least ``version``) into the server and load it; returns the
     version it now serves (SERVER UPDATE CONTRACT). TimeoutError when no newer version was
-    announced within ``timeout`` s, :class:`UpdateRejectedError` when it was not loaded."""
+    announced within ``timeout`` s, :class:`UpdateRejectedError` when it was not loaded. Keys:
+    as for :func:`init_server`."""
     body = {"kind": "update", "timeout": float(timeout), "version": version}
-    outcome = _call(url, body, float(timeout) + slack_s, flush=True, reply_host=reply_host)
+    keys = _Keys(api_key, admin_api_key)
+    outcome = _call(url, body, float(timeout) + slack_s, True, reply_host, keys)
     if not outcome.get("ok"):
         why = outcome.get("failure")
         serving = outcome.get("serving")
@@ -187,10 +236,19 @@ def update_server(
     sglang = outcome.get("sglang") or {}
     if isinstance(sglang, dict) and sglang.get("success") is False:
         raise RuntimeError(f"version {outcome['version']} loaded on {url}, but: {sglang}")
-    _http(url.rstrip("/"), "/update_weight_version", {"new_version": str(outcome["version"])})
+    new = {"new_version": str(outcome["version"])}
+    _http(url.rstrip("/"), "/update_weight_version", new, keys=keys)
     return int(outcome["version"])
 
 
-def close_server(url: str, *, reply_host: str = "127.0.0.1") -> None:
-    """Close the server's samplers (it keeps serving the weights it has)."""
-    _call(url, {"kind": "close"}, SLACK_S, flush=False, reply_host=reply_host)
+def close_server(
+    url: str,
+    *,
+    reply_host: str = "127.0.0.1",
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+) -> None:
+    """Close the server's samplers (it keeps serving the weights it has). Keys: as for
+    :func:`init_server`."""
+    keys = _Keys(api_key, admin_api_key)
+    _call(url, {"kind": "close"}, SLACK_S, flush=False, reply_host=reply_host, keys=keys)
