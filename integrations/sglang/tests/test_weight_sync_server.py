@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -76,21 +78,30 @@ def _perturbed(model_dir: Path, dst: Path) -> dict[str, torch.Tensor]:
     return new
 
 
+# Tiny random Qwen models: transformers class prefix and config beyond the shared one below.
+QWEN = {
+    "qwen2": ("Qwen2", {}),  # biased q/k/v projections: SGLang's Qwen2ForCausalLM
+    "qwen3": ("Qwen3", {"head_dim": 16}),  # q/k norms, no biases: Qwen3ForCausalLM
+    "qwen3_moe": (  # 4 experts, 2 per token, in every layer: Qwen3MoeForCausalLM
+        "Qwen3Moe",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128},
+    ),
+}
+
+
 def _qwen(arch: str, llama: Path, dst: Path) -> Path:
-    """A tiny random Qwen2 (biased q/k/v projections: SGLang's Qwen2ForCausalLM) or Qwen3 (q/k
-    norms, no biases: Qwen3ForCausalLM) with the tiny Llama's byte-level tokenizer."""
+    """A tiny random Qwen model (:data:`QWEN`) with the tiny Llama's byte-level tokenizer."""
     import transformers
     from transformers import AutoTokenizer
 
     from tpusync.core.tinymodel import tiny_model_of
 
-    big = arch.capitalize()  # Qwen2 / Qwen3
-    extra = {"head_dim": 16} if arch == "qwen3" else {}
+    prefix, extra = QWEN[arch]
     tok = AutoTokenizer.from_pretrained(llama)
     tiny_model_of(
         dst,
-        getattr(transformers, f"{big}ForCausalLM"),
-        getattr(transformers, f"{big}Config"),
+        getattr(transformers, f"{prefix}ForCausalLM"),
+        getattr(transformers, f"{prefix}Config"),
         **extra,
         hidden_size=64,
         intermediate_size=128,
@@ -115,6 +126,7 @@ CASES = {  # id: (tensor-parallel size, sharded, architecture)
     "tp2-whole": (2, False, "llama"),
     "tp2-qwen2": (2, True, "qwen2"),
     "tp2-qwen3": (2, True, "qwen3"),
+    "tp2-qwen3-moe": (2, True, "qwen3_moe"),
 }
 
 
@@ -153,6 +165,42 @@ def servers(request, tmp_path_factory):
 
 def _outputs(server) -> list[list[int]]:
     return [server.generate(p, max_new_tokens=12)["output_ids"] for p in PROMPTS]
+
+
+LONG_TOKENS = 32  # 3-5 s of decoding on the CPU servers (7-10 tokens/s): the update lands inside
+
+
+def _long(server, started: threading.Event | None = None) -> list[int]:
+    """A long greedy generation that runs to LONG_TOKENS (the end-of-sequence token ignored),
+    streamed: ``started`` is set once its first tokens arrived, so it is in flight then."""
+    req = urllib.request.Request(
+        f"{server.base}/generate",
+        data=json.dumps(
+            {
+                "input_ids": PROMPTS[1],
+                "sampling_params": {
+                    "temperature": 0,
+                    "max_new_tokens": LONG_TOKENS,
+                    "ignore_eos": True,
+                },
+                "stream": True,
+            }
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    chunks = []
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunks.append(json.loads(line[5:])["output_ids"])
+            if started is not None:
+                started.set()
+    # SGLang streams either every token so far or only the new ones in each chunk.
+    out = chunks[-1] if len(chunks[-1]) == LONG_TOKENS else [t for c in chunks for t in c]
+    assert len(out) == LONG_TOKENS, [len(c) for c in chunks]
+    return out
 
 
 def _weight_version(server) -> str:
@@ -228,9 +276,18 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         assert f"rank {tp - 1}: version 2 rejected" in str(rejected.value)
         assert _outputs(a) == reference and _weight_version(a) == "1"
 
-        version, report = _publish_and_update(trainer, 3, original, a.base, tp, keys)
+        # SERVER UPDATE CONTRACT: a request in flight when the update arrives ends on the
+        # version it started on (SGLang holds the update until it ended), all of its tokens.
+        long_v1 = _long(a)
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(_long, a, started)
+            assert started.wait(60), "the long request sent no tokens"
+            version, report = _publish_and_update(trainer, 3, original, a.base, tp, keys)
+            assert in_flight.result(timeout=120) == long_v1
         assert version == 3 and report.ok, report
         assert _outputs(a) == before and _weight_version(a) == "3"
+        assert _long(a) != long_v1  # version 3 writes other tokens: the check above can fail
     finally:
         try:
             weight_sync.close_server(a.base, **keys)

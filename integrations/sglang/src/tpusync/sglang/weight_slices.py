@@ -126,11 +126,19 @@ def kept_boxes(
         for table in (m._parameters, m._buffers)
         for k, v in table.items()
     ]
+    handed: list[str] = []
+
+    def named():
+        for n, t in probes.items():
+            handed.append(n)
+            yield n, t
+
     try:
         with torch.no_grad(), DryRun():
-            model.load_weights(iter(list(probes.items())))
+            model.load_weights(named())
     except Exception as e:  # noqa: BLE001 - every tensor whole, and why
-        why = f"the dry run of load_weights raised {type(e).__name__}: {e}"
+        at = f" after it was handed {handed[-1]!r}" if handed else ""
+        why = f"the dry run of load_weights raised {type(e).__name__}{at}: {e}"
         return {n: None for n in probes}, {n: why for n in probes}
     finally:
         for table, k, v in owned:  # DRY-RUN CONTRACT: nothing rebound
