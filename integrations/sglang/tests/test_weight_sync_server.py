@@ -12,7 +12,8 @@ are its first ones again. The server's weight version follows every loaded versi
 ranks pull only their slices of each tensor (SLICE CONTRACT of the loader), or with
 ``sharded=False`` whole tensors each; the trainer's byte count tells which happened, and every
 sliced server's dry run must tell every tensor's part (``ServerSetup.whole`` empty) on the tiny
-Llama, Qwen2 and Qwen3. The TP=1 server guards its weight-update endpoints with
+Llama, Qwen2, Qwen3 and Qwen3 MoE. Version 3 is posted while a streamed generation is in flight:
+it must end with the tokens version 1 gave it alone (SERVER UPDATE CONTRACT). The TP=1 server guards its weight-update endpoints with
 ``--admin-api-key``: without the key ``init_server`` fails with SGLang's 401 and says which key to
 pass; every call after that passes it (KEYS RULE of ``weight_sync``).
 
