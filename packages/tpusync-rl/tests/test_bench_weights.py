@@ -40,7 +40,8 @@ def test_bench_weights_json_has_every_path_against_its_same_run_reference():
     assert floor["limit"].startswith("torch.distributed gloo")
     secs = data["seconds"]
     assert {len(v) for v in rounds.values()} == {2} and set(rounds) == set(secs), rounds
-    assert secs["gloo"] == pytest.approx(statistics.median(rounds["gloo"]), rel=1e-3)
+    # "rounds" holds figures rounded to 0.1 ms, "seconds" the median of the raw ones.
+    assert secs["gloo"] == pytest.approx(statistics.median(rounds["gloo"]), rel=1e-3, abs=1e-4)
     # The floor is the shared path's work without its waits: the path cannot beat it by much.
     assert secs["shared_same_host"] > 0.5 * secs["cpu_floor"]
     assert paths["resharded_vs_plain"]["ratio"] > 0
