@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tpusync.rl.layout import Box
-from tpusync.sglang.weight_slices import kept_boxes, view_box
+from tpusync.sglang.weight_slices import DryRunError, kept_boxes, view_box
 
 
 class RankOneOfTwo(torch.nn.Module):
@@ -79,23 +79,25 @@ def test_the_dry_run_finds_each_part_a_loader_reads_and_writes_nothing():
         assert after[n].device.type == "cpu" and torch.equal(after[n], data), n
 
 
-def test_a_loader_that_raises_leaves_every_tensor_whole_with_the_reason():
+def test_a_loader_that_raises_on_the_shapes_is_a_dry_run_error_and_writes_nothing():
     class Refuses(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.w = torch.nn.Parameter(torch.ones(2), requires_grad=False)
 
         def load_weights(self, weights):
-            for _name, w in weights:
-                if w.sum().item() > 0:  # needs the values: a meta tensor has none
-                    self.w.data.copy_(w)
+            for name, w in weights:
+                assert name == "w", f"{name} {tuple(w.shape)}"  # a name the model does not know
+                self.w.data.copy_(w)  # skipped by the dry run
+                self.w = torch.nn.Parameter(w, requires_grad=False)  # put back by the dry run
 
     model = Refuses()
-    boxes, whole = kept_boxes(model, {"w": (2,), "x": (3,)}, torch.float32)
-    assert boxes == {"w": None, "x": None}
-    assert whole["w"].startswith("the dry run of load_weights raised ") and whole["x"] == whole["w"]
-    assert "after it was handed 'w'" in whole["w"]  # where it stopped
-    assert torch.equal(model.w, torch.ones(2))
+    w = model.w
+    with pytest.raises(
+        DryRunError, match=r"(?s)AssertionError after 'x': x \(3,\).*does the trainer"
+    ):
+        kept_boxes(model, {"w": (2,), "x": (3,)}, torch.float32)
+    assert model.w is w and torch.equal(model.w, torch.ones(2))  # SHAPE CHECK RULE: untouched
 
 
 @pytest.mark.parametrize(

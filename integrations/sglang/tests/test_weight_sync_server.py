@@ -238,6 +238,14 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         **small,
     )
     try:
+        if sharded:  # SHAPE CHECK RULE: another model's tensors are refused before a byte moves
+            params = init["params"]
+            q = next(n for n in params if n.endswith("layers.0.self_attn.q_proj.weight"))
+            (rows, cols), dtype = params[q]
+            for factor, why in ((2, "reads only"), (0.5, "cannot take these tensors")):
+                other = {**params, q: [[int(rows * factor), cols], dtype]}
+                with pytest.raises(RuntimeError, match=why):
+                    weight_sync.init_server(a.base, **{**init, "params": other}, **keys)
         if keys:  # without the key SGLang refuses the session, and says which key it wants
             with pytest.raises(RuntimeError, match=r"HTTP 401.*pass api_key= or admin_api_key="):
                 weight_sync.init_server(a.base, **init)

@@ -44,6 +44,14 @@ without ``dst_layouts``; a tensor whole on any rank is whole on all of them. Wit
 outcome of ``init`` says whether any tensor was split (``sharded``) and which tensors were left
 whole, with the reason (``whole``).
 
+SHAPE CHECK RULE (with ``sharded``, at any TP size, TP=1 included): ``init`` is refused on every
+rank, before a byte moves, when the dry run's ``load_weights`` raised on the trainer's names and
+shapes (:class:`~tpusync.sglang.weight_slices.DryRunError`) or when no rank reads some rows or
+columns of a tensor (the trainer's tensor is larger than the server's: the real load would take
+part of it silently). Either way the trainer publishes another model, and a real load would
+fail half way or load the wrong weights. ``sharded=False`` skips the dry run, for a model whose
+loader needs the values themselves.
+
 Not supported (refused at ``init`` with the reason): pipeline parallelism.
 """
 
@@ -103,7 +111,9 @@ def _layouts(
 ) -> dict[str, Any]:
     """Every checkpoint tensor's layout over the server's ranks from each rank's kept parts
     (``parts[r]``: rank r's ``{name: (lo, hi) or None}``; SLICE CONTRACT). A tensor whole on any
-    rank, or whose parts do not tile it, is whole on every rank; ``whole`` gets the reason."""
+    rank, or whose parts do not tile it, is whole on every rank; ``whole`` gets the reason.
+    Raises ValueError when no rank reads some rows or columns of a tensor (SHAPE CHECK RULE:
+    the real load would take only part of it, silently)."""
     from tpusync.rl.layout import Box, ShardLayout
 
     world = len(parts)
@@ -111,6 +121,14 @@ def _layouts(
     for n, shape in shapes.items():
         boxes = [p.get(n) for p in parts]
         if all(b is not None for b in boxes):
+            lo = tuple(min(b[0][d] for b in boxes) for d in range(len(shape)))
+            hi = tuple(max(b[1][d] for b in boxes) for d in range(len(shape)))
+            if (lo, hi) != ((0,) * len(shape), tuple(shape)):
+                raise ValueError(
+                    f"the server's model reads only [{lo}, {hi}) of {n} {tuple(shape)}: the "
+                    "trainer's tensor is larger than the server's; does the trainer publish "
+                    "this server's model?"
+                )
             try:
                 out[n] = ShardLayout(shape, tuple((r, Box(*b)) for r, b in enumerate(boxes)))
                 continue
@@ -147,7 +165,7 @@ def _init(model: Any, req: dict) -> tuple[str | None, bool, dict[str, str]]:
             dtype = _torch_dtype(req["dtype"])
         else:
             dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        if world > 1 and bool(req.get("sharded", True)):
+        if bool(req.get("sharded", True)):  # at TP=1 too: the SHAPE CHECK RULE
             t0 = time.monotonic()
             boxes, whole = kept_boxes(model, shapes, dtype)
             log.info(
@@ -169,6 +187,8 @@ def _init(model: Any, req: dict) -> tuple[str | None, bool, dict[str, str]]:
                 parts = [{}] * world
                 whole = {}
             layouts = _layouts(parts, shapes, whole)
+            if world == 1:  # the dry run only checked the shapes: one rank takes everything
+                whole = {}
             sharded = any(len({b for _r, b in lay.shards}) > 1 for lay in layouts.values())
             _W.slices = {n: (lay.shape, lay.box_of(rank)) for n, lay in layouts.items()}
             weights = {n: torch.zeros(b.shape, dtype=dtype) for n, (_s, b) in _W.slices.items()}

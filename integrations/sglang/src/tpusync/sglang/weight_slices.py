@@ -15,10 +15,18 @@ recorded instead. A checkpoint tensor's kept part is the smallest box (one index
 dimension) holding every view it was copied from; it is None - take the whole tensor - when it
 was never copied, when an operation made a new tensor of it (a cast, ``contiguous()`` of a
 strided view, ``torch.cat``: what reaches the model is then no longer a plain part of the
-checkpoint tensor), when a view of it is not a box, or when the dry run raised (the reason is
-returned). Parameters or buffers the dry run rebound (``module.weight = ...``) are put back.
-So the model's weights are the same object and the same bytes after the dry run, and a box is
-exactly what the real load reads, or the whole tensor.
+checkpoint tensor) or when a view of it is not a box (the reason is returned). Parameters or
+buffers the dry run rebound (``module.weight = ...``) are put back. So the model's weights are
+the same objects with the same bytes after the dry run, and a box is exactly what the real load
+reads, or the whole tensor.
+
+SHAPE CHECK RULE: ``load_weights`` raising on the shapes alone (a name it does not know, a shape
+its loader asserts against, a part it narrows past the end) means the real load would fail half
+way, with some parameters written: :func:`kept_boxes` raises :class:`DryRunError` instead, so
+the caller refuses before a byte moves. (The rule's other half, a tensor of which no rank reads
+some rows, is checked where the ranks' parts meet, in :mod:`tpusync.sglang.weight_loader`.) A
+loader that needs the values themselves (``.item()``) raises here too; such a model is loaded
+without the dry run (``sharded=False`` there).
 
 What it does not stop: Python attribute writes in ``load_weights`` other than parameters and
 buffers (none in SGLang 0.5.23's dense-model loaders), and the loader's other side effects
@@ -39,6 +47,10 @@ _INPLACE = frozenset(
      "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
 )  # fmt: skip
 _SOURCE_ARG = {"copy_": 1, "__setitem__": 2}  # where a copy's source is among the arguments
+
+
+class DryRunError(ValueError):
+    """``load_weights`` raised on the checkpoint tensors' shapes (SHAPE CHECK RULE)."""
 
 
 def view_box(view: Any, shape: tuple[int, ...]) -> Box | None:
@@ -75,8 +87,8 @@ def kept_boxes(
     model: Any, shapes: Mapping[str, tuple[int, ...]], dtype: Any
 ) -> tuple[dict[str, Box | None], dict[str, str]]:
     """(this rank's kept part of each checkpoint tensor, None for the whole of it; why each
-    None): DRY-RUN CONTRACT. Never raises for a failure inside ``load_weights``: every tensor
-    is then whole, with that failure as the reason."""
+    None): DRY-RUN CONTRACT. Raises :class:`DryRunError` when ``load_weights`` raised on the
+    shapes (SHAPE CHECK RULE), after putting back anything it rebound."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_leaves
@@ -136,10 +148,12 @@ def kept_boxes(
     try:
         with torch.no_grad(), DryRun():
             model.load_weights(named())
-    except Exception as e:  # noqa: BLE001 - every tensor whole, and why
-        at = f" after it was handed {handed[-1]!r}" if handed else ""
-        why = f"the dry run of load_weights raised {type(e).__name__}{at}: {e}"
-        return {n: None for n in probes}, {n: why for n in probes}
+    except Exception as e:
+        at = handed[-1] if handed else "?"
+        raise DryRunError(
+            f"the server's load_weights cannot take these tensors ({type(e).__name__} after "
+            f"{at!r}: {e}); does the trainer publish this server's model?"
+        ) from e
     finally:
         for table, k, v in owned:  # DRY-RUN CONTRACT: nothing rebound
             if table.get(k) is not v:
