@@ -193,7 +193,9 @@ def init_server(
     its ``load_weights`` keeps (SLICE CONTRACT in :mod:`tpusync.sglang.weight_loader`); the
     :class:`ServerSetup` says what was split. ``api_key`` / ``admin_api_key``: the server's
     ``--api-key`` / ``--admin-api-key``, where it has them (KEYS RULE). Raises RuntimeError with
-    every rank's reason when a rank could not open (none stays open then)."""
+    every rank's reason when a rank could not open (none stays open then), which with ``sharded``
+    includes a trainer whose names or shapes do not fit the server's model (SHAPE CHECK RULE in
+    :mod:`tpusync.sglang.weight_loader`)."""
     body = {
         "kind": "init",
         "control": control,
