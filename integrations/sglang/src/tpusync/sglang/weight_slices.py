@@ -123,7 +123,9 @@ def kept_boxes(
                         reads[n].append(x)
                     else:
                         whole.setdefault(n, f"{fname} wrote it into a tensor")
-                return None if fname in ("__setitem__", "__set__") else target
+                if fname in ("__setitem__", "__set__"):
+                    return None
+                return out_arg if real(out_arg) else target  # what the call would return
             out = func(*args, **kwargs)
             if seen and any(
                 probe_of(o) is None for o in tree_leaves(out) if isinstance(o, torch.Tensor)
