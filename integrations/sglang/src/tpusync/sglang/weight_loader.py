@@ -115,22 +115,23 @@ def _layouts(
     Raises ValueError when no rank reads some rows or columns of a tensor (SHAPE CHECK RULE:
     the real load would take only part of it, silently)."""
     from tpusync.rl.layout import Box, ShardLayout
+    from tpusync.sglang.weight_slices import bounding_box
 
     world = len(parts)
     out = {}
     for n, shape in shapes.items():
-        boxes = [p.get(n) for p in parts]
-        if all(b is not None for b in boxes):
-            lo = tuple(min(b[0][d] for b in boxes) for d in range(len(shape)))
-            hi = tuple(max(b[1][d] for b in boxes) for d in range(len(shape)))
-            if (lo, hi) != ((0,) * len(shape), tuple(shape)):
+        parts_of_n = [p.get(n) for p in parts]
+        if all(b is not None for b in parts_of_n):
+            boxes = [Box(tuple(lo), tuple(hi)) for lo, hi in parts_of_n]
+            read = bounding_box(boxes)
+            if read != Box((0,) * len(shape), tuple(shape)):
                 raise ValueError(
-                    f"the server's model reads only [{lo}, {hi}) of {n} {tuple(shape)}: the "
-                    "trainer's tensor is larger than the server's; does the trainer publish "
-                    "this server's model?"
+                    f"the server's model reads only [{read.lo}, {read.hi}) of {n} "
+                    f"{tuple(shape)}: the trainer's tensor is larger than the server's; does "
+                    "the trainer publish this server's model?"
                 )
             try:
-                out[n] = ShardLayout(shape, tuple((r, Box(*b)) for r, b in enumerate(boxes)))
+                out[n] = ShardLayout(shape, tuple(enumerate(boxes)))
                 continue
             except ValueError as e:
                 whole.setdefault(n, f"the ranks' parts do not tile it ({e})")
@@ -182,13 +183,10 @@ def _init(model: Any, req: dict) -> tuple[str | None, bool, dict[str, str]]:
     sharded = False
     if not failed:
         try:
-            parts = [m for _r, _f, m, _w in first]
-            if not all(parts):  # not sharded: whole tensors everywhere
-                parts = [{}] * world
-                whole = {}
-            layouts = _layouts(parts, shapes, whole)
-            if world == 1:  # the dry run only checked the shapes: one rank takes everything
-                whole = {}
+            # Not sharded: no parts, so whole tensors everywhere. At TP=1 the dry run only
+            # checked the shapes: the one rank takes everything, nothing to report as whole.
+            layouts = _layouts([m for _r, _f, m, _w in first], shapes, whole)
+            whole = whole if world > 1 else {}
             sharded = any(len({b for _r, b in lay.shards}) > 1 for lay in layouts.values())
             _W.slices = {n: (lay.shape, lay.box_of(rank)) for n, lay in layouts.items()}
             weights = {n: torch.zeros(b.shape, dtype=dtype) for n, (_s, b) in _W.slices.items()}

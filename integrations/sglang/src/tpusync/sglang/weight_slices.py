@@ -77,7 +77,8 @@ def view_box(view: Any, shape: tuple[int, ...]) -> Box | None:
     return Box(tuple(lo), tuple(hi))
 
 
-def _union(boxes: list[Box]) -> Box:
+def bounding_box(boxes: list[Box]) -> Box:
+    """The smallest box holding every one of ``boxes`` (at least one, all of one rank)."""
     lo = tuple(min(b.lo[d] for b in boxes) for d in range(len(boxes[0].lo)))
     hi = tuple(max(b.hi[d] for b in boxes) for d in range(len(boxes[0].hi)))
     return Box(lo, hi)
@@ -167,5 +168,5 @@ def kept_boxes(
             whole[n] = "load_weights did not copy it"
         elif n not in whole and any(b is None for b in views):
             whole[n] = "it was copied from a view that is not a box"
-        boxes[n] = None if n in whole else _union([b for b in views if b is not None])
+        boxes[n] = None if n in whole else bounding_box([b for b in views if b is not None])
     return boxes, {n: whole[n] for n in shapes if boxes[n] is None}
