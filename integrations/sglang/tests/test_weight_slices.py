@@ -1,6 +1,7 @@
 """The dry run that finds each checkpoint tensor's kept part (DRY-RUN CONTRACT of
-``tpusync.sglang.weight_slices``): the parts a loader reads, the tensors it cannot tell, and a
-model that is the same objects and bytes afterwards. The live TP=2 servers of
+``tpusync.sglang.weight_slices``): the parts a loader reads, the tensors it cannot tell, the
+parameters a load leaves unwritten (COVERAGE RULE), and a model that is the same objects and
+bytes afterwards. The live TP=2 servers of
 ``test_weight_sync_server.py`` run it on SGLang's own models."""
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ SHAPES = {
 def test_the_dry_run_finds_each_part_a_loader_reads_and_writes_nothing():
     model = RankOneOfTwo()
     before = {n: (t, t.detach().clone()) for n, t in model.state_dict(keep_vars=True).items()}
-    boxes, whole = kept_boxes(model, SHAPES, torch.float32)
+    boxes, whole, unwritten = kept_boxes(model, SHAPES, torch.float32)
     assert boxes["q"] == Box((2, 0), (4, 4))
     assert boxes["k"] == Box((1, 0), (2, 4))
     assert boxes["v"] == Box((1, 0), (2, 4))
@@ -72,6 +73,9 @@ def test_the_dry_run_finds_each_part_a_loader_reads_and_writes_nothing():
     assert whole["cast"] == "to made a new tensor of it"
     assert whole["flat"] == "it was copied from a view that is not a box"
     assert whole["ignored"] == "load_weights did not copy it"
+    # Row 5 of qkv gets only columns 0:2 ("flat"); every other parameter is written whole
+    # ("norm" by a copy and by being rebound, "cast" from a new tensor, "o" by one copy).
+    assert unwritten == {"qkv": "22 of its 24 elements (6, 4)"}
     after = model.state_dict(keep_vars=True)
     assert set(after) == set(before)
     for n, (obj, data) in before.items():
@@ -98,6 +102,45 @@ def test_a_loader_that_raises_on_the_shapes_is_a_dry_run_error_and_writes_nothin
     ):
         kept_boxes(model, {"w": (2,), "x": (3,)}, torch.float32)
     assert model.w is w and torch.equal(model.w, torch.ones(2))  # SHAPE CHECK RULE: untouched
+
+
+class Vocab(torch.nn.Module):
+    """A vocabulary shard padded past the checkpoint's rows, a tied head, and a parameter only a
+    tensor the trainer may leave out writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.ones(8, 2), requires_grad=False)
+        self.head = self.embed  # tied: one parameter, listed once
+        self.gate = torch.nn.Parameter(torch.zeros(3, 2), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "embed":  # rows 0:5 copied, the padding rows 5:8 zeroed
+                self.embed[: w.shape[0]].data.copy_(w)
+                self.embed[w.shape[0] :].data.fill_(0)
+            elif name == "gate":  # advanced indexing: not placed as a box, so counted whole
+                self.gate.data[torch.tensor([0, 2])] = w[0:2]
+            elif name == "bias":  # only the first half
+                self.bias.data.narrow(0, 0, 2).copy_(w)
+            elif name == "norm":
+                self.norm.data.copy_(w)
+
+
+def test_the_dry_run_lists_the_parameters_a_load_leaves_unwritten():
+    model = Vocab()
+    shapes = {"embed": (5, 2), "gate": (2, 2), "bias": (2,), "norm": (2,)}
+    assert kept_boxes(model, shapes, torch.float32).unwritten == {
+        "bias": "2 of its 4 elements (4,)"
+    }
+    del shapes["norm"]  # the trainer leaves a tensor out: its parameter keeps the old values
+    assert kept_boxes(model, shapes, torch.float32).unwritten == {
+        "bias": "2 of its 4 elements (4,)",
+        "norm": "all of (2,)",
+    }
+    assert torch.equal(model.embed, torch.ones(8, 2))  # nothing written, nothing filled
 
 
 @pytest.mark.parametrize(

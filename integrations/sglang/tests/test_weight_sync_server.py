@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import urllib.request
@@ -246,12 +247,31 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
                 other = {**params, q: [[int(rows * factor), cols], dtype]}
                 with pytest.raises(RuntimeError, match=why):
                     weight_sync.init_server(a.base, **{**init, "params": other}, **keys)
+            # COVERAGE RULE: a trainer that leaves the final norm out would leave it at the old
+            # version: refused, unless it says it publishes only part of the model. So is one
+            # that leaves out the k projection, which is only some rows of a stacked parameter.
+            norm = next(n for n in params if n.endswith("model.norm.weight"))
+            k = q.replace("q_proj", "k_proj")
+            no_k = {n: v for n, v in params.items() if n != k}
+            qkv = r"layers\.0\.self_attn\.qkv_proj\.weight: \d+ of its \d+ elements"
+            with pytest.raises(RuntimeError, match=rf"leave 1 of the server's parameters .*{qkv}"):
+                weight_sync.init_server(a.base, **{**init, "params": no_k}, **keys)
+            left_out = {n: v for n, v in params.items() if n != norm}
+            unwritten = rf"leave 1 of the server's parameters .*{re.escape(norm)}: all of \("
+            with pytest.raises(RuntimeError, match=unwritten):
+                weight_sync.init_server(a.base, **{**init, "params": left_out}, **keys)
+            part = weight_sync.init_server(
+                a.base, **{**init, "params": left_out}, partial=True, **keys
+            )
+            assert part.unwritten == {norm: f"rank 0: all of ({params[norm][0][0]},)"}, part
+            weight_sync.close_server(a.base, **keys)
         if keys:  # without the key SGLang refuses the session, and says which key it wants
             with pytest.raises(RuntimeError, match=r"HTTP 401.*pass api_key= or admin_api_key="):
                 weight_sync.init_server(a.base, **init)
         setup = weight_sync.init_server(a.base, **init, **keys)
         # SLICE CONTRACT: the dry run of SGLang's own load_weights tells every tensor's part.
         assert setup.sharded == (sharded and tp > 1) and setup.whole == {}, setup
+        assert setup.unwritten == {}, setup  # COVERAGE RULE: SGLang's loaders write every part
         took_slices = setup.sharded
 
         version, report = _publish_and_update(trainer, 1, new, a.base, tp, keys)

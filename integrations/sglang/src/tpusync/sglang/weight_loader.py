@@ -49,7 +49,12 @@ rank, before a byte moves, when the dry run's ``load_weights`` raised on the tra
 shapes (:class:`~tpusync.sglang.weight_slices.DryRunError`) or when no rank reads some rows or
 columns of a tensor (the trainer's tensor is larger than the server's: the real load would take
 part of it silently). Either way the trainer publishes another model, and a real load would
-fail half way or load the wrong weights. ``sharded=False`` skips the dry run, for a model whose
+fail half way or load the wrong weights. It is refused as well when the trainer's tensors would
+leave some of the model's parameters partly or wholly unwritten (COVERAGE RULE in
+:mod:`~tpusync.sglang.weight_slices`: a name the loader skips, a missing tensor), since the
+server would then serve those at the old version beside the new ones, unless the request says
+``partial`` (a trainer that publishes only the parameters it trains): the outcome then lists
+them (``unwritten``). ``sharded=False`` skips the dry run and these checks, for a model whose
 loader needs the values themselves.
 
 Not supported (refused at ``init`` with the reason): pipeline parallelism.
@@ -139,9 +144,10 @@ def _layouts(
     return out
 
 
-def _init(model: Any, req: dict) -> tuple[str | None, bool, dict[str, str]]:
+def _init(model: Any, req: dict) -> tuple[str | None, bool, dict[str, str], dict[str, str]]:
     """Open this rank's sampler: (the failure of any rank, every rank's reason, or None;
-    whether any tensor is split over the ranks; the tensors left whole, and why)."""
+    whether any tensor is split over the ranks; the tensors left whole, and why; the model
+    parameters the trainer's tensors leave unwritten, with ``partial``)."""
     import torch
 
     from tpusync.rl.chunks import WeightSubscriber, _torch_dtype
@@ -149,7 +155,7 @@ def _init(model: Any, req: dict) -> tuple[str | None, bool, dict[str, str]]:
     from tpusync.sglang.weight_slices import kept_boxes
 
     rank, world, _ = _group()
-    error, mine, whole, dtype = None, {}, {}, None
+    error, mine, whole, unwritten, dtype = None, {}, {}, {}, None
     shapes: dict[str, tuple[int, ...]] = {}
     try:
         from sglang.srt.runtime_context import get_parallel
@@ -168,24 +174,38 @@ def _init(model: Any, req: dict) -> tuple[str | None, bool, dict[str, str]]:
             dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         if bool(req.get("sharded", True)):  # at TP=1 too: the SHAPE CHECK RULE
             t0 = time.monotonic()
-            boxes, whole = kept_boxes(model, shapes, dtype)
+            boxes, whole, unwritten = kept_boxes(model, shapes, dtype)
             log.info(
-                "tpusync weight sync: rank %d's parts of %d tensors in %.3f s (%d whole)",
-                rank, len(boxes), time.monotonic() - t0, len(whole),
+                "tpusync weight sync: rank %d's parts of %d tensors in %.3f s (%d whole, "
+                "%d parameters left unwritten)",
+                rank, len(boxes), time.monotonic() - t0, len(whole), len(unwritten),
             )  # fmt: skip
             mine = {n: None if b is None else (b.lo, b.hi) for n, b in boxes.items()}
+            if unwritten and not req.get("partial"):  # COVERAGE RULE
+                named = "; ".join(f"{n}: {what}" for n, what in list(unwritten.items())[:4])
+                more = f" and {len(unwritten) - 4} more" if len(unwritten) > 4 else ""
+                raise ValueError(
+                    f"the trainer's tensors leave {len(unwritten)} of the server's parameters "
+                    f"partly or wholly unwritten ({named}{more}): a load would serve them at the "
+                    "old version beside the new one; publish every tensor of the model, or pass "
+                    "partial=True if the trainer publishes only the parameters it trains"
+                )
     except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT: reported to the client
         error = _why(e)
     # Every rank takes part in both gathers, whatever failed where.
-    first = _gather((rank, error, mine, whole))
-    failed = [(r, f) for r, f, _m, _w in first if f is not None]
-    whole = {n: why for _r, _f, _m, w in first for n, why in w.items()}
+    first = _gather((rank, error, mine, whole, unwritten))
+    failed = [(r, f) for r, f, _m, _w, _u in first if f is not None]
+    whole = {n: why for _r, _f, _m, w, _u in first for n, why in w.items()}
+    unwritten = {}
+    for r, _f, _m, _w, u in first:
+        for n, what in u.items():
+            unwritten.setdefault(n, f"rank {r}: {what}")
     sharded = False
     if not failed:
         try:
             # Not sharded: no parts, so whole tensors everywhere. At TP=1 the dry run only
             # checked the shapes: the one rank takes everything, nothing to report as whole.
-            layouts = _layouts([m for _r, _f, m, _w in first], shapes, whole)
+            layouts = _layouts([m for _r, _f, m, _w, _u in first], shapes, whole)
             whole = whole if world > 1 else {}
             sharded = any(len({b for _r, b in lay.shards}) > 1 for lay in layouts.values())
             _W.slices = {n: (lay.shape, lay.box_of(rank)) for n, lay in layouts.items()}
@@ -199,11 +219,11 @@ def _init(model: Any, req: dict) -> tuple[str | None, bool, dict[str, str]]:
             error = _why(e)
         failed = [(r, f) for r, f in _gather((rank, error)) if f is not None]
     if not failed:
-        return None, sharded, whole
+        return None, sharded, whole, unwritten
     if error is None and _W.sampler is not None:  # another rank failed: undo this one
         _W.sampler.close()
         _W.sampler = None
-    return "; ".join(f"rank {r}: {f}" for r, f in failed), sharded, whole
+    return "; ".join(f"rank {r}: {f}" for r, f in failed), sharded, whole, unwritten
 
 
 def _full(name: str, part: Any) -> Any:
@@ -318,9 +338,9 @@ def load(model: Any, named_tensors: list) -> None:
     outcome: dict[str, Any]
     try:
         if req["kind"] == "init":
-            failure, sharded, whole = _init(model, req)
+            failure, sharded, whole, unwritten = _init(model, req)
             outcome = {"ok": failure is None, "failure": failure, "sharded": sharded}
-            outcome["whole"] = whole
+            outcome.update(whole=whole, unwritten=unwritten)
         elif req["kind"] == "update":
             outcome = _update(model, req)
         else:

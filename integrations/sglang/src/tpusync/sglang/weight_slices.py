@@ -28,6 +28,17 @@ some rows, is checked where the ranks' parts meet, in :mod:`tpusync.sglang.weigh
 loader that needs the values themselves (``.item()``) raises here too; such a model is loaded
 without the dry run (``sharded=False`` there).
 
+COVERAGE RULE: the same dry run records which elements of each model parameter ``load_weights``
+would write (any in-place write counts, a copy from the checkpoint or a fill such as the zeroed
+padding rows of a vocabulary shard; a rebound parameter counts as written whole). A parameter of
+which fewer elements would be written than it holds keeps, after a real load, some of the values
+it had before: the server would serve a mix of two versions. :func:`kept_boxes` lists such
+parameters (``unwritten``); :mod:`tpusync.sglang.weight_loader` refuses ``init`` on them unless
+the trainer is declared to publish only part of the model. The count is a lower bound on what
+is missing (overlapping writes count twice), and a write it cannot place as a box (advanced
+indexing, a strided parameter) counts as covering the whole parameter: so a parameter listed is
+certainly left partly unwritten, never a false alarm from how the loader wrote it.
+
 What it does not stop: Python attribute writes in ``load_weights`` other than parameters and
 buffers (none in SGLang 0.5.23's dense-model loaders), and the loader's other side effects
 outside PyTorch (logging).
@@ -37,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from tpusync.rl.layout import Box
 
@@ -53,11 +64,22 @@ class DryRunError(ValueError):
     """``load_weights`` raised on the checkpoint tensors' shapes (SHAPE CHECK RULE)."""
 
 
-def view_box(view: Any, shape: tuple[int, ...]) -> Box | None:
-    """The elements of a contiguous tensor of ``shape`` that ``view`` (a view of it) covers, as a
-    box; None when they are not one (merged or repeated dimensions)."""
+class Kept(NamedTuple):
+    """What one dry run of ``load_weights`` found on this rank (DRY-RUN CONTRACT)."""
+
+    boxes: dict[str, Box | None]  # checkpoint name -> the part this rank reads, None: whole
+    whole: dict[str, str]  # checkpoint name -> why it is taken whole
+    unwritten: dict[str, str]  # model parameter -> what a load leaves unwritten (COVERAGE RULE)
+
+
+def view_box(view: Any, shape: tuple[int, ...], offset: int = 0) -> Box | None:
+    """The elements of a contiguous tensor of ``shape`` starting at storage offset ``offset``
+    that ``view`` (a view of it) covers, as a box; None when they are not one (merged or
+    repeated dimensions)."""
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-    off = int(view.storage_offset())
+    off = int(view.storage_offset()) - offset
+    if off < 0:
+        return None
     lo = []
     for s in strides:
         lo.append(off // s if s else 0)
@@ -84,12 +106,69 @@ def bounding_box(boxes: list[Box]) -> Box:
     return Box(lo, hi)
 
 
-def kept_boxes(
-    model: Any, shapes: Mapping[str, tuple[int, ...]], dtype: Any
-) -> tuple[dict[str, Box | None], dict[str, str]]:
-    """(this rank's kept part of each checkpoint tensor, None for the whole of it; why each
-    None): DRY-RUN CONTRACT. Raises :class:`DryRunError` when ``load_weights`` raised on the
-    shapes (SHAPE CHECK RULE), after putting back anything it rebound."""
+class _Writes:
+    """The parts of the model's parameters that in-place calls would write (COVERAGE RULE)."""
+
+    def __init__(self, model: Any) -> None:
+        self.params = dict(model.named_parameters())
+        self.by_storage: dict[int, list[str]] = {}
+        for n, p in self.params.items():
+            if p.numel() and p.device.type != "meta":
+                self.by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(n)
+        self.boxes: dict[str, set[Box]] = {n: set() for n in self.params}
+        self.unknown: set[str] = set()  # written in a way not placed as a box: counted whole
+
+    def owner(self, t: Any) -> str | None:
+        """The parameter whose elements ``t`` (a real tensor) views, if any."""
+        off = int(t.storage_offset())
+        for n in self.by_storage.get(t.untyped_storage().data_ptr(), ()):
+            p = self.params[n]
+            if p.storage_offset() <= off < p.storage_offset() + p.numel():
+                return n
+        return None
+
+    def wrote(self, region: Any, base: Any) -> None:
+        """An in-place call would write ``region`` (None: somewhere in ``base``)."""
+        n = self.owner(base)
+        if n is None:
+            return
+        p = self.params[n]
+        if region is None or not p.is_contiguous() or self.owner(region) != n:
+            self.unknown.add(n)
+            return
+        box = view_box(region, tuple(p.shape), int(p.storage_offset()))
+        if box is None:
+            self.unknown.add(n)
+        else:
+            self.boxes[n].add(box)
+
+    def missing(self, rebound: set[str]) -> dict[str, str]:
+        out = {}
+        for n, p in self.params.items():
+            if n in self.unknown or n in rebound or not p.numel():
+                continue
+            got = sum(b.size for b in self.boxes[n])
+            if got < p.numel():
+                shape = tuple(p.shape)
+                out[n] = f"{got} of its {p.numel()} elements {shape}" if got else f"all of {shape}"
+        return out
+
+
+def _indexed(target: Any, index: tuple) -> Any:
+    """``target[index]`` when that is a view of ``target`` (basic indexing), else None."""
+    try:
+        region = target[index[0]]
+    except Exception:  # noqa: BLE001 - an index the dry run cannot replay: not placed
+        return None
+    same = region.untyped_storage().data_ptr() == target.untyped_storage().data_ptr()
+    return region if same else None
+
+
+def kept_boxes(model: Any, shapes: Mapping[str, tuple[int, ...]], dtype: Any) -> Kept:
+    """This rank's kept part of each checkpoint tensor (None for the whole of it), why each
+    None, and the model parameters a load would leave partly unwritten: DRY-RUN CONTRACT,
+    COVERAGE RULE. Raises :class:`DryRunError` when ``load_weights`` raised on the shapes (SHAPE
+    CHECK RULE), after putting back anything it rebound."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_leaves
@@ -117,6 +196,12 @@ def kept_boxes(
             inplace = fname in _INPLACE or (fname.endswith("_") and not fname.startswith("_"))
             out_arg = kwargs.get("out")
             if (inplace and real(target)) or real(out_arg):
+                if real(out_arg):
+                    writes.wrote(out_arg, out_arg)
+                elif fname == "__setitem__":
+                    writes.wrote(_indexed(target, args[1:2]), target)
+                else:  # x.data = y rebinds all of x; other in-place calls write all of x
+                    writes.wrote(target, target)
                 at = _SOURCE_ARG.get(fname)
                 source = args[at] if at is not None and len(args) > at else None
                 for x, n in seen:
@@ -135,12 +220,14 @@ def kept_boxes(
                     whole.setdefault(n, f"{fname} made a new tensor of it")
             return out
 
+    writes = _Writes(model)
     owned = [
         (table, k, v)
         for m in model.modules()
         for table in (m._parameters, m._buffers)
         for k, v in table.items()
     ]
+    rebound: set[str] = set()
     handed: list[str] = []
 
     def named():
@@ -160,6 +247,7 @@ def kept_boxes(
     finally:
         for table, k, v in owned:  # DRY-RUN CONTRACT: nothing rebound
             if table.get(k) is not v:
+                rebound.update(n for n, p in writes.params.items() if p is v)
                 table[k] = v
     boxes: dict[str, Box | None] = {}
     for n, shape in shapes.items():
@@ -169,4 +257,5 @@ def kept_boxes(
         elif n not in whole and any(b is None for b in views):
             whole[n] = "it was copied from a view that is not a box"
         boxes[n] = None if n in whole else bounding_box([b for b in views if b is not None])
-    return boxes, {n: whole[n] for n in shapes if boxes[n] is None}
+    why = {n: whole[n] for n in shapes if boxes[n] is None}
+    return Kept(boxes, why, writes.missing(rebound))

@@ -63,10 +63,13 @@ class ServerSetup:
     only its part). ``whole``: ``{checkpoint name: why}`` for each tensor every rank pulls whole
     because the dry run of the model's ``load_weights`` could not tell its part (empty for
     SGLang's dense Llama / Qwen models; tensors every rank keeps whole, such as norms, are not
-    listed)."""
+    listed). ``unwritten``: ``{model parameter: what of it}`` that the trainer's tensors leave
+    unwritten, so that it keeps the values it had before every update; only with
+    ``partial=True`` (COVERAGE RULE in :mod:`tpusync.sglang.weight_slices`), empty otherwise."""
 
     sharded: bool
     whole: dict[str, str] = field(default_factory=dict)
+    unwritten: dict[str, str] = field(default_factory=dict)
 
 
 class UpdateRejectedError(RuntimeError):
@@ -178,6 +181,7 @@ def init_server(
     params: dict[str, Any],
     dtype: str | None = None,
     sharded: bool = True,
+    partial: bool = False,
     reply_host: str = "127.0.0.1",
     timeout: float = SLACK_S,
     api_key: str | None = None,
@@ -191,7 +195,10 @@ def init_server(
     options (``block_bytes``, ``pool_bytes``, ``streams``, ``window``, ``listen``,
     ``same_host``). ``sharded``: each tensor-parallel rank receives only the part of each tensor
     its ``load_weights`` keeps (SLICE CONTRACT in :mod:`tpusync.sglang.weight_loader`); the
-    :class:`ServerSetup` says what was split. ``api_key`` / ``admin_api_key``: the server's
+    :class:`ServerSetup` says what was split. ``partial``: the trainer publishes only some of
+    the model's parameters (those it trains); without it, ``init`` is refused when the trainer's
+    tensors would leave any parameter of the server's model partly or wholly unwritten (COVERAGE
+    RULE in :mod:`tpusync.sglang.weight_slices`; checked with ``sharded`` only). ``api_key`` / ``admin_api_key``: the server's
     ``--api-key`` / ``--admin-api-key``, where it has them (KEYS RULE). Raises RuntimeError with
     every rank's reason when a rank could not open (none stays open then), which with ``sharded``
     includes a trainer whose names or shapes do not fit the server's model (SHAPE CHECK RULE in
@@ -203,13 +210,18 @@ def init_server(
         "params": {str(k): [list(v[0]), str(v[1])] for k, v in params.items()},
         "dtype": dtype,
         "sharded": bool(sharded),
+        "partial": bool(partial),
         "options": options,
     }
     keys = _Keys(api_key, admin_api_key)
     outcome = _call(url, body, timeout, flush=False, reply_host=reply_host, keys=keys)
     if not outcome.get("ok"):
         raise RuntimeError(f"tpusync weight sync not set up on {url}: {outcome.get('failure')}")
-    return ServerSetup(bool(outcome.get("sharded")), dict(outcome.get("whole") or {}))
+    return ServerSetup(
+        bool(outcome.get("sharded")),
+        dict(outcome.get("whole") or {}),
+        dict(outcome.get("unwritten") or {}),
+    )
 
 
 def update_server(
