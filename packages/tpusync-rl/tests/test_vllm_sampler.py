@@ -149,7 +149,15 @@ def _update_next_to_fresh(
         raise
     finally:
         trainer.close()
-    return result, _finish(fresh, fresh_out, fresh_log), rep2
+    fresh_result = _finish(fresh, fresh_out, fresh_log)
+    # COVERAGE RULE: the engine refused a trainer without the final norm, then took this one.
+    uncovered = result["uncovered_init"]
+    assert "tpusync weight transfer engine not set up on this engine: worker " in uncovered
+    refused = "ValueError: the trainer's tensors leave 1 of this worker's parameters unwritten ("
+    assert refused in uncovered and "norm.weight: no trainer tensor loads into it" in uncovered, (
+        uncovered
+    )
+    return result, fresh_result, rep2
 
 
 def _original(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -2,9 +2,10 @@
 
 ``python vllm_rl_scenario.py generate <model_dir> <out.json> <par>``: greedy outputs of a fresh
 engine with parallelism ``par`` (:func:`parallelism`: ``"2"`` is TP=2, ``"pp2"`` PP=2).
-``python vllm_rl_scenario.py update <model_dir> <out.json> <par> <control>``: outputs before, an
-update through the ``tpusync`` weight-transfer backend (each worker pulling only its slices),
-outputs after, then an update that times out (nothing new published) and the outputs once more
+``python vllm_rl_scenario.py update <model_dir> <out.json> <par> <control>``: outputs before, a
+refused init (the trainer leaves the final norm out), an update through the ``tpusync``
+weight-transfer backend (each worker pulling only its slices), outputs after, then an update that
+times out (nothing new published) and the outputs once more
 (the engine must keep serving), then, once ``<out.json>.waiting`` exists, the next version (the
 engine must still update after a failed update); when that one is rejected (the test damaged it
 for one worker), the outputs once more and the version after it. ``par`` ending in
@@ -124,6 +125,17 @@ def main() -> None:
                 result["refused_init"] = "accepted"
             except Exception as e:  # noqa: BLE001 - the test checks the message
                 result["refused_init"] = f"{type(e).__name__}: {e}"
+        # COVERAGE RULE: a trainer that leaves out the final norm is refused (the engine would
+        # serve the old norm with the new layers), and the engine takes the right init after.
+        params = options["params"]
+        norm = [n for n in params if n.endswith("norm.weight") and ".layers." not in n]
+        try:
+            rlvllm.init(
+                llm, **{**options, "params": {n: params[n] for n in params if n not in norm}}
+            )
+            result["uncovered_init"] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the test checks the message
+            result["uncovered_init"] = f"{type(e).__name__}: {e}"
         rlvllm.init(llm, **options)
         t0 = time.monotonic()
         rlvllm.update(llm, timeout=300, version=1)

@@ -134,7 +134,10 @@ def init_info(
     number (unique per engine); ``params``: ``{trainer name: [shape, dtype]}`` of what the trainer
     publishes (:func:`checkpoint_params`); ``dtype``: the staging dtype (default: the engine's).
     ``sharded`` (default True): each tensor-parallel worker receives only its slices; False:
-    every worker receives whole tensors. Either way the workers report their layouts to a trainer
+    every worker receives whole tensors. ``partial`` (default False): the trainer publishes only
+    some of the model's parameters (those it trains); without it ``init`` is refused when the
+    trainer's tensors would leave any parameter unwritten (COVERAGE RULE in
+    :mod:`tpusync.rl.vllm.coverage`). Sharded or not, the workers report their layouts to a trainer
     built with ``dst_layouts=None``; a trainer given ``dst_layouts`` must name the same ones
     (:func:`tp_layouts`, or ``ShardLayout.replicated(shape, range(tp))`` with ``sharded=False``). Other options go to
     :class:`~tpusync.rl.sampler.SamplerSync` (``block_bytes``, ``pool_bytes``, ``streams``,

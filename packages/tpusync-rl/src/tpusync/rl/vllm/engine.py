@@ -14,6 +14,8 @@ CONTRACT); or, for tensor parallelism alone, the trainer's ``dst_layouts`` are
 :func:`~tpusync.rl.vllm.tp.tp_layouts`. Before the load each slice is placed in a tensor of the
 checkpoint's shape, of which ``load_weights`` reads only that slice. With ``sharded=False`` every
 worker receives whole tensors (``dst_layouts``: ``ShardLayout.replicated(shape, range(world))``).
+Either way ``init`` is refused when the trainer's tensors would leave some of a worker's
+parameters unwritten, unless ``partial`` (COVERAGE RULE, :mod:`tpusync.rl.vllm.coverage`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 from tpusync.rl.chunks import UpdateRejectedError, WeightSubscriber, _torch_dtype
 from tpusync.rl.layout import Box, ShardLayout
 from tpusync.rl.sampler import SamplerSync
+from tpusync.rl.vllm.coverage import unwritten_params
 from tpusync.rl.vllm.tp import worker_boxes
 
 log = logging.getLogger("tpusync.rl")
@@ -51,6 +54,7 @@ class TpusyncInitInfo(WeightTransferInitInfo):
     listen: str = "127.0.0.1:0"
     same_host: bool = False
     sharded: bool = True
+    partial: bool = False  # the trainer publishes only some parameters (COVERAGE RULE)
 
 
 @dataclass
@@ -199,6 +203,20 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
             raise RuntimeError("the tpusync weight transfer engine is already initialized")
         if not init_info.params:
             raise ValueError("init_info.params is empty: pass checkpoint_params(model_dir)")
+        unwritten = unwritten_params(self.model, init_info.params)
+        if unwritten is None:
+            log.info("tpusync: a trainer tensor maps to no parameter here; coverage not checked")
+        elif unwritten and not init_info.partial:  # COVERAGE RULE
+            named = "; ".join(f"{n}: {what}" for n, what in list(unwritten.items())[:4])
+            more = f" and {len(unwritten) - 4} more" if len(unwritten) > 4 else ""
+            raise ValueError(
+                f"the trainer's tensors leave {len(unwritten)} of this worker's parameters "
+                f"unwritten ({named}{more}): vLLM would serve them at the old version, or "
+                "uninitialised, beside the new one; publish every tensor of the model, or pass "
+                "partial=True if the trainer publishes only the parameters it trains"
+            )
+        elif unwritten:
+            log.warning("tpusync: partial trainer, these keep their values: %s", unwritten)
         if not init_info.sharded:
             return {
                 n: ([0] * len(shape), list(shape)) for n, (shape, _d) in init_info.params.items()

@@ -1,0 +1,54 @@
+"""COVERAGE RULE of the vLLM backend (``tpusync.rl.vllm.coverage``) on vLLM's own tensor-parallel
+layers and Llama name mapper (the toy model of test_vllm_tp.py, no engine): a trainer that leaves
+out a tensor, or one shard of a stacked parameter, is named; a trainer tensor the mapping cannot
+place gives no verdict. The live engines of test_vllm_sampler.py refuse such an init."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import llama_ckpt as C  # noqa: E402
+from test_vllm_tp import _toy  # noqa: E402
+
+from tpusync.rl.vllm.coverage import unwritten_params  # noqa: E402
+
+LAYER = "model.layers.0."
+
+
+def _params() -> dict[str, list]:
+    """Every tensor the toy loads: the checkpoint's, plus the q and k biases of its biased
+    stacked q/k/v (the checkpoint has only the v bias)."""
+    shapes = dict(C.llama_shapes())
+    shapes[LAYER + "self_attn.q_proj.bias"] = [C.HEADS * C.HEAD_DIM]
+    shapes[LAYER + "self_attn.k_proj.bias"] = [C.KV_HEADS * C.HEAD_DIM]
+    return {n: [s, "float32"] for n, s in shapes.items()}
+
+
+@pytest.mark.parametrize("tp, rank", [(1, 0), (2, 1)])
+def test_a_trainer_that_leaves_a_tensor_or_a_shard_out_is_named(tp, rank):
+    model = _toy(tp, rank)
+    params = _params()
+    assert unwritten_params(model, params) == {}
+    less = {n: v for n, v in params.items() if n != LAYER + "input_layernorm.weight"}
+    assert unwritten_params(model, less) == {
+        LAYER + "input_layernorm.weight": "no trainer tensor loads into it"
+    }
+    less = {n: v for n, v in params.items() if not n.startswith(LAYER + "self_attn.k_proj.")}
+    less.pop(LAYER + "mlp.up_proj.weight")
+    assert unwritten_params(model, less) == {
+        LAYER + "self_attn.qkv_proj.weight": "no trainer tensor for its shard(s) k",
+        LAYER + "self_attn.qkv_proj.bias": "no trainer tensor for its shard(s) k",
+        LAYER + "mlp.gate_up_proj.weight": "no trainer tensor for its shard(s) 1",
+    }
+    # The checkpoint alone leaves the q and k rows of the stacked bias unwritten.
+    assert unwritten_params(model, {n: [s, "float32"] for n, s in C.llama_shapes().items()}) == {
+        LAYER + "self_attn.qkv_proj.bias": "no trainer tensor for its shard(s) k, q"
+    }
+
+
+def test_a_tensor_the_mapping_cannot_place_gives_no_verdict():
+    params = _params()
+    params["model.layers.0.self_attn.rotary.weight"] = [[4], "float32"]
+    assert unwritten_params(_toy(1, 0), params) is None
