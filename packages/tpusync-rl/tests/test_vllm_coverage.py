@@ -1,7 +1,8 @@
 """COVERAGE RULE of the vLLM backend (``tpusync.rl.vllm.coverage``) on vLLM's own tensor-parallel
 layers and Llama name mapper (the toy model of test_vllm_tp.py, no engine): a trainer that leaves
-out a tensor, or one shard of a stacked parameter, is named; a trainer tensor the mapping cannot
-place gives no verdict. The live engines of test_vllm_sampler.py refuse such an init."""
+out a tensor, or one shard of a stacked parameter, is named; a layer that would get only some of
+its tensors is torn (TORN LAYER RULE); a trainer tensor the mapping cannot place gives no verdict.
+The live engines of test_vllm_sampler.py refuse such an init."""
 
 from __future__ import annotations
 
@@ -30,22 +31,29 @@ def _params() -> dict[str, list]:
 def test_a_trainer_that_leaves_a_tensor_or_a_shard_out_is_named(tp, rank):
     model = _toy(tp, rank)
     params = _params()
-    assert unwritten_params(model, params) == {}
+    assert unwritten_params(model, params) == ({}, ())
+    # A whole layer left out (the norm, one parameter): not torn, so partial=True may allow it.
     less = {n: v for n, v in params.items() if n != LAYER + "input_layernorm.weight"}
-    assert unwritten_params(model, less) == {
-        LAYER + "input_layernorm.weight": "no trainer tensor loads into it"
-    }
+    norm = {LAYER + "input_layernorm.weight": "no trainer tensor loads into it"}
+    assert unwritten_params(model, less) == (norm, ())
     less = {n: v for n, v in params.items() if not n.startswith(LAYER + "self_attn.k_proj.")}
     less.pop(LAYER + "mlp.up_proj.weight")
-    assert unwritten_params(model, less) == {
+    stacked = {
         LAYER + "self_attn.qkv_proj.weight": "no trainer tensor for its shard(s) k",
         LAYER + "self_attn.qkv_proj.bias": "no trainer tensor for its shard(s) k",
         LAYER + "mlp.gate_up_proj.weight": "no trainer tensor for its shard(s) 1",
     }
-    # The checkpoint alone leaves the q and k rows of the stacked bias unwritten.
-    assert unwritten_params(model, {n: [s, "float32"] for n, s in C.llama_shapes().items()}) == {
-        LAYER + "self_attn.qkv_proj.bias": "no trainer tensor for its shard(s) k, q"
-    }
+    assert unwritten_params(model, less) == (stacked, tuple(stacked))  # TORN LAYER RULE
+    # The checkpoint alone leaves the q and k rows of the stacked bias unwritten; the layer gets
+    # its weight and its v bias, so it is torn.
+    bias = {LAYER + "self_attn.qkv_proj.bias": "no trainer tensor for its shard(s) k, q"}
+    ckpt = {n: [s, "float32"] for n, s in C.llama_shapes().items()}
+    assert unwritten_params(model, ckpt) == (bias, tuple(bias))
+    # Only the q/k/v biases left out: each is a whole parameter, but of a layer that gets its
+    # weight, so still torn.
+    less = {n: v for n, v in params.items() if not n.endswith("_proj.bias")}
+    qkv_bias = {LAYER + "self_attn.qkv_proj.bias": "no trainer tensor loads into it"}
+    assert unwritten_params(model, less) == (qkv_bias, tuple(qkv_bias))
 
 
 def test_a_tensor_the_mapping_cannot_place_gives_no_verdict():

@@ -37,7 +37,9 @@ parameters (``unwritten``); :mod:`tpusync.sglang.weight_loader` refuses ``init``
 the trainer is declared to publish only part of the model. The count is a lower bound on what
 is missing (overlapping writes count twice), and a write it cannot place as a box (advanced
 indexing, a strided parameter) counts as covering the whole parameter: so a parameter listed is
-certainly left partly unwritten, never a false alarm from how the loader wrote it.
+left partly unwritten, unless the loader writes it by a path a torch function mode does not see
+(through numpy, or a kernel that bypasses ``__torch_function__``; none in SGLang 0.5.23's dense
+loaders), and ``partial=True`` is the way past such a loader.
 
 What it does not stop: Python attribute writes in ``load_weights`` other than parameters and
 buffers (none in SGLang 0.5.23's dense-model loaders), and the loader's other side effects

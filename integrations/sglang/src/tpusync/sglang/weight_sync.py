@@ -198,8 +198,9 @@ def init_server(
     :class:`ServerSetup` says what was split. ``partial``: the trainer publishes only some of
     the model's parameters (those it trains); without it, ``init`` is refused when the trainer's
     tensors would leave any parameter of the server's model partly or wholly unwritten (COVERAGE
-    RULE in :mod:`tpusync.sglang.weight_slices`; checked with ``sharded`` only). ``api_key`` / ``admin_api_key``: the server's
-    ``--api-key`` / ``--admin-api-key``, where it has them (KEYS RULE). Raises RuntimeError with
+    RULE in :mod:`tpusync.sglang.weight_slices`; checked with ``sharded`` only). ``api_key`` /
+    ``admin_api_key``: the server's ``--api-key`` / ``--admin-api-key``, where it has them (KEYS
+    RULE). Raises RuntimeError with
     every rank's reason when a rank could not open (none stays open then), which with ``sharded``
     includes a trainer whose names or shapes do not fit the server's model (SHAPE CHECK RULE in
     :mod:`tpusync.sglang.weight_loader`)."""

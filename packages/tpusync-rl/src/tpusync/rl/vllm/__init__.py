@@ -137,8 +137,8 @@ def init_info(
     every worker receives whole tensors. ``partial`` (default False): the trainer publishes only
     some of the model's parameters (those it trains); without it ``init`` is refused when the
     trainer's tensors would leave any parameter unwritten (COVERAGE RULE in
-    :mod:`tpusync.rl.vllm.coverage`). Sharded or not, the workers report their layouts to a trainer
-    built with ``dst_layouts=None``; a trainer given ``dst_layouts`` must name the same ones
+    :mod:`tpusync.rl.vllm.coverage`). Sharded or not, the workers report their layouts to a
+    trainer built with ``dst_layouts=None``; a trainer given ``dst_layouts`` must name the same ones
     (:func:`tp_layouts`, or ``ShardLayout.replicated(shape, range(tp))`` with ``sharded=False``). Other options go to
     :class:`~tpusync.rl.sampler.SamplerSync` (``block_bytes``, ``pool_bytes``, ``streams``,
     ``window``, ``listen``, ``same_host``). The transport secret is read from

@@ -16,14 +16,28 @@ place every trainer tensor: a name that maps to no parameter of this worker, oth
 another pipeline stage, means the mapping is not the model's own (a model whose
 ``load_weights`` stacks by rules of its own), and then it returns None - no verdict - rather than
 refuse a complete trainer.
+
+TORN LAYER RULE: vLLM reloads layer by layer, a layer being one module with the parameters it
+holds directly. A layer that gets no tensor at all keeps its old values, which a trainer that
+publishes only the parameters it trains may want (``partial``); a layer that gets some tensors
+but not all is rebuilt whole with the rest uninitialised, which nobody wants. So
+:func:`unwritten_params` also says which unwritten parameters lie in such a torn layer, and the
+engine refuses those even with ``partial``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from tpusync.rl.vllm.tp import _target
+
+
+class Coverage(NamedTuple):
+    """What the trainer's tensors leave unwritten on one worker (COVERAGE RULE)."""
+
+    unwritten: dict[str, str]  # parameter -> what no trainer tensor writes of it
+    torn: tuple[str, ...]  # those of them whose layer gets other tensors (TORN LAYER RULE)
 
 
 def _shards(module: Any) -> set[Any] | None:
@@ -37,10 +51,10 @@ def _shards(module: Any) -> set[Any] | None:
     return None
 
 
-def unwritten_params(model: Any, params: Mapping[str, Any]) -> dict[str, str] | None:
-    """``{parameter: what no trainer tensor writes}`` for this worker's ``model`` and the
-    trainer's ``params`` (``{checkpoint name: [shape, dtype]}``), or None when a trainer tensor
-    cannot be placed (COVERAGE RULE: no verdict)."""
+def unwritten_params(model: Any, params: Mapping[str, Any]) -> Coverage | None:
+    """What the trainer's ``params`` (``{checkpoint name: [shape, dtype]}``) leave unwritten of
+    this worker's ``model``, or None when a trainer tensor cannot be placed (COVERAGE RULE: no
+    verdict)."""
     from vllm.model_executor.models.utils import get_pp_missing_layer_names
 
     elsewhere = tuple(get_pp_missing_layer_names(model))
@@ -56,11 +70,11 @@ def unwritten_params(model: Any, params: Mapping[str, Any]) -> dict[str, str] | 
         if target not in own:
             return None
         got.setdefault(target, set()).add(shard)
-    out = {}
+    unwritten = {}
     for pname in own:
         have = got.get(pname)
         if not have:
-            out[pname] = "no trainer tensor loads into it"
+            unwritten[pname] = "no trainer tensor loads into it"
             continue
         if None in have:  # a tensor for the whole parameter (a fused checkpoint tensor)
             continue
@@ -68,5 +82,7 @@ def unwritten_params(model: Any, params: Mapping[str, Any]) -> dict[str, str] | 
         need = _shards(module) or set()
         if need - have:
             missing = ", ".join(sorted(str(s) for s in need - have))
-            out[pname] = f"no trainer tensor for its shard(s) {missing}"
-    return out
+            unwritten[pname] = f"no trainer tensor for its shard(s) {missing}"
+    fed = {p.rpartition(".")[0] for p in got}  # layers that get some tensor
+    torn = tuple(p for p in unwritten if p.rpartition(".")[0] in fed)
+    return Coverage(unwritten, torn)

@@ -203,20 +203,31 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
             raise RuntimeError("the tpusync weight transfer engine is already initialized")
         if not init_info.params:
             raise ValueError("init_info.params is empty: pass checkpoint_params(model_dir)")
-        unwritten = unwritten_params(self.model, init_info.params)
-        if unwritten is None:
+        cover = unwritten_params(self.model, init_info.params)
+        if cover is None:
             log.info("tpusync: a trainer tensor maps to no parameter here; coverage not checked")
-        elif unwritten and not init_info.partial:  # COVERAGE RULE
-            named = "; ".join(f"{n}: {what}" for n, what in list(unwritten.items())[:4])
-            more = f" and {len(unwritten) - 4} more" if len(unwritten) > 4 else ""
-            raise ValueError(
-                f"the trainer's tensors leave {len(unwritten)} of this worker's parameters "
-                f"unwritten ({named}{more}): vLLM would serve them at the old version, or "
-                "uninitialised, beside the new one; publish every tensor of the model, or pass "
-                "partial=True if the trainer publishes only the parameters it trains"
+        elif cover.torn or (cover.unwritten and not init_info.partial):  # COVERAGE RULE
+            # TORN LAYER RULE: a layer that gets only some tensors is refused even if partial.
+            bad = (
+                {n: cover.unwritten[n] for n in cover.torn}
+                if init_info.partial
+                else cover.unwritten
             )
-        elif unwritten:
-            log.warning("tpusync: partial trainer, these keep their values: %s", unwritten)
+            named = "; ".join(f"{n}: {what}" for n, what in list(bad.items())[:4])
+            more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+            way = (
+                "partial=True does not cover a layer that gets only some of its tensors: vLLM "
+                "rebuilds such a layer whole"
+                if cover.torn
+                else "or pass partial=True if the trainer publishes only the parameters it trains"
+            )
+            raise ValueError(
+                f"the trainer's tensors leave {len(bad)} of this worker's parameters unwritten "
+                f"({named}{more}): vLLM would serve them at the old version, or uninitialised, "
+                f"beside the new one; publish every tensor of the model ({way})"
+            )
+        elif cover.unwritten:
+            log.warning("tpusync: partial trainer, these keep their values: %s", cover.unwritten)
         if not init_info.sharded:
             return {
                 n: ([0] * len(shape), list(shape)) for n, (shape, _d) in init_info.params.items()
