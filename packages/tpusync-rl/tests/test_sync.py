@@ -1002,6 +1002,28 @@ def test_control_channel_drops_messages_with_a_wrong_secret():
         trainer.close()
 
 
+def test_a_control_server_made_where_a_closed_one_was_gets_its_own_wake_endpoint():
+    """zmq unbinds a closed socket's inproc endpoint later, in its reaper thread: a server whose
+    wake endpoint was named after id(self) collided now and then with a closed one freed at the
+    same address ("Address already in use", seen in CI). Names are never reused now."""
+    import gc
+
+    from tpusync.rl.control import ControlServer
+
+    seen: dict[int, str] = {}
+    reused = 0
+    for _ in range(50):
+        server = ControlServer(U.SECRET, lambda msg, answer: {"op": "ok"})
+        if id(server) in seen:
+            reused += 1
+            assert server._wake_addr != seen[id(server)]
+        seen[id(server)] = server._wake_addr
+        server.close()
+        del server
+        gc.collect()
+    assert reused  # CPython gave a closed server's address to a new one: the check ran
+
+
 def test_a_sampler_pulls_in_plan_order_at_most_window_buckets_per_source():
     """HOP LAG CONTRACT: pulls from one source share its link, so each lands only when all of
     them do; one at a time from a parent lets a chain forward each bucket as soon as it can,

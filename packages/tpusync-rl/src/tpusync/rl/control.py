@@ -53,6 +53,9 @@ def _unpack(secret: bytes, mac: bytes, body: bytes) -> dict | None:
 Handler = Callable[[dict, Callable[[dict], None]], "dict | None"]
 
 
+_WAKE_NAMES = itertools.count()
+
+
 class ControlServer:
     """A ROUTER socket served by one background thread; replies may be deferred (long polls)."""
 
@@ -66,7 +69,10 @@ class ControlServer:
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._outbox: list[list[bytes]] = []
         self._out_lock = threading.Lock()
-        self._wake_addr = f"inproc://tpusync-rl-control-{id(self)}"
+        # Never reused in this process: zmq unbinds a closed socket's inproc endpoint later, in
+        # its reaper thread, so a name from id(self) (reused once an object is freed) made a new
+        # server's bind fail with "Address already in use" now and then.
+        self._wake_addr = f"inproc://tpusync-rl-control-{next(_WAKE_NAMES)}"
         self._wake_rx = self._ctx.socket(zmq.PAIR)
         self._wake_rx.bind(self._wake_addr)
         self._wake_tx = self._ctx.socket(zmq.PAIR)
