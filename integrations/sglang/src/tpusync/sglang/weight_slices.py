@@ -156,10 +156,10 @@ class _Writes:
         return out
 
 
-def _indexed(target: Any, index: tuple) -> Any:
+def _indexed(target: Any, index: Any) -> Any:
     """``target[index]`` when that is a view of ``target`` (basic indexing), else None."""
     try:
-        region = target[index[0]]
+        region = target[index]
     except Exception:  # noqa: BLE001 - an index the dry run cannot replay: not placed
         return None
     same = region.untyped_storage().data_ptr() == target.untyped_storage().data_ptr()
@@ -201,7 +201,8 @@ def kept_boxes(model: Any, shapes: Mapping[str, tuple[int, ...]], dtype: Any) ->
                 if real(out_arg):
                     writes.wrote(out_arg, out_arg)
                 elif fname == "__setitem__":
-                    writes.wrote(_indexed(target, args[1:2]), target)
+                    region = _indexed(target, args[1]) if len(args) > 1 else None
+                    writes.wrote(region, target)
                 else:  # x.data = y rebinds all of x; other in-place calls write all of x
                     writes.wrote(target, target)
                 at = _SOURCE_ARG.get(fname)

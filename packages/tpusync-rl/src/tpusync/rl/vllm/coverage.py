@@ -40,15 +40,15 @@ class Coverage(NamedTuple):
     torn: tuple[str, ...]  # those of them whose layer gets other tensors (TORN LAYER RULE)
 
 
-def _shards(module: Any) -> set[Any] | None:
-    """The shard ids a stacked vLLM layer's parameters are loaded from; None: not stacked."""
+def _shards(module: Any) -> set[Any]:
+    """The shard ids a stacked vLLM layer's parameters are loaded from; empty: not stacked."""
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
     if isinstance(module, QKVParallelLinear):
         return {"q", "k", "v"}
     if isinstance(module, MergedColumnParallelLinear):
         return set(range(len(module.output_sizes)))
-    return None
+    return set()
 
 
 def unwritten_params(model: Any, params: Mapping[str, Any]) -> Coverage | None:
@@ -79,7 +79,7 @@ def unwritten_params(model: Any, params: Mapping[str, Any]) -> Coverage | None:
         if None in have:  # a tensor for the whole parameter (a fused checkpoint tensor)
             continue
         module = model.get_submodule(pname.rpartition(".")[0])
-        need = _shards(module) or set()
+        need = _shards(module)
         if need - have:
             missing = ", ".join(sorted(str(s) for s in need - have))
             unwritten[pname] = f"no trainer tensor for its shard(s) {missing}"
