@@ -383,7 +383,8 @@ def bench(session: nox.Session) -> None:
     ):  # plugin suites (e.g. `device`) live in framework wheels
         install_frameworks(session)
     for suite in suites:
-        result = session.run("tpusync", "bench", suite, "--json", silent=True)
+        # stderr=None: the suite's log lines go to the console, only stdout (the JSON) is kept.
+        result = session.run("tpusync", "bench", suite, "--json", silent=True, stderr=None)
         (out / f"{suite}.json").write_text(result)
         print(result)
 
