@@ -423,14 +423,31 @@ def test_vllm_server_takes_new_weights_over_http_and_keeps_serving_after_a_faile
             except OSError:
                 time.sleep(1)
         before = _complete(base, str(model_dir))
-        rlvllm.init_server(
-            base,
-            control=trainer.control_address,
-            replica=0,
-            params=rlvllm.checkpoint_params(model_dir),
-            block_bytes=1 << 16,
-            pool_bytes=16 << 20,
-        )
+        setup = {
+            "control": trainer.control_address,
+            "replica": 0,
+            "block_bytes": 1 << 16,
+            "pool_bytes": 16 << 20,
+        }
+        params = rlvllm.checkpoint_params(model_dir)
+        # COVERAGE RULE over HTTP: a trainer without the final norm is refused with the reason
+        # in the server's reply. With partial=True the norm is let through but a trainer that
+        # also lacks layer 0's k projection is still refused for that one (TORN LAYER RULE:
+        # vLLM would rebuild the qkv_proj with its k rows uninitialised) - a reply naming only
+        # the qkv_proj shows the partial flag reached the workers. The server keeps serving
+        # and takes the right trainer after.
+        no_norm = {n: v for n, v in params.items() if n != "model.norm.weight"}
+        with pytest.raises(RuntimeError, match=r"HTTP [45]\d\d: .*model\.norm\.weight"):
+            rlvllm.init_server(base, params=no_norm, **setup)
+        k_proj = "model.layers.0.self_attn.k_proj.weight"
+        torn = {n: v for n, v in no_norm.items() if n != k_proj}
+        with pytest.raises(RuntimeError, match="partial=True does not cover a layer") as refused:
+            rlvllm.init_server(base, params=torn, partial=True, **setup)
+        reply = str(refused.value)
+        assert "leave 1 of this worker's parameters unwritten (" in reply, reply
+        assert "qkv_proj.weight" in reply and "norm.weight" not in reply, reply
+        assert _complete(base, str(model_dir)) == before
+        rlvllm.init_server(base, params=params, **setup)
 
         def publish():  # the engine's sampler joins when the update starts
             trainer.wait_for_samplers(1, timeout=120)
