@@ -522,6 +522,7 @@ def integration_vllm(session: nox.Session) -> None:
         str(ROOT / "packages/tpusync-rl/tests/test_vllm_sampler.py"),
         str(ROOT / "packages/tpusync-rl/tests/test_vllm_tp.py"),
         str(ROOT / "packages/tpusync-rl/tests/test_vllm_coverage.py"),
+        str(ROOT / "packages/tpusync-rl/tests/test_vllm_shapes.py"),
         "-p",
         "no:cacheprovider",
         "--durations=0",

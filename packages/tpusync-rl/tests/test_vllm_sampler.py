@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -157,6 +158,15 @@ def _update_next_to_fresh(
     assert refused in uncovered and "norm.weight: no trainer tensor loads into it" in uncovered, (
         uncovered
     )
+    # SHAPE RULE: and one whose final norm is one element longer.
+    misshapen = result["misshapen_init"]
+    assert "tpusync weight transfer engine not set up on this engine: worker " in misshapen
+    refused = "ValueError: 1 of the trainer's tensors do not have the shape this worker's model"
+    assert refused in misshapen, misshapen
+    sizes = re.search(
+        r"norm\.weight: the trainer's is \[(\d+)\], this engine loads \[(\d+)\]", misshapen
+    )
+    assert sizes and int(sizes[1]) == int(sizes[2]) + 1, misshapen
     return result, fresh_result, rep2
 
 

@@ -3,7 +3,8 @@
 ``python vllm_rl_scenario.py generate <model_dir> <out.json> <par>``: greedy outputs of a fresh
 engine with parallelism ``par`` (:func:`parallelism`: ``"2"`` is TP=2, ``"pp2"`` PP=2).
 ``python vllm_rl_scenario.py update <model_dir> <out.json> <par> <control>``: outputs before, a
-refused init (the trainer leaves the final norm out), an update through the ``tpusync``
+refused init (the trainer leaves the final norm out), another (its final norm has another
+shape), an update through the ``tpusync``
 weight-transfer backend (each worker pulling only its slices), outputs after, then an update that
 times out (nothing new published) and the outputs once more
 (the engine must keep serving), then, once ``<out.json>.waiting`` exists, the next version (the
@@ -136,6 +137,15 @@ def main() -> None:
             result["uncovered_init"] = "accepted"
         except Exception as e:  # noqa: BLE001 - the test checks the message
             result["uncovered_init"] = f"{type(e).__name__}: {e}"
+        # SHAPE RULE: a trainer of another model config (the final norm one element longer) is
+        # refused too, before anything moves (vLLM's reload would die half way through it).
+        (shape, dtype) = params[norm[0]]
+        misshapen = {**params, norm[0]: [[shape[0] + 1], dtype]}
+        try:
+            rlvllm.init(llm, **{**options, "params": misshapen})
+            result["misshapen_init"] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the test checks the message
+            result["misshapen_init"] = f"{type(e).__name__}: {e}"
         rlvllm.init(llm, **options)
         t0 = time.monotonic()
         rlvllm.update(llm, timeout=300, version=1)

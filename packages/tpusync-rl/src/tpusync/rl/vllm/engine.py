@@ -14,8 +14,10 @@ CONTRACT); or, for tensor parallelism alone, the trainer's ``dst_layouts`` are
 :func:`~tpusync.rl.vllm.tp.tp_layouts`. Before the load each slice is placed in a tensor of the
 checkpoint's shape, of which ``load_weights`` reads only that slice. With ``sharded=False`` every
 worker receives whole tensors (``dst_layouts``: ``ShardLayout.replicated(shape, range(world))``).
-Either way ``init`` is refused when the trainer's tensors would leave some of a worker's
-parameters unwritten, unless ``partial`` (COVERAGE RULE, :mod:`tpusync.rl.vllm.coverage`).
+Either way ``init`` is refused when a trainer tensor's shape is not the one the worker's loader
+takes (SHAPE RULE, :mod:`tpusync.rl.vllm.shapes`), and when the trainer's tensors would leave
+some of a worker's parameters unwritten, unless ``partial`` (COVERAGE RULE,
+:mod:`tpusync.rl.vllm.coverage`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from tpusync.rl.chunks import UpdateRejectedError, WeightSubscriber, _torch_dtyp
 from tpusync.rl.layout import Box, ShardLayout
 from tpusync.rl.sampler import SamplerSync
 from tpusync.rl.vllm.coverage import unwritten_params
+from tpusync.rl.vllm.shapes import shape_mismatches
 from tpusync.rl.vllm.tp import worker_boxes
 
 log = logging.getLogger("tpusync.rl")
@@ -203,6 +206,14 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
             raise RuntimeError("the tpusync weight transfer engine is already initialized")
         if not init_info.params:
             raise ValueError("init_info.params is empty: pass checkpoint_params(model_dir)")
+        wrong = shape_mismatches(self.model, init_info.params)  # SHAPE RULE
+        if wrong:
+            named = "; ".join(f"{n}: {what}" for n, what in list(wrong.items())[:4])
+            more = f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""
+            raise ValueError(
+                f"{len(wrong)} of the trainer's tensors do not have the shape this worker's "
+                f"model loads ({named}{more}): the trainer's model config is not the engine's"
+            )
         cover = unwritten_params(self.model, init_info.params)
         if cover is None:
             log.info("tpusync: a trainer tensor maps to no parameter here; coverage not checked")
