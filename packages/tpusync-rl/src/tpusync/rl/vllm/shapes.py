@@ -72,7 +72,7 @@ def _expected(module: Any, leaf: str, shard: Any, param: Any) -> tuple[int, ...]
             heads = {
                 "q": module.total_num_heads * module.head_size,
                 "k": module.total_num_kv_heads * module.head_size,
-                "v": module.total_num_kv_heads * module.v_head_size,
+                "v": module.total_num_kv_heads * getattr(module, "v_head_size", module.head_size),
             }
             if shard not in heads:
                 return None
