@@ -144,6 +144,17 @@ def _update_next_to_fresh(
         if waiting.exists():
             rep = trainer.publish(last, new)
             assert rep.ok and sorted(rep.committed) == [f"0:{r}" for r in range(tp)], rep.failed
+        fault = Path(str(upd_out) + ".loadfault")
+        if par.endswith(scenario.LOADFAULT):
+            for _ in range(300):
+                if fault.exists() or upd.poll() is not None:
+                    break
+                time.sleep(1)
+            if fault.exists():  # the version whose load fails half way, then the next one
+                trainer.publish(last + 1, damaged)
+                trainer.wait_for_samplers(tp, timeout=300)
+                rep = trainer.publish(last + 2, damaged)
+                assert rep.ok, rep.failed
         result = _finish(upd, upd_out, upd_log)
     except BaseException:
         _kill(upd, fresh)
@@ -206,14 +217,14 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
     damaged = _original(model_dir) if tp > 1 else None
     # At TP=1 the engine also offloads KV through tpusync-vllm's connector: the update must drop
     # the blocks it stored with the old weights (RESET CONTRACT), or "after" reuses them.
-    par = f"{tp}+offload" if tp == 1 else None
+    par = f"{tp}{scenario.OFFLOAD}" if tp == 1 else f"{tp}{scenario.LOADFAULT}"
     result, fresh_result, rep2 = _update_next_to_fresh(
         tmp_path, model_dir, new_dir, new, tp, dst, check, par=par, damaged=damaged
     )
     print(json.dumps(result))
     assert result["after"] == fresh_result["tokens"]  # exactly the new weights' greedy outputs
     assert result["before"] != result["after"]  # and the update changed something
-    if par:  # the connector ran: it stored the blocks of both runs and loaded the second's
+    if tp == 1:  # the connector ran: it stored the blocks of both runs and loaded the second's
         assert result["after_from_connector"] == fresh_result["tokens"]
         (totals,) = result["connector_totals"]
         assert totals["saved_blocks"] >= 2 * 3, totals  # 3 prompts of 1 full block, twice
@@ -242,6 +253,15 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
     assert "failed its checksum" in rep2.failed["0:1"]
     for r in set(range(tp)) - {1}:
         assert rep2.failed[f"0:{r}"].startswith("verified here but not loaded"), rep2.failed
+    # LOAD FAILURE RULE: version 4 (the original weights) verified everywhere, but worker 0's
+    # reload raised half way (fault injected): every worker loaded version 3 again, so the
+    # engine serves the new weights as before, not a mix and not dead; version 5 (the same
+    # original weights) then loads whole and gives the original outputs.
+    faulty = result["faulty_load"]
+    assert "version 4 verified but vLLM's reload failed (worker 0: " in faulty, faulty
+    assert "injected fault" in faulty and "loaded version 3 again" in faulty, faulty
+    assert result["after_faulty_load"] == result["after"]
+    assert result["after_fault"] == result["before"]
 
 
 def test_pipeline_parallel_engine_takes_only_its_stages_slices_and_survives_a_failed_update(

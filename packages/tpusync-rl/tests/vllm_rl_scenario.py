@@ -33,6 +33,9 @@ def prompts() -> list[list[int]]:
 
 
 OFFLOAD = "+offload"  # a ``par`` suffix: the updated engine runs the KV connector as well
+# A ``par`` suffix: after its last version the updated engine has worker 0's next reload fail
+# half way (fault injected), then takes one more version (LOAD FAILURE RULE).
+LOADFAULT = "+loadfault"
 
 
 def parallelism(arg: str) -> dict:
@@ -41,7 +44,7 @@ def parallelism(arg: str) -> dict:
     ``enforce_eager`` its later stages fail their first step (their intermediate-tensor buffers
     are made by the warm-up that eager mode skips), so a PP engine here is compiled (about a
     minute more to start)."""
-    arg = arg.removesuffix(OFFLOAD)
+    arg = arg.removesuffix(OFFLOAD).removesuffix(LOADFAULT)
     if arg.startswith("pp"):
         pp, _, tp = arg[2:].partition("tp")
         return {
@@ -96,12 +99,35 @@ def _connector_totals(_worker=None) -> dict:
     return dict(get_kv_transfer_group().totals.data)
 
 
+def _break_next_load(worker) -> int:
+    """FAULT INJECTION: worker 0's next ``load_weights`` raises after its first 3 tensors, half
+    way through vLLM's reload; the loads after it are untouched. Returns the worker's rank."""
+    engine = worker.weight_transfer_engine
+    if engine._rank != 0:
+        return engine._rank
+    model = engine.model
+    real = model.load_weights
+
+    def broken(weights):
+        def first_three():
+            for i, item in enumerate(weights):
+                if i == 3:
+                    raise RuntimeError("injected fault: load_weights failed after 3 tensors")
+                yield item
+
+        del model.load_weights  # this load only
+        return real(first_three())
+
+    model.load_weights = broken
+    return 0
+
+
 def main() -> None:
     mode, model, out, par = sys.argv[1:5]
     if par != "1":
         # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    if par.endswith(OFFLOAD):  # collective_rpc of a test function needs vLLM's pickle fallback
+    if par.endswith((OFFLOAD, LOADFAULT)):  # collective_rpc of a test function: vLLM's pickle
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     result: dict = {}
     if mode == "generate":
@@ -179,6 +205,20 @@ def main() -> None:
             result["late_updates"].append("loaded")
             break
         result["after_second_version"] = generate(llm)
+        if par.endswith(LOADFAULT):
+            # LOAD FAILURE RULE: worker 0's reload of the next version fails half way; every
+            # worker loads the version it served again, and the version after that loads.
+            llm.collective_rpc(_break_next_load)
+            with open(out + ".loadfault", "w"):
+                pass
+            try:
+                rlvllm.update(llm, timeout=300)
+                result["faulty_load"] = "loaded"
+            except Exception as e:  # noqa: BLE001 - the test checks the message
+                result["faulty_load"] = f"{type(e).__name__}: {e}"
+            result["after_faulty_load"] = generate(llm)
+            rlvllm.update(llm, timeout=300)
+            result["after_fault"] = generate(llm)
     else:
         raise SystemExit(f"unknown mode {mode}")
     with open(out, "w") as f:

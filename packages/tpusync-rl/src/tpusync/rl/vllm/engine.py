@@ -307,6 +307,7 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         if self.sampler is None:
             raise RuntimeError("call init_weight_transfer_engine before update_weights")
         want = update_info.version
+        served = self.sampler.sub.weights  # what this worker loaded last (LOAD FAILURE RULE)
         gathered: list[list[tuple]] = []  # the one exchange of this RPC, once it happened
 
         def confirm(version: int) -> str | None:
@@ -345,10 +346,27 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
             assert result is not None and result.ok, result
             if want is not None and result.version != want:
                 log.warning("asked for version %d, version %d arrived", want, result.version)
-            self._load(self.sampler.sub.weights)
-            self.last_version = result.version
-            log.info("vLLM worker now serves version %d (%.3f s)", result.version, result.seconds)
-            return
+            undone = self._load_or_undo(self.sampler.sub.weights, served, result.version)
+            if undone is None:
+                self.last_version = result.version
+                log.info(
+                    "vLLM worker now serves version %d (%.3f s)", result.version, result.seconds
+                )
+                return
+            if self._rank != self._world - 1:
+                return
+            reasons, stuck = undone
+            if stuck is None:
+                raise UpdateRejectedError(
+                    f"version {result.version} verified but vLLM's reload failed ({reasons}): "
+                    f"every worker of this engine loaded version {self.last_version} again and "
+                    "serves it"
+                )
+            raise UpdateRejectedError(
+                f"version {result.version} verified but vLLM's reload failed ({reasons}), and "
+                f"version {self.last_version} could not be loaded again ({stuck}): restart this "
+                "engine"
+            )
         if self._rank != self._world - 1:
             return
         why = "; ".join(f"worker {r}: {msg}" for r, (_kind, msg) in failed)
@@ -360,6 +378,58 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         raise UpdateRejectedError(
             f"update not loaded on this engine: {why}; still serving version {self.last_version}"
         )
+
+    def _load_or_undo(
+        self, weights: dict[str, torch.Tensor], served: dict[str, torch.Tensor], version: int
+    ) -> tuple[str, str | None] | None:
+        """Load ``weights`` (version ``version``, verified and committed on every worker); None
+        when every worker of the engine loaded it, else ``(why not, why the served version could
+        not be loaded again or None)``, the same on every worker.
+
+        LOAD FAILURE RULE: a reload that raises half way (a loader ``init`` could not check)
+        leaves vLLM's model part new, part old, part on the ``meta`` device, and the engine
+        would die at its next step. So the workers exchange their load outcomes, and if any
+        failed, every worker ends its reload and loads again what it served before
+        (``served``, the previous version's tensors, kept intact by the subscriber until the
+        next update stages; the engine's own checkpoint weights before the first tpusync
+        version are not held, and then the engine must be restarted). The trainer has already
+        counted this version committed (the load follows the commit).
+        """
+        try:
+            self._load(weights)
+            why = None
+        except Exception as e:  # noqa: BLE001 - every worker is told, the last one raises
+            log.error("vLLM worker %d: loading version %d failed: %s", self._rank, version, e)
+            why = ("load", f"{type(e).__name__}: {e}")
+        failed = _failures(_engine_outcomes((self._rank, version, why)))
+        if not failed:
+            return None
+        reasons = "; ".join(f"worker {r}: {msg}" for r, (_kind, msg) in failed)
+        back = None
+        if why is not None:
+            back = self._end_failed_reload()
+        if back is None and self.last_version < 1:
+            back = "it served its checkpoint's weights, which tpusync does not hold"
+        if back is None:
+            try:
+                self._load(served)
+            except Exception as e:  # noqa: BLE001 - reported below
+                back = f"{type(e).__name__}: {e}"
+        undone = _failures(_engine_outcomes((self._rank, version, back and ("undo", back))))
+        if not undone:
+            return reasons, None
+        return reasons, "; ".join(f"worker {r}: {msg}" for r, (_kind, msg) in undone)
+
+    def _end_failed_reload(self) -> str | None:
+        """End vLLM's layerwise reload after ``load_weights`` raised, so no layer stays on the
+        ``meta`` device; None when that worked, else why not."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        except Exception as e:  # noqa: BLE001 - reported by the caller
+            return f"ending the failed reload: {type(e).__name__}: {e}"
+        return None
 
     def _load(self, weights: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.model_loader.reload import (
