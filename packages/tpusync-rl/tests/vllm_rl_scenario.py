@@ -122,6 +122,16 @@ def _break_next_load(worker) -> int:
     return 0
 
 
+def _attempt(call, ok: str) -> str:
+    """``ok`` when ``call()`` returns, else the error it raised as ``"Type: message"`` (the test
+    checks the message)."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test checks the message
+        return f"{type(e).__name__}: {e}"
+    return ok
+
+
 def main() -> None:
     mode, model, out, par = sys.argv[1:5]
     if par != "1":
@@ -147,31 +157,24 @@ def main() -> None:
         if par.startswith("pp"):
             # A refused set-up (ENGINE OUTCOME CONTRACT, set-up: one error reaches the caller,
             # the engine stays usable for the next init).
-            try:
-                rlvllm.init(llm, dtype="float7", **options)
-                result["refused_init"] = "accepted"
-            except Exception as e:  # noqa: BLE001 - the test checks the message
-                result["refused_init"] = f"{type(e).__name__}: {e}"
+            result["refused_init"] = _attempt(
+                lambda: rlvllm.init(llm, dtype="float7", **options), "accepted"
+            )
         # COVERAGE RULE: a trainer that leaves out the final norm is refused (the engine would
         # serve the old norm with the new layers), and the engine takes the right init after.
         params = options["params"]
         norm = [n for n in params if n.endswith("norm.weight") and ".layers." not in n]
-        try:
-            rlvllm.init(
-                llm, **{**options, "params": {n: params[n] for n in params if n not in norm}}
-            )
-            result["uncovered_init"] = "accepted"
-        except Exception as e:  # noqa: BLE001 - the test checks the message
-            result["uncovered_init"] = f"{type(e).__name__}: {e}"
+        uncovered = {n: params[n] for n in params if n not in norm}
+        result["uncovered_init"] = _attempt(
+            lambda: rlvllm.init(llm, **{**options, "params": uncovered}), "accepted"
+        )
         # SHAPE RULE: a trainer of another model config (the final norm one element longer) is
         # refused too, before anything moves (vLLM's reload would die half way through it).
         (shape, dtype) = params[norm[0]]
         misshapen = {**params, norm[0]: [[shape[0] + 1], dtype]}
-        try:
-            rlvllm.init(llm, **{**options, "params": misshapen})
-            result["misshapen_init"] = "accepted"
-        except Exception as e:  # noqa: BLE001 - the test checks the message
-            result["misshapen_init"] = f"{type(e).__name__}: {e}"
+        result["misshapen_init"] = _attempt(
+            lambda: rlvllm.init(llm, **{**options, "params": misshapen}), "accepted"
+        )
         rlvllm.init(llm, **options)
         t0 = time.monotonic()
         rlvllm.update(llm, timeout=300, version=1)
@@ -183,11 +186,7 @@ def main() -> None:
             llm.reset_prefix_cache()
             result["after_from_connector"] = generate(llm)
             result["connector_totals"] = llm.collective_rpc(_connector_totals)
-        try:
-            rlvllm.update(llm, timeout=1.0)
-            result["second_update"] = "applied"
-        except Exception as e:  # noqa: BLE001 - the test checks the message
-            result["second_update"] = f"{type(e).__name__}: {e}"
+        result["second_update"] = _attempt(lambda: rlvllm.update(llm, timeout=1.0), "applied")
         result["after_failed_update"] = generate(llm)
         # ENGINE OUTCOME CONTRACT: the failed update left nothing behind in vLLM's RPC queues
         # nor its update session, so the next version loads (the trainer publishes it once it
@@ -211,11 +210,7 @@ def main() -> None:
             llm.collective_rpc(_break_next_load)
             with open(out + ".loadfault", "w"):
                 pass
-            try:
-                rlvllm.update(llm, timeout=300)
-                result["faulty_load"] = "loaded"
-            except Exception as e:  # noqa: BLE001 - the test checks the message
-                result["faulty_load"] = f"{type(e).__name__}: {e}"
+            result["faulty_load"] = _attempt(lambda: rlvllm.update(llm, timeout=300), "loaded")
             result["after_faulty_load"] = generate(llm)
             rlvllm.update(llm, timeout=300)
             result["after_fault"] = generate(llm)
