@@ -296,6 +296,38 @@ def test_recycle_reuses_the_replaced_tensors_as_shadow_buffers():
     assert sub.version == 3 and torch.equal(sub.weights["w"], torch.full((4, 3), 3.0))
 
 
+def test_staged_shows_the_verified_version_before_commit_and_abort_keeps_the_committed():
+    """A vLLM engine loads a version before committing it (LOAD FAILURE RULE): staged() is what
+    commit would make current, the committed weights stay untouched until then, and a version
+    aborted after staged() leaves the committed one served."""
+    subs = make_samplers(dtype=torch.float32)
+    full1, full2 = full_weights(1), full_weights(2)
+    full2["layers.0.b"] = full1["layers.0.b"]
+    pubs, _ = push_committed(1, full1, subs)
+    m2, _, _ = push(2, full2, subs, delta=True, publishers=pubs)
+    assert {t.name for t in m2.tensors} == {"layers.0.w", "embed"}
+    served = [s.weights for s in subs]
+    for s, old in zip(subs, served, strict=True):
+        assert s.verify() == 2
+        staged = s.staged()
+        assert staged.keys() == old.keys() and s.weights is old and s.version == 1
+        # The unchanged bias is the committed tensor itself; the rest are staged copies.
+        assert staged["model.layers.0.b"] is old["model.layers.0.b"]
+        assert staged["model.embed"] is not old["model.embed"]
+    expect_equal(subs, full1, torch.float32)  # nothing committed yet
+    subs[0].abort("its engine failed to load it")
+    assert subs[0].version == 1 and subs[0].weights is served[0]
+    expect_equal(subs[:1], full1, torch.float32)
+    for s in subs[1:]:
+        assert s.commit() == 2
+    expect_equal(subs[1:], full2, torch.float32)
+    with pytest.raises(UpdateRejectedError, match="nothing staged"):
+        subs[1].staged()
+    inplace = make_samplers(dtype=torch.float32, mode="inplace")[0]
+    with pytest.raises(RuntimeError, match="staged\\(\\) needs shadow mode"):
+        inplace.staged()
+
+
 def _fused_push(version, full, subs):
     """Push like the shared-segment reader does: digest-free chunks, each fed through a fresh
     Checksum64Stream that must end up equal to the chunk's own XXH3 (FUSED STAGING CONTRACT)."""

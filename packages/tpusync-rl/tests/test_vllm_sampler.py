@@ -107,8 +107,11 @@ def _update_next_to_fresh(
     parallelism (vllm_rl_scenario.parallelism; default TP=``tp``). After the engine's timed-out
     update the trainer publishes version 2 = ``new``, or with ``damaged`` (other weights) a
     version 2 = ``damaged`` whose first block to worker 1 is damaged in transit, then version
-    3 = ``new``. Returns the update and fresh engines' results, and the damaged version's report."""
+    3 = ``new``. With ``par``'s ``+firstfault`` every version is one later: version 1's load
+    fails (LOAD FAILURE RULE, checked here). Returns the update and fresh engines' results, and the
+    damaged version's report."""
     par = par or str(tp)
+    every = sorted(f"0:{r}" for r in range(tp))
     fresh_out, fresh_log = tmp_path / "fresh.json", tmp_path / "fresh.log"
     fresh = _start(["generate", str(new_dir), str(fresh_out), par], fresh_log)
     # Small blocks: bytes_sent counts whole blocks.
@@ -126,8 +129,19 @@ def _update_next_to_fresh(
         if upd.poll() is not None:
             pytest.fail(f"the engine exited ({upd.returncode}):\n{upd_log.read_text()[-6000:]}")
         trainer.wait_for_samplers(tp, timeout=1)
-        rep = trainer.publish(1, new)
-        assert rep.ok and sorted(rep.committed) == [f"0:{r}" for r in range(tp)], rep.failed
+        first = 1
+        if scenario.FIRSTFAULT in scenario.flags(par):
+            # Worker 0's reload of version 1 fails half way: the engine loads its checkpoint
+            # again, and no worker counts the version committed (the load precedes the commit).
+            rep = trainer.publish(1, new)
+            assert rep.committed == [] and sorted(rep.failed) == every, rep.failed
+            for why in rep.failed.values():
+                assert "version 1 verified but vLLM's reload failed (worker 0: " in why, why
+                assert "loaded its checkpoint again" in why, why
+            trainer.wait_for_samplers(tp, timeout=300)
+            first = 2
+        rep = trainer.publish(first, new)
+        assert rep.ok and sorted(rep.committed) == every, rep.failed
         check(trainer, rep)
         # The engine's update that times out, then version 2 (the same weights) once it waits.
         waiting = Path(str(upd_out) + ".waiting")
@@ -135,7 +149,7 @@ def _update_next_to_fresh(
             if waiting.exists() or upd.poll() is not None:
                 break
             time.sleep(1)
-        last = 2
+        last = first + 1
         if waiting.exists() and damaged is not None:
             rep2 = trainer.publish(2, damaged)
             last = 3
@@ -143,15 +157,18 @@ def _update_next_to_fresh(
             trainer.wait_for_samplers(tp, timeout=300)
         if waiting.exists():
             rep = trainer.publish(last, new)
-            assert rep.ok and sorted(rep.committed) == [f"0:{r}" for r in range(tp)], rep.failed
+            assert rep.ok and sorted(rep.committed) == every, rep.failed
         fault = Path(str(upd_out) + ".loadfault")
-        if par.endswith(scenario.LOADFAULT):
+        if scenario.LOADFAULT in scenario.flags(par):
             for _ in range(300):
                 if fault.exists() or upd.poll() is not None:
                     break
                 time.sleep(1)
             if fault.exists():  # the version whose load fails half way, then the next one
-                trainer.publish(last + 1, damaged)
+                rep = trainer.publish(last + 1, damaged)
+                # LOAD FAILURE RULE: the trainer counts no worker committed.
+                assert rep.committed == [] and sorted(rep.failed) == every, rep.failed
+                assert all("reload failed" in why for why in rep.failed.values()), rep.failed
                 trainer.wait_for_samplers(tp, timeout=300)
                 rep = trainer.publish(last + 2, damaged)
                 assert rep.ok, rep.failed
@@ -217,14 +234,19 @@ def test_running_vllm_engine_takes_new_weights_like_a_fresh_engine(tmp_path, tp)
     damaged = _original(model_dir) if tp > 1 else None
     # At TP=1 the engine also offloads KV through tpusync-vllm's connector: the update must drop
     # the blocks it stored with the old weights (RESET CONTRACT), or "after" reuses them.
-    par = f"{tp}{scenario.OFFLOAD}" if tp == 1 else f"{tp}{scenario.LOADFAULT}"
+    # At TP=1 the engine's first version also fails to load (it loads its checkpoint again).
+    par = f"{tp}{scenario.OFFLOAD}{scenario.FIRSTFAULT}" if tp == 1 else f"{tp}{scenario.LOADFAULT}"
     result, fresh_result, rep2 = _update_next_to_fresh(
         tmp_path, model_dir, new_dir, new, tp, dst, check, par=par, damaged=damaged
     )
     print(json.dumps(result))
     assert result["after"] == fresh_result["tokens"]  # exactly the new weights' greedy outputs
     assert result["before"] != result["after"]  # and the update changed something
-    if tp == 1:  # the connector ran: it stored the blocks of both runs and loaded the second's
+    if tp == 1:
+        # LOAD FAILURE RULE before any tpusync version: the checkpoint is served again.
+        assert "version 1 verified but vLLM's reload failed" in result["first_faulty_load"]
+        assert result["after_first_faulty_load"] == result["before"]
+        # The connector ran: it stored the blocks of both runs and loaded the second's.
         assert result["after_from_connector"] == fresh_result["tokens"]
         (totals,) = result["connector_totals"]
         assert totals["saved_blocks"] >= 2 * 3, totals  # 3 prompts of 1 full block, twice

@@ -36,6 +36,14 @@ OFFLOAD = "+offload"  # a ``par`` suffix: the updated engine runs the KV connect
 # A ``par`` suffix: after its last version the updated engine has worker 0's next reload fail
 # half way (fault injected), then takes one more version (LOAD FAILURE RULE).
 LOADFAULT = "+loadfault"
+# A ``par`` suffix: the updated engine's first tpusync version fails to load the same way, so
+# the engine loads its checkpoint again; version 1 is then the trainer's version 2.
+FIRSTFAULT = "+firstfault"
+
+
+def flags(par: str) -> set[str]:
+    """The ``+...`` suffixes of ``par``."""
+    return {"+" + f for f in par.split("+")[1:]}
 
 
 def parallelism(arg: str) -> dict:
@@ -44,7 +52,7 @@ def parallelism(arg: str) -> dict:
     ``enforce_eager`` its later stages fail their first step (their intermediate-tensor buffers
     are made by the warm-up that eager mode skips), so a PP engine here is compiled (about a
     minute more to start)."""
-    arg = arg.removesuffix(OFFLOAD).removesuffix(LOADFAULT)
+    arg = arg.split("+")[0]
     if arg.startswith("pp"):
         pp, _, tp = arg[2:].partition("tp")
         return {
@@ -64,7 +72,7 @@ def make_llm(model: str, weight_transfer: bool, par: str):
         if weight_transfer
         else {}
     )
-    if weight_transfer and par.endswith(OFFLOAD):
+    if weight_transfer and OFFLOAD in flags(par):
         # 32-token blocks (the CPU backend's unit): each 40-token prompt stores 1 full block.
         extra["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TpusyncConnector",
@@ -137,7 +145,7 @@ def main() -> None:
     if par != "1":
         # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    if par.endswith((OFFLOAD, LOADFAULT)):  # collective_rpc of a test function: vLLM's pickle
+    if flags(par):  # collective_rpc of a test function: vLLM's pickle
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     result: dict = {}
     if mode == "generate":
@@ -176,11 +184,17 @@ def main() -> None:
             lambda: rlvllm.init(llm, **{**options, "params": misshapen}), "accepted"
         )
         rlvllm.init(llm, **options)
+        if FIRSTFAULT in flags(par):
+            # LOAD FAILURE RULE before any tpusync version: the engine loads its checkpoint
+            # again (tpusync holds no earlier version) and serves what it served before.
+            llm.collective_rpc(_break_next_load)
+            result["first_faulty_load"] = _attempt(lambda: rlvllm.update(llm, 300), "loaded")
+            result["after_first_faulty_load"] = generate(llm)
         t0 = time.monotonic()
         rlvllm.update(llm, timeout=300, version=1)
         result["update_s"] = time.monotonic() - t0
         result["after"] = generate(llm)
-        if par.endswith(OFFLOAD):
+        if OFFLOAD in flags(par):
             # The connector works on the new weights: with vLLM's own cache dropped, the same
             # prompts load the blocks the run above stored.
             llm.reset_prefix_cache()
@@ -204,7 +218,7 @@ def main() -> None:
             result["late_updates"].append("loaded")
             break
         result["after_second_version"] = generate(llm)
-        if par.endswith(LOADFAULT):
+        if LOADFAULT in flags(par):
             # LOAD FAILURE RULE: worker 0's reload of the next version fails half way; every
             # worker loads the version it served again, and the version after that loads.
             llm.collective_rpc(_break_next_load)

@@ -625,6 +625,23 @@ class WeightSubscriber:
         with self._lock:
             return self._verified().manifest.version
 
+    def staged(self) -> dict[str, torch.Tensor]:
+        """The weights a :meth:`commit` would make current, without committing: the committed
+        tensors with the staged version's in their place (shadow mode, after a :meth:`verify`
+        that returned; a ``staged`` between the two does not change what ``commit`` does). For a
+        caller that must use a version before it commits it - a vLLM engine loads a version into
+        its model and commits it only if that load worked (LOAD FAILURE RULE,
+        :mod:`tpusync.rl.vllm.engine`). The staged tensors stay the subscriber's: they become
+        the committed ones, or spares again when the version is aborted."""
+        if self.mode != "shadow":
+            raise RuntimeError(
+                "staged() needs shadow mode: in-place updates write the live weights"
+            )
+        with self._lock:
+            merged = dict(self._weights)
+            merged.update(self._verified().staging)
+            return merged
+
     def _verified(self) -> _Pending:
         """The staged update, complete and verified (lock held); else drop it and raise."""
         p = self._pending

@@ -13,7 +13,8 @@ post-load processing a fresh load runs, e.g. CPU weight repacking).
 
 ATOMICITY CONTRACT: the model is not touched until a whole version has landed and verified on
 every worker of the engine (ENGINE OUTCOME CONTRACT in engine.py); a rejected or timed-out update
-raises out of ``update_weights`` and the engine keeps serving the old weights. The load itself
+raises out of ``update_weights`` and the engine keeps serving the old weights, as it does when
+vLLM's reload of a verified version fails half way (LOAD FAILURE RULE). The load itself
 runs inside vLLM's ``update_weights`` RPC, between engine steps: with the offline ``LLM`` call
 :func:`update` between ``generate`` calls; with a server, pause generation first (vLLM's
 ``pause_generation``) so no request sees two versions.

@@ -3,9 +3,9 @@
 One engine per vLLM worker process. ``init_transfer_engine`` opens a
 :class:`~tpusync.rl.sampler.SamplerSync` whose :class:`~tpusync.rl.chunks.WeightSubscriber` stages
 the trainer's tensors under their checkpoint names (shadow mode, double-buffered); every
-``update_weights`` pulls one version, and only a verified, committed version is loaded into the
-model (vLLM's layerwise reload: ``load_weights`` followed by the same post-load processing as a
-fresh load). SHARDING CONTRACT: with ``sharded`` (the default) worker ``r`` of an engine is
+``update_weights`` pulls one version, loads it into the model once it verified on every worker
+(vLLM's layerwise reload: ``load_weights`` followed by the same post-load processing as a fresh
+load), and commits it only once every worker loaded it (LOAD FAILURE RULE). SHARDING CONTRACT: with ``sharded`` (the default) worker ``r`` of an engine is
 sampler rank ``r`` and receives only the slice of each checkpoint tensor its ``load_weights``
 keeps, and nothing of the tensors of other pipeline stages (:mod:`tpusync.rl.vllm.tp`, TP SLICE
 CONTRACT and PP STAGE RULE). At ``init`` the workers exchange their parts, so every worker
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,10 +293,11 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         ranks) agree on the outcome before any of them commits or touches its model: each pulls
         and verifies its slices, then they exchange outcomes (a gather over the engine's CPU
         process groups; for a worker that verified, inside its sampler's GROUP COMMIT CONTRACT
-        callback), and the version is committed and loaded on every worker or on none, so the
-        engine never serves two versions at once and the trainer's report counts a worker
-        committed only when its engine loaded the version. When it is not loaded, only the
-        engine's last worker (rank world - 1) raises, with every worker's reason; the others
+        callback), and the version is loaded on every worker or on none. Only a version every
+        worker loaded is committed (the load runs inside the same callback, LOAD FAILURE RULE),
+        so the engine never serves two versions at once and the trainer's report counts a
+        worker committed only when its engine serves the version. When it is not loaded, only
+        the engine's last worker (rank world - 1) raises, with every worker's reason; the others
         return normally. vLLM's multiprocess executor reads the workers' replies in rank order
         and stops at the first error, so an error of any earlier worker would stay queued and be
         read as the reply to the engine's next RPC: every later call failed with that stale
@@ -306,30 +308,39 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         """
         if self.sampler is None:
             raise RuntimeError("call init_weight_transfer_engine before update_weights")
+        sampler = self.sampler
         want = update_info.version
-        served = self.sampler.sub.weights  # what this worker loaded last (LOAD FAILURE RULE)
         gathered: list[list[tuple]] = []  # the one exchange of this RPC, once it happened
+        load_failed: list[UpdateRejectedError] = []  # the verified version did not load
 
         def confirm(version: int) -> str | None:
             gathered.append(_engine_outcomes((self._rank, version, None)))
             failed = _failures(gathered[0])
-            if not failed:
-                return None
-            why = "; ".join(f"worker {r}: {msg}" for r, (_kind, msg) in failed)
-            return f"verified here but not loaded: other workers of this engine failed it: {why}"
+            if failed:
+                why = "; ".join(f"worker {r}: {msg}" for r, (_kind, msg) in failed)
+                return (
+                    f"verified here but not loaded: other workers of this engine failed it: {why}"
+                )
+            # LOAD FAILURE RULE: load before committing; served = what this worker loaded last.
+            try:
+                self._load_or_undo(sampler.sub.staged(), sampler.sub.weights, version)
+            except UpdateRejectedError as e:  # the trainer is told why; the last worker raises
+                load_failed.append(e)
+                return str(e)
+            return None
 
         result = None
-        if want is not None and self.sampler.version >= want:
+        if want is not None and sampler.version >= want:
             failure = (
                 "rejected",
-                f"version {want} requested but this worker already took {self.sampler.version}",
+                f"version {want} requested but this worker already took {sampler.version}",
             )
         else:
-            result = self.sampler.update(timeout=update_info.timeout, confirm=confirm)
+            result = sampler.update(timeout=update_info.timeout, confirm=confirm)
             if result is None:
                 failure = (
                     "timeout",
-                    f"no version newer than {self.sampler.version} was announced within "
+                    f"no version newer than {sampler.version} was announced within "
                     f"{update_info.timeout} s",
                 )
             elif not result.ok:
@@ -342,33 +353,17 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         if not gathered:  # this worker failed before its version verified
             gathered.append(_engine_outcomes((self._rank, None, failure)))
         failed = _failures(gathered[0])
-        if not failed:
+        if not failed and not load_failed:
             assert result is not None and result.ok, result
             if want is not None and result.version != want:
                 log.warning("asked for version %d, version %d arrived", want, result.version)
-            undone = self._load_or_undo(self.sampler.sub.weights, served, result.version)
-            if undone is None:
-                self.last_version = result.version
-                log.info(
-                    "vLLM worker now serves version %d (%.3f s)", result.version, result.seconds
-                )
-                return
-            if self._rank != self._world - 1:
-                return
-            reasons, stuck = undone
-            if stuck is None:
-                raise UpdateRejectedError(
-                    f"version {result.version} verified but vLLM's reload failed ({reasons}): "
-                    f"every worker of this engine loaded version {self.last_version} again and "
-                    "serves it"
-                )
-            raise UpdateRejectedError(
-                f"version {result.version} verified but vLLM's reload failed ({reasons}), and "
-                f"version {self.last_version} could not be loaded again ({stuck}): restart this "
-                "engine"
-            )
+            self.last_version = result.version
+            log.info("vLLM worker now serves version %d (%.3f s)", result.version, result.seconds)
+            return
         if self._rank != self._world - 1:
             return
+        if load_failed:
+            raise load_failed[0]
         why = "; ".join(f"worker {r}: {msg}" for r, (_kind, msg) in failed)
         if all(kind == "timeout" for _r, (kind, _m) in failed):
             raise TimeoutError(
@@ -381,44 +376,71 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
 
     def _load_or_undo(
         self, weights: dict[str, torch.Tensor], served: dict[str, torch.Tensor], version: int
-    ) -> tuple[str, str | None] | None:
-        """Load ``weights`` (version ``version``, verified and committed on every worker); None
-        when every worker of the engine loaded it, else ``(why not, why the served version could
-        not be loaded again or None)``, the same on every worker.
+    ) -> None:
+        """Load ``weights`` (version ``version``, verified on every worker, not committed yet),
+        or raise UpdateRejectedError on every worker of the engine when any of them failed to
+        (the same message on each: the version is then rejected, and the trainer's report says
+        why).
 
         LOAD FAILURE RULE: a reload that raises half way (a loader ``init`` could not check)
         leaves vLLM's model part new, part old, part on the ``meta`` device, and the engine
         would die at its next step. So the workers exchange their load outcomes, and if any
-        failed, every worker ends its reload and loads again what it served before
-        (``served``, the previous version's tensors, kept intact by the subscriber until the
-        next update stages; the engine's own checkpoint weights before the first tpusync
-        version are not held, and then the engine must be restarted). The trainer has already
-        counted this version committed (the load follows the commit).
+        failed, every worker ends its reload and loads again what it served before: ``served``,
+        the committed version's tensors (the subscriber stages every version elsewhere), or
+        before the sampler's first version the engine's checkpoint, read again by vLLM's model
+        loader. Only if that fails too is the engine left to be restarted.
         """
         try:
-            self._load(weights)
+            self._load((n, self._full(n, t)) for n, t in weights.items())
             why = None
         except Exception as e:  # noqa: BLE001 - every worker is told, the last one raises
             log.error("vLLM worker %d: loading version %d failed: %s", self._rank, version, e)
             why = ("load", f"{type(e).__name__}: {e}")
         failed = _failures(_engine_outcomes((self._rank, version, why)))
         if not failed:
-            return None
+            return
         reasons = "; ".join(f"worker {r}: {msg}" for r, (_kind, msg) in failed)
         back = None
         if why is not None:
             back = self._end_failed_reload()
-        if back is None and self.last_version < 1:
-            back = "it served its checkpoint's weights, which tpusync does not hold"
         if back is None:
             try:
-                self._load(served)
+                if self.sampler is not None and self.sampler.version > 0:
+                    self._load((n, self._full(n, t)) for n, t in served.items())
+                else:
+                    self._load(self._checkpoint())
             except Exception as e:  # noqa: BLE001 - reported below
                 back = f"{type(e).__name__}: {e}"
         undone = _failures(_engine_outcomes((self._rank, version, back and ("undo", back))))
+        was = f"version {self.last_version}" if self.last_version > 0 else "its checkpoint"
         if not undone:
-            return reasons, None
-        return reasons, "; ".join(f"worker {r}: {msg}" for r, (_kind, msg) in undone)
+            raise UpdateRejectedError(
+                f"version {version} verified but vLLM's reload failed ({reasons}): every "
+                f"worker of this engine loaded {was} again and serves it"
+            )
+        stuck = "; ".join(f"worker {r}: {msg}" for r, (_kind, msg) in undone)
+        raise UpdateRejectedError(
+            f"version {version} verified but vLLM's reload failed ({reasons}), and {was} could "
+            f"not be loaded again ({stuck}): restart this engine"
+        )
+
+    def _checkpoint(self) -> Any:
+        """The engine's checkpoint tensors, ``(name, tensor)`` as vLLM's model loader reads them
+        from the model's files (what the engine served before its first tpusync version)."""
+        from vllm.model_executor.model_loader import get_model_loader
+
+        if self.last_version > 0:
+            raise RuntimeError(
+                f"this engine serves version {self.last_version}, which its sampler (set up "
+                "again since) does not hold"
+            )
+        loader = get_model_loader(self.vllm_config.load_config)
+        if not hasattr(loader, "get_all_weights"):
+            raise RuntimeError(
+                f"vLLM's {self.vllm_config.load_config.load_format!r} loader cannot read the "
+                "checkpoint again"
+            )
+        return loader.get_all_weights(self.model_config, self.model)
 
     def _end_failed_reload(self) -> str | None:
         """End vLLM's layerwise reload after ``load_weights`` raised, so no layer stays on the
@@ -431,14 +453,16 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
             return f"ending the failed reload: {type(e).__name__}: {e}"
         return None
 
-    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's layerwise reload of ``weights``, checkpoint names and shapes: tpusync's parts
+        placed by :meth:`_full`, or the checkpoint's own tensors (:meth:`_checkpoint`)."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
         initialize_layerwise_reload(self.model)
-        self.model.load_weights(((n, self._full(n, t)) for n, t in weights.items()))
+        self.model.load_weights(weights)
         finalize_layerwise_reload(self.model, self.model_config)
         _refresh_tied(self.model)
 
