@@ -2,20 +2,30 @@
 
 Server A serves the tiny model with ``--custom-weight-loader tpusync.sglang.weight_loader.load``;
 server B serves a second model directory: the same model with perturbed weights (the "trained"
-version). This process is the trainer (``TrainerSync``, samplers report their layouts). After
-``init_server`` and a published version 1 = B's weights, A's greedy outputs equal B's (and differ
-from A's own before, so the comparison can fail). Then the faults: an update with nothing
-published times out and A keeps serving; asking for a version A already has is refused; a
-version damaged in transit (one flipped byte after the trainer took its checksum) is rejected and
-A keeps serving version 1; the next good version (the original weights) loads and A's outputs
-are its first ones again. The server's weight version follows every loaded version. At TP=2 the
-ranks pull only their slices of each tensor (SLICE CONTRACT of the loader), or with
-``sharded=False`` whole tensors each; the trainer's byte count tells which happened, and every
-sliced server's dry run must tell every tensor's part (``ServerSetup.whole`` empty) on the tiny
-Llama, Qwen2, Qwen3 and Qwen3 MoE. Version 3 is posted while a streamed generation is in flight:
-it must end with the tokens version 1 gave it alone (SERVER UPDATE CONTRACT). The TP=1 server guards its weight-update endpoints with
-``--admin-api-key``: without the key ``init_server`` fails with SGLang's 401 and says which key to
-pass; every call after that passes it (KEYS RULE of ``weight_sync``).
+version). This process is the trainer (``TrainerSync``, samplers report their layouts).
+
+1. Version 1 = B's weights, whose load fails half way (a fault injected in rank 0's
+   ``load_weights``, ``support/weight_faults.py``): the server reads its checkpoint again, its
+   outputs are its own from before, and the trainer counts no rank committed (LOAD FAILURE
+   RULE of the loader).
+2. Version 2 = B's weights: A's greedy outputs equal B's (and differ from A's own before, so the
+   comparison can fail).
+3. Faults: an update with nothing published times out and A keeps serving; asking for a version
+   A already has is refused; version 3, damaged in transit (one flipped byte after the trainer
+   took its checksum), is rejected and A keeps serving version 2.
+4. Version 4 (the original weights), posted while a streamed generation is in flight: the
+   generation ends with the tokens version 2 gave it alone (SERVER UPDATE CONTRACT), and A's
+   outputs are its first ones again.
+5. Llama servers: version 5's load fails the same way and every rank loads version 4 again;
+   version 6 then loads.
+
+The server's weight version follows every loaded version. At TP=2 the ranks pull only their
+slices of each tensor (SLICE CONTRACT of the loader), or with ``sharded=False`` whole tensors
+each; the trainer's byte count tells which happened, and every sliced server's dry run must tell
+every tensor's part (``ServerSetup.whole`` empty) on the tiny Llama, Qwen2, Qwen3 and Qwen3 MoE.
+The TP=1 server guards its weight-update endpoints with ``--admin-api-key``: without the key
+``init_server`` fails with SGLang's 401 and says which key to pass; every call after that passes
+it (KEYS RULE of ``weight_sync``).
 
 CPU only through the TEST-ONLY server shim (``support/live_server.py``, LIVE SERVER CONTRACT).
 """
@@ -34,6 +44,7 @@ from pathlib import Path
 import pytest
 import tiny_model
 import torch
+import weight_faults
 from live_server import http, launch, model_modules_except
 
 from tpusync.rl import TrainerSync
@@ -47,14 +58,15 @@ PROMPTS = [[ord(c) for c in "the cache page block host"], [ord(c) for c in "tpus
 
 
 class DamagingTrainer(TrainerSync):
-    """Fault injection: flips one byte of the first block of version 2 that goes to the last
-    sampler rank, after its checksum was taken (the other ranks get it intact)."""
+    """Fault injection: flips one byte of the first block of version ``damaged`` that goes to
+    the last sampler rank, after its checksum was taken (the other ranks get it intact)."""
 
     last_rank = 0
+    damaged = 3
 
     def _fill(self, block, plan, index, version, *a):
         checksum = super()._fill(block, plan, index, version, *a)
-        if version == 2 and index == 0 and plan.dst == self.last_rank:
+        if version == self.damaged and index == 0 and plan.dst == self.last_rank:
             self._ep.pool.view(block)[0] ^= 0xFF
         return checksum
 
@@ -135,7 +147,7 @@ CASES = {  # id: (tensor-parallel size, sharded, architecture)
 @pytest.fixture(scope="module", params=list(CASES.values()), ids=list(CASES))
 def servers(request, tmp_path_factory):
     """(A, B, A's model directory, B's weights, A's tensor-parallel size, whether A's ranks pull
-    only their slices). A at TP=2 runs two scheduler processes, one per core
+    only their slices, A's SGLang keys, the architecture). A at TP=2 runs two scheduler processes, one per core
     (SGLANG_CPU_OMP_THREADS_BIND)."""
     tp, sharded, arch = request.param
     root = Path(os.environ.get("TPUSYNC_REPO_ROOT", Path(__file__).resolve().parents[3]))
@@ -147,7 +159,7 @@ def servers(request, tmp_path_factory):
         env["SGLANG_DISABLED_MODEL_ARCHS"] = model_modules_except("llama", "qwen2", arch)
     new_dir = work / "trained"
     new = _perturbed(model, new_dir)
-    args = ["--custom-weight-loader", weight_sync.LOADER]
+    args = ["--custom-weight-loader", weight_sync.LOADER, weight_faults.BREAK_NEXT_LOAD]
     # KEYS RULE: the TP=1 server guards its weight-update endpoints with an admin key.
     keys = {"admin_api_key": ADMIN_KEY} if tp == 1 else {}
     args += ["--admin-api-key", ADMIN_KEY] if keys else []
@@ -159,7 +171,7 @@ def servers(request, tmp_path_factory):
     try:
         a.wait_ready()
         b.wait_ready()
-        yield a, b, model, new, tp, sharded, keys
+        yield a, b, model, new, tp, sharded, keys, arch
     finally:
         a.stop()
         b.stop()
@@ -210,18 +222,38 @@ def _weight_version(server) -> str:
     return json.loads(body)["weight_version"]
 
 
-def _publish_and_update(trainer, version, tensors, url, tp, keys, timeout=120.0):
+def _publish_and_update(trainer, version, tensors, url, tp, keys, timeout=120.0, fails=None):
     """The server's update (its samplers join the trainer with their first poll), then the
-    trainer's publish of ``version``: (the version the server serves, the trainer's report)."""
+    trainer's publish of ``version``: (the version the server serves, the trainer's report);
+    with ``fails`` = (error class, pattern) the update must raise that: (it, the report)."""
     with ThreadPoolExecutor(1) as pool:
         update = pool.submit(weight_sync.update_server, url, timeout=timeout, **keys)
         trainer.wait_for_samplers(tp, timeout=60)
         report = trainer.publish(version, tensors)
-        return update.result(timeout=timeout + 180), report
+        if fails is None:
+            return update.result(timeout=timeout + 180), report
+        with pytest.raises(fails[0], match=fails[1]) as raised:
+            update.result(timeout=timeout + 180)
+        return raised.value, report
+
+
+def _load_fails(trainer, version, tensors, a, tp, keys, served):
+    """LOAD FAILURE RULE: rank 0's load of ``version`` raises half way (fault injected); every
+    rank loads ``served`` again ("its checkpoint" or "version N"), the server says so, and the
+    trainer counts no rank committed."""
+    auth = {"Authorization": f"Bearer {keys['admin_api_key']}"} if keys else {}
+    weight_faults.arm(a.base, tp, auth)
+    loaded = f"version {version} verified but load_weights failed \\(rank 0: RuntimeError: injected"
+    error, report = _publish_and_update(
+        trainer, version, tensors, a.base, tp, keys, fails=(UpdateRejectedError, loaded)
+    )
+    assert f"every rank loaded {served} again and serves it" in str(error), error
+    assert report.committed == [] and sorted(report.failed) == [f"0:{r}" for r in range(tp)]
+    assert all("load_weights failed" in why for why in report.failed.values()), report
 
 
 def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(servers, monkeypatch):
-    a, b, model_dir, new, tp, sharded, keys = servers
+    a, b, model_dir, new, tp, sharded, keys, arch = servers
     monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
     before, reference = _outputs(a), _outputs(b)
     assert before != reference  # the perturbed weights change greedy outputs: the check can fail
@@ -231,6 +263,7 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         0, 1, None, secret=SECRET.encode(), control="tcp://127.0.0.1:0", deadline=60.0, **small
     )
     trainer.last_rank = tp - 1
+    first_weight_version = _weight_version(a)
     init = dict(
         control=trainer.control_address,
         replica=0,
@@ -274,8 +307,12 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         assert setup.unwritten == {}, setup  # COVERAGE RULE: SGLang's loaders write every part
         took_slices = setup.sharded
 
-        version, report = _publish_and_update(trainer, 1, new, a.base, tp, keys)
-        assert version == 1 and report.ok, report
+        # LOAD FAILURE RULE before any tpusync version: the server reads its checkpoint again.
+        _load_fails(trainer, 1, new, a, tp, keys, "its checkpoint")
+        assert _outputs(a) == before and _weight_version(a) == first_weight_version
+
+        version, report = _publish_and_update(trainer, 2, new, a.base, tp, keys)
+        assert version == 2 and report.ok, report
         # One sampler rank per scheduler process.
         assert sorted(report.committed) == [f"0:{r}" for r in range(tp)], report
         # SLICE CONTRACT: sliced, a TP=2 server pulls about one copy of the model (the small
@@ -288,22 +325,22 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         else:
             assert tp <= copies < tp + 0.3, (report.bytes_sent, model_bytes)
         assert _outputs(a) == reference
-        assert _weight_version(a) == "1"
+        assert _weight_version(a) == "2"
 
         with pytest.raises(TimeoutError, match="no new version"):
             weight_sync.update_server(a.base, timeout=2, **keys)
-        with pytest.raises(UpdateRejectedError, match="already took 1"):
-            weight_sync.update_server(a.base, timeout=2, version=1, **keys)
+        with pytest.raises(UpdateRejectedError, match="already took 2"):
+            weight_sync.update_server(a.base, timeout=2, version=2, **keys)
         assert _outputs(a) == reference
 
         original = _weights(model_dir)
         with pytest.raises(UpdateRejectedError, match="checksum") as rejected:
-            _publish_and_update(trainer, 2, original, a.base, tp, keys)
-        assert "still serving 1" in str(rejected.value)
+            _publish_and_update(trainer, 3, original, a.base, tp, keys)
+        assert "still serving 2" in str(rejected.value)
         # ENGINE OUTCOME CONTRACT: at TP=2 only rank 1 got the damaged block; rank 0 verified
-        # the version and still did not load it (the outputs below are version 1's).
-        assert f"rank {tp - 1}: version 2 rejected" in str(rejected.value)
-        assert _outputs(a) == reference and _weight_version(a) == "1"
+        # the version and still did not load it (the outputs below are version 2's).
+        assert f"rank {tp - 1}: version 3 rejected" in str(rejected.value)
+        assert _outputs(a) == reference and _weight_version(a) == "2"
 
         # SERVER UPDATE CONTRACT: a request in flight when the update arrives ends on the
         # version it started on (SGLang holds the update until it ended), all of its tokens.
@@ -312,11 +349,19 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         with ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(_long, a, started)
             assert started.wait(60), "the long request sent no tokens"
-            version, report = _publish_and_update(trainer, 3, original, a.base, tp, keys)
+            version, report = _publish_and_update(trainer, 4, original, a.base, tp, keys)
             assert in_flight.result(timeout=120) == long_v1
-        assert version == 3 and report.ok, report
-        assert _outputs(a) == before and _weight_version(a) == "3"
-        assert _long(a) != long_v1  # version 3 writes other tokens: the check above can fail
+        assert version == 4 and report.ok, report
+        assert _outputs(a) == before and _weight_version(a) == "4"
+        assert _long(a) != long_v1  # version 4 writes other tokens: the check above can fail
+
+        if arch == "llama":
+            # LOAD FAILURE RULE after a version: every rank loads version 4 again, then takes 6.
+            _load_fails(trainer, 5, new, a, tp, keys, "version 4")
+            assert _outputs(a) == before and _weight_version(a) == "4"
+            version, report = _publish_and_update(trainer, 6, new, a.base, tp, keys)
+            assert version == 6 and report.ok, report
+            assert _outputs(a) == reference and _weight_version(a) == "6"
     finally:
         try:
             weight_sync.close_server(a.base, **keys)

@@ -28,10 +28,11 @@ ENGINE OUTCOME CONTRACT: the ranks of the server agree before any of them change
 ``init`` opens on every rank or on none (ranks that opened close again), and an ``update`` is
 committed and loaded on every rank or on none (the GROUP COMMIT callback of
 :meth:`SamplerSync.update` gathers every rank's verdict over SGLang's tensor-parallel CPU group),
-so the server never serves two versions at once and keeps the old weights on any failure. A
-failure inside ``load_weights`` itself (after the agreement) leaves the model partly updated:
-reported as such, and the sampler's version has moved on, so the client must replace the
-server (SGLang's own loaders say the same of their failures).
+so the server never serves two versions at once and keeps the old weights on any failure. The
+version is loaded before it is committed, and committed only once every rank loaded it: when
+``load_weights`` itself raises half way on any rank, every rank loads again what it served
+before and the version is rejected (LOAD FAILURE RULE, :func:`_load_or_undo`), so the
+trainer's report never counts a version the server does not serve.
 
 SLICE CONTRACT: with ``sharded`` (the default) each rank receives only the part of each
 checkpoint tensor that the model's ``load_weights`` keeps on it, as a dry run of that same
@@ -241,7 +242,7 @@ def _full(name: str, part: Any) -> Any:
 
 
 def _update(model: Any, req: dict) -> dict[str, Any]:
-    """Pull, agree, load: the outcome (``ok``, ``version``, ``failure``, ``timed_out``)."""
+    """Pull, agree, load, commit: the outcome (``ok``, ``version``, ``failure``, ``timed_out``)."""
     rank, _world, _ = _group()
     t0 = time.monotonic()
     if _W.sampler is None:
@@ -250,11 +251,17 @@ def _update(model: Any, req: dict) -> dict[str, Any]:
     want = req.get("version")
     timeout = float(req.get("timeout", 60.0))
     gathered: list[list] = []
+    load_failed: list[str] = []  # why the verified version was not loaded (LOAD FAILURE RULE)
 
     def confirm(version: int) -> str | None:
         gathered.append(_gather((rank, version, None)))
         failed = _failed(gathered[0])
-        return None if not failed else "verified here, not loaded: " + _say(failed)
+        if failed:
+            return "verified here, not loaded: " + _say(failed)
+        why = _load_or_undo(model, version)
+        if why is not None:
+            load_failed.append(why)
+        return why
 
     result, failure = None, None
     try:
@@ -273,23 +280,88 @@ def _update(model: Any, req: dict) -> dict[str, Any]:
         failure = ("rejected", _why(e))
     if not gathered:  # this rank failed before its version verified
         gathered.append(_gather((rank, None, failure)))
+    if load_failed:
+        return _outcome(gathered[0], None, t0, failure=load_failed[0])
     if _failed(gathered[0]):
         return _outcome(gathered[0], None, t0)
     assert result is not None and result.ok
-    try:
-        # One checkpoint-shaped tensor at a time (a generator): a list would hold the whole
-        # model at checkpoint size on every rank while load_weights runs.
-        model.load_weights((n, _full(n, t)) for n, t in _W.sampler.sub.weights.items())
-    except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT
-        why = (
-            "rejected",
-            f"version {result.version} verified but load_weights failed, the model is partly "
-            f"updated; replace this server: {_why(e)}",
-        )
-        return _outcome([(rank, None, why)], None, t0)
     _W.last_version = result.version
     log.info("SGLang rank %d now serves version %d (%.3f s)", rank, result.version, result.seconds)
     return _outcome(gathered[0], result.version, t0)
+
+
+def _load_or_undo(model: Any, version: int) -> str | None:
+    """Load the staged ``version`` (verified on every rank, not committed yet); None when every
+    rank loaded it, else why not, the same on every rank (the version is then rejected).
+
+    LOAD FAILURE RULE: ``load_weights`` that raises half way (something the SHAPE CHECK RULE's
+    dry run could not see, or a fault) leaves the model part new, part old. So the ranks
+    exchange their load outcomes, and if any failed, every rank loads again what it served
+    before: the committed version's tensors (staging never touches them), or, before this
+    sampler's first version, the server's checkpoint, read again from the safetensors files of
+    its model path (:func:`_checkpoint`). The server then serves the old weights whole and the
+    version is not committed anywhere: the trainer's report counts every rank failed."""
+    rank = _group()[0]
+    sub = _W.sampler.sub
+    try:
+        # One checkpoint-shaped tensor at a time (a generator): a list would hold the whole
+        # model at checkpoint size on every rank while load_weights runs.
+        model.load_weights((n, _full(n, t)) for n, t in sub.staged().items())
+        why = None
+    except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT
+        log.error("SGLang rank %d: loading version %d failed: %s", rank, version, _why(e))
+        why = _why(e)
+    failed = [(r, w) for r, w in _gather((rank, why)) if w is not None]
+    if not failed:
+        return None
+    reasons = "; ".join(f"rank {r}: {w}" for r, w in failed)
+    try:
+        if _W.sampler.version > 0:
+            model.load_weights((n, _full(n, t)) for n, t in sub.weights.items())
+        else:
+            model.load_weights(_checkpoint())
+        back = None
+    except Exception as e:  # noqa: BLE001 - NEVER-RAISE CONTRACT
+        back = _why(e)
+    stuck = [(r, b) for r, b in _gather((rank, back)) if b is not None]
+    was = f"version {_W.last_version}" if _W.last_version > 0 else "its checkpoint"
+    if not stuck:
+        return (
+            f"version {version} verified but load_weights failed ({reasons}): every rank "
+            f"loaded {was} again and serves it"
+        )
+    return (
+        f"version {version} verified but load_weights failed ({reasons}), and {was} could not "
+        f"be loaded again ({'; '.join(f'rank {r}: {b}' for r, b in stuck)}): the model is "
+        "partly updated; replace this server"
+    )
+
+
+def _checkpoint() -> Any:
+    """The server's checkpoint tensors, ``(name, tensor)`` one at a time from the safetensors
+    files of its model path (what it served before this sampler's first version)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from sglang.srt.runtime_context import get_server_args
+
+    if _W.last_version > 0:
+        raise RuntimeError(
+            f"this server serves version {_W.last_version}, which its sampler (set up again "
+            "since) does not hold"
+        )
+    path = Path(get_server_args().model_path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        raise RuntimeError(
+            f"the server's model path {str(path)!r} is no directory of safetensors files: its "
+            "checkpoint cannot be read again"
+        )
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
 
 
 def _failed(outcomes: list[tuple]) -> list[tuple[int, tuple[str, str]]]:
@@ -306,12 +378,16 @@ def _say(failed: list[tuple[int, tuple[str, str]]]) -> str:
     return "; ".join(f"rank {r}: {msg}" for r, (_kind, msg) in failed)
 
 
-def _outcome(outcomes: list[tuple], version: int | None, t0: float) -> dict[str, Any]:
-    failed = _failed(outcomes)
+def _outcome(
+    outcomes: list[tuple], version: int | None, t0: float, failure: str | None = None
+) -> dict[str, Any]:
+    """The outcome of ``outcomes`` (every rank's), or of the server's ``failure`` (every rank
+    failed for that one reason, which names the ranks it concerns)."""
+    failed = _failed(outcomes) if failure is None else [(0, ("rejected", failure))]
     return {
         "ok": not failed,
         "version": version if not failed else None,
-        "failure": _say(failed) or None,
+        "failure": (failure or _say(failed)) or None,
         "timed_out": bool(failed) and all(kind == "timeout" for _r, (kind, _m) in failed),
         "seconds": round(time.monotonic() - t0, 4),
     }
