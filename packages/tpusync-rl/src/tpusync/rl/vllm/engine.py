@@ -5,19 +5,19 @@ One engine per vLLM worker process. ``init_transfer_engine`` opens a
 the trainer's tensors under their checkpoint names (shadow mode, double-buffered); every
 ``update_weights`` pulls one version, loads it into the model once it verified on every worker
 (vLLM's layerwise reload: ``load_weights`` followed by the same post-load processing as a fresh
-load), and commits it only once every worker loaded it (LOAD FAILURE RULE). SHARDING CONTRACT: with ``sharded`` (the default) worker ``r`` of an engine is
-sampler rank ``r`` and receives only the slice of each checkpoint tensor its ``load_weights``
-keeps, and nothing of the tensors of other pipeline stages (:mod:`tpusync.rl.vllm.tp`, TP SLICE
-CONTRACT and PP STAGE RULE). At ``init`` the workers exchange their parts, so every worker
-reports the same engine-wide layouts to a trainer without ``dst_layouts`` (SAMPLER LAYOUTS
-CONTRACT); or, for tensor parallelism alone, the trainer's ``dst_layouts`` are
-:func:`~tpusync.rl.vllm.tp.tp_layouts`. Before the load each slice is placed in a tensor of the
-checkpoint's shape, of which ``load_weights`` reads only that slice. With ``sharded=False`` every
-worker receives whole tensors (``dst_layouts``: ``ShardLayout.replicated(shape, range(world))``).
-Either way ``init`` is refused when a trainer tensor's shape is not the one the worker's loader
-takes (SHAPE RULE, :mod:`tpusync.rl.vllm.shapes`), and when the trainer's tensors would leave
-some of a worker's parameters unwritten, unless ``partial`` (COVERAGE RULE,
-:mod:`tpusync.rl.vllm.coverage`).
+load), and commits it only once every worker loaded it (LOAD FAILURE RULE). SHARDING CONTRACT: with
+``sharded`` (the default) worker ``r`` of an engine is sampler rank ``r`` and receives only the
+slice of each checkpoint tensor its ``load_weights`` keeps, and nothing of the tensors of other
+pipeline stages (:mod:`tpusync.rl.vllm.tp`, TP SLICE CONTRACT and PP STAGE RULE). At ``init`` the
+workers exchange their parts, so every worker reports the same engine-wide layouts to a trainer
+without ``dst_layouts`` (SAMPLER LAYOUTS CONTRACT); or, for tensor parallelism alone, the trainer's
+``dst_layouts`` are :func:`~tpusync.rl.vllm.tp.tp_layouts`. Before the load each slice is placed in
+a tensor of the checkpoint's shape, of which ``load_weights`` reads only that slice. With
+``sharded=False`` every worker receives whole tensors (``dst_layouts``:
+``ShardLayout.replicated(shape, range(world))``). Either way ``init`` is refused when a trainer
+tensor's shape is not the one the worker's loader takes (SHAPE RULE,
+:mod:`tpusync.rl.vllm.shapes`), and when the trainer's tensors would leave some of a worker's
+parameters unwritten, unless ``partial`` (COVERAGE RULE, :mod:`tpusync.rl.vllm.coverage`).
 """
 
 from __future__ import annotations
