@@ -244,7 +244,8 @@ def update_server(
     outcome = _call(url, body, float(timeout) + slack_s, True, reply_host, keys)
     if not outcome.get("ok"):
         why = outcome.get("failure")
-        serving = outcome.get("serving")
+        # The version the server loaded last; 0: none yet, it serves its checkpoint.
+        serving = f"version {outcome['serving']}" if outcome.get("serving") else "its checkpoint"
         if outcome.get("timed_out"):
             raise TimeoutError(f"no new version reached {url}: {why}; still serving {serving}")
         raise UpdateRejectedError(f"update not loaded on {url}: {why}; still serving {serving}")
