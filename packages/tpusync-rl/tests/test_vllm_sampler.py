@@ -151,8 +151,8 @@ def _update_next_to_fresh(
             time.sleep(1)
         last = first + 1
         if waiting.exists() and damaged is not None:
-            rep2 = trainer.publish(2, damaged)
-            last = 3
+            rep2 = trainer.publish(first + 1, damaged)
+            last = first + 2
             # Workers that failed a version are back in the group once they polled again.
             trainer.wait_for_samplers(tp, timeout=300)
         if waiting.exists():
