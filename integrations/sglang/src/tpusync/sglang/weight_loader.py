@@ -381,14 +381,16 @@ def _say(failed: list[tuple[int, tuple[str, str]]]) -> str:
 def _outcome(
     outcomes: list[tuple], version: int | None, t0: float, failure: str | None = None
 ) -> dict[str, Any]:
-    """The outcome of ``outcomes`` (every rank's), or of the server's ``failure`` (every rank
-    failed for that one reason, which names the ranks it concerns)."""
-    failed = _failed(outcomes) if failure is None else [(0, ("rejected", failure))]
+    """The outcome of ``outcomes`` (every rank's), or of the server's ``failure`` (one reason
+    for every rank, naming the ranks it concerns: LOAD FAILURE RULE)."""
+    failed = _failed(outcomes)
+    timed_out = bool(failed) and all(kind == "timeout" for _r, (kind, _m) in failed)
+    failure = failure or _say(failed) or None
     return {
-        "ok": not failed,
-        "version": version if not failed else None,
-        "failure": (failure or _say(failed)) or None,
-        "timed_out": bool(failed) and all(kind == "timeout" for _r, (kind, _m) in failed),
+        "ok": failure is None,
+        "version": version if failure is None else None,
+        "failure": failure,
+        "timed_out": timed_out,
         "seconds": round(time.monotonic() - t0, 4),
     }
 

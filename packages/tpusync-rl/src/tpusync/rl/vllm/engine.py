@@ -321,9 +321,8 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
                 return (
                     f"verified here but not loaded: other workers of this engine failed it: {why}"
                 )
-            # LOAD FAILURE RULE: load before committing; served = what this worker loaded last.
-            try:
-                self._load_or_undo(sampler.sub.staged(), sampler.sub.weights, version)
+            try:  # LOAD FAILURE RULE: load before committing
+                self._load_or_undo(sampler.sub, version)
             except UpdateRejectedError as e:  # the trainer is told why; the last worker raises
                 load_failed.append(e)
                 return str(e)
@@ -374,24 +373,22 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
             f"update not loaded on this engine: {why}; still serving version {self.last_version}"
         )
 
-    def _load_or_undo(
-        self, weights: dict[str, torch.Tensor], served: dict[str, torch.Tensor], version: int
-    ) -> None:
-        """Load ``weights`` (version ``version``, verified on every worker, not committed yet),
-        or raise UpdateRejectedError on every worker of the engine when any of them failed to
+    def _load_or_undo(self, sub: WeightSubscriber, version: int) -> None:
+        """Load ``sub``'s staged version ``version`` (verified on every worker, not committed
+        yet), or raise UpdateRejectedError on every worker of the engine when any of them failed to
         (the same message on each: the version is then rejected, and the trainer's report says
         why).
 
         LOAD FAILURE RULE: a reload that raises half way (a loader ``init`` could not check)
         leaves vLLM's model part new, part old, part on the ``meta`` device, and the engine
         would die at its next step. So the workers exchange their load outcomes, and if any
-        failed, every worker ends its reload and loads again what it served before: ``served``,
-        the committed version's tensors (the subscriber stages every version elsewhere), or
-        before the sampler's first version the engine's checkpoint, read again by vLLM's model
+        failed, every worker ends its reload and loads again what it served before: ``sub``'s
+        committed version (the subscriber stages every version elsewhere), or before the
+        sampler's first version the engine's checkpoint, read again by vLLM's model
         loader. Only if that fails too is the engine left to be restarted.
         """
         try:
-            self._load((n, self._full(n, t)) for n, t in weights.items())
+            self._load((n, self._full(n, t)) for n, t in sub.staged().items())
             why = None
         except Exception as e:  # noqa: BLE001 - every worker is told, the last one raises
             log.error("vLLM worker %d: loading version %d failed: %s", self._rank, version, e)
@@ -405,8 +402,8 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
             back = self._end_failed_reload()
         if back is None:
             try:
-                if self.sampler is not None and self.sampler.version > 0:
-                    self._load((n, self._full(n, t)) for n, t in served.items())
+                if sub.version > 0:
+                    self._load((n, self._full(n, t)) for n, t in sub.weights.items())
                 else:
                     self._load(self._checkpoint())
             except Exception as e:  # noqa: BLE001 - reported below
