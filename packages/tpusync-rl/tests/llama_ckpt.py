@@ -11,6 +11,8 @@ from pathlib import Path
 
 # The toy model of the TP slice tests: 4 query heads, 2 key/value heads of 8, a 100-word vocabulary.
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB = 4, 2, 8, 32, 48, 100
+# Its mixture-of-experts kin: 4 experts of INTER rows in each of two layers.
+EXPERTS = 4
 
 
 def write_safetensors(path: Path, tensors: dict) -> None:
@@ -40,11 +42,29 @@ def llama_shapes() -> dict[str, list[int]]:
     }
 
 
-def llama_dir(root: Path) -> Path:
+def moe_shapes() -> dict[str, list[int]]:
+    """Two mixture-of-experts layers: layer 0 with Qwen3 MoE's names (``mlp.gate`` routes,
+    ``mlp.experts.<i>.{gate,up,down}_proj``), layer 1 with Mixtral's (``block_sparse_moe.gate``,
+    ``block_sparse_moe.experts.<i>.{w1,w3,w2}``)."""
+    qwen, mixtral = "model.layers.0.mlp.", "model.layers.1.block_sparse_moe."
+    out = {qwen + "gate.weight": [EXPERTS, HIDDEN], mixtral + "gate.weight": [EXPERTS, HIDDEN]}
+    for e in range(EXPERTS):
+        for prefix, (gate, up, down) in (
+            (qwen, ("gate_proj", "up_proj", "down_proj")),
+            (mixtral, ("w1", "w3", "w2")),
+        ):
+            out[f"{prefix}experts.{e}.{gate}.weight"] = [INTER, HIDDEN]
+            out[f"{prefix}experts.{e}.{up}.weight"] = [INTER, HIDDEN]
+            out[f"{prefix}experts.{e}.{down}.weight"] = [HIDDEN, INTER]
+    return out
+
+
+def llama_dir(root: Path, shapes: dict[str, list[int]] | None = None) -> Path:
+    """The checkpoint of ``shapes`` (default :func:`llama_shapes`) in ``root``."""
     config = {"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB}
     (root / "config.json").write_text(json.dumps(config))
+    shapes = llama_shapes() if shapes is None else shapes
     write_safetensors(
-        root / "model.safetensors",
-        {n: ("F32", s, 4 * math.prod(s)) for n, s in llama_shapes().items()},
+        root / "model.safetensors", {n: ("F32", s, 4 * math.prod(s)) for n, s in shapes.items()}
     )
     return root

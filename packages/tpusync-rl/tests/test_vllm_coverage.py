@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import llama_ckpt as C  # noqa: E402
-from test_vllm_tp import _toy  # noqa: E402
+from test_vllm_tp import _toy, _toy_moe  # noqa: E402
 
 from tpusync.rl.vllm.coverage import unwritten_params  # noqa: E402
 
@@ -60,3 +60,24 @@ def test_a_tensor_the_mapping_cannot_place_gives_no_verdict():
     params = _params()
     params["model.layers.0.self_attn.rotary.weight"] = [[4], "float32"]
     assert unwritten_params(_toy(1, 0), params) is None
+
+
+@pytest.mark.parametrize("tp, rank", [(1, 0), (2, 1)])
+def test_an_expert_left_out_is_named_and_its_layer_torn(tp, rank):
+    """The routed experts stack every expert's projections into two parameters: one expert's
+    tensor left out leaves its shard of one of them unwritten (Qwen3 MoE and Mixtral names)."""
+    model = _toy_moe(tp, rank)
+    params = {n: [s, "float32"] for n, s in C.moe_shapes().items()}
+    assert unwritten_params(model, params) == ({}, ())
+    less = dict(params)
+    less.pop("model.layers.0.mlp.experts.2.up_proj.weight")
+    less.pop("model.layers.1.block_sparse_moe.experts.3.w2.weight")
+    want = {
+        "model.layers.0.mlp.experts.routed_experts.w13_weight": (
+            "no trainer tensor for its shard(s) experts.2.up_proj"
+        ),
+        "model.layers.1.block_sparse_moe.experts.routed_experts.w2_weight": (
+            "no trainer tensor for its shard(s) experts.3.w2"
+        ),
+    }
+    assert unwritten_params(model, less) == (want, tuple(want))

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from llama_ckpt import llama_dir, write_safetensors
+from llama_ckpt import llama_dir, moe_shapes, write_safetensors
 
 from tpusync.rl import vllm as rlvllm
 
@@ -66,6 +66,28 @@ def test_tp_layouts_give_each_worker_the_slice_its_vllm_loader_keeps(tmp_path):
         0: ((0,), (32,)),
         1: ((0,), (32,)),
     }
+
+
+def test_tp_layouts_cut_every_expert_like_a_dense_mlp_and_keep_the_router_whole(tmp_path):
+    """MOE SLICE RULE, plan side: under Qwen3 MoE's names and Mixtral's alike, each expert's gate
+    and up projections are cut by rows and its down projection by columns; the router is whole."""
+    plan = rlvllm.tp_layouts(llama_dir(tmp_path, moe_shapes()), 2)
+    rows = {0: ((0, 0), (24, 32)), 1: ((24, 0), (48, 32))}
+    columns = {0: ((0, 0), (32, 24)), 1: ((0, 24), (32, 48))}
+    for e in range(4):
+        q, m = f"model.layers.0.mlp.experts.{e}.", f"model.layers.1.block_sparse_moe.experts.{e}."
+        for name in (
+            q + "gate_proj.weight",
+            q + "up_proj.weight",
+            m + "w1.weight",
+            m + "w3.weight",
+        ):
+            assert _boxes(plan[name]) == rows, name
+        for name in (q + "down_proj.weight", m + "w2.weight"):
+            assert _boxes(plan[name]) == columns, name
+    whole = {0: ((0, 0), (4, 32)), 1: ((0, 0), (4, 32))}
+    assert _boxes(plan["model.layers.0.mlp.gate.weight"]) == whole
+    assert _boxes(plan["model.layers.1.block_sparse_moe.gate.weight"]) == whole
 
 
 def test_tp_layouts_replicate_kv_heads_when_tp_exceeds_them_and_refuse_uneven_splits(tmp_path):

@@ -12,7 +12,7 @@ pytest.importorskip("vllm")
 
 import llama_ckpt as C  # noqa: E402
 import torch  # noqa: E402
-from test_vllm_tp import _load, _toy  # noqa: E402
+from test_vllm_tp import _load, _toy, _toy_moe  # noqa: E402
 
 from tpusync.rl.vllm.shapes import shape_mismatches  # noqa: E402
 
@@ -67,3 +67,29 @@ def test_a_trainer_of_another_vocabulary_is_named_for_both_vocabulary_tensors():
 def test_a_name_the_mapping_cannot_place_is_not_checked_here():
     params = _params(**{"model.layers.0.self_attn.rotary.weight": [4]})
     assert shape_mismatches(_toy(1, 0), params) == {}
+
+
+@pytest.mark.parametrize("tp, rank", RANKS)
+def test_an_expert_one_row_or_column_off_is_named(tp, rank):
+    """Qwen3 MoE and Mixtral names: the checkpoint's shapes fit; an expert one row or column off
+    is named, also where the routed experts' loader would take it without a word."""
+    model = _toy_moe(tp, rank)
+    params = {n: [s, "float32"] for n, s in C.moe_shapes().items()}
+    assert shape_mismatches(model, params) == {}
+    silent = []
+    for name, shape in C.moe_shapes().items():
+        _load(model, name, torch.randn(shape))
+        for dim in range(len(shape)):
+            off = list(shape)
+            off[dim] += 1
+            wrong = shape_mismatches(model, {**params, name: [off, "float32"]})
+            assert wrong == {name: f"the trainer's is {off}, this engine loads {shape}"}, name
+            try:
+                _load(model, name, torch.randn(off))
+                silent.append((name, dim))
+            except (AssertionError, RuntimeError):
+                pass
+    # Split across ranks, the loader takes rows // tp of a gate projection from each rank's
+    # offset: one extra row goes unnoticed.
+    gate = ("model.layers.0.mlp.experts.0.gate_proj.weight", 0)
+    assert (gate in silent) == (tp > 1), silent

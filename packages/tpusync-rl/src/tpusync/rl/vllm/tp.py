@@ -4,21 +4,39 @@ A vLLM engine with tensor parallelism ``tp`` loads every checkpoint (Hugging Fac
 worker and its ``load_weights`` keeps one slice: rows of a column-parallel weight (q/k/v, gate/up,
 with grouped-query k/v heads replicated when ``tp`` exceeds their count), columns of a
 row-parallel weight (o_proj, down_proj), a vocabulary range of the embedding and the LM head
-(padded to 64 rows, then split), the whole of everything else. Sending each worker only that
-slice cuts a TP=N engine's pull from N copies of the model to one.
+(padded to 64 rows, then split), rows of every expert's gate and up projections and columns of
+its down projection in a mixture-of-experts layer (MOE SLICE RULE), the whole of everything
+else. Sending each worker only that slice cuts a TP=N engine's pull from N copies of the model
+to one.
 
 TP SLICE CONTRACT: two functions name the same slices from two sides.
 
 - :func:`tp_layouts` (trainer side, no vLLM import; not needed when the trainer takes the
   workers' report, ``TrainerSync(dst_layouts=None)``) plans them from the model directory's
-  ``config.json`` with the Llama-family rules above (Llama, Mistral, Qwen2: the checkpoint names
-  ``*.{q,k,v,o,gate,up,down}_proj.*``, ``*embed_tokens.weight``, ``lm_head.weight``): the
-  ``dst_layouts`` a :class:`~tpusync.rl.trainer.TrainerSync` publishes with.
+  ``config.json`` with the Llama-family rules above (Llama, Mistral, Qwen2, Qwen3, and the
+  mixture-of-experts Qwen3 MoE and Mixtral: the checkpoint names
+  ``*.{q,k,v,o,gate,up,down}_proj.*``, ``*.experts.<i>.{w1,w2,w3}.weight``,
+  ``*embed_tokens.weight``, ``lm_head.weight``): the ``dst_layouts`` a
+  :class:`~tpusync.rl.trainer.TrainerSync` publishes with. It plans for tensor parallelism
+  only: an engine with expert parallelism loads whole experts, so its workers refuse the plan
+  (take their report instead).
 - :func:`worker_boxes` (in each vLLM worker) reads them from the live model: the module each name
   loads into (through the model's ``hf_to_vllm_mapper``), its class and its own ``tp_rank``, with
   the same arithmetic as that class's weight loader. Anything it does not recognise exactly
   (another layer class, a quantized method, a fused checkpoint tensor) gets the whole tensor,
   which ``load_weights`` cuts as it always does.
+
+MOE SLICE RULE: vLLM's routed experts (``RoutedExperts``, the ``routed_experts`` of a
+mixture-of-experts layer's ``experts`` module) stack every expert's gate and up projections
+(``w1``, ``w3``) into one ``w13_weight`` and the down projections (``w2``) into ``w2_weight``;
+:func:`_target` places one expert's checkpoint tensor by the layer's own expert mapping, as its
+``load_weights`` does, so Qwen-style (``experts.<i>.gate_proj``) and Mixtral-style
+(``experts.<i>.w1``) names read alike. Under tensor parallelism rank ``r`` of ``tp`` keeps
+``n // tp`` rows of a gate or up projection (``n`` its rows) and as many columns of a down
+projection, from ``r * (n // tp)`` on (fewer on the last rank when ``tp`` does not divide
+``n``: ``_load_w13`` / ``_load_w2``). The worker cuts only on the unquantized method, without
+expert parallelism (then each worker loads whole experts of its own) and without padded
+sharding.
 
 PP STAGE RULE (:func:`worker_boxes`): with pipeline parallelism a worker loads only its stage's
 layers, so it takes no part of a tensor whose target parameter lies under one of vLLM's
@@ -35,9 +53,11 @@ So a model the plan does not know is refused, never loaded wrong; publish it wit
 from __future__ import annotations
 
 import json
+import re
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tpusync.rl.layout import Box, ShardLayout
 
@@ -45,6 +65,8 @@ _VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 _COLUMN = (".q_proj.", ".gate_proj.", ".up_proj.")
 _KV = (".k_proj.", ".v_proj.")
 _ROW = (".o_proj.weight", ".down_proj.weight")
+# Mixtral's expert names: w1 (gate) and w3 (up) are cut like gate_proj, w2 (down) like down_proj.
+_EXPERT = re.compile(r"\.experts\.\d+\.(w1|w2|w3)\.weight$")
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
 
 
@@ -73,6 +95,9 @@ def planned_box(
     shape = tuple(int(n) for n in shape)
     if tp == 1 or not shape:
         return _whole(shape)
+    expert = _EXPERT.search(name)
+    if expert and len(shape) == 2:
+        return _even(shape, 1 if expert[1] == "w2" else 0, rank, tp, name)
     if any(k in name for k in _COLUMN):
         return _even(shape, 0, rank, tp, name)
     if any(k in name for k in _KV):
@@ -126,6 +151,8 @@ def worker_layouts(model: Any, params: Mapping[str, Any], world: int) -> dict[st
     ``r``'s box is what that class's weight loader narrows the checkpoint tensor to on rank ``r``
     (the arithmetic of its loader, with the module's partition sizes).
     """
+    from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
@@ -168,6 +195,21 @@ def worker_layouts(model: Any, params: Mapping[str, Any], world: int) -> dict[st
                 per = module.num_embeddings_per_partition
                 vocab = module.org_vocab_size
                 return _span(shape, 0, min(r * per, vocab), min((r + 1) * per, vocab))
+        elif kind is RoutedExperts and isinstance(shard, ExpertShard) and len(shape) == 2:
+            # MOE SLICE RULE: its _load_w13 / _load_w2 arithmetic.
+            config = module.moe_config
+            if (
+                type(module.quant_method) is not UnquantizedFusedMoEMethod
+                or config.moe_parallel_config.use_ep
+                or config.tp_shard_with_padding
+                or leaf not in ("w13_weight", "w2_weight")
+            ):
+                return None
+            dim = 1 if shard.shard_id == "w2" else 0
+            per = shape[dim] // config.moe_parallel_config.tp_size
+            if per * r >= shape[dim]:
+                return None  # its loader loads nothing on this rank: leave the tensor whole
+            return _span(shape, dim, per * r, min(per * (r + 1), shape[dim]))
         return None
 
     out = {}
@@ -182,7 +224,7 @@ def worker_layouts(model: Any, params: Mapping[str, Any], world: int) -> dict[st
                 module = model.get_submodule(path)
             except AttributeError:
                 module = None
-        split = world > 1 and getattr(module, "tp_size", 1) == world
+        split = world > 1 and _tp_size(module) == world
         boxes = [box(module, shard, leaf, shape, r) for r in range(world)] if split else [None]
         if any(b is None for b in boxes):
             boxes = [_whole(shape)] * world
@@ -190,13 +232,89 @@ def worker_layouts(model: Any, params: Mapping[str, Any], world: int) -> dict[st
     return out
 
 
+def _tp_size(module: Any) -> int:
+    """How many tensor-parallel ranks ``module`` is split across (1: not split)."""
+    config = getattr(module, "moe_config", None)  # vLLM's routed experts
+    if config is not None:
+        return config.moe_parallel_config.tp_size
+    return getattr(module, "tp_size", 1)
+
+
+class ExpertShard(NamedTuple):
+    """Which part of a routed-experts parameter one expert's checkpoint tensor loads into: its
+    projection (``w1`` gate, ``w3`` up, ``w2`` down) and the layer's own checkpoint-name stem for
+    it (``experts.<id>.<name>.``, what the layer's expert mapping keys it by)."""
+
+    shard_id: str
+    stem: str
+
+    def __str__(self) -> str:  # how errors name it: experts.<id>.<name>
+        return self.stem.rstrip(".")
+
+
+def expert_shards(routed: Any, leaf: str) -> set[ExpertShard]:
+    """Every :class:`ExpertShard` that loads into ``routed``'s parameter ``leaf`` (``w13_weight``,
+    ``w2_weight``) on this worker (its own experts only, with expert parallelism), from the
+    layer's expert mapping (whose parameter names are ``experts.w13_`` and ``experts.w2_``)."""
+    return {
+        ExpertShard(shard_id, stem)
+        for param, stem, expert, shard_id in routed.get_expert_mapping()
+        if f"experts.{leaf}".startswith(param)
+        and routed._map_global_expert_id_to_local_expert_id(expert) != -1
+    }
+
+
+def _expert_target(model: Any, target: str) -> tuple[str, ExpertShard] | None:
+    """The routed-experts parameter one expert's checkpoint tensor (``target``, through the
+    model's mapper: ``<layer>.experts.<id>.<projection>.<leaf>``) loads into, and which part
+    of it; None: not one of vLLM's routed-experts layers (its ``RoutedExperts``, the
+    ``routed_experts`` of the ``experts`` module), or a name its mapping does not know.
+
+    As the layer's ``load_weights`` places it: by the first entry of its expert mapping
+    (``get_expert_mapping``) for the name's stem (``experts.<id>.<projection>.``), the stem
+    replaced by the parameter's name. So Qwen-style (``gate_proj``) and Mixtral-style (``w1``)
+    checkpoints map alike. A fused checkpoint tensor of every expert at once is not placed."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    if target.count("experts.") != 1 or ".experts." not in target:
+        return None
+    head, _, tail = target.partition(".experts.")
+    try:
+        routed = model.get_submodule(f"{head}.experts.routed_experts")
+    except AttributeError:
+        return None
+    if type(routed) is not RoutedExperts:
+        return None
+    stem = f"experts.{tail.rpartition('.')[0]}."
+    index = _STEMS.get(routed)
+    if index is None:  # one pass over the mapping per layer, not one per tensor
+        index = {}
+        for param, key, _expert, shard_id in routed.get_expert_mapping():
+            index.setdefault(key, (param, shard_id))
+        _STEMS[routed] = index
+    if stem not in index:
+        return None
+    param, shard_id = index[stem]  # "experts.w13_": the layer's own parameter name, prefixed
+    leaf = param.removeprefix("experts.") + tail.rpartition(".")[2]
+    return f"{head}.experts.routed_experts.{leaf}", ExpertShard(shard_id, stem)
+
+
+# {routed-experts layer: {checkpoint stem: (parameter prefix, shard id)}}, per live layer.
+_STEMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _target(model: Any, name: str) -> tuple[str, Any] | None:
     """The model parameter checkpoint tensor ``name`` loads into, and which shard of it (through
-    the model's ``hf_to_vllm_mapper``; the name itself without one); None: ignored by the model."""
+    the model's ``hf_to_vllm_mapper``; the name itself without one; an :class:`ExpertShard` of
+    a routed-experts parameter for one expert's tensor); None: ignored by the model."""
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if hasattr(mapper, "_map_name_with_shard"):
-        return mapper._map_name_with_shard(name)
-    return name, None
+        mapped = mapper._map_name_with_shard(name)
+    else:
+        mapped = name, None
+    if mapped is None or mapped[1] is not None:
+        return mapped
+    return _expert_target(model, mapped[0]) or mapped
 
 
 def worker_boxes(model: Any, params: Mapping[str, Any], rank: int, tp: int) -> dict[str, Box]:
