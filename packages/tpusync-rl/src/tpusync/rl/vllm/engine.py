@@ -92,6 +92,29 @@ def _refresh_tied(model: torch.nn.Module) -> None:
                 method.process_weights_after_loading(module)
 
 
+def _repack_experts(model: torch.nn.Module) -> None:
+    """PREPACKED EXPERTS RULE: vLLM 0.32's CPU kernels for unquantized routed experts
+    (``CPUUnquantizedExperts`` and its x86 / Arm / Power kinds) read ``w13_weight`` and
+    ``w2_weight`` prepacked into their grouped-GEMM layout, which their experts' own
+    ``process_weights_after_loading`` makes once, at the first load. A weight update (the
+    layerwise reload) runs the layer's method again but skips that step: it counts as an
+    update of a kernel already set up. The reload then leaves the new weights in checkpoint
+    layout where the kernel reads packed ones, and the engine serves garbage (measured: a tiny
+    Qwen3 MoE's greedy outputs after an update matched neither version). So after every reload
+    those experts prepack the new weights again, by the same call vLLM makes at the first load.
+    Other experts (GPU kernels, quantized CPU ones) are left as vLLM leaves them."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    for module in model.modules():
+        if not isinstance(module, RoutedExperts):
+            continue
+        kernel = getattr(module.quant_method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+
+
 def _engine_outcomes(mine: tuple) -> list[tuple]:
     """Every worker's ``(rank, version, failure)`` of this engine (ENGINE OUTCOME CONTRACT): a
     gather over the tensor-parallel group, then over the pipeline-parallel group (both within
@@ -462,6 +485,7 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
         self.model.load_weights(weights)
         finalize_layerwise_reload(self.model, self.model_config)
         _refresh_tied(self.model)
+        _repack_experts(self.model)
 
     def _full(self, name: str, part: torch.Tensor) -> torch.Tensor:
         """``part`` in a tensor of the checkpoint's shape (SHARDING CONTRACT: only it is read)."""
