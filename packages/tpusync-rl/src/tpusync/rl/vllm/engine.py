@@ -103,6 +103,10 @@ def _repack_experts(model: torch.nn.Module) -> None:
     Qwen3 MoE's greedy outputs after an update matched neither version). So after every reload
     those experts prepack the new weights again, by the same call vLLM makes at the first load.
     Other experts (GPU kernels, quantized CPU ones) are left as vLLM leaves them."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
