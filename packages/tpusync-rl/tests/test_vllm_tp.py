@@ -28,7 +28,7 @@ from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel  # noqa: E402
 
 from tpusync.rl import vllm as rlvllm  # noqa: E402
 from tpusync.rl.layout import Box  # noqa: E402
-from tpusync.rl.vllm.tp import worker_layouts  # noqa: E402
+from tpusync.rl.vllm.tp import worker_boxes, worker_layouts  # noqa: E402
 
 
 class ToyLlama(torch.nn.Module):
@@ -175,12 +175,32 @@ def test_each_rank_reads_exactly_its_slice_of_every_expert(tmp_path, tp):
     assert _probe(plan, params, tp, _toy_moe) == tp * (len(params) - 2)
 
 
-def test_expert_parallel_workers_take_whole_experts_so_they_refuse_the_tp_plan(tmp_path):
-    """With expert parallelism a worker loads its own experts whole: its layouts leave every
-    expert tensor whole, which the trainer's tensor-parallel plan does not name."""
-    plan = rlvllm.tp_layouts(C.llama_dir(tmp_path, C.moe_shapes()), 2)
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_workers_take_only_their_own_experts_whole(tmp_path, ep):
+    """EP RULE: with expert parallelism a worker loads its own experts whole and skips the rest,
+    so its part is exactly the experts its loader loads (every one whole) plus the routers; the
+    trainer's tensor-parallel plan, which cuts every expert, is not what the workers report."""
+    plan = rlvllm.tp_layouts(C.llama_dir(tmp_path, C.moe_shapes()), ep)
     params = rlvllm.checkpoint_params(tmp_path)
-    live = worker_layouts(_toy_moe(2, 1, expert_parallel=True), params, 2)
-    differ = sorted(n for n in params if live[n] != plan[n])
-    assert differ == sorted(n for n in params if ".experts." in n)
-    assert all(b.shape == live[n].shape for n in differ for _r, b in live[n].shards)
+    experts = [n for n in params if ".experts." in n]
+    held = []
+    for rank in range(ep):
+        model = _toy_moe(ep, rank, expert_parallel=True)
+        live = worker_layouts(model, params, ep)
+        assert sorted(n for n in params if live[n] != plan[n]) == sorted(experts)
+        part = worker_boxes(model, params, rank, ep)
+        for name in experts:
+            head, _, tail = name.partition(".experts.")
+            loads = bool(
+                list(
+                    model.get_submodule(head + ".experts").load_weights(
+                        [(tail, torch.randn(params[name][0]))]
+                    )
+                )
+            )
+            assert (name in part) == loads, (rank, name)
+            if loads:
+                assert part[name].shape == tuple(params[name][0]), name  # whole
+                held.append(name)
+        assert all(n in part for n in params if ".experts." not in n)  # the routers
+    assert sorted(held) == sorted(experts)  # every expert on exactly one worker

@@ -38,6 +38,11 @@ projection, from ``r * (n // tp)`` on (fewer on the last rank when ``tp`` does n
 expert parallelism (then each worker loads whole experts of its own) and without padded
 sharding.
 
+EP RULE (:func:`worker_boxes`): with expert parallelism a worker holds whole experts of its
+own (vLLM's expert map; redundant copies count) and its loader skips the others, so it takes
+no part of another worker's expert. The trainer's plan then comes from the workers' report
+(:func:`tp_layouts` plans tensor parallelism only).
+
 PP STAGE RULE (:func:`worker_boxes`): with pipeline parallelism a worker loads only its stage's
 layers, so it takes no part of a tensor whose target parameter lies under one of vLLM's
 missing-layer placeholders on its stage (how vLLM's own loaders skip them); a name it cannot
@@ -286,21 +291,41 @@ def _expert_target(model: Any, target: str) -> tuple[str, ExpertShard] | None:
     if type(routed) is not RoutedExperts:
         return None
     stem = f"experts.{tail.rpartition('.')[0]}."
-    index = _STEMS.get(routed)
-    if index is None:  # one pass over the mapping per layer, not one per tensor
-        index = {}
-        for param, key, _expert, shard_id in routed.get_expert_mapping():
-            index.setdefault(key, (param, shard_id))
-        _STEMS[routed] = index
-    if stem not in index:
+    entry = _stems(routed).get(stem)
+    if entry is None:
         return None
-    param, shard_id = index[stem]  # "experts.w13_": the layer's own parameter name, prefixed
+    param, shard_id, _experts = entry  # "experts.w13_": the layer's parameter name, prefixed
     leaf = param.removeprefix("experts.") + tail.rpartition(".")[2]
     return f"{head}.experts.routed_experts.{leaf}", ExpertShard(shard_id, stem)
 
 
-# {routed-experts layer: {checkpoint stem: (parameter prefix, shard id)}}, per live layer.
+def _stems(routed: Any) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """``{checkpoint stem: (parameter prefix, shard id, physical expert ids)}`` of a routed-experts
+    layer's expert mapping: the first entry's parameter and shard per stem, and every physical
+    expert the stem loads into (several with redundant experts). One pass per layer, kept while
+    the layer lives."""
+    index = _STEMS.get(routed)
+    if index is None:
+        index = {}
+        for param, stem, expert, shard_id in routed.get_expert_mapping():
+            first = index.setdefault(stem, (param, shard_id, ()))
+            index[stem] = (first[0], first[1], (*first[2], expert))
+        _STEMS[routed] = index
+    return index
+
+
 _STEMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _elsewhere(model: Any, target: str, shard: Any) -> bool:
+    """Whether one expert's tensor (an :class:`ExpertShard` of ``target``) loads nowhere on this
+    worker: with expert parallelism, every physical copy of the expert lies on other workers (its
+    layer's loader skips it, EP RULE)."""
+    if not isinstance(shard, ExpertShard):
+        return False
+    routed = model.get_submodule(target.rpartition(".")[0])
+    _param, _shard_id, experts = _stems(routed)[shard.stem]
+    return all(routed._map_global_expert_id_to_local_expert_id(e) == -1 for e in experts)
 
 
 def _target(model: Any, name: str) -> tuple[str, Any] | None:
@@ -322,8 +347,9 @@ def worker_boxes(model: Any, params: Mapping[str, Any], rank: int, tp: int) -> d
     rank ``rank`` of ``tp``'s slice (:func:`worker_layouts`), and nothing of a tensor whose layer
     sits on another pipeline stage (PP STAGE RULE: the name's target parameter lies under a
     module vLLM replaced by its missing-layer placeholder on this stage, the test its own
-    loaders skip such parameters by). A name this cannot place stays (whole or sliced): a
-    worker may receive a tensor it does not load, never miss one it does."""
+    loaders skip such parameters by), nor of an expert another worker holds (EP RULE). A name
+    this cannot place stays (whole or sliced): a worker may receive a tensor it does not load,
+    never miss one it does."""
     from vllm.model_executor.models.utils import get_pp_missing_layer_names
 
     missing = tuple(get_pp_missing_layer_names(model))
@@ -331,6 +357,8 @@ def worker_boxes(model: Any, params: Mapping[str, Any], rank: int, tp: int) -> d
     for name, lay in worker_layouts(model, params, tp).items():
         mapped = _target(model, name)
         if missing and mapped is not None and mapped[0].startswith(missing):
+            continue
+        if mapped is not None and _elsewhere(model, *mapped):  # EP RULE
             continue
         out[name] = lay.box_of(rank)
     return out
