@@ -33,21 +33,28 @@ def test_the_checkpoints_shapes_fit_every_rank(tp, rank):
         _load(model, name, torch.randn(shape))
 
 
-@pytest.mark.parametrize("tp, rank", RANKS)
-def test_a_tensor_one_row_or_column_off_is_named(tp, rank):
-    model = _toy(tp, rank)
-    silent = []  # shapes vLLM's own loader takes without a word
-    for name, shape in C.llama_shapes().items():
+def _one_off(model, shapes: dict[str, list[int]]) -> list[tuple[str, int]]:
+    """Each tensor of ``shapes`` one row or column longer than the checkpoint's is named by the
+    SHAPE RULE; returns the ``(name, dim)`` that vLLM's own loader takes without a word."""
+    params = {n: [s, "float32"] for n, s in shapes.items()}
+    silent = []
+    for name, shape in shapes.items():
         for dim in range(len(shape)):
             off = list(shape)
             off[dim] += 1
-            wrong = shape_mismatches(model, _params(**{name: off}))
+            wrong = shape_mismatches(model, {**params, name: [off, "float32"]})
             assert wrong == {name: f"the trainer's is {off}, this engine loads {shape}"}, name
             try:
                 _load(model, name, torch.randn(off))
                 silent.append((name, dim))
             except (AssertionError, RuntimeError):
                 pass
+    return silent
+
+
+@pytest.mark.parametrize("tp, rank", RANKS)
+def test_a_tensor_one_row_or_column_off_is_named(tp, rank):
+    silent = _one_off(_toy(tp, rank), C.llama_shapes())
     # The column-parallel loaders narrow the rows they keep from row 0 at every TP size: a
     # tensor with an extra row loads, wrongly, unless refused here.
     layer = "model.layers.0."
@@ -76,19 +83,9 @@ def test_an_expert_one_row_or_column_off_is_named(tp, rank):
     model = _toy_moe(tp, rank)
     params = {n: [s, "float32"] for n, s in C.moe_shapes().items()}
     assert shape_mismatches(model, params) == {}
-    silent = []
-    for name, shape in C.moe_shapes().items():
+    for name, shape in C.moe_shapes().items():  # and the loaders take them
         _load(model, name, torch.randn(shape))
-        for dim in range(len(shape)):
-            off = list(shape)
-            off[dim] += 1
-            wrong = shape_mismatches(model, {**params, name: [off, "float32"]})
-            assert wrong == {name: f"the trainer's is {off}, this engine loads {shape}"}, name
-            try:
-                _load(model, name, torch.randn(off))
-                silent.append((name, dim))
-            except (AssertionError, RuntimeError):
-                pass
+    silent = _one_off(model, C.moe_shapes())
     # Split across ranks, the loader takes rows // tp of a gate projection from each rank's
     # offset: one extra row goes unnoticed.
     gate = ("model.layers.0.mlp.experts.0.gate_proj.weight", 0)
