@@ -13,11 +13,11 @@ this worker's model that no trainer tensor loads into, and every stacked paramet
 ``w13_weight`` / ``w2_weight``: one shard per expert and projection) some of whose shards no
 trainer tensor names, by the same name mapping the slices use
 (:func:`tpusync.rl.vllm.tp._target`: the model's ``hf_to_vllm_mapper``, and for one expert's
-tensor its layer's expert mapping, MOE SLICE RULE). It looks at names only, never at values. It decides only when it can
-place every trainer tensor: a name that maps to no parameter of this worker, other than one of
-another pipeline stage, means the mapping is not the model's own (a model whose
-``load_weights`` stacks by rules of its own), and then it returns None - no verdict - rather than
-refuse a complete trainer.
+tensor its layer's expert mapping, MOE SLICE RULE). It looks at names only, never at values.
+It decides only when it can place every trainer tensor: a name that maps to no parameter of
+this worker, other than one of another pipeline stage, means the mapping is not the model's own
+(a model whose ``load_weights`` stacks by rules of its own), and then it returns None - no
+verdict - rather than refuse a complete trainer.
 
 TORN LAYER RULE: vLLM reloads layer by layer, a layer being one module with the parameters it
 holds directly. A layer that gets no tensor at all keeps its old values, which a trainer that

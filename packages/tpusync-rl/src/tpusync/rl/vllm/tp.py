@@ -263,9 +263,8 @@ def expert_shards(routed: Any, leaf: str) -> set[ExpertShard]:
     layer's expert mapping (whose parameter names are ``experts.w13_`` and ``experts.w2_``)."""
     return {
         ExpertShard(shard_id, stem)
-        for param, stem, expert, shard_id in routed.get_expert_mapping()
-        if f"experts.{leaf}".startswith(param)
-        and routed._map_global_expert_id_to_local_expert_id(expert) != -1
+        for stem, (param, shard_id, experts) in _stems(routed).items()
+        if f"experts.{leaf}".startswith(param) and _held(routed, experts)
     }
 
 
@@ -324,8 +323,13 @@ def _elsewhere(model: Any, target: str, shard: Any) -> bool:
     if not isinstance(shard, ExpertShard):
         return False
     routed = model.get_submodule(target.rpartition(".")[0])
-    _param, _shard_id, experts = _stems(routed)[shard.stem]
-    return all(routed._map_global_expert_id_to_local_expert_id(e) == -1 for e in experts)
+    return not _held(routed, _stems(routed)[shard.stem][2])
+
+
+def _held(routed: Any, experts: tuple[int, ...]) -> bool:
+    """Whether this worker holds any of these physical experts of ``routed`` (vLLM's expert map;
+    every one without expert parallelism)."""
+    return any(routed._map_global_expert_id_to_local_expert_id(e) != -1 for e in experts)
 
 
 def _target(model: Any, name: str) -> tuple[str, Any] | None:
