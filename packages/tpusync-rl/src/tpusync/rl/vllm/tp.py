@@ -14,8 +14,8 @@ TP SLICE CONTRACT: two functions name the same slices from two sides.
 - :func:`tp_layouts` (trainer side, no vLLM import; not needed when the trainer takes the
   workers' report, ``TrainerSync(dst_layouts=None)``) plans them from the model directory's
   ``config.json`` with the Llama-family rules above (Llama, Mistral, Qwen2, Qwen3, and the
-  mixture-of-experts Qwen3 MoE and Mixtral: the checkpoint names
-  ``*.{q,k,v,o,gate,up,down}_proj.*``, ``*.experts.<i>.{w1,w2,w3}.weight``,
+  mixture-of-experts Qwen3 MoE, Qwen2 MoE (its shared expert is a dense MLP) and Mixtral: the
+  checkpoint names ``*.{q,k,v,o,gate,up,down}_proj.*``, ``*.experts.<i>.{w1,w2,w3}.weight``,
   ``*embed_tokens.weight``, ``lm_head.weight``): the ``dst_layouts`` a
   :class:`~tpusync.rl.trainer.TrainerSync` publishes with. It plans for tensor parallelism
   only: an engine with expert parallelism loads whole experts, so its workers refuse the plan
