@@ -39,6 +39,9 @@ LOADFAULT = "+loadfault"
 # A ``par`` suffix: the updated engine's first tpusync version fails to load the same way, so
 # the engine loads its checkpoint again; version 1 is then the trainer's version 2.
 FIRSTFAULT = "+firstfault"
+# A ``par`` suffix: the result also has ``state`` (fresh engine) or ``state_after`` (updated
+# engine, after version 1): per worker, a digest of each parameter and buffer of its model.
+STATE = "+state"
 
 
 def flags(par: str) -> set[str]:
@@ -101,6 +104,21 @@ def generate(llm) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _state(worker) -> dict[str, str]:
+    """``{name: digest}`` of every parameter and buffer of this worker's model, as it serves
+    (after vLLM's processing: repacked experts, MLA's derived ``W_UV`` / ``W_UK_T``)."""
+    import hashlib
+
+    import torch
+
+    model = worker.model_runner.get_model()
+    out = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        data = t.detach().contiguous().view(-1).view(dtype=torch.uint8)
+        out[name] = f"{tuple(t.shape)} {hashlib.blake2b(data.numpy()).hexdigest()}"
+    return out
+
+
 def _connector_totals(_worker=None) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -149,7 +167,10 @@ def main() -> None:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     result: dict = {}
     if mode == "generate":
-        result["tokens"] = generate(make_llm(model, False, par))
+        llm = make_llm(model, False, par)
+        result["tokens"] = generate(llm)
+        if STATE in flags(par):
+            result["state"] = llm.collective_rpc(_state)
     elif mode == "update":
         from tpusync.rl import vllm as rlvllm
 
@@ -194,6 +215,8 @@ def main() -> None:
         rlvllm.update(llm, timeout=300, version=1)
         result["update_s"] = time.monotonic() - t0
         result["after"] = generate(llm)
+        if STATE in flags(par):
+            result["state_after"] = llm.collective_rpc(_state)
         if OFFLOAD in flags(par):
             # The connector works on the new weights: with vLLM's own cache dropped, the same
             # prompts load the blocks the run above stored.

@@ -12,8 +12,11 @@ this worker's model that no trainer tensor loads into, and every stacked paramet
 ``QKVParallelLinear``, ``MergedColumnParallelLinear``, and the routed experts' stacked
 ``w13_weight`` / ``w2_weight``: one shard per expert and projection) some of whose shards no
 trainer tensor names, by the same name mapping the slices use
-(:func:`tpusync.rl.vllm.tp._target`: the model's ``hf_to_vllm_mapper``, and for one expert's
-tensor its layer's expert mapping, MOE SLICE RULE). It looks at names only, never at values.
+(:func:`tpusync.rl.vllm.tp._target`: the model's ``hf_to_vllm_mapper``, for one expert's
+tensor its layer's expert mapping, MOE SLICE RULE, and for a model that stacks by a list of its
+own the model's ``packed_modules_mapping``, PACKED NAME RULE). Parameters vLLM derives from
+others after loading (DERIVED PARAMETER RULE, :func:`_derived`) need no trainer tensor. It
+looks at names only, never at values.
 It decides only when it can place every trainer tensor: a name that maps to no parameter of
 this worker, other than one of another pipeline stage, means the mapping is not the model's own
 (a model whose ``load_weights`` stacks by rules of its own), and then it returns None - no
@@ -57,6 +60,32 @@ def _shards(module: Any, leaf: str) -> set[Any]:
     return set()
 
 
+def _derived(model: Any) -> set[int]:
+    """DERIVED PARAMETER RULE: the ids of the parameters vLLM's post-load processing registered
+    on a layer after the model was built (MLA attention's ``W_UV`` / ``W_UK_T``, computed from
+    ``kv_b_proj`` by ``process_weights_after_loading`` and computed again after every reload).
+    No checkpoint tensor loads into them, so they are no trainer's to write. Found by vLLM's
+    reload record (``record_metadata_for_reloading``, taken right after the model was built):
+    a layer's parameter that the record lacks, other than the names the record always leaves
+    out (``SKIP_TENSORS``: biases, routing biases, expert maps). Empty where the record is not
+    there (another vLLM): then every parameter counts."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+    except ImportError:
+        return set()
+    out = set()
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None:
+            continue
+        recorded = info.restore_metadata[0]
+        for leaf, param in layer.named_parameters(recurse=False):
+            if leaf not in recorded and leaf not in SKIP_TENSORS:
+                out.add(id(param))
+    return out
+
+
 def unwritten_params(model: Any, params: Mapping[str, Any]) -> Coverage | None:
     """What the trainer's ``params`` (``{checkpoint name: [shape, dtype]}``) leave unwritten of
     this worker's ``model``, or None when a trainer tensor cannot be placed (COVERAGE RULE: no
@@ -64,7 +93,9 @@ def unwritten_params(model: Any, params: Mapping[str, Any]) -> Coverage | None:
     from vllm.model_executor.models.utils import get_pp_missing_layer_names
 
     elsewhere = tuple(get_pp_missing_layer_names(model))
-    own = dict(model.named_parameters())  # a tied parameter once, under its first name
+    derived = _derived(model)
+    # A tied parameter once, under its first name; none that vLLM derives after loading.
+    own = {n: p for n, p in model.named_parameters() if id(p) not in derived}
     got: dict[str, set[Any]] = {}
     for name in params:
         mapped = _target(model, name)

@@ -13,15 +13,17 @@ TP SLICE CONTRACT: two functions name the same slices from two sides.
 
 - :func:`tp_layouts` (trainer side, no vLLM import; not needed when the trainer takes the
   workers' report, ``TrainerSync(dst_layouts=None)``) plans them from the model directory's
-  ``config.json`` with the Llama-family rules above (Llama, Mistral, Qwen2, Qwen3, and the
-  mixture-of-experts Qwen3 MoE, Qwen2 MoE (its shared expert is a dense MLP) and Mixtral: the
-  checkpoint names ``*.{q,k,v,o,gate,up,down}_proj.*``, ``*.experts.<i>.{w1,w2,w3}.weight``,
-  ``*embed_tokens.weight``, ``lm_head.weight``): the ``dst_layouts`` a
+  ``config.json`` with the Llama-family rules above (Llama, Mistral, Qwen2, Qwen3, the
+  mixture-of-experts Qwen3 MoE, Qwen2 MoE (its shared expert is a dense MLP) and Mixtral, and
+  DeepSeek-V2/V3's latent attention: the checkpoint names ``*.{q,k,v,o,gate,up,down}_proj.*``,
+  ``*.{q_b,kv_b}_proj.*``, ``*.experts.<i>.{w1,w2,w3}.weight``, ``*embed_tokens.weight``,
+  ``lm_head.weight``; everything else whole): the ``dst_layouts`` a
   :class:`~tpusync.rl.trainer.TrainerSync` publishes with. It plans for tensor parallelism
   only: an engine with expert parallelism loads whole experts, so its workers refuse the plan
   (take their report instead).
 - :func:`worker_boxes` (in each vLLM worker) reads them from the live model: the module each name
-  loads into (through the model's ``hf_to_vllm_mapper``), its class and its own ``tp_rank``, with
+  loads into (through the model's ``hf_to_vllm_mapper``, or the PACKED NAME RULE for a model
+  that stacks in its own ``load_weights``), its class and its own ``tp_rank``, with
   the same arithmetic as that class's weight loader. Anything it does not recognise exactly
   (another layer class, a quantized method, a fused checkpoint tensor) gets the whole tensor,
   which ``load_weights`` cuts as it always does.
@@ -67,7 +69,9 @@ from typing import Any, NamedTuple
 from tpusync.rl.layout import Box, ShardLayout
 
 _VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
-_COLUMN = (".q_proj.", ".gate_proj.", ".up_proj.")
+# DeepSeek's multi-head latent attention: q_b_proj, kv_b_proj split by rows like q_proj (its
+# q_a_proj and kv_a_proj_with_mqa are whole on every worker).
+_COLUMN = (".q_proj.", ".gate_proj.", ".up_proj.", ".q_b_proj.", ".kv_b_proj.")
 _KV = (".k_proj.", ".v_proj.")
 _ROW = (".o_proj.weight", ".down_proj.weight")
 # Mixtral's expert names: w1 (gate) and w3 (up) are cut like gate_proj, w2 (down) like down_proj.
@@ -335,7 +339,8 @@ def _held(routed: Any, experts: tuple[int, ...]) -> bool:
 def _target(model: Any, name: str) -> tuple[str, Any] | None:
     """The model parameter checkpoint tensor ``name`` loads into, and which shard of it (through
     the model's ``hf_to_vllm_mapper``; the name itself without one; an :class:`ExpertShard` of
-    a routed-experts parameter for one expert's tensor); None: ignored by the model."""
+    a routed-experts parameter for one expert's tensor; PACKED NAME RULE for a stacked layer
+    the mapper does not name); None: ignored by the model."""
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if hasattr(mapper, "_map_name_with_shard"):
         mapped = mapper._map_name_with_shard(name)
@@ -343,7 +348,44 @@ def _target(model: Any, name: str) -> tuple[str, Any] | None:
         mapped = name, None
     if mapped is None or mapped[1] is not None:
         return mapped
-    return _expert_target(model, mapped[0]) or mapped
+    return _expert_target(model, mapped[0]) or _packed_target(model, mapped[0]) or mapped
+
+
+def _packed_target(model: Any, target: str) -> tuple[str, Any] | None:
+    """PACKED NAME RULE: the stacked parameter a checkpoint tensor loads into when the model's
+    ``load_weights`` stacks it by a list of its own (DeepSeek-V2/V3's ``stacked_params_mapping``:
+    ``gate_proj`` -> ``gate_up_proj`` shard 0, ``q_a_proj`` -> ``fused_qkv_a_proj`` shard 0)
+    rather than through its ``hf_to_vllm_mapper``. Read from the model's
+    ``packed_modules_mapping`` (``{stacked module: [checkpoint modules, in shard order]}``, the
+    table vLLM's LoRA and quantization place stacked layers by): a checkpoint module ``m`` that
+    the model lacks, at position ``i`` of the list of ``s``, where the model has a sibling ``s``
+    that is a ``MergedColumnParallelLinear`` (shard ``i``) or a three-way
+    ``QKVParallelLinear`` (shard ``"q"``, ``"k"`` or ``"v"``). None: not such a name."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    packed = getattr(model, "packed_modules_mapping", None)
+    path, _, leaf = target.rpartition(".")
+    parent, _, module = path.rpartition(".")
+    if not isinstance(packed, Mapping) or not parent or not leaf:
+        return None
+    try:
+        model.get_submodule(path)
+        return None  # the model has the module itself: loaded as it is named
+    except AttributeError:
+        pass
+    for stacked, parts in packed.items():
+        if module not in parts:
+            continue
+        try:
+            into = model.get_submodule(f"{parent}.{stacked}")
+        except AttributeError:
+            continue
+        at = list(parts).index(module)
+        if isinstance(into, QKVParallelLinear) and len(parts) == 3:
+            return f"{parent}.{stacked}.{leaf}", "qkv"[at]
+        if isinstance(into, MergedColumnParallelLinear):
+            return f"{parent}.{stacked}.{leaf}", at
+    return None
 
 
 def worker_boxes(model: Any, params: Mapping[str, Any], rank: int, tp: int) -> dict[str, Box]:
