@@ -16,11 +16,11 @@ trainer tensor names, by the same name mapping the slices use
 tensor its layer's expert mapping, MOE SLICE RULE, and for a model that stacks by a list of its
 own the model's ``packed_modules_mapping``, PACKED NAME RULE). Parameters vLLM derives from
 others after loading (DERIVED PARAMETER RULE, :func:`_derived`) need no trainer tensor. It
-looks at names only, never at values.
-It decides only when it can place every trainer tensor: a name that maps to no parameter of
-this worker, other than one of another pipeline stage, means the mapping is not the model's own
-(a model whose ``load_weights`` stacks by rules of its own), and then it returns None - no
-verdict - rather than refuse a complete trainer.
+looks at names only, never at values. It decides only when it can place every trainer tensor:
+a name that maps to no parameter of this worker, other than one of another pipeline stage,
+means the mapping is not the model's own (a model whose ``load_weights`` stacks by rules of its
+own that its packed modules do not list), and then it returns None - no verdict - rather than
+refuse a complete trainer.
 
 TORN LAYER RULE: vLLM reloads layer by layer, a layer being one module with the parameters it
 holds directly. A layer that gets no tensor at all keeps its old values, which a trainer that
