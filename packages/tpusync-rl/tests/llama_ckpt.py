@@ -68,3 +68,17 @@ def llama_dir(root: Path, shapes: dict[str, list[int]] | None = None) -> Path:
         root / "model.safetensors", {n: ("F32", s, 4 * math.prod(s)) for n, s in shapes.items()}
     )
     return root
+
+
+def phi3_dir(root: Path) -> Path:
+    """The toy layer's checkpoint as Phi-3 stores it (``config.json`` names Phi3ForCausalLM): q /
+    k / v fused into ``qkv_proj``, gate / up into ``gate_up_proj``."""
+    layer, fused = "model.layers.0.", ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    shapes = {n: s for n, s in llama_shapes().items() if n.split(".")[-2] not in fused}
+    shapes[layer + "self_attn.qkv_proj.weight"] = [(HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN]
+    shapes[layer + "mlp.gate_up_proj.weight"] = [2 * INTER, HIDDEN]
+    llama_dir(root, shapes)
+    config = json.loads((root / "config.json").read_text())
+    config.update(architectures=["Phi3ForCausalLM"], hidden_size=HIDDEN, intermediate_size=INTER)
+    (root / "config.json").write_text(json.dumps(config))
+    return root

