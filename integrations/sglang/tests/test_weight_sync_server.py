@@ -22,7 +22,9 @@ version). This process is the trainer (``TrainerSync``, samplers report their la
 The server's weight version follows every loaded version. At TP=2 the ranks pull only their
 slices of each tensor (SLICE CONTRACT of the loader), or with ``sharded=False`` whole tensors
 each; the trainer's byte count tells which happened, and every sliced server's dry run must tell
-every tensor's part (``ServerSetup.whole`` empty) on the tiny Llama, Qwen2, Qwen3 and Qwen3 MoE.
+every tensor's part (``ServerSetup.whole`` empty) on the tiny Llama, Qwen2, Qwen3, Qwen3 MoE and
+a Phi-3 whose fused q/k/v and gate/up tensors the trainer splits (FUSED SPLIT RULE); published as
+they are, those four go whole to every rank, the setup saying why.
 The TP=1 server guards its weight-update endpoints with ``--admin-api-key``: without the key
 ``init_server`` fails with SGLang's 401 and says which key to pass; every call after that passes
 it (KEYS RULE of ``weight_sync``).
@@ -48,6 +50,7 @@ import weight_faults
 from live_server import http, launch, model_modules_except
 
 from tpusync.rl import TrainerSync
+from tpusync.rl.fused import split_fused
 from tpusync.rl.vllm import checkpoint_params
 from tpusync.sglang import weight_sync
 from tpusync.sglang.weight_sync import UpdateRejectedError
@@ -92,25 +95,30 @@ def _perturbed(model_dir: Path, dst: Path) -> dict[str, torch.Tensor]:
     return new
 
 
-# Tiny random Qwen models: transformers class prefix and config beyond the shared one below.
-QWEN = {
+# Tiny random models besides the tiny Llama: transformers class prefix and config beyond the
+# shared one below.
+OTHERS = {
     "qwen2": ("Qwen2", {}),  # biased q/k/v projections: SGLang's Qwen2ForCausalLM
     "qwen3": ("Qwen3", {"head_dim": 16}),  # q/k norms, no biases: Qwen3ForCausalLM
     "qwen3_moe": (  # 4 experts, 2 per token, in every layer: Qwen3MoeForCausalLM
         "Qwen3Moe",
         {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128},
     ),
+    # q / k / v fused into one qkv_proj tensor, gate / up into gate_up_proj: SGLang's
+    # Phi3ForCausalLM (in its llama module)
+    "phi3": ("Phi3", {"original_max_position_embeddings": 512}),
 }
 
 
-def _qwen(arch: str, llama: Path, dst: Path) -> Path:
-    """A tiny random Qwen model (:data:`QWEN`) with the tiny Llama's byte-level tokenizer."""
+def _other(arch: str, llama: Path, dst: Path) -> Path:
+    """A tiny random model of ``arch`` (:data:`OTHERS`) with the tiny Llama's byte-level
+    tokenizer."""
     import transformers
     from transformers import AutoTokenizer
 
     from tpusync.core.tinymodel import tiny_model_of
 
-    prefix, extra = QWEN[arch]
+    prefix, extra = OTHERS[arch]
     tok = AutoTokenizer.from_pretrained(llama)
     tiny_model_of(
         dst,
@@ -141,6 +149,8 @@ CASES = {  # id: (tensor-parallel size, sharded, architecture)
     "tp2-qwen2": (2, True, "qwen2"),
     "tp2-qwen3": (2, True, "qwen3"),
     "tp2-qwen3-moe": (2, True, "qwen3_moe"),
+    "tp2-phi3": (2, True, "phi3"),  # the trainer publishes the checkpoint's fused tensors
+    "tp2-phi3-split": (2, True, "phi3-split"),  # ... split (FUSED SPLIT RULE)
 }
 
 
@@ -154,9 +164,11 @@ def servers(request, tmp_path_factory):
     model = tiny_model.ensure(root)
     work = tmp_path_factory.mktemp(f"sglang-weights-tp{tp}-{arch}")
     env = {"TPUSYNC_AUTH_SECRET": SECRET}
-    if arch != "llama":
-        model = _qwen(arch, model, work / arch)
-        env["SGLANG_DISABLED_MODEL_ARCHS"] = model_modules_except("llama", "qwen2", arch)
+    family = arch.removesuffix("-split")
+    if family != "llama":
+        model = _other(family, model, work / family)
+        keep = ("llama", "qwen2", family) if family != "phi3" else ("llama", "qwen2")
+        env["SGLANG_DISABLED_MODEL_ARCHS"] = model_modules_except(*keep)
     new_dir = work / "trained"
     new = _perturbed(model, new_dir)
     args = ["--custom-weight-loader", weight_sync.LOADER, weight_faults.BREAK_NEXT_LOAD]
@@ -254,6 +266,11 @@ def _load_fails(trainer, version, tensors, a, tp, keys, served):
 
 def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(servers, monkeypatch):
     a, b, model_dir, new, tp, sharded, keys, arch = servers
+    # FUSED SPLIT RULE: a Phi-3 trainer may publish its fused tensors split.
+    publishable = (lambda t: split_fused(t, model_dir)) if arch.endswith("-split") else dict
+    fused = [n for n in new if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
+    assert bool(fused) == arch.startswith("phi3")
+    new = publishable(new)
     monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
     before, reference = _outputs(a), _outputs(b)
     assert before != reference  # the perturbed weights change greedy outputs: the check can fail
@@ -267,16 +284,19 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
     init = dict(
         control=trainer.control_address,
         replica=0,
-        params=checkpoint_params(model_dir),
+        params=publishable(checkpoint_params(model_dir)),
         sharded=sharded,
         **small,
     )
     try:
         if sharded:  # SHAPE CHECK RULE: another model's tensors are refused before a byte moves
             params = init["params"]
-            q = next(n for n in params if n.endswith("layers.0.self_attn.q_proj.weight"))
-            (rows, cols), dtype = params[q]
+            # (The fused Phi-3 checkpoint has no q / k projection of its own.)
+            q = next((n for n in params if n.endswith("layers.0.self_attn.q_proj.weight")), "")
             for factor, why in ((2, "reads only"), (0.5, "cannot take these tensors")):
+                if not q:
+                    break
+                (rows, cols), dtype = params[q]
                 other = {**params, q: [[int(rows * factor), cols], dtype]}
                 with pytest.raises(RuntimeError, match=why):
                     weight_sync.init_server(a.base, **{**init, "params": other}, **keys)
@@ -284,11 +304,14 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
             # version: refused, unless it says it publishes only part of the model. So is one
             # that leaves out the k projection, which is only some rows of a stacked parameter.
             norm = next(n for n in params if n.endswith("model.norm.weight"))
-            k = q.replace("q_proj", "k_proj")
-            no_k = {n: v for n, v in params.items() if n != k}
-            qkv = r"layers\.0\.self_attn\.qkv_proj\.weight: \d+ of its \d+ elements"
-            with pytest.raises(RuntimeError, match=rf"leave 1 of the server's parameters .*{qkv}"):
-                weight_sync.init_server(a.base, **{**init, "params": no_k}, **keys)
+            if q:
+                k = q.replace("q_proj", "k_proj")
+                no_k = {n: v for n, v in params.items() if n != k}
+                qkv = r"layers\.0\.self_attn\.qkv_proj\.weight: \d+ of its \d+ elements"
+                with pytest.raises(
+                    RuntimeError, match=rf"leave 1 of the server's parameters .*{qkv}"
+                ):
+                    weight_sync.init_server(a.base, **{**init, "params": no_k}, **keys)
             left_out = {n: v for n, v in params.items() if n != norm}
             unwritten = rf"leave 1 of the server's parameters .*{re.escape(norm)}: all of \("
             with pytest.raises(RuntimeError, match=unwritten):
@@ -303,7 +326,13 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
                 weight_sync.init_server(a.base, **init)
         setup = weight_sync.init_server(a.base, **init, **keys)
         # SLICE CONTRACT: the dry run of SGLang's own load_weights tells every tensor's part.
-        assert setup.sharded == (sharded and tp > 1) and setup.whole == {}, setup
+        assert setup.sharded == (sharded and tp > 1), setup
+        # Published as they are, Phi-3's fused tensors go whole to every rank: a rank's rows of
+        # q, k and v (of gate and up) are not one box of the fused tensor, and the smallest box
+        # around them overlaps the other ranks' (the setup says so). Split, they are cut.
+        whole = sorted(fused) if arch == "phi3" and setup.sharded else []
+        assert sorted(setup.whole) == whole, setup
+        assert all("the ranks' parts do not tile it" in why for why in setup.whole.values())
         assert setup.unwritten == {}, setup  # COVERAGE RULE: SGLang's loaders write every part
         took_slices = setup.sharded
 
@@ -319,9 +348,12 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         # replicated tensors twice), not two; whole, every rank pulls a copy.
         model_bytes = sum(t.numel() * t.element_size() for t in new.values())
         copies = report.bytes_sent / model_bytes
-        print(f"tp={tp} sharded={sharded}: {report.bytes_sent} bytes sent, {copies:.2f} copies")
-        if took_slices:
-            assert 1.0 <= copies < 1.3, (report.bytes_sent, model_bytes)
+        print(
+            f"tp={tp} {arch} sharded={sharded}: {report.bytes_sent} bytes sent, {copies:.2f} copies"
+        )
+        if took_slices:  # (and the tensors taken whole once more per rank)
+            least = 1.0 + (tp - 1) * sum(new[n].numel() * 4 for n in whole) / model_bytes
+            assert least <= copies < least + 0.3, (report.bytes_sent, model_bytes)
         else:
             assert tp <= copies < tp + 0.3, (report.bytes_sent, model_bytes)
         assert _outputs(a) == reference
@@ -333,7 +365,7 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
             weight_sync.update_server(a.base, timeout=2, version=2, **keys)
         assert _outputs(a) == reference
 
-        original = _weights(model_dir)
+        original = publishable(_weights(model_dir))
         with pytest.raises(UpdateRejectedError, match="checksum") as rejected:
             _publish_and_update(trainer, 3, original, a.base, tp, keys)
         assert "still serving version 2" in str(rejected.value)
