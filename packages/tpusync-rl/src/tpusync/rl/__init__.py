@@ -35,9 +35,10 @@ Available now (transport-agnostic cores, tested in-process):
   ``qkv_proj`` / ``gate_up_proj``) into the parts an engine's tensor-parallel ranks cut.
 
 NOT IMPLEMENTED YET: the trainer-side slice plan computed ahead of the engine (``tp_layouts``,
-tensor parallelism only) knows the Llama-family checkpoint names only (Llama, Mistral, Qwen2;
-for other architectures or pipeline parallelism let the workers report their slices:
-``TrainerSync(dst_layouts=None)``). Tracked in the project's issues.
+tensor parallelism only) knows the Llama-family checkpoint names only (Llama, Mistral, Qwen2,
+Qwen3, the Qwen3 MoE, Qwen2 MoE and Mixtral experts, DeepSeek's latent attention, Phi-3 once
+split; for other architectures, pipeline or expert parallelism let the workers report their
+slices: ``TrainerSync(dst_layouts=None)``). Tracked in the project's issues.
 """
 
 from tpusync.core import require_api
