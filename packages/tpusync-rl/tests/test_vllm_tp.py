@@ -29,7 +29,7 @@ from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel  # noqa: E402
 from tpusync.rl import vllm as rlvllm  # noqa: E402
 from tpusync.rl.fused import split_fused  # noqa: E402
 from tpusync.rl.layout import Box  # noqa: E402
-from tpusync.rl.vllm.tp import worker_boxes, worker_layouts  # noqa: E402
+from tpusync.rl.vllm.tp import oversent, worker_boxes, worker_layouts  # noqa: E402
 
 
 class ToyLlama(torch.nn.Module):
@@ -214,6 +214,7 @@ def test_split_fused_parts_load_like_the_fused_tensor_and_are_cut_like_llamas(tm
     shard ids, leave every rank's parameter exactly as the fused tensor does, and each part is
     planned, reported and read like a Llama projection."""
     root = C.phi3_dir(tmp_path)
+    (tmp_path / "llama").mkdir()
     fused = rlvllm.checkpoint_params(root)
     params = split_fused(fused, root)
     assert _probe(rlvllm.tp_layouts(root, tp, params), params, tp, _toy) == tp * (len(params) - 1)
@@ -235,3 +236,15 @@ def test_split_fused_parts_load_like_the_fused_tensor_and_are_cut_like_llamas(tm
                 assert target == name and shard is not None
                 param.weight_loader(param, tensor, shard)
             assert torch.equal(param.data, expect), (name, rank)
+        # OVERSENT RULE: the worker names the fused tensors it takes whole and keeps part of;
+        # split, or a Llama checkpoint (norms whole: all kept), nothing.
+        over = oversent(model, fused, worker_boxes(model, fused, rank, tp))
+        assert sorted(over) == sorted(names), over
+        qkv = (C.HEADS + 2 * C.KV_HEADS) * C.HEAD_DIM
+        kept = (C.HEADS // tp + 2 * max(C.KV_HEADS // tp, 1)) * C.HEAD_DIM
+        assert over[names[0]] == (
+            f"{qkv * C.HIDDEN} elements for {names[0]} of {kept * C.HIDDEN}"
+        ), over
+        assert oversent(model, params, worker_boxes(model, params, rank, tp)) == {}
+        llama = rlvllm.checkpoint_params(C.llama_dir(tmp_path / "llama"))
+        assert oversent(model, llama, worker_boxes(model, llama, rank, tp)) == {}

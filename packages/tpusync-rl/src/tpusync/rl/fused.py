@@ -1,7 +1,7 @@
 """Fused checkpoint tensors split into the parts an engine's loader stacks again.
 
 Some checkpoints store a layer's stacked projections as one tensor: Phi-3's (and Phi-4's)
-``self_attn.qkv_proj.weight`` is q, k and v one after another by rows, its
+``self_attn.qkv_proj.weight`` is q, k and v one after another by rows, its (and GLM-4's)
 ``mlp.gate_up_proj.weight`` gate then up. A tensor-parallel rank of vLLM or SGLang keeps rows
 ``[r * n / tp, (r + 1) * n / tp)`` of EACH part, so its share of the fused tensor is not one box
 of it, and tpusync sends it the whole tensor (a TP=N engine pulls N copies of every attention and
@@ -11,9 +11,10 @@ FUSED SPLIT RULE: :func:`split_fused` replaces each fused tensor by its parts un
 an unfused checkpoint of the same layer (``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_proj`` /
 ``up_proj``), as row views of the trainer's tensor (no copy for torch and numpy arrays). The
 engines' loaders for the listed architectures take those names and stack them into the same
-parameters as the fused tensor (vLLM's Llama mapper, SGLang's Llama stacked-parameter list,
-both inherited by their Phi-3 classes), so each part is cut like any Llama projection: one
-copy of the model in all, and :func:`tpusync.rl.vllm.tp_layouts` plans it. The split is exact:
+parameters as the fused tensor (vLLM's Phi-3 and GLM-4 models load through Llama's model and its
+name mapper, SGLang's through their stacked-parameter lists), so each part is cut like any Llama
+projection: one copy of the model in all, and :func:`tpusync.rl.vllm.tp_layouts` plans it (a
+vLLM worker places the names by its model's mapper, or GLM-4's by the PACKED NAME RULE). The split is exact:
 the parts are the rows the fused loader itself hands each shard id (checked against vLLM's own
 loaders in the tests). The trainer publishes the split tensors, and the engine is initialised with
 the split names (``params=split_fused(checkpoint_params(model_dir), model_dir)``).
@@ -30,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 # Architectures whose engine loaders (vLLM and SGLang) take the split names of their fused
-# checkpoint tensors.
-_SPLITS = frozenset({"Phi3ForCausalLM"})
+# checkpoint tensors: Phi-3 / Phi-4 (fused q/k/v and gate/up), GLM-4-0414 / GLM-Z1 (gate/up).
+_SPLITS = frozenset({"Phi3ForCausalLM", "Glm4ForCausalLM"})
 _QKV = (".qkv_proj.weight", ".qkv_proj.bias")
 _GATE_UP = ".gate_up_proj.weight"
 

@@ -40,7 +40,7 @@ from tpusync.rl.layout import Box, ShardLayout
 from tpusync.rl.sampler import SamplerSync
 from tpusync.rl.vllm.coverage import unwritten_params
 from tpusync.rl.vllm.shapes import shape_mismatches
-from tpusync.rl.vllm.tp import worker_boxes
+from tpusync.rl.vllm.tp import oversent, worker_boxes
 
 log = logging.getLogger("tpusync.rl")
 
@@ -275,6 +275,18 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
 
         tp = ps.get_tp_group()
         boxes = worker_boxes(self.model, init_info.params, tp.rank_in_group, tp.world_size)
+        # OVERSENT RULE (tensor parallelism only: at TP=1 every worker keeps all it is sent).
+        more = oversent(self.model, init_info.params, boxes) if tp.world_size > 1 else {}
+        if more:
+            log.warning(
+                "tpusync: worker %d takes %d tensors whole of which it keeps only part, so the "
+                "engine pulls them once per worker: %s (fused checkpoint tensors of a Phi-3, Phi-4 "
+                "or GLM-4 model: publish tpusync.rl.fused.split_fused(...) of them instead)",
+                self._rank,
+                len(more),
+                "; ".join(f"{n}: {what}" for n, what in list(more.items())[:4])
+                + (f" and {len(more) - 4} more" if len(more) > 4 else ""),
+            )
         return {n: (list(b.lo), list(b.hi)) for n, b in boxes.items()}
 
     def _open(self, init_info: TpusyncInitInfo, layouts: dict[str, ShardLayout]) -> None:

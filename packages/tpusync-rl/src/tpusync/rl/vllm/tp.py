@@ -27,7 +27,8 @@ TP SLICE CONTRACT: two functions name the same slices from two sides.
   the same arithmetic as that class's weight loader. Anything it does not recognise exactly
   (another layer class, a quantized method, a fused checkpoint tensor) gets the whole tensor,
   which ``load_weights`` cuts as it always does (a trainer that splits Phi-3's fused tensors
-  first, :func:`tpusync.rl.fused.split_fused`, gets its parts cut like Llama's).
+  first, :func:`tpusync.rl.fused.split_fused`, gets its parts cut like Llama's). The worker logs
+  such tensors when it keeps only part of them (:func:`oversent`, OVERSENT RULE).
 
 MOE SLICE RULE: vLLM's routed experts (``RoutedExperts``, the ``routed_experts`` of a
 mixture-of-experts layer's ``experts`` module) stack every expert's gate and up projections
@@ -61,6 +62,7 @@ So a model the plan does not know is refused, never loaded wrong; publish it wit
 from __future__ import annotations
 
 import json
+import math
 import re
 import weakref
 from collections.abc import Mapping, Sequence
@@ -408,4 +410,30 @@ def worker_boxes(model: Any, params: Mapping[str, Any], rank: int, tp: int) -> d
         if mapped is not None and _elsewhere(model, *mapped):  # EP RULE
             continue
         out[name] = lay.box_of(rank)
+    return out
+
+
+def oversent(model: Any, params: Mapping[str, Any], boxes: Mapping[str, Box]) -> dict[str, str]:
+    """OVERSENT RULE: the tensors of ``boxes`` (:func:`worker_boxes`) that this worker takes
+    whole although the parameter each loads into holds fewer elements here than the tensor: a
+    part of the tensor would do, but it is not one box (a fused checkpoint tensor such as
+    Phi-3's ``qkv_proj``, of which each rank keeps rows of q, of k and of v) or this module does
+    not know the layer. ``{name: "<tensor elements> for <parameter> of <elements>"}``; the engine
+    logs them, so a TP engine that pulls more than one copy of the model says which tensors and
+    why. A stacked parameter loaded from several tensors (each smaller than it) is never named."""
+    out = {}
+    for name, box in boxes.items():
+        shape = tuple(int(n) for n in params[name][0])
+        if box.shape != shape:
+            continue
+        mapped = _target(model, name)
+        if mapped is None:
+            continue
+        try:
+            param = model.get_parameter(mapped[0])
+        except AttributeError:
+            continue
+        size = math.prod(shape)
+        if param.numel() < size:
+            out[name] = f"{size} elements for {mapped[0]} of {param.numel()}"
     return out
