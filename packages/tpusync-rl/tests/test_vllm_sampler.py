@@ -544,7 +544,9 @@ _FUSED = {"phi3": ("qkv_proj.weight", "gate_up_proj.weight"), "glm4": ("gate_up_
 
 
 @pytest.mark.parametrize(
-    "family, split", [("phi3", False), ("phi3", True), ("glm4", True)], ids=lambda v: str(v)
+    "family, split",
+    [("phi3", False), ("phi3", True), ("glm4", True)],
+    ids=["phi3-fused", "phi3-split", "glm4-split"],
 )
 def test_tp2_engine_of_a_fused_checkpoint_pulls_one_copy_when_the_trainer_splits_it(
     tmp_path, family, split
