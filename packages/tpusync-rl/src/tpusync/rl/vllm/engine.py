@@ -45,6 +45,12 @@ from tpusync.rl.vllm.tp import oversent, worker_boxes
 log = logging.getLogger("tpusync.rl")
 
 
+def _named(found: dict[str, str]) -> str:
+    """``"name: what; ..."`` for the first four of ``found``, then how many more."""
+    named = "; ".join(f"{n}: {what}" for n, what in list(found.items())[:4])
+    return named + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+
+
 @dataclass
 class TpusyncInitInfo(WeightTransferInitInfo):
     control: str
@@ -236,11 +242,9 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
             raise ValueError("init_info.params is empty: pass checkpoint_params(model_dir)")
         wrong = shape_mismatches(self.model, init_info.params)  # SHAPE RULE
         if wrong:
-            named = "; ".join(f"{n}: {what}" for n, what in list(wrong.items())[:4])
-            more = f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""
             raise ValueError(
                 f"{len(wrong)} of the trainer's tensors do not have the shape this worker's "
-                f"model loads ({named}{more}): the trainer's model config is not the engine's"
+                f"model loads ({_named(wrong)}): the trainer's model config is not the engine's"
             )
         cover = unwritten_params(self.model, init_info.params)
         if cover is None:
@@ -252,8 +256,6 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
                 if init_info.partial
                 else cover.unwritten
             )
-            named = "; ".join(f"{n}: {what}" for n, what in list(bad.items())[:4])
-            more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
             way = (
                 "partial=True does not cover a layer that gets only some of its tensors: vLLM "
                 "rebuilds such a layer whole"
@@ -262,7 +264,7 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
             )
             raise ValueError(
                 f"the trainer's tensors leave {len(bad)} of this worker's parameters unwritten "
-                f"({named}{more}): vLLM would serve them at the old version, or uninitialised, "
+                f"({_named(bad)}): vLLM would serve them at the old version, or uninitialised, "
                 f"beside the new one; publish every tensor of the model ({way})"
             )
         elif cover.unwritten:
@@ -284,8 +286,7 @@ class TpusyncWeightTransferEngine(WeightTransferEngine[TpusyncInitInfo, TpusyncU
                 "or GLM-4 model: publish tpusync.rl.fused.split_fused(...) of them instead)",
                 self._rank,
                 len(more),
-                "; ".join(f"{n}: {what}" for n, what in list(more.items())[:4])
-                + (f" and {len(more) - 4} more" if len(more) > 4 else ""),
+                _named(more),
             )
         return {n: (list(b.lo), list(b.hi)) for n, b in boxes.items()}
 
