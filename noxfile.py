@@ -523,6 +523,7 @@ def integration_vllm(session: nox.Session) -> None:
         str(ROOT / "packages/tpusync-rl/tests/test_vllm_tp.py"),
         str(ROOT / "packages/tpusync-rl/tests/test_vllm_coverage.py"),
         str(ROOT / "packages/tpusync-rl/tests/test_vllm_shapes.py"),
+        str(ROOT / "packages/tpusync-rl/tests/test_vllm_lora.py"),
         "-p",
         "no:cacheprovider",
         "--durations=0",

@@ -65,12 +65,15 @@ def expected_digest(full, layouts, rank, dtype) -> dict[str, int]:
 
 
 class TamperingTrainer(TrainerSync):
-    """Fault injection: flips one byte of the first block of version 2 sent to sampler rank 1
-    (stream 0 -> rank 1), after its checksum was taken."""
+    """Fault injection: flips one byte of the first block of version 2 sent to sampler rank
+    ``damaged_rank`` (stream 0 -> that rank; 1 unless a subclass says), after its checksum was
+    taken."""
+
+    damaged_rank = 1
 
     def _fill(self, block, plan, index, version, *a):
         checksum = super()._fill(block, plan, index, version, *a)
-        if version == 2 and plan.dst == 1 and index == 0:
+        if version == 2 and plan.dst == self.damaged_rank and index == 0:
             self._ep.pool.view(block)[0] ^= 0xFF
         return checksum
 

@@ -215,7 +215,10 @@ def _post(base: str, path: str, body: Any = None, timeout: float = 60.0) -> Any:
         raise RuntimeError(f"vLLM server {base}{path}: HTTP {e.code}: {detail}") from None
     except (urllib.error.URLError, OSError) as e:
         raise ConnectionError(f"vLLM server {base}{path}: {getattr(e, 'reason', e)}") from None
-    return json.loads(raw) if raw else None
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:  # a route that answers in plain text (vLLM's LoRA routes)
+        return raw.decode(errors="replace")
 
 
 def init_server(url: str, *, timeout: float = 120.0, **kwargs: Any) -> None:
