@@ -32,7 +32,9 @@ Available now (transport-agnostic cores, tested in-process):
   stage's layers (PP STAGE RULE there), which the workers report to a trainer built without
   ``dst_layouts`` (SAMPLER LAYOUTS CONTRACT in :mod:`tpusync.rl.trainer`); imports vLLM only
   when vLLM calls it. :mod:`tpusync.rl.fused` splits fused checkpoint tensors (Phi-3's
-  ``qkv_proj`` / ``gate_up_proj``) into the parts an engine's tensor-parallel ranks cut.
+  ``qkv_proj`` / ``gate_up_proj``) into the parts an engine's tensor-parallel ranks cut;
+  :mod:`tpusync.rl.vllm.lora` syncs LoRA adapter versions into a vLLM engine or server, each
+  version its own adapter (ADAPTER VERSION CONTRACT).
 
 NOT IMPLEMENTED YET: the trainer-side slice plan computed ahead of the engine (``tp_layouts``,
 tensor parallelism only) knows the Llama-family checkpoint names only (Llama, Mistral, Qwen2,
