@@ -178,16 +178,16 @@ class LoraSync:
         self._server = server.rstrip("/") if server is not None else None
         self._name, self._offset, self._keep = name, id_offset, keep
         self._http_timeout = http_timeout
+        layouts = lora_layouts(params)
+        weights = {n: torch.zeros(shape, dtype=_dtype(dt)) for n, (shape, dt) in params.items()}
+        sub = WeightSubscriber(0, weights, layouts, mode="shadow", recycle=True)
+        self.sampler = SamplerSync(sub, **sampler)
         self._made_root = root is None
         if root is None:
             shm = Path("/dev/shm")
             root = tempfile.mkdtemp(prefix="tpusync-lora-", dir=shm if shm.is_dir() else None)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        layouts = lora_layouts(params)
-        weights = {n: torch.zeros(shape, dtype=_dtype(dt)) for n, (shape, dt) in params.items()}
-        sub = WeightSubscriber(0, weights, layouts, mode="shadow", recycle=True)
-        self.sampler = SamplerSync(sub, **sampler)
         self.current: AdapterVersion | None = None
         self._served: list[AdapterVersion] = []  # oldest first, at most ``keep``
 
@@ -228,6 +228,7 @@ class LoraSync:
             )
         if not result.ok:
             for adapter in staged:  # verified and loaded, but the commit failed
+                self._unload(adapter)
                 shutil.rmtree(adapter.path, ignore_errors=True)
             raise UpdateRejectedError(
                 f"adapter version {result.version} rejected: {result.reason}; still serving "
