@@ -10,10 +10,6 @@ vLLM from directories the test wrote itself.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -27,6 +23,7 @@ pytest.importorskip("vllm")
 
 import rl_netutil as U  # noqa: E402
 import torch  # noqa: E402
+import vllm_procs as P  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from tpusync.rl import TrainerSync, UpdateRejectedError  # noqa: E402
@@ -245,10 +242,7 @@ def test_running_vllm_engine_serves_each_adapter_version_like_the_same_adapter_f
     trainer = _DamagingTrainer(0, 1, None, secret=U.SECRET, block_bytes=BB, pool_bytes=16 << 20)
     out, log = tmp_path / "out.json", tmp_path / "engine.log"
     args = [str(model_dir), str(out), trainer.control_address, str(ref1), str(ref3)]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), *args], stdout=f, stderr=subprocess.STDOUT
-        )
+    proc = P.start([sys.executable, str(SCRIPT), *args], log)
     try:
         for version, tensors in ((1, v1), (2, v2), (3, v3)):
             for _ in range(300):
@@ -260,14 +254,12 @@ def test_running_vllm_engine_serves_each_adapter_version_like_the_same_adapter_f
             trainer.wait_for_samplers(1, timeout=60)
             rep = trainer.publish(version, tensors)
             assert rep.ok == (version != 2), rep.failed
-        proc.wait(timeout=300)
     except BaseException:
-        proc.kill()
+        P.kill(proc)
         raise
     finally:
         trainer.close()
-    assert proc.returncode == 0, log.read_text()[-6000:]
-    got = json.loads(out.read_text())
+    got = P.finish(proc, out, log, timeout=300)
     assert "rank 16 is above the engine's max_lora_rank 8" in got["refused_init"]
     assert got["v1"] == got["ref1"] != got["base"]
     assert "adapter version 2 rejected" in got["rejected"] and "checksum" in got["rejected"]
@@ -275,12 +267,6 @@ def test_running_vllm_engine_serves_each_adapter_version_like_the_same_adapter_f
     assert got["v3"] == got["ref3"] != got["v1"]
     assert got["v1_after_v3"] == got["v1"]
     assert got["served"] == [[1, "tpusync-lora-v1", 1], [3, "tpusync-lora-v3", 3]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(base: str, path: str, body: dict) -> str:
@@ -312,31 +298,19 @@ def test_vllm_server_loads_each_adapter_version_over_http_and_unloads_old_ones(t
              "q": cfg["num_attention_heads"] * head, "kv": cfg["num_key_value_heads"] * head}  # fmt: skip
     versions = {v: adapter(v, sizes, cfg["num_hidden_layers"]) for v in (1, 2, 3)}
     config = versions[1][0]
-    port = _free_port()
+    port = P.free_port()
     base, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0",
         "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
     ]  # fmt: skip
-    with open(log, "w") as f:
-        server = subprocess.Popen(
-            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    server = P.start(cmd, log, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
     trainer = TrainerSync(0, 1, None, secret=U.SECRET, block_bytes=BB, pool_bytes=16 << 20)
     lora = None
     try:
-        for _ in range(300):
-            if server.poll() is not None:
-                pytest.fail(f"the server exited ({server.returncode}):\n{log.read_text()[-6000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
+        P.wait_healthy(server, base, log)
         lora = LoraSync(
             config, _params(versions[1][1]), server=base, root=tmp_path / "adapters", keep=2,
             control=trainer.control_address, replica=0, secret=U.SECRET, block_bytes=BB,
@@ -364,9 +338,5 @@ def test_vllm_server_loads_each_adapter_version_over_http_and_unloads_old_ones(t
         if lora is not None:
             lora.close()
         trainer.close()
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
+        P.kill(server)
+        server.wait(timeout=30)

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +25,7 @@ tinymodel = pytest.importorskip("tpusync.vllm.tinymodel")
 
 import rl_netutil as U  # noqa: E402
 import torch  # noqa: E402
+import vllm_procs as P  # noqa: E402
 import vllm_rl_scenario as scenario  # noqa: E402
 
 from tpusync.rl import TrainerSync  # noqa: E402
@@ -39,49 +37,7 @@ SCRIPT = Path(__file__).with_name("vllm_rl_scenario.py")
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "TPUSYNC_AUTH_SECRET": U.SECRET.decode(),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-    # Own session: vLLM's engine-core child dies with the group; output goes to a file.
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), *args],
-        env=env,
-        stdout=open(log, "w"),  # noqa: SIM115 - closed with the process
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def _kill(*procs: subprocess.Popen, grace: float = 0.0) -> None:
-    """SIGKILL each process's group (vLLM's engine-core and worker children die with it), after
-    up to ``grace`` s for the group to end on its own: once the scenario exited, its children
-    take ~2 s to shut down and unlink their /dev/shm segments, which a SIGKILL would leak."""
-    end = time.monotonic() + grace
-    for proc in procs:
-        try:
-            while time.monotonic() < end:
-                os.killpg(proc.pid, 0)
-                time.sleep(0.05)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _finish(proc: subprocess.Popen, out: Path, log: Path, timeout: float = 600) -> dict:
-    rc = None
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        _kill(proc, grace=15.0 if rc == 0 else 0.0)
-        proc.wait(timeout=30)
-    if rc != 0 or not out.exists():
-        pytest.fail(f"{proc.args} failed (rc {rc}):\n{log.read_text(errors='replace')[-6000:]}")
-    return json.loads(out.read_text())
+    return P.start([sys.executable, str(SCRIPT), *args], log)
 
 
 def _perturbed(model_dir: Path, dst: Path) -> dict[str, torch.Tensor]:
@@ -173,13 +129,13 @@ def _update_next_to_fresh(
                 trainer.wait_for_samplers(tp, timeout=300)
                 rep = trainer.publish(last + 2, damaged)
                 assert rep.ok, rep.failed
-        result = _finish(upd, upd_out, upd_log)
+        result = P.finish(upd, upd_out, upd_log)
     except BaseException:
-        _kill(upd, fresh)
+        P.kill(upd, fresh)
         raise
     finally:
         trainer.close()
-    fresh_result = _finish(fresh, fresh_out, fresh_log)
+    fresh_result = P.finish(fresh, fresh_out, fresh_log)
     # COVERAGE RULE: the engine refused a trainer without the final norm, then took this one.
     uncovered = result["uncovered_init"]
     assert "tpusync weight transfer engine not set up on this engine: worker " in uncovered
@@ -611,12 +567,6 @@ def test_tp2_engine_of_a_fused_checkpoint_pulls_one_copy_when_the_trainer_splits
         assert f"{name}: {size} elements for {name} of {size // 2}" in log, log[-4000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http(base: str, path: str, body: dict | None = None) -> dict:
     req = urllib.request.Request(
         base + path,
@@ -649,14 +599,7 @@ def test_vllm_server_takes_new_weights_over_http_and_keeps_serving_after_a_faile
     fresh_out, fresh_log = tmp_path / "fresh.json", tmp_path / "fresh.log"
     fresh = _start(["generate", str(new_dir), str(fresh_out), "1"], fresh_log)
 
-    port, log = _free_port(), tmp_path / "server.log"
-    env = {
-        **os.environ,
-        "TPUSYNC_AUTH_SECRET": U.SECRET.decode(),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_SERVER_DEV_MODE": "1",  # vLLM's weight-transfer routes
-    }
+    port, log = P.free_port(), tmp_path / "server.log"
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
@@ -664,28 +607,14 @@ def test_vllm_server_takes_new_weights_over_http_and_keeps_serving_after_a_faile
         "--enforce-eager", "--seed", "0",
         "--weight-transfer-config", json.dumps({"backend": rlvllm.BACKEND}),
     ]  # fmt: skip
-    server = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=open(log, "w"),  # noqa: SIM115 - closed with the process
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    server = P.start(cmd, log, VLLM_SERVER_DEV_MODE="1")  # vLLM's weight-transfer routes
     trainer = TrainerSync(
         0, 1, rlvllm.tp_layouts(model_dir, 1), secret=U.SECRET, block_bytes=1 << 16,
         pool_bytes=16 << 20,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
-            if server.poll() is not None:
-                pytest.fail(f"the server exited ({server.returncode}):\n{log.read_text()[-6000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
+        P.wait_healthy(server, base, log)
         before = _complete(base, str(model_dir))
         setup = {
             "control": trainer.control_address,
@@ -738,12 +667,12 @@ def test_vllm_server_takes_new_weights_over_http_and_keeps_serving_after_a_faile
         assert rep2.ok and rep2.committed == ["0:0"], rep2.failed
         assert _complete(base, str(model_dir)) == after
     except BaseException:
-        _kill(fresh)
+        P.kill(fresh)
         raise
     finally:
         trainer.close()
-        _kill(server)
+        P.kill(server)
         server.wait(timeout=30)
-    fresh_result = _finish(fresh, fresh_out, fresh_log)
+    fresh_result = P.finish(fresh, fresh_out, fresh_log)
     assert after == fresh_result["tokens"]  # exactly the new weights' greedy outputs
     assert before != after
