@@ -10,6 +10,7 @@ vLLM from directories the test wrote itself.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import urllib.request
@@ -201,15 +202,28 @@ def test_what_is_not_a_lora_adapter_the_engine_serves_is_refused_before_anything
     stem = "base_model.model.model.layers.0.self_attn.q_proj"
     cases = [
         ({**config, "peft_type": "IA3"}, params, "peft_type 'IA3': tpusync's LoRA sync serves"),
-        ({**config, "r": 0}, params, "r=0: the LoRA rank must be an integer >= 1"),
+        ({**config, "r": 0}, params, "r=0, rank_pattern=None: every LoRA rank must be an integer >= 1"),
+        ({**config, "rank_pattern": {"q_proj": 0}}, params, "every LoRA rank must be an integer >= 1"),
         (config, {**params, "model.norm.weight": [[32], "float32"]}, "model.norm.weight: not a LoRA"),
-        (config, {**params, stem + ".lora_A.weight": [[4, 32], "float32"]}, "does not hold the adapter's rank 8"),
+        (config, {**params, stem + ".lora_A.weight": [[4, 32], "float32"]},
+         "lora_A.weight: shape [4, 32] does not hold one of the adapter's ranks [8]"),
+        (config, {**params, stem + ".lora_B.weight": [[], "float32"]}, "shape [] does not hold one"),
+        ({**config, "rank_pattern": {"q_proj": 4}}, {**params, stem + ".lora_A.weight": [[4, 32], "float32"]},
+         f"{stem}: lora_A has rank 4 but lora_B has rank 8"),
         (config, {n: p for n, p in params.items() if n != stem + ".lora_B.weight"},
          f"lacks 1 tensors of its A/B pairs: {stem}.lora_B.weight"),
     ]  # fmt: skip
     for cfg, prm, why in cases:
-        with pytest.raises(ValueError, match=why.replace("(", r"\(").replace("[", r"\[")):
+        with pytest.raises(ValueError, match=re.escape(why)):
             check_adapter(cfg, prm)
+    # PEFT's per-module ranks (rank_pattern): q_proj at rank 4, the rest at r = 8.
+    per_module = {**params, stem + ".lora_A.weight": [[4, 32], "float32"],
+                  stem + ".lora_B.weight": [[32, 4], "float32"]}  # fmt: skip
+    assert check_adapter({**config, "rank_pattern": {"q_proj": 4}}, per_module) == 8
+    assert (
+        check_adapter({**config, "r": 4, "rank_pattern": {"v_proj": 8, "down_proj": 8}}, per_module)
+        == 8
+    )
     engine = _RefusingEngine()
     big = adapter(0, _TOY, 1, r=16)
     with pytest.raises(ValueError, match="rank 16 is above the engine's max_lora_rank 8"):

@@ -1,7 +1,7 @@
 """LoRA adapter versions from a trainer into a running vLLM engine.
 
-An RL loop that trains a LoRA adapter (PEFT) moves only the adapter: a few MB instead of the
-model. vLLM serves adapters it loads from a directory (``LoRARequest(name, int_id, path)``, a
+An RL loop that trains a LoRA adapter (PEFT) moves only the adapter instead of the model
+(84 MB for Llama-3-8B at rank 16). vLLM serves adapters it loads from a directory (``LoRARequest(name, int_id, path)``, a
 PEFT ``adapter_config.json`` plus ``adapter_model.safetensors``), each under its own integer id.
 :class:`LoraSync` is the sampler side: one :class:`~tpusync.rl.sampler.SamplerSync` in the
 process that holds the engine (the offline ``LLM``, or a client on the host of a server), which
@@ -79,19 +79,24 @@ def lora_layouts(params: Mapping[str, Any]) -> dict[str, ShardLayout]:
 
 
 def check_adapter(config: Mapping[str, Any], params: Mapping[str, Any]) -> int:
-    """The adapter's rank, or ValueError naming what does not make a PEFT LoRA adapter of
-    ``params`` (``{name: [shape, dtype]}``) with ``config`` (its ``adapter_config.json``)."""
+    """The adapter's largest rank, or ValueError naming what does not make a PEFT LoRA adapter
+    of ``params`` (``{name: [shape, dtype]}``) with ``config`` (its ``adapter_config.json``).
+    Each module's lora_A / lora_B pair has one rank: ``r``, or one of the config's
+    ``rank_pattern`` ranks (PEFT's per-module ranks, which vLLM serves)."""
     if config.get("peft_type") != "LORA":
         raise ValueError(
             f"adapter config has peft_type {config.get('peft_type')!r}: tpusync's LoRA sync "
             "serves PEFT 'LORA' adapters only"
         )
-    rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"adapter config has r={rank!r}: the LoRA rank must be an integer >= 1")
+    ranks = {config.get("r"), *(config.get("rank_pattern") or {}).values()}
+    if not all(isinstance(r, int) and r >= 1 for r in ranks):
+        raise ValueError(
+            f"adapter config has r={config.get('r')!r}, rank_pattern="
+            f"{config.get('rank_pattern')!r}: every LoRA rank must be an integer >= 1"
+        )
     if not params:
         raise ValueError("the adapter has no tensors")
-    stems: dict[str, set[str]] = {}
+    pairs: dict[str, dict[str, int]] = {}
     for name, (shape, _dtype) in params.items():
         found = _LORA.search(name)
         if found is None:
@@ -99,21 +104,26 @@ def check_adapter(config: Mapping[str, Any], params: Mapping[str, Any]) -> int:
                 f"{name}: not a LoRA tensor (PEFT names end in .lora_A.weight or .lora_B.weight)"
             )
         side = found[1]
-        stems.setdefault(name[: found.start()], set()).add(side)
-        held = shape[0] if side == "A" else shape[-1]
-        if len(shape) != 2 or held != rank:
+        held = None if len(shape) != 2 else shape[0] if side == "A" else shape[1]
+        if held not in ranks:
             raise ValueError(
-                f"{name}: shape {list(shape)} does not hold the adapter's rank {rank} "
-                f"(lora_A is [r, in], lora_B is [out, r])"
+                f"{name}: shape {list(shape)} does not hold one of the adapter's ranks "
+                f"{sorted(ranks)} (lora_A is [r, in], lora_B is [out, r])"
             )
-    lone = sorted(f"{stem}.lora_{'B' if sides == {'A'} else 'A'}.weight"
-                  for stem, sides in stems.items() if len(sides) == 1)  # fmt: skip
+        pairs.setdefault(name[: found.start()], {})[side] = held
+    lone = sorted(f"{stem}.lora_{'B' if 'A' in sides else 'A'}.weight"
+                  for stem, sides in pairs.items() if len(sides) == 1)  # fmt: skip
     if lone:
         raise ValueError(
             f"the adapter lacks {len(lone)} tensors of its A/B pairs: {', '.join(lone[:4])}"
             + (f" and {len(lone) - 4} more" if len(lone) > 4 else "")
         )
-    return rank
+    for stem, sides in pairs.items():
+        if sides["A"] != sides["B"]:
+            raise ValueError(
+                f"{stem}: lora_A has rank {sides['A']} but lora_B has rank {sides['B']}"
+            )
+    return max(ranks)
 
 
 def _dtype(dtype: Any) -> torch.dtype:
