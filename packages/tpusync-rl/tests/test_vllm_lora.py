@@ -28,7 +28,12 @@ import vllm_procs as P  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from tpusync.rl import TrainerSync, UpdateRejectedError  # noqa: E402
-from tpusync.rl.vllm.lora import AdapterVersion, LoraSync, check_adapter  # noqa: E402
+from tpusync.rl.vllm.lora import (  # noqa: E402
+    AdapterVersion,
+    LoraSync,
+    check_adapter,
+    lora_layouts,
+)
 
 BB = 1 << 16  # small blocks: an adapter spans several
 SCRIPT = Path(__file__).with_name("vllm_lora_scenario.py")
@@ -72,9 +77,10 @@ def _params(tensors: dict) -> dict:
 _TOY = {"hidden": 32, "q": 32, "kv": 16, "inter": 48}
 
 
-def _pair(tmp_path, trainer_cls=TrainerSync, **lora_kw):
+def _pair(tmp_path, trainer_cls=TrainerSync, dst=None, **lora_kw):
+    """A trainer (``dst``: its dst_layouts; None: from the sampler's report) and a LoraSync."""
     config, _ = adapter(0, _TOY, 2)
-    trainer = trainer_cls(0, 1, None, secret=U.SECRET, block_bytes=BB, pool_bytes=8 << 20)
+    trainer = trainer_cls(0, 1, dst, secret=U.SECRET, block_bytes=BB, pool_bytes=8 << 20)
     lora = LoraSync(
         config,
         _params(adapter(0, _TOY, 2)[1]),
@@ -96,8 +102,10 @@ def _step(pool, trainer, lora, version, tensors):
     return trainer.publish(version, tensors), pulled
 
 
-def test_each_adapter_version_is_a_verified_peft_directory_of_its_own(tmp_path):
-    config, trainer, lora = _pair(tmp_path, keep=2)
+@pytest.mark.parametrize("planned", [False, True], ids=["reported", "lora_layouts"])
+def test_each_adapter_version_is_a_verified_peft_directory_of_its_own(tmp_path, planned):
+    dst = lora_layouts(_params(adapter(0, _TOY, 2)[1])) if planned else None
+    config, trainer, lora = _pair(tmp_path, dst=dst, keep=2)
     root = tmp_path / "adapters"
     try:
         with ThreadPoolExecutor(1) as pool:
