@@ -241,11 +241,8 @@ def test_what_is_not_a_lora_adapter_the_engine_serves_is_refused_before_anything
         LoraSync(config, params, engine=engine, control="127.0.0.1:1", replica=0)
 
 
-def test_running_vllm_engine_serves_each_adapter_version_like_the_same_adapter_from_disk(tmp_path):
-    """A running engine (TP=1, LoRA on) takes adapter versions 1 and 3 from the trainer and
-    generates exactly as with the same adapters loaded by vLLM from directories written here;
-    version 2, damaged in transit, is rejected and version 1 stays served; a request still
-    naming version 1 after version 3 runs on version 1."""
+def _tiny_adapters() -> tuple[Path, dict[int, tuple[dict, dict]]]:
+    """The suite's tiny Llama and adapters 1, 2 and 3 (seeds 1-3) of its shapes."""
     from tpusync.vllm import tinymodel
 
     model_dir = tinymodel.tiny_model_dir()
@@ -253,12 +250,17 @@ def test_running_vllm_engine_serves_each_adapter_version_like_the_same_adapter_f
     head = cfg["head_dim"]
     sizes = {"hidden": cfg["hidden_size"], "inter": cfg["intermediate_size"],
              "q": cfg["num_attention_heads"] * head, "kv": cfg["num_key_value_heads"] * head}  # fmt: skip
-    layers = cfg["num_hidden_layers"]
-    (config, v1), v2, v3 = (
-        adapter(1, sizes, layers),
-        adapter(2, sizes, layers)[1],
-        adapter(3, sizes, layers)[1],
-    )
+    return model_dir, {v: adapter(v, sizes, cfg["num_hidden_layers"]) for v in (1, 2, 3)}
+
+
+def test_running_vllm_engine_serves_each_adapter_version_like_the_same_adapter_from_disk(tmp_path):
+    """A running engine (TP=1, LoRA on) takes adapter versions 1 and 3 from the trainer and
+    generates exactly as with the same adapters loaded by vLLM from directories written here;
+    version 2, damaged in transit, is rejected and version 1 stays served; a request still
+    naming version 1 after version 3 runs on version 1."""
+    model_dir, versions = _tiny_adapters()
+    config = versions[1][0]
+    v1, v2, v3 = (versions[v][1] for v in (1, 2, 3))
     ref1 = write_adapter(tmp_path / "ref1", config, v1)
     ref3 = write_adapter(tmp_path / "ref3", config, v3)
     trainer = _DamagingTrainer(0, 1, None, secret=U.SECRET, block_bytes=BB, pool_bytes=16 << 20)
@@ -311,14 +313,7 @@ def test_vllm_server_loads_each_adapter_version_over_http_and_unloads_old_ones(t
     ``/v1/load_lora_adapter``; each completes like the same adapter the test loaded from its own
     directory, and with ``keep=2`` version 1 is unloaded (gone from ``/v1/models``) once
     version 3 is served."""
-    from tpusync.vllm import tinymodel
-
-    model_dir = tinymodel.tiny_model_dir()
-    cfg = json.loads((model_dir / "config.json").read_text())
-    head = cfg["head_dim"]
-    sizes = {"hidden": cfg["hidden_size"], "inter": cfg["intermediate_size"],
-             "q": cfg["num_attention_heads"] * head, "kv": cfg["num_key_value_heads"] * head}  # fmt: skip
-    versions = {v: adapter(v, sizes, cfg["num_hidden_layers"]) for v in (1, 2, 3)}
+    model_dir, versions = _tiny_adapters()
     config = versions[1][0]
     port = P.free_port()
     base, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"

@@ -38,6 +38,7 @@ from vllm.distributed.weight_transfer.base import (
 from tpusync.rl.chunks import UpdateRejectedError, WeightSubscriber, _torch_dtype
 from tpusync.rl.layout import Box, ShardLayout
 from tpusync.rl.sampler import SamplerSync
+from tpusync.rl.vllm import _listed
 from tpusync.rl.vllm.coverage import unwritten_params
 from tpusync.rl.vllm.shapes import shape_mismatches
 from tpusync.rl.vllm.tp import oversent, worker_boxes
@@ -47,8 +48,7 @@ log = logging.getLogger("tpusync.rl")
 
 def _named(found: dict[str, str]) -> str:
     """``"name: what; ..."`` for the first four of ``found``, then how many more."""
-    named = "; ".join(f"{n}: {what}" for n, what in list(found.items())[:4])
-    return named + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    return _listed([f"{n}: {what}" for n, what in found.items()])
 
 
 @dataclass

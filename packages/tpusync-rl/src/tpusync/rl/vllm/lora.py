@@ -1,8 +1,9 @@
 """LoRA adapter versions from a trainer into a running vLLM engine.
 
 An RL loop that trains a LoRA adapter (PEFT) moves only the adapter instead of the model
-(84 MB for Llama-3-8B at rank 16). vLLM serves adapters it loads from a directory (``LoRARequest(name, int_id, path)``, a
-PEFT ``adapter_config.json`` plus ``adapter_model.safetensors``), each under its own integer id.
+(84 MB for Llama-3-8B at rank 16). vLLM serves adapters it loads from a directory
+(``LoRARequest(name, int_id, path)``, a PEFT ``adapter_config.json`` plus
+``adapter_model.safetensors``), each under its own integer id.
 :class:`LoraSync` is the sampler side: one :class:`~tpusync.rl.sampler.SamplerSync` in the
 process that holds the engine (the offline ``LLM``, or a client on the host of a server), which
 pulls each version the trainer publishes, checks every digest, writes it as a PEFT directory and
@@ -45,10 +46,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tpusync.rl.chunks import UpdateRejectedError, WeightSubscriber
+from tpusync.rl.chunks import UpdateRejectedError, WeightSubscriber, _torch_dtype
 from tpusync.rl.layout import ShardLayout
 from tpusync.rl.sampler import SamplerSync
-from tpusync.rl.vllm import _post
+from tpusync.rl.vllm import _listed, _post
 
 log = logging.getLogger("tpusync.rl")
 
@@ -114,20 +115,13 @@ def check_adapter(config: Mapping[str, Any], params: Mapping[str, Any]) -> int:
     lone = sorted(f"{stem}.lora_{'B' if 'A' in sides else 'A'}.weight"
                   for stem, sides in pairs.items() if len(sides) == 1)  # fmt: skip
     if lone:
-        raise ValueError(
-            f"the adapter lacks {len(lone)} tensors of its A/B pairs: {', '.join(lone[:4])}"
-            + (f" and {len(lone) - 4} more" if len(lone) > 4 else "")
-        )
+        raise ValueError(f"the adapter lacks {len(lone)} tensors of its A/B pairs: {_listed(lone)}")
     for stem, sides in pairs.items():
         if sides["A"] != sides["B"]:
             raise ValueError(
                 f"{stem}: lora_A has rank {sides['A']} but lora_B has rank {sides['B']}"
             )
     return max(ranks)
-
-
-def _dtype(dtype: Any) -> torch.dtype:
-    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
 
 
 def _check_engine(engine: Any, rank: int) -> None:
@@ -189,7 +183,9 @@ class LoraSync:
         self._name, self._offset, self._keep = name, id_offset, keep
         self._http_timeout = http_timeout
         layouts = lora_layouts(params)
-        weights = {n: torch.zeros(shape, dtype=_dtype(dt)) for n, (shape, dt) in params.items()}
+        weights = {
+            n: torch.zeros(shape, dtype=_torch_dtype(str(dt))) for n, (shape, dt) in params.items()
+        }
         sub = WeightSubscriber(0, weights, layouts, mode="shadow", recycle=True)
         self.sampler = SamplerSync(sub, **sampler)
         self._made_root = root is None
