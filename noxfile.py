@@ -50,6 +50,7 @@ PURE = [p for p in PACKAGES if p != "tpusync-core"]
 # reference machines carry; jax's CPU wheel comes from PyPI.
 TORCH = "torch==2.13.0"
 JAX = "jax==0.10.2"
+SAFETENSORS = "safetensors>=0.4"  # tpusync-rl[lora]
 NANOBIND = "nanobind==3.1.0"
 RUFF = "ruff==0.17.6"  # pinned: newer ruff releases change formatting (Markdown code blocks)
 BUILD_DEPS = ["scikit-build-core>=0.10", NANOBIND, "ninja", "cmake>=3.24"]
@@ -431,7 +432,8 @@ def integration_rl(session: nox.Session) -> None:
     # then requires those rows, TPUSYNC_NETNS=1).
     _apt(session, "iperf3", "iproute2")
     install_core(session)
-    session.install(TORCH, JAX, *TEST_DEPS)  # jax: the multi-controller JAX trainer test
+    # jax: the multi-controller JAX trainer test; safetensors: the LoRA adapter directories
+    session.install(TORCH, JAX, SAFETENSORS, *TEST_DEPS)
     for pkg in ("tpusync-torch", "tpusync-rl"):
         session.install("--no-deps", "--force-reinstall", str(ROOT / "packages" / pkg))
     env = {"TPUSYNC_REPO_ROOT": str(ROOT), "OMP_NUM_THREADS": "1"}

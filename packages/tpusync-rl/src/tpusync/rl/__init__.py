@@ -33,8 +33,9 @@ Available now (transport-agnostic cores, tested in-process):
   ``dst_layouts`` (SAMPLER LAYOUTS CONTRACT in :mod:`tpusync.rl.trainer`); imports vLLM only
   when vLLM calls it. :mod:`tpusync.rl.fused` splits fused checkpoint tensors (Phi-3's
   ``qkv_proj`` / ``gate_up_proj``) into the parts an engine's tensor-parallel ranks cut;
-  :mod:`tpusync.rl.vllm.lora` syncs LoRA adapter versions into a vLLM engine or server, each
-  version its own adapter (ADAPTER VERSION CONTRACT).
+  :mod:`tpusync.rl.lora` syncs LoRA adapter versions into a running engine, each version its
+  own adapter (ADAPTER VERSION CONTRACT), with vLLM's loaders in :mod:`tpusync.rl.vllm.lora`
+  (SGLang's: ``tpusync.sglang.lora``).
 
 NOT IMPLEMENTED YET: the trainer-side slice plan computed ahead of the engine (``tp_layouts``,
 tensor parallelism only) knows the Llama-family checkpoint names only (Llama, Mistral, Qwen2,

@@ -1,11 +1,18 @@
 """What one version's sync came to: :class:`PublishReport` on a trainer rank (on rank 0 with
-every sampler's outcome), :class:`UpdateResult` on a sampler rank."""
+every sampler's outcome), :class:`UpdateResult` on a sampler rank; :func:`listed` shortens the
+lists of names that refusals quote."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["PublishReport", "UpdateResult"]
+__all__ = ["PublishReport", "UpdateResult", "listed"]
+
+
+def listed(items: list[str]) -> str:
+    """The first four of ``items``, ``"; "``-joined, then how many more (for messages that name
+    many tensors or modules)."""
+    return "; ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
 
 
 @dataclass

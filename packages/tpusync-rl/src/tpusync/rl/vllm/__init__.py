@@ -202,11 +202,6 @@ def _end_session(finish: Any) -> None:
 _PAUSE_MODES = ("wait", "abort", "keep")
 
 
-def _listed(items: list[str]) -> str:
-    """The first four of ``items``, ``"; "``-joined, then how many more (for error messages)."""
-    return "; ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
-
-
 def _post(base: str, path: str, body: Any = None, timeout: float = 60.0) -> Any:
     data = json.dumps(body).encode() if body is not None else b""
     req = urllib.request.Request(

@@ -37,8 +37,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from tpusync.rl.chunks import UpdateRejectedError, WeightSubscriber, _torch_dtype
 from tpusync.rl.layout import Box, ShardLayout
+from tpusync.rl.reports import listed
 from tpusync.rl.sampler import SamplerSync
-from tpusync.rl.vllm import _listed
 from tpusync.rl.vllm.coverage import unwritten_params
 from tpusync.rl.vllm.shapes import shape_mismatches
 from tpusync.rl.vllm.tp import oversent, worker_boxes
@@ -48,7 +48,7 @@ log = logging.getLogger("tpusync.rl")
 
 def _named(found: dict[str, str]) -> str:
     """``"name: what; ..."`` for the first four of ``found``, then how many more."""
-    return _listed([f"{n}: {what}" for n, what in found.items()])
+    return listed([f"{n}: {what}" for n, what in found.items()])
 
 
 @dataclass

@@ -1,33 +1,17 @@
-"""LoRA adapter versions from a trainer into a running vLLM engine.
+"""LoRA adapter versions from a trainer into a running vLLM engine or server.
 
-An RL loop that trains a LoRA adapter (PEFT) moves only the adapter instead of the model
-(84 MB for Llama-3-8B at rank 16). vLLM serves adapters it loads from a directory
-(``LoRARequest(name, int_id, path)``, a PEFT ``adapter_config.json`` plus
-``adapter_model.safetensors``), each under its own integer id.
-:class:`LoraSync` is the sampler side: one :class:`~tpusync.rl.sampler.SamplerSync` in the
-process that holds the engine (the offline ``LLM``, or a client on the host of a server), which
-pulls each version the trainer publishes, checks every digest, writes it as a PEFT directory and
-has the engine load it before the version counts as served.
+vLLM serves adapters it loads from a PEFT directory (``LoRARequest(name, int_id, path)``), each
+under its own integer id. :class:`LoraSync` is :class:`tpusync.rl.lora.AdapterSync` (ADAPTER
+VERSION CONTRACT: one adapter per version, written after every digest verified, loaded before
+the version is committed, the newest ``keep`` kept) with vLLM as the loader:
 
-The trainer publishes the adapter's tensors under PEFT's names (``get_peft_model_state_dict``:
-``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``) with a
-:class:`~tpusync.rl.trainer.TrainerSync` built with ``dst_layouts=None`` (this sampler reports
-the whole of each tensor) or with :func:`lora_layouts`. Each engine is one sampler replica of
-one rank; several engines fan out by the trainer's chain or tree like any samplers.
-
-ADAPTER VERSION CONTRACT: version ``v`` is served as its own adapter, named ``<name>-v<v>`` with
-integer id ``id_offset + v``, in its own directory under ``root``. A request carries one adapter,
-so it runs on one version whole; requests made with the previous version keep it, with no pause
-of the engine. The directory is written only after every digest verified (to a temporary name,
-then renamed), and the engine loads it before the version is committed - ``engine=`` an offline
-``vllm.LLM`` (``add_lora``, on every worker), or ``server=`` a vLLM OpenAI server's URL
-(``POST /v1/load_lora_adapter``; the server must see ``root``: same host or a shared
-filesystem). An adapter vLLM refuses (a rank above ``max_lora_rank``, a target module the model
-lacks, a shape that does not fit, a server without runtime LoRA loading) rejects the version: the
-trainer's report says why, the directory is removed and the previous version stays the one
-served (GROUP COMMIT CONTRACT of the sampler). The newest ``keep`` versions stay; older
-directories are deleted (and unloaded from a server, whose list of adapters would otherwise
-grow), so a request must not name a version more than ``keep - 1`` behind.
+- ``engine=``: an offline ``vllm.LLM`` started with ``enable_lora=True``; ``add_lora`` loads each
+  version on every worker; requests pass :meth:`AdapterVersion.request` as ``lora_request=``.
+- ``server=``: a vLLM OpenAI server's URL, started with ``--enable-lora`` and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; ``POST /v1/load_lora_adapter`` loads each version
+  and ``/v1/unload_lora_adapter`` drops the old ones (the server's list of adapters would
+  otherwise grow by one per step); requests name the version by ``model=<its name>``. The
+  server must see ``root`` (same host or a shared filesystem).
 
 This module imports vLLM only in :meth:`AdapterVersion.request` and for ``engine=``: a client of
 a vLLM server needs only torch and safetensors.
@@ -35,36 +19,21 @@ a vLLM server needs only torch and safetensors.
 
 from __future__ import annotations
 
-import json
-import logging
-import re
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
+from tpusync.rl import lora
+from tpusync.rl.lora import AdapterSync, check_adapter, lora_layouts
+from tpusync.rl.vllm import _post
 
-from tpusync.rl.chunks import UpdateRejectedError, WeightSubscriber, _torch_dtype
-from tpusync.rl.layout import ShardLayout
-from tpusync.rl.sampler import SamplerSync
-from tpusync.rl.vllm import _listed, _post
-
-log = logging.getLogger("tpusync.rl")
-
-_LORA = re.compile(r"\.lora_(A|B)\.weight$")
-_ADAPTER_FILE = "adapter_model.safetensors"
-_CONFIG_FILE = "adapter_config.json"
+__all__ = ["AdapterVersion", "LoraSync", "check_adapter", "lora_layouts"]
 
 
-class AdapterVersion(NamedTuple):
-    """One served adapter version (ADAPTER VERSION CONTRACT)."""
+class AdapterVersion(lora.AdapterVersion):
+    """One adapter version served by vLLM (ADAPTER VERSION CONTRACT)."""
 
-    version: int
-    name: str  # vLLM's lora_name
-    lora_int_id: int
-    path: str  # the PEFT directory vLLM loads
+    __slots__ = ()
 
     def request(self) -> Any:
         """The ``vllm.lora.request.LoRARequest`` to pass to ``generate(..., lora_request=)``."""
@@ -73,86 +42,67 @@ class AdapterVersion(NamedTuple):
         return LoRARequest(self.name, self.lora_int_id, self.path)
 
 
-def lora_layouts(params: Mapping[str, Any]) -> dict[str, ShardLayout]:
-    """The trainer's ``dst_layouts`` for LoRA samplers: each tensor whole to sampler rank 0
-    (``params``: ``{name: [shape, dtype]}``)."""
-    return {n: ShardLayout.replicated(shape, [0]) for n, (shape, _dtype) in params.items()}
+class _EngineLoader:
+    """An offline ``vllm.LLM``: ``add_lora`` on every worker."""
 
+    engine = "vLLM"
 
-def check_adapter(config: Mapping[str, Any], params: Mapping[str, Any]) -> int:
-    """The adapter's largest rank, or ValueError naming what does not make a PEFT LoRA adapter
-    of ``params`` (``{name: [shape, dtype]}``) with ``config`` (its ``adapter_config.json``).
-    Each module's lora_A / lora_B pair has one rank: ``r``, or one of the config's
-    ``rank_pattern`` ranks (PEFT's per-module ranks, which vLLM serves)."""
-    if config.get("peft_type") != "LORA":
-        raise ValueError(
-            f"adapter config has peft_type {config.get('peft_type')!r}: tpusync's LoRA sync "
-            "serves PEFT 'LORA' adapters only"
-        )
-    ranks = {config.get("r"), *(config.get("rank_pattern") or {}).values()}
-    if not all(isinstance(r, int) and r >= 1 for r in ranks):
-        raise ValueError(
-            f"adapter config has r={config.get('r')!r}, rank_pattern="
-            f"{config.get('rank_pattern')!r}: every LoRA rank must be an integer >= 1"
-        )
-    if not params:
-        raise ValueError("the adapter has no tensors")
-    pairs: dict[str, dict[str, int]] = {}
-    for name, (shape, _dtype) in params.items():
-        found = _LORA.search(name)
-        if found is None:
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+
+    def check(self, rank: int, keep: int) -> None:
+        config = self._llm.llm_engine.vllm_config.lora_config
+        if config is None:
             raise ValueError(
-                f"{name}: not a LoRA tensor (PEFT names end in .lora_A.weight or .lora_B.weight)"
+                "the vLLM engine was started without enable_lora=True: it serves no adapter"
             )
-        side = found[1]
-        held = None if len(shape) != 2 else shape[0] if side == "A" else shape[1]
-        if held not in ranks:
+        if rank > config.max_lora_rank:
             raise ValueError(
-                f"{name}: shape {list(shape)} does not hold one of the adapter's ranks "
-                f"{sorted(ranks)} (lora_A is [r, in], lora_B is [out, r])"
+                f"the adapter's rank {rank} is above the engine's max_lora_rank "
+                f"{config.max_lora_rank}: start the engine with a larger max_lora_rank"
             )
-        pairs.setdefault(name[: found.start()], {})[side] = held
-    lone = sorted(f"{stem}.lora_{'B' if 'A' in sides else 'A'}.weight"
-                  for stem, sides in pairs.items() if len(sides) == 1)  # fmt: skip
-    if lone:
-        raise ValueError(f"the adapter lacks {len(lone)} tensors of its A/B pairs: {_listed(lone)}")
-    for stem, sides in pairs.items():
-        if sides["A"] != sides["B"]:
-            raise ValueError(
-                f"{stem}: lora_A has rank {sides['A']} but lora_B has rank {sides['B']}"
-            )
-    return max(ranks)
+
+    def load(self, adapter: lora.AdapterVersion) -> None:
+        if not self._llm.llm_engine.add_lora(adapter.request()):  # type: ignore[attr-defined]
+            raise RuntimeError("add_lora returned False")
+
+    def unload(self, adapter: lora.AdapterVersion) -> None:
+        """Nothing: the engine's LRU cache of adapters drops unused ones itself."""
 
 
-def _check_engine(engine: Any, rank: int) -> None:
-    """ValueError unless ``engine`` (a ``vllm.LLM``) serves LoRA adapters of rank ``rank``."""
-    lora = engine.llm_engine.vllm_config.lora_config
-    if lora is None:
-        raise ValueError(
-            "the vLLM engine was started without enable_lora=True: it serves no adapter"
-        )
-    if rank > lora.max_lora_rank:
-        raise ValueError(
-            f"the adapter's rank {rank} is above the engine's max_lora_rank {lora.max_lora_rank}: "
-            "start the engine with a larger max_lora_rank"
-        )
+class _ServerLoader:
+    """A vLLM OpenAI server: its runtime LoRA routes, each call bounded by ``timeout`` s."""
+
+    engine = "vLLM"
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self._url, self._timeout = url.rstrip("/"), timeout
+
+    def check(self, rank: int, keep: int) -> None:
+        """Nothing here: the server's LoRA settings are not on its HTTP API; a refusal rejects
+        the version instead."""
+
+    def load(self, adapter: lora.AdapterVersion) -> None:
+        body = {"lora_name": adapter.name, "lora_path": adapter.path}
+        _post(self._url, "/v1/load_lora_adapter", body, self._timeout)
+
+    def unload(self, adapter: lora.AdapterVersion) -> None:
+        _post(self._url, "/v1/unload_lora_adapter", {"lora_name": adapter.name}, self._timeout)
 
 
-class LoraSync:
+class LoraSync(AdapterSync):
     """A vLLM engine's sampler of LoRA adapter versions (ADAPTER VERSION CONTRACT).
 
-    ``config``: the adapter's PEFT config (``adapter_config.json`` as a dict), the same for every
-    version; ``params``: ``{name: [shape, dtype]}`` of its tensors under PEFT names (e.g.
-    :func:`tpusync.rl.vllm.checkpoint_params` of a saved adapter directory). ``engine``: a
-    ``vllm.LLM`` started with ``enable_lora=True`` (its ``max_lora_rank`` at least the adapter's),
-    which loads each version before it is committed. ``server``: instead, the URL of a vLLM
-    OpenAI server started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
-    (requests name the version by ``model=<its name>``); each HTTP call times out after
-    ``http_timeout`` s. Neither: the directories are only written. ``root``: where the version
-    directories go (default a new directory in /dev/shm, or the temp dir; removed by
-    :meth:`close` only when made here). Other keyword arguments go to
-    :class:`~tpusync.rl.sampler.SamplerSync` (``control`` and ``replica`` are required).
+    ``config`` / ``params`` / ``root`` / ``name`` / ``id_offset`` / ``keep`` and the
+    :class:`~tpusync.rl.sampler.SamplerSync` keyword arguments (``control`` and ``replica`` are
+    required): as :class:`~tpusync.rl.lora.AdapterSync`. ``engine``: a ``vllm.LLM`` started with
+    ``enable_lora=True`` (its ``max_lora_rank`` at least the adapter's). ``server``: instead, the
+    URL of a vLLM OpenAI server started with ``--enable-lora`` and
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; each HTTP call times out after ``http_timeout``
+    s. Neither: the directories are only written.
     """
+
+    version_type = AdapterVersion
 
     def __init__(
         self,
@@ -162,134 +112,14 @@ class LoraSync:
         engine: Any = None,
         server: str | None = None,
         root: str | Path | None = None,
-        name: str = "tpusync-lora",
-        id_offset: int = 0,
-        keep: int = 2,
         http_timeout: float = 60.0,
-        **sampler: Any,
+        **kwargs: Any,
     ) -> None:
-        self.rank = check_adapter(config, params)
         if engine is not None and server is not None:
             raise ValueError("pass engine= (an offline vllm.LLM) or server= (a URL), not both")
+        loader: lora.AdapterLoader | None = None
         if engine is not None:
-            _check_engine(engine, self.rank)
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, not {keep}")
-        if id_offset < 0:
-            raise ValueError(f"id_offset must be >= 0, not {id_offset}")
-        self._config = dict(config)
-        self._engine = engine
-        self._server = server.rstrip("/") if server is not None else None
-        self._name, self._offset, self._keep = name, id_offset, keep
-        self._http_timeout = http_timeout
-        layouts = lora_layouts(params)
-        weights = {
-            n: torch.zeros(shape, dtype=_torch_dtype(str(dt))) for n, (shape, dt) in params.items()
-        }
-        sub = WeightSubscriber(0, weights, layouts, mode="shadow", recycle=True)
-        self.sampler = SamplerSync(sub, **sampler)
-        self._made_root = root is None
-        if root is None:
-            shm = Path("/dev/shm")
-            root = tempfile.mkdtemp(prefix="tpusync-lora-", dir=shm if shm.is_dir() else None)
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.current: AdapterVersion | None = None
-        self._served: list[AdapterVersion] = []  # oldest first, at most ``keep``
-
-    @property
-    def version(self) -> int:
-        """The version served (0: none yet)."""
-        return self.sampler.version
-
-    def update(self, timeout: float, version: int | None = None) -> AdapterVersion:
-        """Wait up to ``timeout`` s for a newer adapter version, write it, load it, commit it.
-
-        Raises TimeoutError when none was announced in time and UpdateRejectedError when it was
-        rejected (a digest, the engine's load); either way :attr:`current` is still served.
-        ``version``: the one expected (a warning when another arrives; refused when already
-        served).
-        """
-        if version is not None and self.version >= version:
-            raise UpdateRejectedError(
-                f"adapter version {version} requested but this sampler already serves "
-                f"{self.version}"
-            )
-        staged: list[AdapterVersion] = []
-
-        def confirm(v: int) -> str | None:
-            adapter = self._write(v, self.sampler.sub.staged())
-            try:
-                self._load(adapter)
-            except Exception as e:  # noqa: BLE001 - the version is rejected, with vLLM's reason
-                shutil.rmtree(adapter.path, ignore_errors=True)
-                return f"vLLM did not load adapter version {v}: {type(e).__name__}: {e}"
-            staged.append(adapter)
-            return None
-
-        result = self.sampler.update(timeout, confirm=confirm)
-        if result is None:
-            raise TimeoutError(
-                f"no adapter version newer than {self.version} was announced within {timeout} s"
-            )
-        if not result.ok:
-            for adapter in staged:  # verified and loaded, but the commit failed
-                self._unload(adapter)
-                shutil.rmtree(adapter.path, ignore_errors=True)
-            raise UpdateRejectedError(
-                f"adapter version {result.version} rejected: {result.reason}; still serving "
-                f"version {self.version}"
-            )
-        if version is not None and result.version != version:
-            log.warning("asked for adapter version %d, version %d arrived", version, result.version)
-        self.current = staged[0]
-        self._served.append(self.current)
-        for old in self._served[: -self._keep]:
-            self._unload(old)
-            shutil.rmtree(old.path, ignore_errors=True)
-        self._served = self._served[-self._keep :]
-        log.info("LoRA adapter version %d served from %s", result.version, self.current.path)
-        return self.current
-
-    def _load(self, adapter: AdapterVersion) -> None:
-        """Have the engine load ``adapter`` (nothing without ``engine=`` / ``server=``)."""
-        if self._engine is not None:
-            if not self._engine.llm_engine.add_lora(adapter.request()):
-                raise RuntimeError("add_lora returned False")
-        elif self._server is not None:
-            body = {"lora_name": adapter.name, "lora_path": adapter.path}
-            _post(self._server, "/v1/load_lora_adapter", body, self._http_timeout)
-
-    def _unload(self, adapter: AdapterVersion) -> None:
-        """Unregister an old version from a server (logged, not raised, when that fails)."""
-        if self._server is None:
-            return
-        try:
-            body = {"lora_name": adapter.name}
-            _post(self._server, "/v1/unload_lora_adapter", body, self._http_timeout)
-        except (RuntimeError, ConnectionError) as e:
-            log.warning("LoRA adapter version %d not unloaded: %s", adapter.version, e)
-
-    def _write(self, version: int, tensors: Mapping[str, torch.Tensor]) -> AdapterVersion:
-        """Version ``version``'s PEFT directory, written under a temporary name, then renamed."""
-        from safetensors.torch import save_file
-
-        name = f"{self._name}-v{version}"
-        final = self.root / name
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=self.root))
-        try:
-            save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / _ADAPTER_FILE))
-            (tmp / _CONFIG_FILE).write_text(json.dumps(self._config, indent=1))
-            if final.exists():  # left by an earlier sampler in the same root
-                shutil.rmtree(final)
-            tmp.rename(final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return AdapterVersion(version, name, self._offset + version, str(final))
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Leave the trainer's group; remove ``root`` when it was made here."""
-        self.sampler.close(timeout)
-        if self._made_root:
-            shutil.rmtree(self.root, ignore_errors=True)
+            loader = _EngineLoader(engine)
+        elif server is not None:
+            loader = _ServerLoader(server, http_timeout)
+        super().__init__(config, params, loader=loader, root=root, **kwargs)
