@@ -17,6 +17,12 @@ has no CPU build in 0.5.23:
   kernel that only ``forward_cuda`` would call. On this platform the op dispatches to
   ``forward_native`` (pure torch), so the stand-in tells the module it is on a CPU host
   (``_is_cpu = True``), which skips that import and nothing else in the module.
+- page-locked ("pinned") host tensors in SGLang's LoRA modules (``--enable-lora``): the layers
+  and the ``torch_native`` LoRA backend allocate their small index / offset tensors with
+  ``pin_memory=True`` and call ``Tensor.pin_memory()`` unconditionally, which a CPU-only torch
+  refuses ("no pinned memory allocator"). Pinning only serves DMA to a device; the stand-in
+  makes those modules' tensor factories ignore ``pin_memory`` and ``Tensor.pin_memory()``
+  return the tensor itself, in a process without an accelerator.
 - the ``torchvision`` import stand-in from :mod:`cpu_shim`.
 
 The model kernels (RMSNorm, SiLU-and-mul, rotary, attention) need no stand-in: without
@@ -79,7 +85,44 @@ def _patch_rotary(module: Any) -> None:
     module._is_cpu = True
 
 
+_FACTORIES = ("tensor", "zeros", "empty", "ones", "arange")
+
+
+class _UnpinnedTorch:
+    """``torch`` as SGLang's LoRA modules see it on CPU: the tensor factories ignore
+    ``pin_memory``; everything else is torch's own."""
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        attr = getattr(torch, name)
+        if name not in _FACTORIES:
+            return attr
+
+        def factory(*args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+def _patch_lora(module: Any) -> None:
+    import torch
+
+    if torch.cuda.is_available():  # a real device: pinning is real, nothing to stand in for
+        return
+    module.torch = _UnpinnedTorch()
+    if not getattr(torch.Tensor.pin_memory, "__tpusync_test_shim__", False):
+
+        def pin_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return self
+
+        pin_memory.__tpusync_test_shim__ = True  # type: ignore[attr-defined]
+        torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
+
+
 _PATCHES = {
+    "sglang.srt.lora.layers": _patch_lora,
+    "sglang.srt.lora.backend.torch_backend": _patch_lora,
     "sglang.srt.mem_cache.pool_host.mha": _patch_host_pool,
     "sglang.srt.layers.rotary_embedding.base": _patch_rotary,
     "sglang.srt.mem_cache.pool_host.common": _patch_host_memory,

@@ -10,7 +10,9 @@
   ``sglang.srt.plugins``); select it with ``--disaggregation-transfer-backend tpusync``.
 - ``tpusync.sglang.weight_sync`` (client) and ``tpusync.sglang.weight_loader`` (server, SGLang's
   ``--custom-weight-loader``): a running SGLang server as a tpusync-rl sampler, taking versioned
-  weight updates from RL trainers (needs tpusync-rl: ``pip install tpusync-sglang[rl]``).
+  weight updates from RL trainers (needs tpusync-rl: ``pip install tpusync-sglang[rl]``);
+  ``tpusync.sglang.lora``: LoRA adapter versions from RL trainers into a server started with
+  ``--enable-lora``.
 
 ``TpusyncHiCacheStorage`` is imported lazily so that the page store can be used (and tested)
 without SGLang installed.
