@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import rl_netutil as U
 import torch
 from safetensors.torch import save_file
 
-from tpusync.rl import TrainerSync
+from tpusync.rl import TrainerSync, UpdateRejectedError
 
 BB = 1 << 16  # small blocks: an adapter spans several
 
@@ -77,3 +79,21 @@ def step(pool, trainer, lora, version: int, tensors: dict):
     pulled = pool.submit(lora.update, 60, version)
     trainer.wait_for_samplers(1, timeout=30)
     return trainer.publish(version, tensors), pulled
+
+
+def second_refused(trainer, lora, why: str) -> None:
+    """Versions 1-3 through ``lora`` (built with ``id_offset=100``) whose engine refuses version
+    2: versions 1 and 3 are served under ids 101 and 103; version 2 is rejected with ``why`` in
+    the trainer's report, its directory removed, and version 1 stays served meanwhile."""
+    with ThreadPoolExecutor(1) as pool:
+        for version in (1, 2, 3):
+            rep, pulled = step(pool, trainer, lora, version, adapter(version, TOY, 2)[1])
+            if version != 2:
+                assert rep.ok, rep.failed
+                assert pulled.result(60).lora_int_id == 100 + version
+                continue
+            assert rep.committed == [] and why in rep.failed["0:0"], rep.failed
+            with pytest.raises(UpdateRejectedError, match="still serving version 1"):
+                pulled.result(60)
+            assert lora.current.version == 1
+            assert "tpusync-lora-v2" not in {p.name for p in lora.root.iterdir()}

@@ -19,7 +19,7 @@ pytest.importorskip("safetensors")
 
 import rl_netutil as U  # noqa: E402
 import torch  # noqa: E402
-from lora_util import TOY, adapter, pair, params_of, step  # noqa: E402
+from lora_util import TOY, adapter, pair, params_of, second_refused, step  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from tpusync.rl import UpdateRejectedError  # noqa: E402
@@ -110,25 +110,12 @@ class _Loader:
 def test_adapter_the_engine_refuses_is_rejected_and_old_ones_are_unloaded(tmp_path):
     loader = _Loader()
     _config, trainer, lora = pair(tmp_path, AdapterSync, loader=loader, id_offset=100, keep=1)
-    root = tmp_path / "adapters"
     try:
-        with ThreadPoolExecutor(1) as pool:
-            for version, ok in ((1, True), (2, False), (3, True)):
-                rep, pulled = step(pool, trainer, lora, version, adapter(version, TOY, 2)[1])
-                if ok:
-                    assert rep.ok, rep.failed
-                    assert pulled.result(60).lora_int_id == 100 + version
-                    continue
-                why = "TestEngine did not load adapter version 2: RuntimeError: the size of tensor"
-                assert rep.committed == [] and why in rep.failed["0:0"], rep.failed
-                with pytest.raises(UpdateRejectedError, match="still serving version 1"):
-                    pulled.result(60)
-                assert lora.current.version == 1
-                assert sorted(p.name for p in root.iterdir()) == ["tpusync-lora-v1"]
+        second_refused(trainer, lora, "TestEngine did not load adapter version 2: RuntimeError")
         # keep=1: version 3 replaces version 1, which is unloaded after version 3 loaded.
         assert loader.calls == [("load", "tpusync-lora-v1"), ("load", "tpusync-lora-v3"),
                                 ("unload", "tpusync-lora-v1")]  # fmt: skip
-        assert [p.name for p in root.iterdir()] == ["tpusync-lora-v3"]
+        assert [p.name for p in lora.root.iterdir()] == ["tpusync-lora-v3"]
     finally:
         lora.close()
         trainer.close()
