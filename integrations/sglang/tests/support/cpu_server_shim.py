@@ -22,7 +22,9 @@ has no CPU build in 0.5.23:
   ``pin_memory=True`` and call ``Tensor.pin_memory()`` unconditionally, which a CPU-only torch
   refuses ("no pinned memory allocator"). Pinning only serves DMA to a device; the stand-in
   makes those modules' tensor factories ignore ``pin_memory`` and ``Tensor.pin_memory()``
-  return the tensor itself, in a process without an accelerator.
+  return the tensor itself, in a process without an accelerator. The latter is process-wide,
+  and every server process imports those modules (LoRA on or off): where a CPU-only torch
+  would have raised, the tensor stays unpinned, which no CPU code path can tell apart.
 - the ``torchvision`` import stand-in from :mod:`cpu_shim`.
 
 The model kernels (RMSNorm, SiLU-and-mul, rotary, attention) need no stand-in: without
