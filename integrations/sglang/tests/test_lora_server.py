@@ -222,9 +222,13 @@ class _StubServer(ThreadingHTTPServer):
     [
         ({"enable_lora": False, "max_lora_rank": None, "dp_size": 1}, "runs without LoRA"),
         ({"enable_lora": True, "max_lora_rank": 8, "dp_size": 2}, "runs 2 data-parallel replicas"),
-        ({"server_args": {"enable_lora": True, "max_lora_rank": 4}}, "above the SGLang server's"),
+        # LoRA on through --lora-paths alone, settings nested under server_args
+        (
+            {"server_args": {"enable_lora": None, "lora_paths": {"a": "/a"}, "max_lora_rank": 4}},
+            "rank 8 is above the SGLang server's max_lora_rank 4",
+        ),
     ],
-    ids=["lora-off", "dp2", "rank-under-server_args"],
+    ids=["lora-off", "dp2", "lora-paths-rank"],
 )
 def test_server_that_cannot_serve_the_adapter_is_refused_before_anything_moves(info, why):
     config, tensors = _adapters(TOY, (0,))

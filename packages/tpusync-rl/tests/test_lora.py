@@ -93,7 +93,7 @@ class _Loader:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
 
-    def check(self, rank: int, keep: int) -> None:
+    def check(self, rank: int) -> None:
         if rank > 8:
             raise ValueError(f"rank {rank} is above 8")
 

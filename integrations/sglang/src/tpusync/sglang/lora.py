@@ -50,9 +50,10 @@ class _ServerLoader:
     def __init__(self, url: str, timeout: float, keys: _Keys) -> None:
         self._url, self._timeout, self._keys = url.rstrip("/"), timeout, keys
 
-    def check(self, rank: int, keep: int) -> None:
+    def check(self, rank: int) -> None:
         info = _http(self._url, "/server_info", timeout=self._timeout, keys=self._keys)
-        if not _setting(info, "enable_lora"):
+        # enable_lora unset with --lora-paths given: SGLang turns LoRA on.
+        if not (_setting(info, "enable_lora") or _setting(info, "lora_paths")):
             raise ValueError(
                 f"the SGLang server {self._url} runs without LoRA: start it with --enable-lora "
                 "(and --max-lora-rank, --lora-target-modules covering the adapter)"

@@ -70,9 +70,9 @@ class AdapterLoader(Protocol):
 
     engine: str  # the engine's name in messages ("vLLM", "SGLang")
 
-    def check(self, rank: int, keep: int) -> None:
-        """ValueError when the engine could never serve this sampler's versions: LoRA off, a
-        ``rank`` above its maximum, fewer than ``keep + 1`` adapters held at once."""
+    def check(self, rank: int) -> None:
+        """ValueError when the engine could never serve this sampler's versions (LoRA off, a
+        ``rank`` above its maximum); called before the sampler contacts any trainer."""
 
     def load(self, adapter: AdapterVersion) -> None:
         """Have the engine load ``adapter``; raise (with the engine's reason) when it refuses."""
@@ -166,7 +166,7 @@ class AdapterSync:
         if id_offset < 0:
             raise ValueError(f"id_offset must be >= 0, not {id_offset}")
         if loader is not None:
-            loader.check(self.rank, keep)
+            loader.check(self.rank)
         self._config = dict(config)
         self._loader = loader
         self._name, self._offset, self._keep = name, id_offset, keep

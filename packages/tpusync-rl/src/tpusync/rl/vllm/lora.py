@@ -50,7 +50,7 @@ class _EngineLoader:
     def __init__(self, llm: Any) -> None:
         self._llm = llm
 
-    def check(self, rank: int, keep: int) -> None:
+    def check(self, rank: int) -> None:
         config = self._llm.llm_engine.vllm_config.lora_config
         if config is None:
             raise ValueError(
@@ -78,7 +78,7 @@ class _ServerLoader:
     def __init__(self, url: str, timeout: float) -> None:
         self._url, self._timeout = url.rstrip("/"), timeout
 
-    def check(self, rank: int, keep: int) -> None:
+    def check(self, rank: int) -> None:
         """Nothing here: the server's LoRA settings are not on its HTTP API; a refusal rejects
         the version instead."""
 
