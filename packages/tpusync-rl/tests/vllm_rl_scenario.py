@@ -86,6 +86,11 @@ def make_llm(model: str, weight_transfer: bool, par: str):
             kv_connector_extra_config={"host_bytes": 16 << 20},
         )
         extra.update(block_size=32, enable_prefix_caching=True)
+    with open(os.path.join(model, "config.json")) as f:
+        if json.load(f).get("kv_lora_rank") is not None:  # latent attention (DeepSeek)
+            # On a host with AMX, vLLM picks its AMX MLA backend, which takes bf16 / fp16 weights
+            # only; the reference CPU MLA backend runs these fp32 engines on any x86 host.
+            extra["attention_config"] = {"backend": "CPU_MLA"}
     return LLM(
         model=model,
         tokenizer=model,
