@@ -147,18 +147,19 @@ def test_running_server_serves_each_adapter_version_like_the_same_adapter_from_d
 
     monkeypatch.setattr(AdapterSync, "_write", truncating)
     trainer = TrainerSync(0, 1, None, secret=SECRET, block_bytes=BB, pool_bytes=8 << 20)
-    big = _adapters(cfg, (0,), r=16)
-    with pytest.raises(ValueError, match="rank 16 is above the SGLang server's max_lora_rank 8"):
-        LoraSync(big[0], _params(big[1][0]), server=server.base,
-                 control=trainer.control_address, replica=0, secret=SECRET)  # fmt: skip
-    adapters = work / "adapters"
-    lora = LoraSync(
-        config, _params(versions[1]), server=server.base, root=adapters, keep=2,
-        control=trainer.control_address, replica=0, secret=SECRET, block_bytes=BB,
-        pool_bytes=8 << 20,
-    )  # fmt: skip
-    got = {}
+    adapters, lora, got = work / "adapters", None, {}
     try:
+        big = _adapters(cfg, (0,), r=16)
+        with pytest.raises(
+            ValueError, match="rank 16 is above the SGLang server's max_lora_rank 8"
+        ):
+            LoraSync(big[0], _params(big[1][0]), server=server.base,
+                     control=trainer.control_address, replica=0, secret=SECRET)  # fmt: skip
+        lora = LoraSync(
+            config, _params(versions[1]), server=server.base, root=adapters, keep=2,
+            control=trainer.control_address, replica=0, secret=SECRET, block_bytes=BB,
+            pool_bytes=8 << 20,
+        )  # fmt: skip
         with ThreadPoolExecutor(1) as pool:
             for v in (1, 2, 3, 4):
                 pulled = pool.submit(lora.update, 120, v)
@@ -179,7 +180,8 @@ def test_running_server_serves_each_adapter_version_like_the_same_adapter_from_d
                 got[v] = _outputs(server, served.name)
                 assert got[v] == refs[v], (v, server.tail())
     finally:
-        lora.close()
+        if lora is not None:
+            lora.close()
         trainer.close()
     # keep=2: version 4 unloaded version 1; version 3 is still served as it was.
     assert {"tpusync-lora-v3", "tpusync-lora-v4"} <= _models(server)
