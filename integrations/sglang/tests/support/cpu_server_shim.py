@@ -94,17 +94,23 @@ class _UnpinnedTorch:
     """``torch`` as SGLang's LoRA modules see it on CPU: the tensor factories ignore
     ``pin_memory``; everything else is torch's own."""
 
-    def __getattr__(self, name: str) -> Any:
+    def __init__(self) -> None:
         import torch
 
-        attr = getattr(torch, name)
-        if name not in _FACTORIES:
-            return attr
+        for name in _FACTORIES:  # made once: the LoRA backend calls them for every batch
+            setattr(self, name, self._unpinned(getattr(torch, name)))
 
-        def factory(*args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
-            return attr(*args, **kwargs)
+    @staticmethod
+    def _unpinned(factory: Any) -> Any:
+        def unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+            return factory(*args, **kwargs)
 
-        return factory
+        return unpinned
+
+    def __getattr__(self, name: str) -> Any:  # only names not set in __init__
+        import torch
+
+        return getattr(torch, name)
 
 
 def _patch_lora(module: Any) -> None:
