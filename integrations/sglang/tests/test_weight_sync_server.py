@@ -1,30 +1,39 @@
 """RL weight sync into a LIVE SGLang server (real processes, real HTTP, real sockets).
 
-Server A serves the tiny model with ``--custom-weight-loader tpusync.sglang.weight_loader.load``;
-server B serves a second model directory: the same model with perturbed weights (the "trained"
-version). This process is the trainer (``TrainerSync``, samplers report their layouts).
+Server A serves a tiny model with ``--custom-weight-loader tpusync.sglang.weight_loader.load``.
+The "trained" version is the same model with perturbed weights, in a second model directory; A
+itself gives the reference outputs of each weight set first, through SGLang's own
+``/update_weights_from_disk`` (the perturbed directory, then its own again). This process is the
+trainer (``TrainerSync``, samplers report their layouts).
 
-1. Version 1 = B's weights, whose load fails half way (a fault injected in rank 0's
+The tiny Llama servers (TP=1 and TP=2) run the whole scenario:
+
+1. Version 1 = the perturbed weights, whose load fails half way (a fault injected in rank 0's
    ``load_weights``, ``support/weight_faults.py``): the server reads its checkpoint again, its
    outputs are its own from before, and the trainer counts no rank committed (LOAD FAILURE
    RULE of the loader).
-2. Version 2 = B's weights: A's greedy outputs equal B's (and differ from A's own before, so the
-   comparison can fail).
+2. Version 2 = the perturbed weights: A's greedy outputs equal the reference (and differ from A's
+   own before, so the comparison can fail).
 3. Faults: an update with nothing published times out and A keeps serving; asking for a version
    A already has is refused; version 3, damaged in transit (one flipped byte after the trainer
    took its checksum), is rejected and A keeps serving version 2.
 4. Version 4 (the original weights), posted while a streamed generation is in flight: the
    generation ends with the tokens version 2 gave it alone (SERVER UPDATE CONTRACT), and A's
    outputs are its first ones again.
-5. Llama servers: version 5's load fails the same way and every rank loads version 4 again;
-   version 6 then loads.
+5. Version 5's load fails the same way and every rank loads version 4 again; version 6 then
+   loads.
+6. TP=2 only: a new trainer session whose ranks take whole tensors (``sharded=False``), version 7.
+
+The other families (TP=2: Qwen2, Qwen3, Qwen3 MoE, a Phi-3 and a GLM-4 whose fused gate/up
+tensors the trainer splits, FUSED SPLIT RULE) run what depends on the model's loaders: the shape
+and coverage refusals, version 2 and version 4 (nothing in flight). The faults of steps 1, 3 and
+5 do not depend on the model; the Llama cases cover them.
 
 The server's weight version follows every loaded version. At TP=2 the ranks pull only their
 slices of each tensor (SLICE CONTRACT of the loader), or with ``sharded=False`` whole tensors
 each; the trainer's byte count tells which happened, and every sliced server's dry run must tell
-every tensor's part (``ServerSetup.whole`` empty) on the tiny Llama, Qwen2, Qwen3, Qwen3 MoE and
-a GLM-4 whose fused gate/up tensors the trainer splits (FUSED SPLIT RULE). A Phi-3's fused q/k/v
-and gate/up tensors published as they are go whole to every rank, the setup saying why.
+every tensor's part (``ServerSetup.whole`` empty), but for a Phi-3's fused q/k/v and gate/up
+tensors published as they are: those go whole to every rank, the setup saying why.
 The TP=1 server guards its weight-update endpoints with ``--admin-api-key``: without the key
 ``init_server`` fails with SGLang's 401 and says which key to pass; every call after that passes
 it (KEYS RULE of ``weight_sync``).
@@ -145,26 +154,25 @@ def _other(arch: str, llama: Path, dst: Path) -> Path:
     return dst
 
 
-CASES = {  # id: (tensor-parallel size, sharded, architecture)
-    "tp1": (1, True, "llama"),
-    "tp2": (2, True, "llama"),
-    "tp2-whole": (2, False, "llama"),
-    "tp2-qwen2": (2, True, "qwen2"),
-    "tp2-qwen3": (2, True, "qwen3"),
-    "tp2-qwen3-moe": (2, True, "qwen3_moe"),
+CASES = {  # id: (tensor-parallel size, architecture)
+    "tp1": (1, "llama"),
+    "tp2": (2, "llama"),
+    "tp2-qwen2": (2, "qwen2"),
+    "tp2-qwen3": (2, "qwen3"),
+    "tp2-qwen3-moe": (2, "qwen3_moe"),
     # The trainer publishes the checkpoint's fused tensors as they are, or split (FUSED SPLIT
     # RULE; Phi-3's split parts load through the Llama loader the tiny Llama cases test).
-    "tp2-phi3": (2, True, "phi3"),
-    "tp2-glm4-split": (2, True, "glm4-split"),
+    "tp2-phi3": (2, "phi3"),
+    "tp2-glm4-split": (2, "glm4-split"),
 }
 
 
 @pytest.fixture(scope="module", params=list(CASES.values()), ids=list(CASES))
-def servers(request, tmp_path_factory):
-    """(A, B, A's model directory, B's weights, A's tensor-parallel size, whether A's ranks pull
-    only their slices, A's SGLang keys, the architecture). A at TP=2 runs two scheduler processes, one per core
-    (SGLANG_CPU_OMP_THREADS_BIND)."""
-    tp, sharded, arch = request.param
+def server(request, tmp_path_factory):
+    """(A, A's model directory, the perturbed weights' directory and tensors, A's
+    tensor-parallel size, A's SGLang keys, the architecture). A at TP=2 runs two scheduler
+    processes, one per core (SGLANG_CPU_OMP_THREADS_BIND)."""
+    tp, arch = request.param
     root = Path(os.environ.get("TPUSYNC_REPO_ROOT", Path(__file__).resolve().parents[3]))
     model = tiny_model.ensure(root)
     work = tmp_path_factory.mktemp(f"sglang-weights-tp{tp}-{arch}")
@@ -184,14 +192,11 @@ def servers(request, tmp_path_factory):
         args += ["--tp-size", str(tp)]
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"
     a = launch(model, work / "a.log", args, env=env)
-    b = launch(new_dir, work / "b.log", [], env=env)
     try:
         a.wait_ready()
-        b.wait_ready()
-        yield a, b, model, new, tp, sharded, keys, arch
+        yield a, model, new_dir, new, tp, keys, arch
     finally:
         a.stop()
-        b.stop()
 
 
 def _outputs(server) -> list[list[int]]:
@@ -239,6 +244,20 @@ def _weight_version(server) -> str:
     return json.loads(body)["weight_version"]
 
 
+def _outputs_of(server, model_dir: Path, keys: dict) -> list[list[int]]:
+    """The server's outputs on the weights of ``model_dir``, loaded by SGLang's own
+    ``/update_weights_from_disk`` (no tpusync on that path): the reference for a version."""
+    auth = {"Authorization": f"Bearer {keys['admin_api_key']}"} if keys else {}
+    req = urllib.request.Request(
+        f"{server.base}/update_weights_from_disk",
+        data=json.dumps({"model_path": str(model_dir)}).encode(),
+        headers={"Content-Type": "application/json", **auth},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert json.loads(resp.read())["success"], server.tail()
+    return _outputs(server)
+
+
 def _publish_and_update(trainer, version, tensors, url, tp, keys, timeout=120.0, fails=None):
     """The server's update (its samplers join the trainer with their first poll), then the
     trainer's publish of ``version``: (the version the server serves, the trainer's report);
@@ -269,15 +288,18 @@ def _load_fails(trainer, version, tensors, a, tp, keys, served):
     assert all("load_weights failed" in why for why in report.failed.values()), report
 
 
-def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(servers, monkeypatch):
-    a, b, model_dir, new, tp, sharded, keys, arch = servers
+def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(server, monkeypatch):
+    a, model_dir, new_dir, new, tp, keys, arch = server
+    full = arch == "llama"  # the whole scenario; the other families, what depends on the model
     # FUSED SPLIT RULE: a Phi-3 or GLM-4 trainer may publish its fused tensors split.
     publishable = (lambda t: split_fused(t, model_dir)) if arch.endswith("-split") else dict
     fused = [n for n in new if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
     assert bool(fused) == arch.startswith(("phi3", "glm4"))
     new = publishable(new)
     monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET)
-    before, reference = _outputs(a), _outputs(b)
+    before = _outputs(a)
+    reference = _outputs_of(a, new_dir, keys)
+    assert _outputs_of(a, model_dir, keys) == before
     assert before != reference  # the perturbed weights change greedy outputs: the check can fail
     # Small blocks: bytes_sent counts whole blocks.
     small = {"block_bytes": 1 << 13, "pool_bytes": 16 << 20}
@@ -290,48 +312,16 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         control=trainer.control_address,
         replica=0,
         params=publishable(checkpoint_params(model_dir)),
-        sharded=sharded,
         **small,
     )
     try:
-        if sharded:  # SHAPE CHECK RULE: another model's tensors are refused before a byte moves
-            params = init["params"]
-            # (The fused Phi-3 checkpoint has no q / k projection of its own.)
-            q = next((n for n in params if n.endswith("layers.0.self_attn.q_proj.weight")), "")
-            for factor, why in ((2, "reads only"), (0.5, "cannot take these tensors")):
-                if not q:
-                    break
-                (rows, cols), dtype = params[q]
-                other = {**params, q: [[int(rows * factor), cols], dtype]}
-                with pytest.raises(RuntimeError, match=why):
-                    weight_sync.init_server(a.base, **{**init, "params": other}, **keys)
-            # COVERAGE RULE: a trainer that leaves the final norm out would leave it at the old
-            # version: refused, unless it says it publishes only part of the model. So is one
-            # that leaves out the k projection, which is only some rows of a stacked parameter.
-            norm = next(n for n in params if n.endswith("model.norm.weight"))
-            if q:
-                k = q.replace("q_proj", "k_proj")
-                no_k = {n: v for n, v in params.items() if n != k}
-                qkv = r"layers\.0\.self_attn\.qkv_proj\.weight: \d+ of its \d+ elements"
-                with pytest.raises(
-                    RuntimeError, match=rf"leave 1 of the server's parameters .*{qkv}"
-                ):
-                    weight_sync.init_server(a.base, **{**init, "params": no_k}, **keys)
-            left_out = {n: v for n, v in params.items() if n != norm}
-            unwritten = rf"leave 1 of the server's parameters .*{re.escape(norm)}: all of \("
-            with pytest.raises(RuntimeError, match=unwritten):
-                weight_sync.init_server(a.base, **{**init, "params": left_out}, **keys)
-            part = weight_sync.init_server(
-                a.base, **{**init, "params": left_out}, partial=True, **keys
-            )
-            assert part.unwritten == {norm: f"rank 0: all of ({params[norm][0][0]},)"}, part
-            weight_sync.close_server(a.base, **keys)
+        _refuses_other_models(a.base, init, keys)
         if keys:  # without the key SGLang refuses the session, and says which key it wants
             with pytest.raises(RuntimeError, match=r"HTTP 401.*pass api_key= or admin_api_key="):
                 weight_sync.init_server(a.base, **init)
         setup = weight_sync.init_server(a.base, **init, **keys)
         # SLICE CONTRACT: the dry run of SGLang's own load_weights tells every tensor's part.
-        assert setup.sharded == (sharded and tp > 1), setup
+        assert setup.sharded == (tp > 1), setup
         # Published as they are, Phi-3's fused tensors go whole to every rank: a rank's rows of
         # q, k and v (of gate and up) are not one box of the fused tensor, and the smallest box
         # around them overlaps the other ranks' (the setup says so). Split, they are cut.
@@ -339,30 +329,25 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         assert sorted(setup.whole) == whole, setup
         assert all("the ranks' parts do not tile it" in why for why in setup.whole.values())
         assert setup.unwritten == {}, setup  # COVERAGE RULE: SGLang's loaders write every part
-        took_slices = setup.sharded
 
-        # LOAD FAILURE RULE before any tpusync version: the server reads its checkpoint again.
-        _load_fails(trainer, 1, new, a, tp, keys, "its checkpoint")
-        assert _outputs(a) == before and _weight_version(a) == first_weight_version
+        if full:  # LOAD FAILURE RULE before any tpusync version: the checkpoint is read again
+            _load_fails(trainer, 1, new, a, tp, keys, "its checkpoint")
+            assert _outputs(a) == before and _weight_version(a) == first_weight_version
 
         version, report = _publish_and_update(trainer, 2, new, a.base, tp, keys)
         assert version == 2 and report.ok, report
         # One sampler rank per scheduler process.
         assert sorted(report.committed) == [f"0:{r}" for r in range(tp)], report
-        # SLICE CONTRACT: sliced, a TP=2 server pulls about one copy of the model (the small
-        # replicated tensors twice), not two; whole, every rank pulls a copy.
-        model_bytes = sum(t.numel() * t.element_size() for t in new.values())
-        copies = report.bytes_sent / model_bytes
-        print(
-            f"tp={tp} {arch} sharded={sharded}: {report.bytes_sent} bytes sent, {copies:.2f} copies"
-        )
-        if took_slices:  # (and the tensors taken whole once more per rank)
-            least = 1.0 + (tp - 1) * sum(new[n].numel() * 4 for n in whole) / model_bytes
-            assert least <= copies < least + 0.3, (report.bytes_sent, model_bytes)
-        else:
-            assert tp <= copies < tp + 0.3, (report.bytes_sent, model_bytes)
+        _assert_copies(report, new, tp, setup.sharded, whole, arch)
         assert _outputs(a) == reference
         assert _weight_version(a) == "2"
+
+        original = publishable(_weights(model_dir))
+        if not full:
+            version, report = _publish_and_update(trainer, 4, original, a.base, tp, keys)
+            assert version == 4 and report.ok, report
+            assert _outputs(a) == before and _weight_version(a) == "4"
+            return
 
         with pytest.raises(TimeoutError, match="no new version"):
             weight_sync.update_server(a.base, timeout=2, **keys)
@@ -370,7 +355,6 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
             weight_sync.update_server(a.base, timeout=2, version=2, **keys)
         assert _outputs(a) == reference
 
-        original = publishable(_weights(model_dir))
         with pytest.raises(UpdateRejectedError, match="checksum") as rejected:
             _publish_and_update(trainer, 3, original, a.base, tp, keys)
         assert "still serving version 2" in str(rejected.value)
@@ -392,15 +376,73 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         assert _outputs(a) == before and _weight_version(a) == "4"
         assert _long(a) != long_v1  # version 4 writes other tokens: the check above can fail
 
-        if arch == "llama":
-            # LOAD FAILURE RULE after a version: every rank loads version 4 again, then takes 6.
-            _load_fails(trainer, 5, new, a, tp, keys, "version 4")
-            assert _outputs(a) == before and _weight_version(a) == "4"
-            version, report = _publish_and_update(trainer, 6, new, a.base, tp, keys)
-            assert version == 6 and report.ok, report
-            assert _outputs(a) == reference and _weight_version(a) == "6"
+        # LOAD FAILURE RULE after a version: every rank loads version 4 again, then takes 6.
+        _load_fails(trainer, 5, new, a, tp, keys, "version 4")
+        assert _outputs(a) == before and _weight_version(a) == "4"
+        version, report = _publish_and_update(trainer, 6, new, a.base, tp, keys)
+        assert version == 6 and report.ok, report
+        assert _outputs(a) == reference and _weight_version(a) == "6"
     finally:
         try:
             weight_sync.close_server(a.base, **keys)
         finally:
             trainer.close()
+    if tp > 1:  # a new session whose ranks each take every tensor whole (sharded=False)
+        trainer = TrainerSync(
+            0, 1, None, secret=SECRET.encode(), control="tcp://127.0.0.1:0", deadline=60.0, **small
+        )
+        try:
+            init["control"] = trainer.control_address
+            setup = weight_sync.init_server(a.base, **init, sharded=False, **keys)
+            assert not setup.sharded, setup
+            version, report = _publish_and_update(trainer, 7, original, a.base, tp, keys)
+            assert version == 7 and report.ok, report
+            _assert_copies(report, original, tp, False, [], arch)
+            assert _outputs(a) == before and _weight_version(a) == "7"
+        finally:
+            try:
+                weight_sync.close_server(a.base, **keys)
+            finally:
+                trainer.close()
+
+
+def _refuses_other_models(url: str, init: dict, keys: dict) -> None:
+    """SHAPE CHECK RULE: another model's tensors are refused before a byte moves. COVERAGE RULE:
+    a trainer that leaves the final norm out would leave it at the old version: refused, unless
+    it says it publishes only part of the model. So is one that leaves out the k projection,
+    which is only some rows of a stacked parameter."""
+    params = init["params"]
+    # (The fused Phi-3 checkpoint has no q / k projection of its own.)
+    q = next((n for n in params if n.endswith("layers.0.self_attn.q_proj.weight")), "")
+    norm = next(n for n in params if n.endswith("model.norm.weight"))
+    if q:
+        for factor, why in ((2, "reads only"), (0.5, "cannot take these tensors")):
+            (rows, cols), dtype = params[q]
+            other = {**params, q: [[int(rows * factor), cols], dtype]}
+            with pytest.raises(RuntimeError, match=why):
+                weight_sync.init_server(url, **{**init, "params": other}, **keys)
+        no_k = {n: v for n, v in params.items() if n != q.replace("q_proj", "k_proj")}
+        qkv = r"layers\.0\.self_attn\.qkv_proj\.weight: \d+ of its \d+ elements"
+        with pytest.raises(RuntimeError, match=rf"leave 1 of the server's parameters .*{qkv}"):
+            weight_sync.init_server(url, **{**init, "params": no_k}, **keys)
+    left_out = {n: v for n, v in params.items() if n != norm}
+    unwritten = rf"leave 1 of the server's parameters .*{re.escape(norm)}: all of \("
+    with pytest.raises(RuntimeError, match=unwritten):
+        weight_sync.init_server(url, **{**init, "params": left_out}, **keys)
+    part = weight_sync.init_server(url, **{**init, "params": left_out}, partial=True, **keys)
+    assert part.unwritten == {norm: f"rank 0: all of ({params[norm][0][0]},)"}, part
+    weight_sync.close_server(url, **keys)
+
+
+def _assert_copies(report, tensors: dict, tp: int, sliced: bool, whole: list, arch: str) -> None:
+    """SLICE CONTRACT: sliced, a TP=2 server pulls about one copy of the model (the small
+    replicated tensors, and the tensors in ``whole``, once more per rank), not two; whole, every
+    rank pulls a copy."""
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    copies = report.bytes_sent / model_bytes
+    print(f"tp={tp} {arch} sliced={sliced}: {report.bytes_sent} bytes sent, {copies:.2f} copies")
+    if sliced:
+        least = 1.0 + (tp - 1) * sum(tensors[n].numel() * 4 for n in whole) / model_bytes
+        assert least <= copies < least + 0.3, (report.bytes_sent, model_bytes)
+    else:
+        assert tp <= copies < tp + 0.3, (report.bytes_sent, model_bytes)
