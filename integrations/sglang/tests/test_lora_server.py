@@ -79,13 +79,10 @@ def _params(tensors: dict) -> dict:
     return {n: [list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in tensors.items()}
 
 
-# TP=2 (+70 s here) runs on request only: CI's 90 minutes are nearly spent.
-_TP2 = pytest.mark.skipif(
-    os.environ.get("TPUSYNC_EXTENDED_TESTS") != "1", reason="set TPUSYNC_EXTENDED_TESTS=1"
+# TP=2 (+70 s here) is an extended test (conftest.py): CI's 90 minutes are nearly spent.
+@pytest.fixture(
+    scope="module", params=[1, pytest.param(2, marks=pytest.mark.extended)], ids=["tp1", "tp2"]
 )
-
-
-@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=_TP2)], ids=["tp1", "tp2"])
 def lora_server(request, tmp_path_factory):
     """(server, model directory, work directory); at TP=2 each rank reads its part of every
     adapter directory, one scheduler process per core."""

@@ -6,11 +6,11 @@ model on CPU; a third, ordinary server computes the same prompts alone for refer
 does what SGLang's router does: it sends each request to both P/D servers at once with the
 prefill's bootstrap address and one random ``bootstrap_room``. The decode server receives the
 prompt's KV pages and first token from the prefill server through tpusync and decodes; its
-greedy tokens must equal the reference server's. Four pairings of two prefill servers (TP=1
-and TP=2) and three decode servers (TP=1 through the same-host path, the default on one host;
-TP=1 with it turned off, ``TPUSYNC_SGLANG_SAME_HOST=0``, over TCP as from another host; TP=2)
-take turns: equal TP sizes both ways, a larger prefill TP and a larger decode TP (each side's
-ranks move only the kv heads both hold). (Measured once by hand, 2026-12-02: a decode
+greedy tokens must equal the reference server's. Three pairings of two prefill servers (TP=1
+and TP=2) and two decode servers (TP=1 through the same-host path, the default on one host; TP=2
+with it turned off, ``TPUSYNC_SGLANG_SAME_HOST=0``, over TCP as from another host) take turns:
+equal TP sizes, a larger prefill TP and a larger decode TP (each side's ranks move only the kv
+heads both hold). (Measured once by hand, 2026-12-02: a decode
 server whose received pages were dropped before the scatter decoded [210, 167, 381, ...] where
 the reference decodes [210, 441, 122, ...], so equal tokens do show that the KV landed.)
 
@@ -18,8 +18,10 @@ Then the prefill server is stopped: a request to the decode server fails with SG
 error naming the lost prefill's bootstrap address, in bounded time, and the decode server stays
 healthy.
 
-Servers are started by ``support/live_server.py`` (LIVE SERVER CONTRACT), all six at once (a
-TP=2 server on CPU is two scheduler processes, one core each).
+Servers are started by ``support/live_server.py`` (LIVE SERVER CONTRACT), all five at once (a
+TP=2 server on CPU is two scheduler processes, one core each). (Until 2026-12-07 a third decode
+server, TP=1 over TCP, made a fourth pairing; it was dropped for CI's 90 minutes: TCP is still
+crossed, by the TP=2 decode.)
 """
 
 from __future__ import annotations
@@ -52,8 +54,7 @@ class PdServers:
     prefill: Server  # TP=1
     prefill_tp2: Server
     decode: Server  # TP=1, pulls through the same-host path
-    decode_tcp: Server  # TP=1, pulls over TCP (same-host path off)
-    decode_tp2: Server
+    decode_tp2: Server  # pulls over TCP (same-host path off)
     reference: Server  # an ordinary TP=1 server
     bootstrap: dict[str, int]  # the prefills' bootstrap ports, by name
 
@@ -90,8 +91,7 @@ def servers(tmp_path_factory):
             ("prefill", [*prefill, str(bootstrap["prefill"])], {}),
             ("prefill-tp2", [*prefill, str(bootstrap["prefill_tp2"]), *tp2], TP2),
             ("decode", decode, {}),
-            ("decode-tcp", decode, {"TPUSYNC_SGLANG_SAME_HOST": "0"}),
-            ("decode-tp2", [*decode, *tp2], TP2),
+            ("decode-tp2", [*decode, *tp2], {**TP2, "TPUSYNC_SGLANG_SAME_HOST": "0"}),
             ("reference", [], {}),
         ):
             started.append(launch(model, logs / f"{name}.log", args, {**env, **extra_env}))
@@ -104,18 +104,17 @@ def servers(tmp_path_factory):
 
 
 def test_decode_servers_continue_from_the_prefill_servers_kv(servers: PdServers):
-    """Four pairings, in this order:
+    """Three pairings, in this order:
     - TP=1 to TP=1 through the same-host path, the prefill's radix cache empty;
-    - TP=1 to TP=1 over TCP, the same prompts: the prefill's cache now holds them, so SGLang sends
-      their cached pages early, in a chunk of their own, before the chunk that ends the request;
+    - TP=1 to TP=2 over TCP, the same prompts: each decode rank pulls its half of the heads from
+      the one prefill rank; the prefill's cache now holds the prompts, so SGLang sends their
+      cached pages early, in a chunk of their own, before the chunk that ends the request;
     - a prefill of TP=2 to a decode of TP=1: the decode rank pulls half the kv heads from each
-      prefill rank (pd_layout.py, HEAD SLICE CONTRACT) and counts both ranks' reports;
-    - TP=1 to TP=2: each decode rank pulls its half of the heads from the one prefill rank."""
+      prefill rank (pd_layout.py, HEAD SLICE CONTRACT) and counts both ranks' reports."""
     cases = [
         ("same-host", "prefill", servers.decode, False),
-        ("tcp", "prefill", servers.decode_tcp, True),
+        ("tp1-to-tp2-tcp", "prefill", servers.decode_tp2, True),
         ("tp2-to-tp1", "prefill_tp2", servers.decode, False),
-        ("tp1-to-tp2", "prefill", servers.decode_tp2, True),
     ]
     want = [servers.reference.generate(ids)["output_ids"] for ids in PROMPTS]
     for case, prefill, decode, cached in cases:
@@ -140,8 +139,7 @@ def test_decode_servers_continue_from_the_prefill_servers_kv(servers: PdServers)
         ]
     for srv, ranks, on_off in (
         (servers.decode, 1, "on"),
-        (servers.decode_tcp, 1, "off"),
-        (servers.decode_tp2, 2, "on"),
+        (servers.decode_tp2, 2, "off"),
     ):
         log = srv.log.read_text()
         for r in range(ranks):
