@@ -50,7 +50,9 @@ import re
 import shutil
 import threading
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -324,7 +326,7 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         params=publishable(checkpoint_params(model_dir)),
         **small,
     )
-    try:
+    with _session(a.base, trainer, keys):
         _refuses_other_models(a.base, init, keys)
         if keys:  # without the key SGLang refuses the session, and says which key it wants
             with pytest.raises(RuntimeError, match=r"HTTP 401.*pass api_key= or admin_api_key="):
@@ -392,16 +394,11 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
         version, report = _publish_and_update(trainer, 6, new, a.base, tp, keys)
         assert version == 6 and report.ok, report
         assert _outputs(a) == reference and _weight_version(a) == "6"
-    finally:
-        try:
-            weight_sync.close_server(a.base, **keys)
-        finally:
-            trainer.close()
     if tp > 1:  # a new session whose ranks each take every tensor whole (sharded=False)
         trainer = TrainerSync(
             0, 1, None, secret=SECRET.encode(), control="tcp://127.0.0.1:0", deadline=60.0, **small
         )
-        try:
+        with _session(a.base, trainer, keys):
             init["control"] = trainer.control_address
             setup = weight_sync.init_server(a.base, **init, sharded=False, **keys)
             assert not setup.sharded, setup
@@ -409,11 +406,18 @@ def test_a_running_server_takes_each_version_and_keeps_serving_through_faults(se
             assert version == 7 and report.ok, report
             _assert_copies(report, original, tp, False, [], arch)
             assert _outputs(a) == before and _weight_version(a) == "7"
+
+
+@contextmanager
+def _session(url: str, trainer: TrainerSync, keys: dict) -> Iterator[None]:
+    """Closes the server's samplers, then the trainer, whatever failed inside."""
+    try:
+        yield
+    finally:
+        try:
+            weight_sync.close_server(url, **keys)
         finally:
-            try:
-                weight_sync.close_server(a.base, **keys)
-            finally:
-                trainer.close()
+            trainer.close()
 
 
 def _refuses_other_models(url: str, init: dict, keys: dict) -> None:
