@@ -3,8 +3,8 @@
 EXTENDED TESTS RULE: a test marked ``@pytest.mark.extended`` is skipped, with its reason in the
 summary (``-ra``), unless ``TPUSYNC_EXTENDED_TESTS=1``. The mark is for live variants that
 repeat a path CI already crosses with another size or model family; CI runs on 2 vCPUs within
-90 minutes and cannot hold them all. docs/design-decisions.md ("Extended tests") lists them
-and why each is left out of CI; run them with
+90 minutes and cannot hold them all. docs/design-decisions.md (the decision "CI runs one live
+variant of each path") lists them and what CI runs instead; run them with
 ``TPUSYNC_EXTENDED_TESTS=1 bash ci/nox.sh -s integration-vllm integration-sglang``.
 """
 
