@@ -168,7 +168,7 @@ CASES = {  # id: (tensor-parallel size, architecture)
     "tp2-phi3": (2, "phi3"),
     "tp2-glm4-split": (2, "glm4-split"),
 }
-# Extended tests (conftest.py; about 80 s each here): GLM-4 has Qwen2's biased q / k / v, the
+# Extended tests (conftest.py; about 45 s each here): GLM-4 has Qwen2's biased q / k / v, the
 # Qwen3 MoE has Qwen3's q / k norms, and CI runs both.
 EXTENDED = {"tp2-qwen2", "tp2-qwen3"}
 
@@ -176,7 +176,8 @@ EXTENDED = {"tp2-qwen2", "tp2-qwen3"}
 @pytest.fixture(
     scope="module",
     params=[
-        pytest.param(v, marks=[pytest.mark.extended] * (k in EXTENDED)) for k, v in CASES.items()
+        pytest.param(case, marks=pytest.mark.extended) if name in EXTENDED else case
+        for name, case in CASES.items()
     ],
     ids=list(CASES),
 )
@@ -256,17 +257,17 @@ def _weight_version(server) -> str:
     return json.loads(body)["weight_version"]
 
 
+def _auth(keys: dict) -> dict[str, str]:
+    """The header SGLang's admin endpoints want from the test's keys (none at TP=2)."""
+    return {"Authorization": f"Bearer {keys['admin_api_key']}"} if keys else {}
+
+
 def _outputs_of(server, model_dir: Path, keys: dict) -> list[list[int]]:
     """The server's outputs on the weights of ``model_dir``, loaded by SGLang's own
     ``/update_weights_from_disk`` (no tpusync on that path): the reference for a version."""
-    auth = {"Authorization": f"Bearer {keys['admin_api_key']}"} if keys else {}
-    req = urllib.request.Request(
-        f"{server.base}/update_weights_from_disk",
-        data=json.dumps({"model_path": str(model_dir)}).encode(),
-        headers={"Content-Type": "application/json", **auth},
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        assert json.loads(resp.read())["success"], server.tail()
+    payload = {"model_path": str(model_dir)}
+    _status, body = http(f"{server.base}/update_weights_from_disk", payload, headers=_auth(keys))
+    assert json.loads(body)["success"], server.tail()
     return _outputs(server)
 
 
@@ -289,8 +290,7 @@ def _load_fails(trainer, version, tensors, a, tp, keys, served):
     """LOAD FAILURE RULE: rank 0's load of ``version`` raises half way (fault injected); every
     rank loads ``served`` again ("its checkpoint" or "version N"), the server says so, and the
     trainer counts no rank committed."""
-    auth = {"Authorization": f"Bearer {keys['admin_api_key']}"} if keys else {}
-    weight_faults.arm(a.base, tp, auth)
+    weight_faults.arm(a.base, tp, _auth(keys))
     loaded = f"version {version} verified but load_weights failed \\(rank 0: RuntimeError: injected"
     error, report = _publish_and_update(
         trainer, version, tensors, a.base, tp, keys, fails=(UpdateRejectedError, loaded)

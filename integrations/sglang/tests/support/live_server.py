@@ -60,11 +60,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(url: str, payload: dict | None = None, timeout: float = REQUEST_TIMEOUT_S, method=None):
+def http(
+    url: str,
+    payload: dict | None = None,
+    timeout: float = REQUEST_TIMEOUT_S,
+    method=None,
+    headers: dict[str, str] | None = None,
+):
     """(status, body) of one HTTP request; an HTTP error status raises urllib's HTTPError."""
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"}, method=method
+        url,
+        data=data,
+        headers={"Content-Type": "application/json", **(headers or {})},
+        method=method,
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return resp.status, resp.read().decode()
