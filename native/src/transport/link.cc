@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <system_error>
 
 namespace tpusync::transport {
 namespace {
@@ -70,14 +71,46 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options, Secret secr
 
 Server::~Server() { Stop(); }
 
-void Server::Spawn(std::function<void()> fn) {
+bool Server::Spawn(std::function<void()> fn) {
   std::lock_guard lock(mu_);
-  threads_.emplace_back([this, fn = std::move(fn)] {
-    fn();
-    std::lock_guard l(mu_);
-    finished_.push_back(std::this_thread::get_id());
-    cv_.notify_all();
-  });
+  try {
+    threads_.emplace_back([this, fn = std::move(fn)] {
+      fn();
+      std::lock_guard l(mu_);
+      finished_.push_back(std::this_thread::get_id());
+      cv_.notify_all();
+    });
+  } catch (const std::system_error&) {
+    return false;  // CONNECTION LIMIT: the caller closes the connection
+  }
+  return true;
+}
+
+void Server::Reject(const std::string& message) {
+  rejected_++;
+  std::lock_guard lock(log_mu_);
+  const auto now = Clock::now();
+  if (now >= log_window_) {
+    if (held_back_) {
+      LogWarning(StrCat(held_back_, " more peers rejected in the last second (not logged)"));
+    }
+    log_window_ = now + std::chrono::seconds(1);
+    logged_in_window_ = 0;
+    held_back_ = 0;
+  }
+  if (logged_in_window_ < kRejectLogsPerSecond) {
+    ++logged_in_window_;
+    LogWarning(message);
+  } else {
+    ++held_back_;
+  }
+}
+
+void Server::FlushRejectLog() {
+  std::lock_guard lock(log_mu_);
+  if (held_back_ == 0 || Clock::now() < log_window_) return;
+  LogWarning(StrCat(held_back_, " more peers rejected in the last second (not logged)"));
+  held_back_ = 0;
 }
 
 void Server::AcceptLoop() {
@@ -111,6 +144,7 @@ void Server::AcceptLoop() {
         live_.remove_if([](const std::weak_ptr<Link>& w) { return w.expired(); });
       }
       for (auto& t : done) t.join();
+      FlushRejectLog();
     }
     if (!fd.ok()) {
       if (fd.status().code() != StatusCode::kTimeout && !stop_.load()) {
@@ -119,9 +153,22 @@ void Server::AcceptLoop() {
       }
       continue;
     }
-    Spawn([this, f = std::make_shared<Fd>(std::move(*fd)), peer] {
-      HandleConnection(std::move(*f), peer);
-    });
+    size_t running;
+    {
+      std::lock_guard lock(mu_);
+      running = threads_.size() - finished_.size();
+    }
+    if (running >= options_.max_connections) {
+      Reject(StrCat("refused connection from ", peer, ": ", running, " connections open (",
+                    options_.max_connections, " at most)"));
+      continue;  // the Fd closes here
+    }
+    auto f = std::make_shared<Fd>(std::move(*fd));
+    if (!Spawn([this, f, peer] { HandleConnection(std::move(*f), peer); })) {
+      Reject(StrCat("refused connection from ", peer, ": no thread could be started for it (",
+                    running, " connections open)"));
+      f->Reset();
+    }
   }
 }
 
@@ -132,9 +179,9 @@ void Server::HandleConnection(Fd fd, std::string peer) {
     return;
   }
   auto stream = std::make_unique<SocketStream>(std::move(fd), peer);
+  stream->LimitFrames(kHandshakeMetaBytes, 0);  // HANDSHAKE LIMIT until bound
   if (Status s = ServerHandshake(*stream, secret_, deadline); !s.ok()) {
-    rejected_++;
-    LogWarning(StrCat("rejected unauthenticated peer ", peer, ": ", s.ToString()));
+    Reject(StrCat("rejected unauthenticated peer ", peer, ": ", s.ToString()));
     return;
   }
   auto bind = stream->Expect(Op::kBind, deadline);
@@ -164,6 +211,7 @@ void Server::HandleConnection(Fd fd, std::string peer) {
     (void)stream->SendMeta(Op::kError, 0, EncodeStatus(bad), deadline);
     return;
   }
+  stream->LimitFrames(kMaxMetaBytes, kMaxBlocksPerFrame);
   if (Status s = stream->SendMeta(Op::kBindOk, 0, {}, deadline); !s.ok()) return;
   std::unique_ptr<Stream> st = std::move(stream);
   if (options_.wrap) st = options_.wrap(std::move(st), index);
@@ -236,12 +284,14 @@ Result<std::unique_ptr<Link>> ConnectLink(const Address& peer, const Secret& sec
     const Deadline deadline = std::min(Clock::now() + options.timeout, overall);
     TPUSYNC_ASSIGN_OR_RETURN(Fd fd, Connect(peer, deadline, options.socket));
     auto stream = std::make_unique<SocketStream>(std::move(fd), peer.ToString());
+    stream->LimitFrames(kHandshakeMetaBytes, 0);  // HANDSHAKE LIMIT until bound
     TPUSYNC_RETURN_IF_ERROR(ClientHandshake(*stream, secret, deadline));
     MetaWriter w;
     w.U64(link->id).U32(static_cast<uint32_t>(i)).U32(static_cast<uint32_t>(options.streams));
     TPUSYNC_RETURN_IF_ERROR(stream->SendMeta(Op::kBind, 0, w.bytes(), deadline));
     auto ok = stream->Expect(Op::kBindOk, deadline);
     if (!ok.ok()) return ok.status();
+    stream->LimitFrames(kMaxMetaBytes, kMaxBlocksPerFrame);
     std::unique_ptr<Stream> st = std::move(stream);
     if (options.wrap) st = options.wrap(std::move(st), i);
     link->streams.push_back(std::move(st));

@@ -6,6 +6,8 @@
 #include <numeric>
 #include <thread>
 
+#include <unistd.h>
+
 #include "tpusync/transport/fault_stream.h"
 
 namespace tpusync::transport {
@@ -127,6 +129,122 @@ TEST(Auth, ServerRefusesFramesBeforeTheHandshakeAndGarbage) {
   }
   EXPECT_EQ(echo.server->rejected(), 2u);
   EXPECT_EQ(echo.server->links(), 0u);
+}
+
+// Collects LogWarning lines for one test (the sink is reset on every exit, see above).
+struct LogCapture {
+  LogCapture() {
+    SetLogSink([this](const std::string& m) {
+      std::lock_guard l(mu);
+      lines.push_back(m);
+    });
+  }
+  ~LogCapture() { SetLogSink(nullptr); }
+  std::vector<std::string> Starting(const std::string& prefix) {
+    std::lock_guard l(mu);
+    std::vector<std::string> out;
+    for (auto& m : lines) {
+      if (m.rfind(prefix, 0) == 0) out.push_back(m);
+    }
+    return out;
+  }
+  std::mutex mu;
+  std::vector<std::string> lines;
+};
+
+TEST(Auth, ServerRefusesAnOversizedFrameBeforeTheHandshakeFromItsHeaderAlone) {
+  // HANDSHAKE LIMIT: a header announcing 1 MiB of metadata and 64 Ki checksums, with none of them
+  // sent, ends the connection at once (not at the 10 s handshake deadline, holding the memory).
+  LogCapture log;
+  EchoServer echo({.handshake_timeout = std::chrono::milliseconds(10000)});
+  auto fd = Connect(echo.server->address(), DeadlineInMs(2000));
+  ASSERT_TRUE(fd.ok());
+  SocketStream s(std::move(*fd), "server");
+  ASSERT_TRUE(s.Expect(Op::kAuthChallenge, DeadlineInMs(2000)).ok());
+  FrameHeader h;
+  h.op = static_cast<uint8_t>(Op::kAuthResponse);
+  h.meta_bytes = kMaxMetaBytes;
+  h.num_blocks = kMaxBlocksPerFrame;
+  h.block_bytes = 1;
+  const std::vector<uint8_t> meta(kMaxMetaBytes);
+  const auto head = EncodeHeader(h, meta);
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(WriteAll(s.fd(), head.data(), head.size(), DeadlineInMs(2000)).ok());
+  uint8_t byte;
+  const Status closed = ReadAll(s.fd(), &byte, 1, DeadlineInMs(5000));
+  EXPECT_NE(closed.code(), StatusCode::kTimeout) << closed.ToString();  // closed, not waiting
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(3));
+  for (int i = 0; i < 400 && echo.server->rejected() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(echo.server->rejected(), 1u);
+  const auto lines = log.Starting("rejected unauthenticated peer");
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("exceeds what this stream accepts before authentication (4096 bytes, 0 "
+                          "blocks)"),
+            std::string::npos)
+      << lines[0];
+  // The server serves an honest client afterwards.
+  auto ok = ConnectLink(echo.server->address(), TestSecret(), {.streams = 1});
+  EXPECT_TRUE(ok.ok()) << ok.status().ToString();
+}
+
+TEST(Transport, ServerRefusesConnectionsOverItsLimitAndKeepsServing) {
+  // CONNECTION LIMIT: two silent connections fill a server of two; the third is closed at once
+  // and counted; once the silent ones go, an honest client gets in.
+  LogCapture log;
+  EchoServer echo({.handshake_timeout = std::chrono::milliseconds(10000), .max_connections = 2});
+  std::vector<Fd> silent;
+  for (int i = 0; i < 2; ++i) {
+    auto fd = Connect(echo.server->address(), DeadlineInMs(2000));
+    ASSERT_TRUE(fd.ok());
+    SocketStream probe(Fd(::dup(fd->get())), "server");
+    ASSERT_TRUE(probe.Expect(Op::kAuthChallenge, DeadlineInMs(2000)).ok());  // its thread runs
+    silent.push_back(std::move(*fd));
+  }
+  auto third = Connect(echo.server->address(), DeadlineInMs(2000));
+  ASSERT_TRUE(third.ok());
+  uint8_t byte;
+  const Status closed = ReadAll(third->get(), &byte, 1, DeadlineInMs(5000));
+  EXPECT_NE(closed.code(), StatusCode::kTimeout) << closed.ToString();
+  EXPECT_EQ(echo.server->rejected(), 1u);
+  const auto lines = log.Starting("refused connection from 127.0.0.1");
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("2 connections open (2 at most)"), std::string::npos) << lines[0];
+  silent.clear();  // their handshakes fail; the threads end
+  Result<std::unique_ptr<Link>> ok = Status::Unavailable("not tried");
+  for (int i = 0; i < 100 && !ok.ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ok = ConnectLink(echo.server->address(), TestSecret(), {.streams = 1});
+  }
+  EXPECT_TRUE(ok.ok()) << ok.status().ToString();
+}
+
+TEST(Auth, RejectedPeersAreLoggedAtMostTenASecondAndCountedInFull) {
+  LogCapture log;
+  EchoServer echo;
+  constexpr int kPeers = 40;
+  const std::vector<uint8_t> junk(48, 0x41);  // a header's worth of garbage: rejected at once
+  for (int i = 0; i < kPeers; ++i) {
+    auto fd = Connect(echo.server->address(), DeadlineInMs(2000));
+    ASSERT_TRUE(fd.ok());
+    ASSERT_TRUE(WriteAll(fd->get(), junk.data(), junk.size(), DeadlineInMs(2000)).ok());
+  }
+  for (int i = 0; i < 1000 && echo.server->rejected() < kPeers; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(echo.server->rejected(), static_cast<uint64_t>(kPeers));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1300));  // the acceptor flushes the count
+  const size_t logged = log.Starting("rejected unauthenticated peer").size();
+  uint64_t held = 0;
+  for (const auto& m : log.Starting("")) {
+    if (m.find(" more peers rejected in the last second (not logged)") != std::string::npos) {
+      held += std::stoull(m);
+    }
+  }
+  EXPECT_EQ(logged + held, static_cast<uint64_t>(kPeers));
+  EXPECT_GT(held, 0u);
+  EXPECT_LT(logged, static_cast<size_t>(kPeers));
 }
 
 TEST(Auth, HandshakeOverMemoryRejectsAWrongMac) {

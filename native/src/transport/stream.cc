@@ -80,12 +80,25 @@ Status SocketStream::Send(const OutFrame& f, Deadline deadline) {
   return Fail(WriteAllV(fd_.get(), iov, deadline, f.more ? MSG_MORE : 0));
 }
 
+void SocketStream::LimitFrames(uint32_t max_meta_bytes, uint32_t max_blocks) {
+  max_meta_bytes_ = std::min(max_meta_bytes, kMaxMetaBytes);
+  max_blocks_ = std::min(max_blocks, kMaxBlocksPerFrame);
+}
+
 Result<InFrame> SocketStream::RecvHead(Deadline deadline) {
   if (broken_.load()) return Status::Unavailable(StrCat("stream to ", peer_, " is closed"));
   std::array<uint8_t, kHeaderBytes> raw;
   if (Status s = ReadAll(fd_.get(), raw.data(), raw.size(), deadline); !s.ok()) return Fail(s);
   auto h = ParseHeader(raw);
   if (!h.ok()) return Fail(h.status());
+  if (h->meta_bytes > max_meta_bytes_ || h->num_blocks > max_blocks_) {
+    // HANDSHAKE LIMIT: refused from the header, before anything is allocated for the frame.
+    return Fail(Status::InvalidArgument(
+        StrCat("a ", OpName(static_cast<Op>(h->op)), " frame of ", h->meta_bytes,
+               " metadata bytes and ", h->num_blocks, " blocks from ", peer_,
+               " exceeds what this stream accepts before authentication (", max_meta_bytes_,
+               " bytes, ", max_blocks_, " blocks)")));
+  }
   InFrame f;
   f.header = *h;
   f.meta.resize(h->meta_bytes);

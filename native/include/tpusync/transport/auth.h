@@ -37,6 +37,10 @@ namespace tpusync::transport {
 inline constexpr size_t kNonceBytes = 32;
 inline constexpr size_t kMacBytes = 32;
 inline constexpr size_t kMinSecretBytes = 16;
+// HANDSHAKE LIMIT (stream.h): the most metadata a frame may carry on a connection that has not
+// authenticated and bound yet (a challenge, response or proof is 32-64 bytes, a Bind 16, an Error
+// frame its status).
+inline constexpr uint32_t kHandshakeMetaBytes = 4096;
 inline constexpr const char* kSecretEnvVar = "TPUSYNC_AUTH_SECRET";
 
 class Secret {

@@ -18,7 +18,9 @@
 //
 // FRAME CONTRACT: a header is trusted only after magic, version, header checksum and every limit
 // check passed. The parser allocates nothing; the receiver allocates at most kMaxMetaBytes +
-// 8 * kMaxBlocksPerFrame for metadata and checksums, and payload bytes go only into memory the
+// 8 * kMaxBlocksPerFrame for metadata and checksums (a server, kHandshakeMetaBytes and nothing for
+// checksums until a connection authenticated: HANDSHAKE LIMIT in stream.h), and payload bytes go
+// only into memory the
 // receiver chose for them (pool blocks) after it checked the count and size against what it
 // expects. A payload block whose checksum does not match is kCorrupted and never used as data.
 //

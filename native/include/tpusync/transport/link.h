@@ -15,6 +15,14 @@
 // connected. A link closed in the window between
 // that check and its first frame still fails its request (one poll per stream, no retry).
 //
+// CONNECTION LIMIT: a server runs one thread per connection until its link ends. It accepts at
+// most ServerOptions::max_connections at a time and closes any further connection at once; a
+// connection whose thread cannot be started (the process is out of threads or memory) is closed
+// the same way. Either counts as rejected, and the server keeps serving the others (before this
+// rule, a failed thread start ended the process). Rejections are logged at most
+// kRejectLogsPerSecond a second, with a count of the rest, so a flood of peers cannot flood the
+// log.
+//
 // SHUTDOWN CONTRACT: Server::Stop stops accepting, closes every live link's streams (blocked reads
 // return), and joins every thread it started before it returns.
 #pragma once
@@ -54,12 +62,15 @@ struct Link {
 // Wraps a freshly authenticated stream (the fault double hooks in here); index = stream index.
 using StreamWrapper = std::function<std::unique_ptr<Stream>(std::unique_ptr<Stream>, size_t)>;
 
+inline constexpr uint32_t kRejectLogsPerSecond = 10;
+
 struct ServerOptions {
   std::string listen = "127.0.0.1:0";  // HOST:PORT or unix:/path
   std::chrono::milliseconds handshake_timeout{5000};
   SocketOptions socket;
   size_t max_streams_per_link = 64;
-  StreamWrapper wrap;  // optional
+  size_t max_connections = 4096;  // CONNECTION LIMIT
+  StreamWrapper wrap;             // optional
 };
 
 class Server {
@@ -71,14 +82,20 @@ class Server {
   ~Server();
   const Address& address() const { return address_; }
   void Stop();
-  uint64_t rejected() const { return rejected_.load(); }  // failed handshakes
+  // Failed handshakes and connections refused by the CONNECTION LIMIT.
+  uint64_t rejected() const { return rejected_.load(); }
   uint64_t links() const { return links_.load(); }
 
  private:
   Server() = default;
   void AcceptLoop();
   void HandleConnection(Fd fd, std::string peer);
-  void Spawn(std::function<void()> fn);
+  // Starts `fn` on a connection thread; false when no thread could be started.
+  bool Spawn(std::function<void()> fn);
+  // Counts a rejected peer and logs it, at most kRejectLogsPerSecond a second (CONNECTION LIMIT).
+  void Reject(const std::string& message);
+  // Logs how many rejections the last second's limit held back (acceptor thread, every pass).
+  void FlushRejectLog();
 
   ServerOptions options_;
   Secret secret_;
@@ -100,6 +117,10 @@ class Server {
   std::list<std::weak_ptr<Link>> live_;
   std::list<std::thread> threads_;
   std::vector<std::thread::id> finished_;
+  std::mutex log_mu_;
+  Deadline log_window_{};
+  uint32_t logged_in_window_ = 0;
+  uint64_t held_back_ = 0;
 };
 
 struct ConnectOptions {

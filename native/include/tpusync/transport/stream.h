@@ -84,6 +84,13 @@ class SocketStream final : public Stream {
   static constexpr uint64_t kVerifyPieceBytes = uint64_t{256} << 10;
 
   SocketStream(Fd fd, std::string peer) : fd_(std::move(fd)), peer_(std::move(peer)) {}
+  // HANDSHAKE LIMIT: until lifted (LimitFrames(kMaxMetaBytes, kMaxBlocksPerFrame)), RecvHead
+  // refuses a frame with more than `max_meta_bytes` of metadata or more than `max_blocks` payload
+  // blocks from its header alone, before allocating anything for it (the stream is then broken).
+  // Servers hold every connection to kHandshakeMetaBytes (auth.h) and no payload until it
+  // authenticated and bound, so a peer without the secret cannot make them allocate kMaxMetaBytes +
+  // 8 x kMaxBlocksPerFrame per connection with one header.
+  void LimitFrames(uint32_t max_meta_bytes, uint32_t max_blocks);
   Status Send(const OutFrame& frame, Deadline deadline) override;
   Result<InFrame> RecvHead(Deadline deadline) override;
   Status RecvBlocks(const InFrame& frame, std::span<uint8_t* const> dst,
@@ -99,6 +106,8 @@ class SocketStream final : public Stream {
   Fd fd_;
   std::string peer_;
   std::atomic<bool> broken_{false};
+  uint32_t max_meta_bytes_ = kMaxMetaBytes;
+  uint32_t max_blocks_ = kMaxBlocksPerFrame;
 };
 
 // Parses one whole frame (header, metadata, checksums, payload) from memory: used by the fuzz
