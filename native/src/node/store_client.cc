@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "tpusync/base/checksum.h"
+#include "tpusync/block/block_key.h"
 
 namespace tpusync::node {
 
@@ -52,6 +53,18 @@ Result<std::unique_ptr<StoreClient>> StoreClient::CreateRaw(size_t block_bytes, 
                                                             StoreClientOptions options) {
   return Make(nullptr, block_bytes, std::move(secret), std::move(options));
 }
+
+namespace {
+// Every key as a node would check it (block::ValidateKey), before any request leaves.
+Status ValidateKeys(const std::vector<std::string>& keys) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (Status s = block::ValidateKey(keys[i]); !s.ok()) {
+      return Status::InvalidArgument(StrCat("key ", i, " of ", keys.size(), ": ", s.message()));
+    }
+  }
+  return Status::OK();
+}
+}  // namespace
 
 std::vector<size_t> StoreClient::Rank(std::string_view key) const {
   std::vector<std::pair<uint64_t, size_t>> scored;
@@ -110,8 +123,14 @@ Result<std::vector<uint8_t>> StoreClient::Call(size_t n, Op op,
       if (out[i]) into.push_back(dst[i]);
     }
   }
-  if (reply->header.num_blocks != into.size() ||
-      (!into.empty() && reply->header.block_bytes != block_bytes_)) {
+  if (reply->header.num_blocks != 0 && reply->header.block_bytes != block_bytes_) {
+    link->Close();
+    return Status::InvalidArgument(StrCat("store node ", addrs_[n].ToString(), " serves ",
+                                          reply->header.block_bytes,
+                                          "-byte blocks; this client's are ", block_bytes_,
+                                          " bytes (give both the same block size)"));
+  }
+  if (reply->header.num_blocks != into.size()) {
     link->Close();
     return Status::Corrupted("store reply payload does not match its found flags");
   }
@@ -205,6 +224,7 @@ Result<std::vector<uint32_t>> StoreClient::PutRaw(const std::vector<std::string>
   if (keys.size() != blocks.size()) {
     return Status::InvalidArgument(StrCat(keys.size(), " keys for ", blocks.size(), " blocks"));
   }
+  TPUSYNC_RETURN_IF_ERROR(ValidateKeys(keys));
   std::map<size_t, std::vector<size_t>> per_node;  // node -> key indices
   for (size_t i = 0; i < keys.size(); ++i) {
     auto rank = Rank(keys[i]);
@@ -212,7 +232,7 @@ Result<std::vector<uint32_t>> StoreClient::PutRaw(const std::vector<std::string>
   }
   std::vector<uint32_t> replicas(keys.size(), 0);
   Status last;
-  size_t reached = 0;
+  size_t accepted = 0;
   for (auto& [node, idx] : per_node) {
     std::vector<std::string> ks;
     std::vector<const uint8_t*> bs;
@@ -222,19 +242,17 @@ Result<std::vector<uint32_t>> StoreClient::PutRaw(const std::vector<std::string>
     }
     auto res = CallChunked(node, Op::kStorePut, ks, bs, {});
     if (!res.ok()) {
-      // A node that answered with a refusal (e.g. a payload damaged in flight) was reached; its
-      // replicas simply do not count.
+      // Unreachable, or it refused the request (a payload damaged in flight, another block size,
+      // our secret): its replicas do not count, and if every node did the same the put fails.
       last = res.status();
-      const StatusCode c = last.code();
-      if (c != StatusCode::kUnavailable && c != StatusCode::kTimeout) reached++;
       continue;
     }
-    reached++;
+    accepted++;
     for (size_t j = 0; j < idx.size(); ++j) {
       if ((*res)[j] != static_cast<uint8_t>(PutResult::kNoSpace)) replicas[idx[j]]++;
     }
   }
-  if (reached == 0 && !last.ok()) return last;
+  if (accepted == 0 && !last.ok()) return last;  // no node took the request: say why
   return replicas;
 }
 
@@ -257,6 +275,7 @@ Result<std::vector<bool>> StoreClient::GetRaw(const std::vector<std::string>& ke
   if (keys.size() != dst.size()) {
     return Status::InvalidArgument(StrCat(keys.size(), " keys for ", dst.size(), " blocks"));
   }
+  TPUSYNC_RETURN_IF_ERROR(ValidateKeys(keys));
   std::vector<bool> found(keys.size(), false);
   std::vector<std::vector<size_t>> ranks;
   for (const auto& k : keys) ranks.push_back(Rank(k));
@@ -298,6 +317,7 @@ Result<size_t> StoreClient::LookupPrefix(const std::vector<std::string>& keys,
 }
 
 Result<size_t> StoreClient::Lookup(const std::vector<std::string>& keys, uint32_t lease_ms) {
+  TPUSYNC_RETURN_IF_ERROR(ValidateKeys(keys));
   std::vector<bool> found(keys.size(), false);
   std::vector<std::vector<size_t>> ranks;
   for (const auto& k : keys) ranks.push_back(Rank(k));
@@ -332,6 +352,7 @@ Result<size_t> StoreClient::Lookup(const std::vector<std::string>& keys, uint32_
 }
 
 Result<std::vector<bool>> StoreClient::Remove(const std::vector<std::string>& keys) {
+  TPUSYNC_RETURN_IF_ERROR(ValidateKeys(keys));
   std::map<size_t, std::vector<size_t>> per_node;
   for (size_t i = 0; i < keys.size(); ++i) {
     auto rank = Rank(keys[i]);

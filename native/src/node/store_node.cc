@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <unordered_set>
 
 namespace tpusync::node {
 
@@ -12,6 +13,21 @@ using transport::MetaReader;
 using transport::MetaWriter;
 using transport::Op;
 using transport::Stream;
+
+// REQUEST MEMORY CONTRACT: new[] of a byte array leaves it unfilled, so a large buffer's pages
+// are committed only where a payload lands (std::vector would zero every byte first).
+struct StoreNode::Scratch {
+  std::unique_ptr<uint8_t[]> bytes;
+  size_t size = 0;
+  uint8_t* Reserve(size_t n) {
+    if (size < n) {
+      bytes.reset();
+      bytes.reset(new uint8_t[n]);
+      size = n;
+    }
+    return bytes.get();
+  }
+};
 
 namespace {
 constexpr int64_t kIoTimeoutMs = 30000;
@@ -49,7 +65,8 @@ Result<std::vector<std::string>> DecodeKeys(MetaReader& r) {
   std::vector<std::string> keys;
   keys.reserve(std::min<size_t>(n, r.remaining() / 5 + 1));
   for (uint32_t i = 0; i < n; ++i) {
-    TPUSYNC_ASSIGN_OR_RETURN(std::string k, r.Str(block::kMaxKeyBytes));
+    // Any length the frame holds, so that ValidateKey names what is wrong with the key.
+    TPUSYNC_ASSIGN_OR_RETURN(std::string k, r.Str(transport::kMaxMetaBytes));
     TPUSYNC_RETURN_IF_ERROR(block::ValidateKey(k));
     keys.push_back(std::move(k));
   }
@@ -115,7 +132,8 @@ void StoreNode::Stop() {
   if (server_) server_->Stop();
 }
 
-StoreNodeStats StoreNode::stats() const {
+StoreNodeStats StoreNode::stats() {
+  SweepLeases(false);
   const store::StoreStats ks = store_->stats();
   std::lock_guard lock(stats_mu_);
   StoreNodeStats s = stats_;
@@ -142,12 +160,12 @@ StoreNodeStats StoreNode::stats() const {
 
 void StoreNode::Serve(const std::shared_ptr<transport::Link>& link) {
   Stream& s = *link->streams[0];
-  // The connection's receive / send buffer (grown to the largest request it served). Shared so a
-  // store operation that outlives its wait keeps the memory it writes into.
-  auto buf = std::make_shared<std::vector<uint8_t>>();
+  // The connection's receive / send buffer (REQUEST MEMORY CONTRACT). Shared so a store
+  // operation that outlives its wait keeps the memory it writes into.
+  auto buf = std::make_shared<Scratch>();
   for (;;) {
     auto f = s.RecvHead(transport::Clock::now() + kIdleLinkTimeout);
-    if (!f.ok()) return;
+    if (!f.ok()) return;  // the peer closed the link, went idle too long or sent a bad header
     SweepLeases(false);
     Status st;
     switch (f->op()) {
@@ -160,25 +178,35 @@ void StoreNode::Serve(const std::shared_ptr<transport::Link>& link) {
                                      " frame from ", s.peer(), "; closing the link"));
         return;
     }
-    if (!st.ok() || s.broken()) return;  // reply failed: the link is out of step
+    if (!st.ok() || s.broken()) {
+      // The link is out of step (the peer vanished or stalled mid-frame, or the reply failed):
+      // nothing of an unfinished put was committed.
+      transport::LogWarning(
+          StrCat("store node: ", transport::OpName(f->op()), " from ", s.peer(),
+                 " ended its link: ", st.ok() ? std::string("the stream broke") : st.ToString()));
+      std::lock_guard lock(stats_mu_);
+      stats_.requests_failed++;
+      return;
+    }
+    if (buf->size > kKeptRequestBytes) buf = std::make_shared<Scratch>();
   }
 }
 
 namespace {
 // Waits for a store operation; on timeout the buffer it writes into is handed to the operation
 // so that it stays valid until the engine is done with it, and the connection gets a new one.
-Status WaitStore(concurrency::Future f, std::shared_ptr<std::vector<uint8_t>>& buf) {
+template <typename Buffer>
+Status WaitStore(concurrency::Future f, std::shared_ptr<Buffer>& buf) {
   Status st = f->Wait(std::chrono::milliseconds(kIoTimeoutMs));
   if (st.code() == StatusCode::kTimeout && !f->done()) {
     f->OnComplete([keep = buf](const Status&) {});
-    buf = std::make_shared<std::vector<uint8_t>>();
+    buf = std::make_shared<Buffer>();
   }
   return st;
 }
 }  // namespace
 
-Status StoreNode::HandlePut(Stream& s, const InFrame& f,
-                            std::shared_ptr<std::vector<uint8_t>>& buf) {
+Status StoreNode::HandlePut(Stream& s, const InFrame& f, std::shared_ptr<Scratch>& buf) {
   const uint64_t id = f.header.request_id;
   const size_t bb = store_->block_bytes();
   MetaReader r(f.meta);
@@ -202,9 +230,9 @@ Status StoreNode::HandlePut(Stream& s, const InFrame& f,
   }
   const size_t n = keys->size();
   // Phase 1: receive into the connection's buffer (invisible to readers), checksums verified.
-  if (buf->size() < n * bb) buf->resize(n * bb);
+  uint8_t* base = buf->Reserve(n * bb);
   std::vector<uint8_t*> dst;
-  for (size_t i = 0; i < n; ++i) dst.push_back(buf->data() + i * bb);
+  for (size_t i = 0; i < n; ++i) dst.push_back(base + i * bb);
   Status got = s.RecvBlocks(f, dst, DeadlineInMs(kIoTimeoutMs));
   if (!got.ok()) {
     std::lock_guard lock(stats_mu_);
@@ -215,12 +243,16 @@ Status StoreNode::HandlePut(Stream& s, const InFrame& f,
   // Phase 2: commit through the KVStore (visible only once completely written to a tier).
   std::vector<uint8_t> result(n, static_cast<uint8_t>(PutResult::kStored));
   std::vector<block::Placement> placed;
+  std::unordered_set<std::string_view> seen;
   for (size_t i = 0; i < n; ++i) {
     const std::string_view k = (*keys)[i];
-    if (store_->Lookup({&k, 1}, &placed) == 1) result[i] = static_cast<uint8_t>(PutResult::kExists);
+    // A key stored before, or an earlier copy of it in this request (same key, same bytes).
+    if (!seen.insert(k).second || store_->Lookup({&k, 1}, &placed) == 1) {
+      result[i] = static_cast<uint8_t>(PutResult::kExists);
+    }
   }
   auto stored = std::make_shared<std::vector<uint8_t>>();
-  Status st = WaitStore(store_->Put(*keys, {buf->data(), bb, n, {}}, stored), buf);
+  Status st = WaitStore(store_->Put(*keys, {base, bb, n, {}}, stored), buf);
   size_t new_blocks = 0, exists = 0, no_space = 0;
   for (size_t i = 0; i < n; ++i) {
     if (!st.ok() || i >= stored->size() || !(*stored)[i]) {
@@ -243,12 +275,11 @@ Status StoreNode::HandlePut(Stream& s, const InFrame& f,
   return Reply(s, id, Status::OK(), result);
 }
 
-Status StoreNode::HandleGet(Stream& s, const InFrame& f,
-                            std::shared_ptr<std::vector<uint8_t>>& buf) {
+Status StoreNode::HandleGet(Stream& s, const InFrame& f, std::shared_ptr<Scratch>& buf) {
   const size_t bb = store_->block_bytes();
   MetaReader r(f.meta);
   auto keys = DecodeKeys(r);
-  Status bad = keys.ok() ? Status::OK() : keys.status();
+  Status bad = keys.ok() ? r.ExpectEnd() : keys.status();
   if (bad.ok() && f.header.num_blocks) bad = Status::InvalidArgument("a get carries no payload");
   if (bad.ok() && keys->size() * bb > kMaxNodeRequestBytes) {
     bad = Status::InvalidArgument(StrCat("get of ", keys->size() * bb, " bytes in one request (",
@@ -259,19 +290,33 @@ Status StoreNode::HandleGet(Stream& s, const InFrame& f,
     return Reply(s, f.header.request_id, bad, {});
   }
   const size_t n = keys->size();
-  if (buf->size() < n * bb) buf->resize(n * bb);
-  auto found = std::make_shared<std::vector<uint8_t>>();
-  Status st = WaitStore(store_->Get(*keys, {buf->data(), bb, n, {}}, found), buf);
-  if (!st.ok()) return Reply(s, f.header.request_id, st, {});
+  // REQUEST MEMORY CONTRACT: read only the keys the store holds now, into a buffer of their size
+  // (a key evicted before the read below is still a miss).
+  std::vector<size_t> held;
+  std::vector<std::string> want;
+  std::vector<block::Placement> placed;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string_view k = (*keys)[i];
+    if (store_->Lookup({&k, 1}, &placed) == 1) {
+      held.push_back(i);
+      want.push_back((*keys)[i]);
+    }
+  }
   std::vector<const uint8_t*> src;
   std::vector<uint8_t> flags(n, 0);
-  {
+  if (!held.empty()) {
+    uint8_t* base = buf->Reserve(held.size() * bb);
+    auto found = std::make_shared<std::vector<uint8_t>>();
+    Status st = WaitStore(store_->Get(want, {base, bb, held.size(), {}}, found), buf);
+    if (!st.ok()) return Reply(s, f.header.request_id, st, {});
+    std::unordered_set<std::string_view> ended;
     std::lock_guard lock(lease_mu_);
-    for (size_t i = 0; i < n; ++i) {
-      if (!(*found)[i]) continue;
-      flags[i] = 1;
-      src.push_back(buf->data() + i * bb);
-      EndLease((*keys)[i]);  // READ LEASE: a read ends one lease
+    for (size_t j = 0; j < held.size(); ++j) {
+      if (!(*found)[j]) continue;
+      flags[held[j]] = 1;
+      src.push_back(base + j * bb);
+      // READ LEASE: a read ends one lease of each distinct key it read.
+      if (ended.insert(want[j]).second) EndLease(want[j]);
     }
   }
   const Status sent = Reply(s, f.header.request_id, Status::OK(), flags, src, bb);
@@ -348,10 +393,15 @@ Status StoreNode::HandleLookup(Stream& s, const InFrame& f) {
   {
     std::lock_guard lock(lease_mu_);
     const auto expires = transport::Clock::now() + std::chrono::milliseconds(lease_ms);
+    std::unordered_map<std::string_view, size_t> first;  // key -> its first index in the request
     for (size_t i = 0; i < keys->size(); ++i) {
       const std::string_view k = (*keys)[i];
       if (lease_ms == 0) {
         found[i] = store_->Lookup({&k, 1}, &placed) == 1;
+        continue;
+      }
+      if (auto [it, fresh] = first.emplace(k, i); !fresh) {
+        found[i] = found[it->second];  // one lease per distinct key of a request
         continue;
       }
       // Pin succeeds only for a stored key: lookup and lease in one step.
@@ -374,11 +424,11 @@ Status StoreNode::HandleLookup(Stream& s, const InFrame& f) {
 Status StoreNode::HandleRemove(Stream& s, const InFrame& f) {
   MetaReader r(f.meta);
   auto keys = DecodeKeys(r);
-  if (!keys.ok() || f.header.num_blocks) {
+  Status bad = keys.ok() ? r.ExpectEnd() : keys.status();
+  if (bad.ok() && f.header.num_blocks) bad = Status::InvalidArgument("a remove carries no payload");
+  if (!bad.ok()) {
     if (f.header.num_blocks) TPUSYNC_RETURN_IF_ERROR(s.SkipBlocks(f, DeadlineInMs(kIoTimeoutMs)));
-    return Reply(s, f.header.request_id,
-                 keys.ok() ? Status::InvalidArgument("a remove carries no payload") : keys.status(),
-                 {});
+    return Reply(s, f.header.request_id, bad, {});
   }
   std::vector<uint8_t> removed(keys->size(), 0);
   {

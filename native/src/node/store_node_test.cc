@@ -185,8 +185,9 @@ TEST(StoreNode, CorruptPutCommitsNothingAndFirstWriterWins) {
   auto src = *pool->Alloc(4);
   Fill(*pool, src, 1);
   auto put = (*bad)->Put(Keys(4), src);
-  ASSERT_TRUE(put.ok());
-  EXPECT_EQ(*put, std::vector<uint32_t>(4, 0));  // the node refused the damaged payload
+  // The only node refused the damaged payload: the put fails with its reason (not a silent 0).
+  ASSERT_EQ(put.status().code(), StatusCode::kCorrupted) << put.status().ToString();
+  EXPECT_NE(put.status().message().find("failed its checksum"), std::string::npos);
   EXPECT_EQ(node->stats().put_corrupt, 1u);
   EXPECT_EQ(node->stats().blocks_used, 0u);  // the reservation was released
   auto good = StoreClient::Create(pool, TestSecret(), {.nodes = {node->address().ToString()}});
@@ -267,6 +268,88 @@ TEST(StoreNode, MalformedRequestsGetClearErrors) {
       s.SendMeta(transport::Op::kStoreLookup, 2, EncodeKeys({"x"}), transport::DeadlineInMs(2000))
           .ok());
   EXPECT_TRUE(s.RecvHead(transport::DeadlineInMs(2000)).ok());
+  // Trailing bytes after the keys are refused by every op (get and remove included), and an
+  // over-long key is named as such.
+  for (auto op : {transport::Op::kStoreGet, transport::Op::kStoreRemove}) {
+    auto meta = EncodeKeys({"x"});
+    meta.push_back(0);
+    ASSERT_TRUE(s.SendMeta(op, 3, meta, transport::DeadlineInMs(2000)).ok());
+    auto bad = s.RecvHead(transport::DeadlineInMs(2000));
+    ASSERT_TRUE(bad.ok());
+    transport::MetaReader br(bad->meta);
+    EXPECT_EQ(*br.U8(), static_cast<uint8_t>(StatusCode::kInvalidArgument));
+  }
+  ASSERT_TRUE(s.SendMeta(transport::Op::kStoreLookup, 4, EncodeKeys({std::string(65, 'k')}),
+                         transport::DeadlineInMs(2000))
+                  .ok());
+  auto named = s.RecvHead(transport::DeadlineInMs(2000));
+  ASSERT_TRUE(named.ok());
+  transport::MetaReader nr(named->meta);
+  EXPECT_EQ(*nr.U8(), static_cast<uint8_t>(StatusCode::kInvalidArgument));
+  EXPECT_EQ(*nr.Str(), "block key is 65 bytes; at most 64 are allowed");
+}
+
+TEST(StoreNode, DuplicateKeysInARequestStoreOnceAndLeaseOnce) {
+  auto node = StartNode(8);
+  auto pool = MakePool(8);
+  auto client = StoreClient::Create(pool, TestSecret(), {.nodes = {node->address().ToString()}});
+  auto src = *pool->Alloc(2);
+  Fill(*pool, src, 3);
+  EXPECT_EQ(*(*client)->Put({"d", "d"}, src), (std::vector<uint32_t>{1, 1}));
+  EXPECT_EQ(node->stats().put_blocks, 1u);  // one block stored, the second copy "exists"
+  EXPECT_EQ(node->stats().put_exists, 1u);
+  EXPECT_EQ(node->stats().blocks_used, 1u);
+  // READ LEASE: a lookup naming "d" three times leases it once; one get of it ends that lease.
+  EXPECT_EQ(*(*client)->LookupPrefix({"d", "d", "d"}, std::chrono::milliseconds(60000)), 3u);
+  EXPECT_EQ(node->stats().leases, 1u);
+  EXPECT_EQ(node->stats().leases_active, 1u);
+  auto dst = *pool->Alloc(2);
+  EXPECT_EQ(*(*client)->Get({"d", "d"}, dst), (std::vector<bool>{true, true}));
+  EXPECT_EQ((*pool->Address(dst[1]))[0], 3);
+  EXPECT_EQ(node->stats().leases_active, 0u);
+  // An expired lease is ended by stats() itself, with no request in between.
+  EXPECT_EQ(*(*client)->LookupPrefix({"d"}, std::chrono::milliseconds(50)), 1u);
+  EXPECT_EQ(node->stats().leases_active, 1u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto st = node->stats();
+  EXPECT_EQ(st.leases_active, 0u);
+  EXPECT_EQ(st.leases_expired, 1u);
+}
+
+TEST(StoreNode, ClientCallsThatNoNodeTakesFailWithTheReason) {
+  auto node = StartNode(8);
+  const std::string addr = node->address().ToString();
+  auto pool = MakePool(8);
+  auto good = StoreClient::Create(pool, TestSecret(), {.nodes = {addr}});
+  auto src = *pool->Alloc(1);
+  Fill(*pool, src, 9);
+  ASSERT_TRUE((*good)->Put({"g"}, src).ok());
+  // Another secret: the put fails as the get does (it returned "0 replicas" before).
+  auto stranger =
+      StoreClient::Create(pool, *Secret::FromBytes("another-secret-0123456789"), {.nodes = {addr}});
+  EXPECT_EQ((*stranger)->Put({"s"}, src).status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ((*stranger)->Get({"g"}, src).status().code(), StatusCode::kPermissionDenied);
+  // Another block size: the node's refusal reaches the caller, and a get names both sizes.
+  auto wide = StoreClient::CreateRaw(2 * kBlock, TestSecret(), {.nodes = {addr}});
+  std::vector<uint8_t> row(2 * kBlock, 1);
+  const uint8_t* rows[] = {row.data()};
+  uint8_t* into[] = {row.data()};
+  auto put = (*wide)->PutRaw({"w"}, rows);
+  EXPECT_EQ(put.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(put.status().message().find("put of 32768-byte blocks to a node of 16384-byte blocks"),
+            std::string::npos)
+      << put.status().ToString();
+  auto get = (*wide)->GetRaw({"g"}, into);
+  EXPECT_EQ(get.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(get.status().message().find("serves 16384-byte blocks; this client's are 32768 bytes"),
+            std::string::npos)
+      << get.status().ToString();
+  // Keys are checked before anything is sent, with the key's own rule.
+  auto long_key = (*good)->Put({std::string(65, 'k')}, src);
+  EXPECT_EQ(long_key.status().message(),
+            "key 0 of 1: block key is 65 bytes; at most 64 are allowed");
+  EXPECT_EQ((*good)->LookupPrefix({"a", ""}).status().message(), "key 1 of 2: block key is empty");
+  EXPECT_EQ(node->stats().puts, 1u);  // only the honest put reached the node
 }
 
 TEST(StoreNode, LeasedKeysSurviveEvictionUntilReadOrExpiry) {

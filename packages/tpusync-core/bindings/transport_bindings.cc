@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "tpusync/base/seconds.h"
 #include "tpusync/node/remote_tier.h"
 #include "tpusync/node/store_client.h"
 #include "tpusync/node/store_node.h"
@@ -31,12 +32,15 @@ using transport::PdStatus;
 
 Deadline After(double seconds) {
   if (!(seconds >= 0)) ThrowIfError(Status::InvalidArgument("a timeout must be >= 0 seconds"));
-  return transport::Clock::now() + std::chrono::duration_cast<transport::Clock::duration>(
-                                       std::chrono::duration<double>(seconds));
+  return transport::Clock::now() + SecondsToDuration(seconds);  // inf: for ever
 }
 
-std::chrono::milliseconds Ms(double seconds) {
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+// A timeout or interval that must be positive (a zero one would fail every request).
+std::chrono::milliseconds Ms(double seconds, const char* what = "a timeout") {
+  if (!(seconds > 0)) {
+    ThrowIfError(Status::InvalidArgument(StrCat(what, " must be > 0 seconds, got ", seconds)));
+  }
+  return std::max(SecondsToMs(seconds), std::chrono::milliseconds(1));
 }
 
 transport::Secret MakeSecret(const nb::bytes& secret) {
@@ -96,7 +100,7 @@ void init_transport(nb::module_& m) {
             transport::PdProducerOptions o;
             o.listen = listen;
             o.unix_path = unix_path;
-            o.server.handshake_timeout = Ms(handshake_timeout);
+            o.server.handshake_timeout = Ms(handshake_timeout, "handshake_timeout");
             o.server.socket.buffer_bytes = socket_buffer_bytes;
             auto s = MakeSecret(secret);
             nb::gil_scoped_release release;
@@ -165,9 +169,9 @@ void init_transport(nb::module_& m) {
              double abandon_timeout) {
             transport::PdConsumerOptions o;
             o.small_pull_bytes = small_pull_bytes;
-            o.abandon_timeout = Ms(abandon_timeout);
+            o.abandon_timeout = Ms(abandon_timeout, "abandon_timeout");
             o.connect.streams = streams;
-            o.connect.timeout = Ms(connect_timeout);
+            o.connect.timeout = Ms(connect_timeout, "connect_timeout");
             o.connect.socket.buffer_bytes = socket_buffer_bytes;
             auto s = MakeSecret(secret);
             nb::gil_scoped_release release;
@@ -290,7 +294,7 @@ void init_transport(nb::module_& m) {
       .def_prop_ro("cold_start_reason", &node::StoreNode::cold_start_reason)
       .def_prop_ro("block_bytes", &node::StoreNode::block_bytes)
       .def("stats",
-           [](const node::StoreNode& n) {
+           [](node::StoreNode& n) {
              const auto s = n.stats();
              nb::dict d;
              d["blocks_total"] = s.blocks_total;
@@ -315,6 +319,7 @@ void init_transport(nb::module_& m) {
              d["bytes_out"] = s.bytes_out;
              d["rejected_peers"] = s.rejected_peers;
              d["links"] = s.links;
+             d["requests_failed"] = s.requests_failed;
              d["recovered_blocks"] = s.recovered_blocks;
              return d;
            })
@@ -384,11 +389,11 @@ void init_transport(nb::module_& m) {
         node::RemoteTierOptions r;
         r.block_bytes = block_bytes;
         r.capacity_blocks = remote_blocks;
-        r.lease = Ms(lease);
+        r.lease = Ms(lease, "lease_s");
         r.client.nodes = std::move(nodes);
         r.client.replication = replicas;
-        r.client.timeout = Ms(timeout);
-        r.client.connect.timeout = Ms(timeout);
+        r.client.timeout = Ms(timeout, "remote_timeout");
+        r.client.connect.timeout = r.client.timeout;
         auto sec = MakeSecret(secret);
         nb::gil_scoped_release release;
         if (block_bytes == 0)

@@ -92,6 +92,39 @@ def test_store_node_serves_and_shuts_down_on_sigterm(secret_file):
     assert final["stopped"] and final["stats"]["rejected_peers"] == 1
 
 
+def test_a_node_that_cannot_start_says_why_in_one_line(secret_file, tmp_path):
+    """Start-up failures exit 2 with one ``tpusync store-node: <why>`` line, no traceback: the
+    address in use, the metrics port in use, a size it cannot read. A put with the wrong secret
+    raises like a get (it returned 0 replicas before)."""
+    proc, info = start_node(secret_file, metrics_port=free_port())
+    try:
+        metrics_port = int(info["metrics"].rsplit(":", 1)[1].split("/")[0])
+        base = [sys.executable, "-m", "tpusync.core.cli", "store-node", "--capacity", "4MiB",
+                "--block-bytes", str(BLOCK), "--auth-secret-file", str(secret_file)]  # fmt: skip
+        cases = {
+            "address in use": (["--listen", info["address"]], "Address already in use"),
+            "metrics port in use": (
+                ["--listen", "127.0.0.1:0", "--metrics-port", str(metrics_port)],
+                f"metrics port {metrics_port} on 127.0.0.1: Address already in use",
+            ),
+            "bad size": (["--listen", "127.0.0.1:0", "--capacity", "lots"], "cannot read 'lots'"),
+        }
+        for case, (args, why) in cases.items():
+            run = subprocess.run(
+                [*base, *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+            )
+            lines = run.stderr.strip().splitlines()
+            assert run.returncode == 2, (case, run.stderr)
+            assert len(lines) == 1 and lines[0].startswith("tpusync store-node: "), (case, lines)
+            assert why in lines[0], (case, lines)
+        pool = tc.HostBlockPool(BLOCK, 2)
+        stranger = StoreClient(pool, [info["address"]], secret=b"wrong-secret-0123456789abc")
+        with pytest.raises(tc.AuthError):
+            stranger.put(["k"], pool.alloc(1))
+    finally:
+        stop(proc)
+
+
 def test_replicated_nodes_survive_a_killed_node(secret_file):
     procs = [start_node(secret_file) for _ in range(3)]
     try:

@@ -60,7 +60,10 @@ class StoreClient {
   // Node indices for `key`, best first (all nodes, ranked).
   std::vector<size_t> Rank(std::string_view key) const;
   // Stores block i under keys[i] on its replicas. Returns, per key, how many replicas hold it
-  // (stored now or already there). kUnavailable only when no node could be reached at all.
+  // (stored now or already there; 0 where every replica was full). Fails with the last node's
+  // error only when no node took the request at all (unreachable, or it refused it: another
+  // block size, a wrong secret, a payload damaged in flight). Every call of this class refuses
+  // an empty or over-long key (block::ValidateKey) before any request leaves.
   Result<std::vector<uint32_t>> Put(const std::vector<std::string>& keys,
                                     const std::vector<BlockId>& blocks);
   // Copies keys[i] into dst[i] when found on any replica; returns found flags. Get, LookupPrefix

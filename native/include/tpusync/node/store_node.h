@@ -28,6 +28,13 @@
 // its reason and reported by cold_start_reason(). One process per namespace (a second node on the
 // same namespace fails to start). Without a namespace the DRAM tier is private and starts cold.
 //
+// REQUEST MEMORY CONTRACT: a link's request buffer is allocated without being filled (pages are
+// committed only as a put's payload arrives or a get's blocks are copied in), a get sizes it for
+// the keys the store holds (a get of missing keys allocates nothing), and after a request it is
+// kept only up to kKeptRequestBytes, so an idle link holds at most that much beyond the store's
+// capacity. A lookup leases each distinct key of a request once (duplicates in one request take
+// no further lease, and a get ends one lease per distinct key it read).
+//
 // EVICTION: when the KVStore is full, a put evicts least-recently-used unpinned keys (demoting to
 // the disk tier first when the node has one).
 //
@@ -65,6 +72,8 @@ inline constexpr int64_t kMaxLeaseMs = 600000;
 inline constexpr int64_t kLeaseSweepMs = 100;
 // A request's payload (put) or reply payload (get) must fit in this many bytes.
 inline constexpr size_t kMaxNodeRequestBytes = size_t{256} << 20;
+// REQUEST MEMORY CONTRACT: the most request buffer a link keeps between requests.
+inline constexpr size_t kKeptRequestBytes = size_t{16} << 20;
 
 // Per-key results in a put reply.
 enum class PutResult : uint8_t { kStored = 0, kExists = 1, kNoSpace = 2 };
@@ -91,6 +100,9 @@ struct StoreNodeStats {
   uint64_t disk_blocks_total = 0, disk_blocks_used = 0;
   uint64_t bytes_in = 0, bytes_out = 0;
   uint64_t rejected_peers = 0, links = 0;
+  // Requests that ended their link: the peer vanished or stalled mid-frame, a reply could not be
+  // sent (each also logged with its peer and reason).
+  uint64_t requests_failed = 0;
   uint64_t recovered_blocks = 0;  // blocks re-attached and verified at start (warm restart)
 };
 
@@ -100,7 +112,8 @@ class StoreNode {
   ~StoreNode();
   const transport::Address& address() const { return server_->address(); }
   size_t block_bytes() const { return store_->block_bytes(); }
-  StoreNodeStats stats() const;
+  // Also ends expired leases first (READ LEASE CONTRACT).
+  StoreNodeStats stats();
   // Why cached blocks were discarded at start (empty: warm restart, or nothing to re-attach).
   const std::string& cold_start_reason() const { return cold_start_reason_; }
   // The node's store (tests and the CLI's metrics read its counters).
@@ -110,11 +123,12 @@ class StoreNode {
 
  private:
   StoreNode() = default;
+  struct Scratch;  // a link's request buffer (REQUEST MEMORY CONTRACT)
   void Serve(const std::shared_ptr<transport::Link>& link);
   Status HandlePut(transport::Stream& s, const transport::InFrame& f,
-                   std::shared_ptr<std::vector<uint8_t>>& buf);
+                   std::shared_ptr<Scratch>& buf);
   Status HandleGet(transport::Stream& s, const transport::InFrame& f,
-                   std::shared_ptr<std::vector<uint8_t>>& buf);
+                   std::shared_ptr<Scratch>& buf);
   Status HandleLookup(transport::Stream& s, const transport::InFrame& f);
   Status HandleRemove(transport::Stream& s, const transport::InFrame& f);
   // Lease bookkeeping; EndLease / EndAllLeases need lease_mu_ held.

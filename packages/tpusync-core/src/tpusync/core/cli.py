@@ -158,19 +158,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_store_node(args: argparse.Namespace) -> int:
+    """A node that cannot start (bad size, address or port in use, namespace or disk directory
+    held by another node, no secret) says why in one line on stderr and exits 2."""
+    from tpusync.core.errors import TpusyncError
     from tpusync.core.store_node import parse_size, run_store_node
 
-    return run_store_node(
-        listen=args.listen,
-        capacity=parse_size(args.capacity),
-        block_bytes=parse_size(args.block_bytes),
-        secret_file=args.auth_secret_file,
-        metrics_port=args.metrics_port,
-        disk_dir=args.disk_dir,
-        disk_capacity=parse_size(args.disk_capacity) if args.disk_dir else 0,
-        name_space=args.namespace or "",
-        fingerprint=args.fingerprint or "",
-    )
+    try:
+        return run_store_node(
+            listen=args.listen,
+            capacity=parse_size(args.capacity),
+            block_bytes=parse_size(args.block_bytes),
+            secret_file=args.auth_secret_file,
+            metrics_port=args.metrics_port,
+            disk_dir=args.disk_dir,
+            disk_capacity=parse_size(args.disk_capacity) if args.disk_dir else 0,
+            name_space=args.namespace or "",
+            fingerprint=args.fingerprint or "",
+        )
+    except (TpusyncError, OSError, ValueError) as e:
+        print(f"tpusync store-node: {e}", file=sys.stderr)
+        return 2
 
 
 def _cmd_shm(args: argparse.Namespace) -> int:

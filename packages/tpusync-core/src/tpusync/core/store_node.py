@@ -155,7 +155,11 @@ def _metrics(node: StoreNode, host: str, port: int) -> object:
 
     collector = Collector()
     REGISTRY.register(collector)
-    start_http_server(port, addr=host)
+    try:
+        start_http_server(port, addr=host)
+    except OSError as e:
+        REGISTRY.unregister(collector)
+        raise OSError(f"metrics port {port} on {host}: {e.strerror or e}") from None
     return collector
 
 
@@ -184,8 +188,14 @@ def run_store_node(
                      fingerprint=fingerprint)  # fmt: skip
     metrics = collector = None
     if metrics_port is not None:
-        host = node.address.rsplit(":", 1)[0].strip("[]")
-        collector = _metrics(node, host, metrics_port)
+        # The host of --listen; a node on a Unix socket serves its metrics on loopback.
+        unix = node.address.startswith(("unix:", "/"))
+        host = "127.0.0.1" if unix else node.address.rsplit(":", 1)[0].strip("[]")
+        try:
+            collector = _metrics(node, host, metrics_port)
+        except OSError:
+            node.stop()
+            raise
         metrics = f"http://{host}:{metrics_port}/metrics"
     info = {
         "address": node.address,
