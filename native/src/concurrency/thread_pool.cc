@@ -1,5 +1,8 @@
 #include "tpusync/concurrency/thread_pool.h"
 
+#include <string>
+#include <system_error>
+
 #include <memory>
 
 namespace tpusync::concurrency {
@@ -7,7 +10,21 @@ namespace tpusync::concurrency {
 ThreadPool::ThreadPool(size_t threads) {
   if (threads == 0) threads = std::max<size_t>(1, std::thread::hardware_concurrency());
   workers_.reserve(threads);
-  for (size_t i = 0; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  try {
+    for (size_t i = 0; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  } catch (const std::system_error& e) {
+    // No thread to spare (a pids or address-space limit): stop the workers already started and
+    // throw, rather than std::terminate on their joinable std::threads.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (auto& w : workers_) w.join();
+    throw std::system_error(e.code(), "starting engine thread " +
+                                          std::to_string(workers_.size() + 1) + " of " +
+                                          std::to_string(threads));
+  }
 }
 
 ThreadPool::~ThreadPool() {

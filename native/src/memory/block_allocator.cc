@@ -9,6 +9,19 @@ size_t BlockAllocator::StrideFor(size_t block_bytes) {
   return (block_bytes + align - 1) / align * align;
 }
 
+Result<size_t> BlockAllocator::PoolBytesFor(size_t block_bytes, size_t num_blocks) {
+  if (block_bytes == 0) return Status::InvalidArgument("block size must be > 0 bytes");
+  if (num_blocks == 0) return Status::InvalidArgument("num_blocks must be > 0");
+  if (num_blocks > 0xffffffffu) return Status::InvalidArgument("more than 2^32 blocks in one pool");
+  const size_t stride = StrideFor(block_bytes);
+  size_t bytes = 0;
+  if (stride < block_bytes || __builtin_mul_overflow(stride, num_blocks, &bytes)) {
+    return Status::InvalidArgument(
+        StrCat(num_blocks, " blocks of ", block_bytes, " bytes do not fit in one address space"));
+  }
+  return bytes;
+}
+
 Result<std::unique_ptr<BlockAllocator>> BlockAllocator::Create(std::unique_ptr<HostPool> pool,
                                                                size_t block_bytes, size_t offset,
                                                                size_t max_blocks) {

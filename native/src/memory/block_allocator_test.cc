@@ -22,6 +22,19 @@ TEST(BlockAllocator, StrideAlignsForDirectIo) {
   EXPECT_EQ(BlockAllocator::StrideFor(5000), 8192u);
 }
 
+TEST(BlockAllocator, PoolBytesForRefusesSizesThatWrapAround) {
+  EXPECT_EQ(*BlockAllocator::PoolBytesFor(100, 3), 384u);
+  EXPECT_EQ(BlockAllocator::PoolBytesFor(4096, 0).status().code(), StatusCode::kInvalidArgument);
+  // 2^52 + 1 blocks of 4 KiB used to wrap to a one-block pool.
+  EXPECT_EQ(BlockAllocator::PoolBytesFor(4096, (size_t{1} << 52) + 1).status().code(),
+            StatusCode::kInvalidArgument);
+  auto wrap = BlockAllocator::PoolBytesFor(size_t{1} << 62, 8);
+  EXPECT_EQ(wrap.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(wrap.status().message().find("do not fit in one address space"), std::string::npos);
+  EXPECT_EQ(BlockAllocator::PoolBytesFor(~size_t{0} - 10, 1).status().code(),
+            StatusCode::kInvalidArgument);  // the stride itself wraps
+}
+
 TEST(BlockAllocator, AllocatesDistinctAlignedBlocks) {
   auto a = Make(16384, 8);
   ASSERT_EQ(a->num_blocks(), 8u);

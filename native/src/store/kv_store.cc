@@ -1,10 +1,12 @@
 #include "tpusync/store/kv_store.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <unordered_map>
 
+#include "tpusync/base/seconds.h"
 #include "tpusync/tier/disk_tier.h"
 #include "tpusync/tier/host_tier.h"
 
@@ -96,6 +98,13 @@ Result<std::unique_ptr<KVStore>> KVStore::Open(std::vector<std::unique_ptr<tier:
   }
   if (config.write_through && config.write_through_queue == 0) {
     return Status::InvalidArgument("write_through needs write_through_queue > 0");
+  }
+  if (config.writeback_batch == 0) {
+    // The write-back round advances by this many blocks: 0 would loop for ever under the lock.
+    return Status::InvalidArgument("writeback_batch must be > 0");
+  }
+  if (std::isnan(config.put_wait_s) || std::isnan(config.checkpoint_s)) {
+    return Status::InvalidArgument("put_wait_s and checkpoint_s must be numbers (not NaN)");
   }
   for (const auto& t : tiers) {
     if (t->block_bytes() != tiers[0]->block_bytes()) {
@@ -199,8 +208,7 @@ tier::BlockChunks KVStore::WalkOf(Tier kind) {
 }
 
 void KVStore::CheckpointLoop() {
-  const auto every = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(config_.checkpoint_s));
+  const auto every = SecondsToDuration(config_.checkpoint_s);  // inf: never by time
   std::vector<Clock::time_point> last(tiers_.size(), Clock::now());
   std::vector<Clock::time_point> retry_at(tiers_.size(), Clock::time_point{});
   std::unique_lock<std::mutex> lock(mu_);
@@ -329,9 +337,7 @@ bool KVStore::DropVictim(size_t t) {
 }
 
 Result<uint64_t> KVStore::MakeRoom(size_t t, bool wait, std::unique_lock<std::mutex>& lock) {
-  const auto deadline =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                         std::chrono::duration<double>(std::max(0.0, config_.put_wait_s)));
+  const auto deadline = Clock::now() + SecondsToDuration(config_.put_wait_s);
   for (;;) {
     auto loc = tiers_[t]->Reserve();
     if (loc.ok()) return loc;

@@ -14,6 +14,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+
 #include "../tier/mock_tier.h"
 #include "../tier/test_io.h"
 #include "tpusync/tier/disk_tier.h"
@@ -115,6 +118,44 @@ TEST(KVStore, BadInputIsRefusedBeforeAnythingMoves) {
   EXPECT_EQ(f.host->used(), 0u);
   std::vector<std::string_view> missing = {"zzz"};
   EXPECT_EQ(f.store->Pin(missing).code(), StatusCode::kNotFound);
+}
+
+TEST(KVStore, ConfigThatWouldHangOrMisreadIsRefusedAtOpen) {
+  // writeback_batch 0 looped for ever under the store lock at the first write-back round.
+  for (auto bad : {[] {
+                     StoreConfig c;
+                     c.writeback_batch = 0;
+                     return c;
+                   }(),
+                   [] {
+                     StoreConfig c;
+                     c.put_wait_s = std::nan("");
+                     return c;
+                   }()}) {
+    std::vector<std::unique_ptr<tier::BlockTier>> tiers;
+    tiers.push_back(std::make_unique<MockTier>(Tier::kHost, kBytes, 4));
+    tiers.push_back(std::make_unique<MockTier>(Tier::kDisk, kBytes, 8));
+    auto s = KVStore::Open(std::move(tiers), bad, std::make_shared<concurrency::ThreadPool>(1));
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  }
+}
+
+TEST(KVStore, InfinitePutWaitWaitsForWriteBackInsteadOfGivingUp) {
+  // SECONDS CONTRACT: put_wait_s = inf waits for room (it overflowed to "no wait": 2 of 8 stored).
+  StoreConfig cfg;
+  cfg.put_wait_s = std::numeric_limits<double>::infinity();
+  std::vector<std::unique_ptr<tier::BlockTier>> tiers;
+  tiers.push_back(std::make_unique<MockTier>(Tier::kHost, kBytes, 2));
+  tiers.push_back(std::make_unique<MockTier>(Tier::kDisk, kBytes, 16));
+  auto store = KVStore::Open(std::move(tiers), cfg, std::make_shared<concurrency::ThreadPool>(2));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  constexpr size_t kN = 8;
+  std::vector<uint8_t> buf(kN * kBytes, 7);
+  std::vector<std::string> keys;
+  for (size_t i = 0; i < kN; ++i) keys.push_back(Key(static_cast<int>(i)));
+  auto stored = std::make_shared<std::vector<uint8_t>>();
+  ASSERT_TRUE((*store)->Put(keys, {buf.data(), kBytes, kN, {}}, stored)->Wait(kWait).ok());
+  EXPECT_EQ(*stored, std::vector<uint8_t>(kN, 1));
 }
 
 TEST(KVStore, PinnedBlocksAreNeverEvicted) {

@@ -12,6 +12,7 @@
 
 #include "tpusync/base/checksum.h"
 #include "tpusync/base/stream_copy.h"
+#include "tpusync/memory/shm_reclaim.h"
 
 namespace tpusync::tier {
 namespace {
@@ -71,6 +72,11 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const HostTierOptions& o) {
   po.persist = !o.shm_name.empty();
   po.prefault = o.prefault;
   po.huge_pages = o.huge_pages;
+  if (!o.shm_name.empty() && !memory::ValidShmName(o.shm_name)) {
+    // Checked before the lock file is made: a bad name leaves nothing behind in /dev/shm.
+    return Status::InvalidArgument(StrCat("invalid host tier namespace: segment name '", o.shm_name,
+                                          "': use letters, digits, '-', '_' and '.'"));
+  }
   if (!o.shm_name.empty()) {
     // LOCK CONTRACT: one process per namespace. flock dies with the process (SIGKILL included),
     // so a replacement never has to clean up a stale lock.
@@ -79,8 +85,9 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const HostTierOptions& o) {
     if (t->lock_fd_ < 0) return Status::FromErrno(errno, StrCat("open ", lock_path));
     if (flock(t->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
       return Status::FailedPrecondition(StrCat("host tier namespace /dev/shm/", o.shm_name,
-                                               " is in use by another process (", lock_path,
-                                               " is locked)"));
+                                               " is in use by another process, or by another "
+                                               "store of this one (",
+                                               lock_path, " is locked)"));
     }
     struct stat st {};
     const std::string seg = "/dev/shm/" + o.shm_name;

@@ -70,9 +70,11 @@ void init_block(nb::module_& m) {
               ThrowIfError(idx.Insert({base + i * width, width}, tier, first_location + i));
             }
           },
-          nb::arg("keys"), nb::arg("tier"), nb::arg("first_location"),
-          "Insert row i of a [n, key_bytes] uint8 array at location first_location + i (bulk "
-          "registration; stops at the first error).")
+          // noconvert: an array of another dtype would be cast element by element to uint8
+          // (other keys than the caller's, silently); it is refused instead.
+          nb::arg("keys").noconvert(), nb::arg("tier"), nb::arg("first_location"),
+          "Insert row i of a [n, key_bytes] C-contiguous uint8 array at location first_location "
+          "+ i (bulk registration; stops at the first error).")
       .def(
           "lookup",
           [](BlockIndex& idx, nb::bytes key, bool touch) { return idx.Lookup(View(key), touch); },
@@ -104,9 +106,10 @@ void init_block(nb::module_& m) {
             for (size_t i = 0; i < n; ++i) views.emplace_back(base + i * width, width);
             return idx.LookupPrefix(views, nullptr);
           },
-          nb::arg("keys"),
-          "Length of the leading run of indexed keys among the rows of a [n, key_bytes] uint8 "
-          "array (touching them); no per-key Python objects, placements not returned.")
+          nb::arg("keys").noconvert(),  // as insert_many: no silent cast to uint8
+          "Length of the leading run of indexed keys among the rows of a [n, key_bytes] "
+          "C-contiguous uint8 array (touching them); no per-key Python objects, placements not "
+          "returned.")
       .def(
           "reserve",
           [](BlockIndex& idx, size_t keys) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "tpusync/base/seconds.h"
 #include "tpusync/engine/block_transfer.h"
 #include "tpusync/engine/copy.h"
 #include "tpusync/engine/thread_pool.h"
@@ -72,9 +73,7 @@ class PyFuture {
   // Waits up to `timeout` seconds in slices so Ctrl-C (KeyboardInterrupt) is honoured.
   bool Wait(double timeout) {
     using Clock = std::chrono::steady_clock;
-    const Clock::time_point deadline =
-        Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                           std::chrono::duration<double>(std::max(0.0, timeout)));
+    const Clock::time_point deadline = Clock::now() + SecondsToDuration(timeout);
     for (;;) {
       const Clock::duration left = deadline - Clock::now();
       const Clock::duration slice =
@@ -345,6 +344,9 @@ void init_engine(nb::module_& m) {
       [](DstArray dst, SrcArray src) {
         if (dst.nbytes() != src.nbytes()) {
           throw StatusError(Status::InvalidArgument("memcpy_seconds needs equal-sized arrays"));
+        }
+        if (!CContiguous(src, 0) || !CContiguous(dst, 0)) {
+          throw StatusError(Status::InvalidArgument("memcpy_seconds needs C-contiguous arrays"));
         }
         nb::gil_scoped_release release;
         return engine::TimedMemcpySeconds(dst.data(), src.data(), src.nbytes());

@@ -14,6 +14,7 @@
 
 #include "bindings.h"
 #include "dtype.h"
+#include "tpusync/base/seconds.h"
 #include "tpusync/memory/block_allocator.h"
 #include "tpusync/memory/shm_reclaim.h"
 
@@ -122,13 +123,12 @@ void init_memory(nb::module_& m) {
              bool prefault, bool huge_pages, bool lock_memory) {
             nb::gil_scoped_release release;  // prefaulting gigabytes takes a while
             memory::HostPoolOptions opts;
-            opts.size_bytes = BlockAllocator::StrideFor(block_bytes) * num_blocks;
+            opts.size_bytes = Unwrap(BlockAllocator::PoolBytesFor(block_bytes, num_blocks));
             opts.shm_name = shm_name;
             opts.persist = persist;
             opts.prefault = prefault;
             opts.huge_pages = huge_pages;
             opts.mlock = lock_memory;
-            if (num_blocks == 0) ThrowIfError(Status::InvalidArgument("num_blocks must be > 0"));
             auto host = Unwrap(memory::HostPool::Create(opts));
             return std::shared_ptr<BlockAllocator>(
                 Unwrap(BlockAllocator::Create(std::move(host), block_bytes)));
@@ -149,8 +149,7 @@ void init_memory(nb::module_& m) {
       .def(
           "wait_huge_pages",
           [](const BlockAllocator& a, double timeout) {
-            return a.host_pool().WaitHugePages(
-                std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
+            return a.host_pool().WaitHugePages(SecondsToMs(timeout));
           },
           nb::arg("timeout") = 60.0, nb::call_guard<nb::gil_scoped_release>(),
           "Waits up to `timeout` s for a /dev/shm pool's background huge-page collapse; True "

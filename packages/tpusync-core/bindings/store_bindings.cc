@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "tpusync/base/seconds.h"
 #include "tpusync/store/kv_store.h"
 
 namespace tpusync::bindings {
@@ -257,8 +258,7 @@ void init_store(nb::module_& m) {
           "flush",
           [](KVStore& s, double timeout) {
             nb::gil_scoped_release release;
-            ThrowIfError(s.Flush(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                std::chrono::duration<double>(timeout))));
+            ThrowIfError(s.Flush(SecondsToDuration(timeout)));
           },
           nb::arg("timeout"))
       .def(

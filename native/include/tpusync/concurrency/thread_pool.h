@@ -25,7 +25,8 @@ class ThreadPool {
  public:
   using Task = std::function<Status(const FutureCore& self)>;
 
-  // threads == 0: one per online CPU.
+  // threads == 0: one per online CPU. Throws std::system_error when a thread cannot be started
+  // (the ones already started are stopped and joined first; Python sees a RuntimeError).
   explicit ThreadPool(size_t threads = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;

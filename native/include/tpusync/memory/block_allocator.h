@@ -55,6 +55,10 @@ class BlockAllocator : public std::enable_shared_from_this<BlockAllocator> {
 
   static uint32_t SlotOf(BlockId id) { return static_cast<uint32_t>(id & 0xffffffffu); }
   static size_t StrideFor(size_t block_bytes);
+  // Bytes of a host pool that holds num_blocks blocks of block_bytes: refused for zero blocks,
+  // more than 2^32 blocks, or a size that does not fit in size_t (it used to wrap around to a
+  // tiny pool).
+  static Result<size_t> PoolBytesFor(size_t block_bytes, size_t num_blocks);
 
   size_t block_bytes() const { return block_bytes_; }
   size_t block_stride() const { return stride_; }

@@ -201,7 +201,7 @@ class BlockIndex:
 
     def insert_many(self, keys: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu', writable=False)], tier: Tier, first_location: int) -> None:
         """
-        Insert row i of a [n, key_bytes] uint8 array at location first_location + i (bulk registration; stops at the first error).
+        Insert row i of a [n, key_bytes] C-contiguous uint8 array at location first_location + i (bulk registration; stops at the first error).
         """
 
     def lookup(self, key: bytes, touch: bool = True) -> Placement | None: ...
@@ -211,7 +211,7 @@ class BlockIndex:
 
     def lookup_prefix_array(self, keys: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu', writable=False)]) -> int:
         """
-        Length of the leading run of indexed keys among the rows of a [n, key_bytes] uint8 array (touching them); no per-key Python objects, placements not returned.
+        Length of the leading run of indexed keys among the rows of a [n, key_bytes] C-contiguous uint8 array (touching them); no per-key Python objects, placements not returned.
         """
 
     def reserve(self, keys: int) -> None:

@@ -164,7 +164,7 @@ class HostBlockPool:
         no staging copy. Row indices are range-checked before any byte moves.
         """
         return _native.put_blocks(
-            self._engine, self._pool, _ids(ids), src, None if rows is None else _ids(rows)
+            self._engine, self._pool, _ids(ids), src, None if rows is None else _ids(rows, "rows")
         )
 
     def get(
@@ -172,7 +172,7 @@ class HostBlockPool:
     ) -> _native.Future:
         """Copy pool block ``ids[i]`` into block ``i`` (or row ``rows[i]``) of ``dst``."""
         return _native.get_blocks(
-            self._engine, self._pool, _ids(ids), dst, None if rows is None else _ids(rows)
+            self._engine, self._pool, _ids(ids), dst, None if rows is None else _ids(rows, "rows")
         )
 
     def __repr__(self) -> str:
@@ -182,7 +182,13 @@ class HostBlockPool:
         )
 
 
-def _ids(ids: Sequence[int]) -> list[int]:
+def _ids(ids: Sequence[int], what: str = "block ids") -> list[int]:
+    """A list of ints from a sequence, or from an integer numpy array with no negative entry (a
+    float array used to be truncated and a negative entry wrapped to 2**64 - 1, silently)."""
     if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{what} must be integers, got an array of {ids.dtype}")
+        if ids.dtype.kind == "i" and ids.size and int(ids.min()) < 0:
+            raise ValueError(f"{what} must be >= 0, got {int(ids.min())}")
         return ids.astype(np.uint64, copy=False).tolist()
     return list(ids)

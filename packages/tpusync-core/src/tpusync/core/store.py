@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from tpusync.core import _native
-from tpusync.core.pool import default_engine
+from tpusync.core.pool import _ids, default_engine
 
 __all__ = ["KVStore", "StoreFuture"]
 
@@ -60,7 +60,9 @@ class StoreFuture:
     def mask(self, timeout: float | None = None) -> np.ndarray:
         """Like :meth:`result` but as a read-only uint8 numpy array (no per-key Python objects)."""
         self._future.result(timeout)
-        return self._mask
+        view = self._mask.view()
+        view.flags.writeable = False
+        return view
 
     @property
     def state(self) -> str:
@@ -79,11 +81,7 @@ def _keys(keys: Sequence[bytes]) -> list[bytes]:
 
 
 def _rows(rows: Sequence[int] | None) -> list[int] | None:
-    if rows is None:
-        return None
-    if isinstance(rows, np.ndarray):
-        return rows.astype(np.uint64, copy=False).tolist()
-    return list(rows)
+    return None if rows is None else _ids(rows, "rows")
 
 
 def _recency(recency: str | _native.Recency) -> _native.Recency:
