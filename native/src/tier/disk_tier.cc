@@ -192,6 +192,7 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
   }
   t->state_.assign(t->num_blocks_, kFree);
   t->holds_.assign(t->num_blocks_, 0);
+  t->forget_on_free_.assign(t->num_blocks_, 0);
   t->sequence_ = std::make_unique<std::atomic<uint64_t>[]>(t->num_blocks_);
   for (size_t i = 0; i < t->num_blocks_; ++i) t->sequence_[i].store(kNoSequence);
   TPUSYNC_RETURN_IF_ERROR(t->OpenSegments(cold));
@@ -648,32 +649,39 @@ Result<uint64_t> DiskTier::Reserve() {
 
 void DiskTier::Free(uint64_t slot) {
   state_[slot] = kFree;
+  forget_on_free_[slot] = 0;
   --num_used_;
   free_.push_back(static_cast<uint32_t>(slot));
 }
 
+void DiskTier::ForgetHeader(uint64_t location) {
+  const uint64_t slot[1] = {location};
+  Journal(slot);  // JOURNAL CONTRACT: before the header is zeroed
+  // One zeroed header page: a restart will not resurrect a removed or corrupted block.
+  AlignedBuf zero = Aligned(kSlotHeaderBytes);
+  std::memset(zero.get(), 0, kSlotHeaderBytes);
+  IoOp op;
+  op.fd = SegmentOf(location).fd();
+  op.offset = SlotOffset(location);
+  op.write = true;
+  op.iov = {{zero.get(), kSlotHeaderBytes}};
+  FinishIoSync(op, 0);  // best effort: a failure leaves a slot whose next write replaces it
+}
+
 void DiskTier::Release(uint64_t location, bool forget) {
   if (location >= num_blocks_) return;
-  if (forget) {
-    const uint64_t slot[1] = {location};
-    Journal(slot);  // JOURNAL CONTRACT: before the header is zeroed
-    // One zeroed header page: a restart will not resurrect a removed or corrupted block.
-    AlignedBuf zero = Aligned(kSlotHeaderBytes);
-    std::memset(zero.get(), 0, kSlotHeaderBytes);
-    IoOp op;
-    op.fd = SegmentOf(location).fd();
-    op.offset = SlotOffset(location);
-    op.write = true;
-    op.iov = {{zero.get(), kSlotHeaderBytes}};
-    FinishIoSync(op, 0);  // best effort: a failure leaves a slot whose next write replaces it
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_[location] != kUsed) return;
+    state_[location] = kReleasing;  // no new hold from here on
+    if (holds_[location] > 0) {
+      forget_on_free_[location] = forget;  // HELD FORGET RULE: the last Unhold forgets and frees
+      return;
+    }
   }
+  if (forget) ForgetHeader(location);
   std::lock_guard<std::mutex> lock(mu_);
-  if (state_[location] != kUsed) return;
-  if (holds_[location] > 0) {
-    state_[location] = kReleasing;
-  } else {
-    Free(location);
-  }
+  Free(location);
 }
 
 Status DiskTier::Hold(uint64_t location) {
@@ -686,9 +694,19 @@ Status DiskTier::Hold(uint64_t location) {
 }
 
 void DiskTier::Unhold(uint64_t location) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (location >= num_blocks_ || holds_[location] == 0) return;
+    if (--holds_[location] != 0 || state_[location] != kReleasing) return;
+    if (!forget_on_free_[location]) {
+      Free(location);
+      return;
+    }
+    forget_on_free_[location] = 0;  // still kReleasing: nobody holds or reuses it meanwhile
+  }
+  ForgetHeader(location);  // HELD FORGET RULE
   std::lock_guard<std::mutex> lock(mu_);
-  if (location >= num_blocks_ || holds_[location] == 0) return;
-  if (--holds_[location] == 0 && state_[location] == kReleasing) Free(location);
+  Free(location);
 }
 
 void DiskTier::RunCoalesced(std::vector<IoOp>& ops) {

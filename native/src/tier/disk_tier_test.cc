@@ -92,6 +92,31 @@ TEST_F(DiskTierTest, ReopenRecoversBlocksFromHeaders) {
   }
 }
 
+TEST_F(DiskTierTest, ForgettingAHeldSlotWaitsForItsReaderThenKeepsItFromComingBack) {
+  // HELD FORGET RULE: a remove while a get holds the slot used to zero the header under the
+  // reader, which then counted a corruption.
+  {
+    auto t = std::move(DiskTier::Open(Options()).value());
+    const uint64_t held = WriteOne(*t, "held", Data(7));
+    const uint64_t kept = WriteOne(*t, "kept", Data(8), 2);
+    ASSERT_TRUE(t->Hold(held).ok());
+    t->Release(held, /*forget=*/true);
+    EXPECT_FALSE(t->Hold(held).ok());  // no new reader of a released slot
+    std::vector<uint8_t> out;
+    ASSERT_TRUE(ReadOne(*t, "held", held, &out).ok());  // the holder still reads it whole
+    EXPECT_EQ(out, Data(7));
+    EXPECT_EQ(t->stats().corrupted, 0u);
+    EXPECT_EQ(t->used(), 2u);  // not reusable while held
+    t->Unhold(held);
+    EXPECT_EQ(t->used(), 1u);
+    ASSERT_TRUE(ReadOne(*t, "kept", kept, &out).ok());
+  }
+  auto t = std::move(DiskTier::Open(Options()).value());
+  auto rec = t->TakeRecovered();
+  ASSERT_EQ(rec.size(), 1u);  // the forgotten block's header was zeroed at the last Unhold
+  EXPECT_EQ(rec[0].key, "kept");
+}
+
 TEST_F(DiskTierTest, OtherFingerprintIsAColdStart) {
   {
     auto t = std::move(DiskTier::Open(Options("model-a")).value());

@@ -210,6 +210,12 @@ class DiskTier final : public BlockTier {
   enum : uint8_t { kFree = 0, kUsed = 1, kReleasing = 2 };
   std::vector<uint8_t> state_;
   std::vector<uint32_t> holds_;
+  // HELD FORGET RULE: Release(forget) of a slot a reader holds zeroes its header only when the
+  // last hold ends (Unhold), so the reader reads the block whole instead of a zeroed header (it
+  // counted a false corruption). Until then the slot is kReleasing: no new hold, no reuse.
+  std::vector<uint8_t> forget_on_free_;
+  // Journal + zeroed header of a forgotten slot (no lock held: it does I/O).
+  void ForgetHeader(uint64_t location);
   std::vector<uint32_t> free_;  // stack, lowest slot on top
   size_t num_used_ = 0;
   static constexpr uint64_t kNoSequence = ~uint64_t{0};
