@@ -132,6 +132,16 @@ def test_float_and_negative_ids_and_rows_are_refused():
     assert pool.num_free == 4
 
 
+def test_a_read_only_destination_is_named_as_such():
+    """nanobind's own error only listed the signatures it expected."""
+    store = tc.KVStore(BLOCK, 4, huge_pages=False)
+    store.put(_keys(1), np.zeros((1, BLOCK), np.uint8)).result(10)
+    dst = np.zeros((1, BLOCK), np.uint8)
+    dst.flags.writeable = False
+    with pytest.raises(TypeError, match="the destination array is read-only"):
+        store.get(_keys(1), dst)
+
+
 def test_store_mask_is_read_only():
     store = tc.KVStore(BLOCK, 4, huge_pages=False)
     mask = store.put(_keys(2), np.zeros((2, BLOCK), np.uint8)).mask(10)

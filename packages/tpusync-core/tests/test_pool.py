@@ -127,7 +127,7 @@ def test_read_only_source_is_accepted_destination_refused(pool):
     src = np.ones(4096, np.uint8)
     src.flags.writeable = False
     pool.put(ids, src).result(timeout=10)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="the destination array is read-only"):
         pool.get(ids, src)
 
 

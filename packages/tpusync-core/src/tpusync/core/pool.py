@@ -172,7 +172,11 @@ class HostBlockPool:
     ) -> _native.Future:
         """Copy pool block ``ids[i]`` into block ``i`` (or row ``rows[i]``) of ``dst``."""
         return _native.get_blocks(
-            self._engine, self._pool, _ids(ids), dst, None if rows is None else _ids(rows, "rows")
+            self._engine,
+            self._pool,
+            _ids(ids),
+            _writable(dst),
+            None if rows is None else _ids(rows, "rows"),
         )
 
     def __repr__(self) -> str:
@@ -180,6 +184,14 @@ class HostBlockPool:
             f"HostBlockPool(block_bytes={self.block_bytes}, num_blocks={self.num_blocks}, "
             f"free={self.num_free}, shm={self._pool.shm_name or None!r})"
         )
+
+
+def _writable(dst: Any) -> Any:
+    """``dst`` itself; a read-only numpy array is refused with the reason (nanobind's own error
+    only lists the signatures it expected)."""
+    if isinstance(dst, np.ndarray) and not dst.flags.writeable:
+        raise TypeError("the destination array is read-only: a get writes into it")
+    return dst
 
 
 def _ids(ids: Sequence[int], what: str = "block ids") -> list[int]:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from tpusync.core import _native
-from tpusync.core.pool import _ids, default_engine
+from tpusync.core.pool import _ids, _writable, default_engine
 
 __all__ = ["KVStore", "StoreFuture"]
 
@@ -273,7 +273,7 @@ class KVStore:
         ``result()[i]`` is False for a miss (absent, evicted, or corrupted on disk); that row's
         bytes are then unspecified.
         """
-        fut, mask = self.native.get(_keys(keys), dst, _rows(rows))
+        fut, mask = self.native.get(_keys(keys), _writable(dst), _rows(rows))
         return StoreFuture(fut, mask)
 
     def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
