@@ -290,33 +290,23 @@ Status StoreNode::HandleGet(Stream& s, const InFrame& f, std::shared_ptr<Scratch
     return Reply(s, f.header.request_id, bad, {});
   }
   const size_t n = keys->size();
-  // REQUEST MEMORY CONTRACT: read only the keys the store holds now, into a buffer of their size
-  // (a key evicted before the read below is still a miss).
-  std::vector<size_t> held;
-  std::vector<std::string> want;
-  std::vector<block::Placement> placed;
-  for (size_t i = 0; i < n; ++i) {
-    const std::string_view k = (*keys)[i];
-    if (store_->Lookup({&k, 1}, &placed) == 1) {
-      held.push_back(i);
-      want.push_back((*keys)[i]);
-    }
-  }
+  // REQUEST MEMORY CONTRACT: the buffer is unfilled; the store writes only the blocks it finds,
+  // so a get of missing keys commits none of it.
+  uint8_t* base = buf->Reserve(n * bb);
+  auto found = std::make_shared<std::vector<uint8_t>>();
+  Status st = WaitStore(store_->Get(*keys, {base, bb, n, {}}, found), buf);
+  if (!st.ok()) return Reply(s, f.header.request_id, st, {});
   std::vector<const uint8_t*> src;
   std::vector<uint8_t> flags(n, 0);
-  if (!held.empty()) {
-    uint8_t* base = buf->Reserve(held.size() * bb);
-    auto found = std::make_shared<std::vector<uint8_t>>();
-    Status st = WaitStore(store_->Get(want, {base, bb, held.size(), {}}, found), buf);
-    if (!st.ok()) return Reply(s, f.header.request_id, st, {});
+  {
     std::unordered_set<std::string_view> ended;
     std::lock_guard lock(lease_mu_);
-    for (size_t j = 0; j < held.size(); ++j) {
-      if (!(*found)[j]) continue;
-      flags[held[j]] = 1;
-      src.push_back(base + j * bb);
+    for (size_t i = 0; i < n; ++i) {
+      if (!(*found)[i]) continue;
+      flags[i] = 1;
+      src.push_back(base + i * bb);
       // READ LEASE: a read ends one lease of each distinct key it read.
-      if (ended.insert(want[j]).second) EndLease(want[j]);
+      if (ended.insert((*keys)[i]).second) EndLease((*keys)[i]);
     }
   }
   const Status sent = Reply(s, f.header.request_id, Status::OK(), flags, src, bb);

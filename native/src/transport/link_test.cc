@@ -57,6 +57,29 @@ struct EchoServer {
   std::unique_ptr<Server> server;
 };
 
+// Collects LogWarning lines for one test. The sink is reset on every exit, a failed ASSERT too: a
+// sink left behind points at a dead test's mutex, and the next test's server threads would block
+// on it (seen as a hang of the next Auth test after one timed out on a loaded machine).
+struct LogCapture {
+  LogCapture() {
+    SetLogSink([this](const std::string& m) {
+      std::lock_guard l(mu);
+      lines.push_back(m);
+    });
+  }
+  ~LogCapture() { SetLogSink(nullptr); }
+  std::vector<std::string> Starting(const std::string& prefix) {
+    std::lock_guard l(mu);
+    std::vector<std::string> out;
+    for (auto& m : lines) {
+      if (m.rfind(prefix, 0) == 0) out.push_back(m);
+    }
+    return out;
+  }
+  std::mutex mu;
+  std::vector<std::string> lines;
+};
+
 TEST(Auth, HmacMatchesRfc4231TestCase2) {
   const std::string key = "Jefe", msg = "what do ya want for nothing?";
   const Mac mac = HmacSha256({reinterpret_cast<const uint8_t*>(key.data()), key.size()},
@@ -77,18 +100,7 @@ TEST(Auth, SecretsAreAtLeast16BytesAndComeFromFileOrEnv) {
 }
 
 TEST(Auth, MatchingSecretsConnectAndWrongSecretIsRejectedAndLogged) {
-  std::vector<std::string> logs;
-  std::mutex mu;
-  SetLogSink([&](const std::string& m) {
-    std::lock_guard l(mu);
-    logs.push_back(m);
-  });
-  // Reset on every exit, a failed ASSERT too: a sink left behind points at this frame's dead
-  // mutex, and the next test's server threads would block on it (seen as a hang of the next Auth
-  // test after this one timed out on a loaded machine).
-  struct SinkReset {
-    ~SinkReset() { SetLogSink(nullptr); }
-  } sink_reset;
+  LogCapture log;
   EchoServer echo;
   auto ok = ConnectLink(echo.server->address(), TestSecret(), {.streams = 2});
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
@@ -101,10 +113,7 @@ TEST(Auth, MatchingSecretsConnectAndWrongSecretIsRejectedAndLogged) {
   }
   EXPECT_EQ(echo.server->rejected(), 1u);
   echo.server->Stop();
-  SetLogSink(nullptr);
-  bool logged = false;
-  for (auto& m : logs) logged |= m.find("rejected unauthenticated peer 127.0.0.1") == 0;
-  EXPECT_TRUE(logged);
+  EXPECT_FALSE(log.Starting("rejected unauthenticated peer 127.0.0.1").empty());
 }
 
 TEST(Auth, ServerRefusesFramesBeforeTheHandshakeAndGarbage) {
@@ -130,27 +139,6 @@ TEST(Auth, ServerRefusesFramesBeforeTheHandshakeAndGarbage) {
   EXPECT_EQ(echo.server->rejected(), 2u);
   EXPECT_EQ(echo.server->links(), 0u);
 }
-
-// Collects LogWarning lines for one test (the sink is reset on every exit, see above).
-struct LogCapture {
-  LogCapture() {
-    SetLogSink([this](const std::string& m) {
-      std::lock_guard l(mu);
-      lines.push_back(m);
-    });
-  }
-  ~LogCapture() { SetLogSink(nullptr); }
-  std::vector<std::string> Starting(const std::string& prefix) {
-    std::lock_guard l(mu);
-    std::vector<std::string> out;
-    for (auto& m : lines) {
-      if (m.rfind(prefix, 0) == 0) out.push_back(m);
-    }
-    return out;
-  }
-  std::mutex mu;
-  std::vector<std::string> lines;
-};
 
 TEST(Auth, ServerRefusesAnOversizedFrameBeforeTheHandshakeFromItsHeaderAlone) {
   // HANDSHAKE LIMIT: a header announcing 1 MiB of metadata and 64 Ki checksums, with none of them

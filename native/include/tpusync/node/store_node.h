@@ -29,8 +29,8 @@
 // same namespace fails to start). Without a namespace the DRAM tier is private and starts cold.
 //
 // REQUEST MEMORY CONTRACT: a link's request buffer is allocated without being filled (pages are
-// committed only as a put's payload arrives or a get's blocks are copied in), a get sizes it for
-// the keys the store holds (a get of missing keys allocates nothing), and after a request it is
+// committed only as a put's payload arrives or a get's found blocks are copied in: a get of
+// missing keys commits none of it), and after a request it is
 // kept only up to kKeptRequestBytes, so an idle link holds at most that much beyond the store's
 // capacity. A lookup leases each distinct key of a request once (duplicates in one request take
 // no further lease, and a get ends one lease per distinct key it read).
