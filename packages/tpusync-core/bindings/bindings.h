@@ -6,6 +6,7 @@
 #include <nanobind/ndarray.h>
 
 #include <exception>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -37,6 +38,22 @@ template <typename T>
 T Unwrap(Result<T> r) {
   if (!r.ok()) throw StatusError(r.status());
   return std::move(r).value();
+}
+
+// GIL-FREE DESTRUCTION: a native object whose destructor waits for engine work (an Engine joins
+// its workers, a KVStore waits for its operations) goes to Python as a shared_ptr whose deleter
+// releases the GIL around the delete. A worker may need the GIL to finish (a done-callback, the
+// DROP HAND-OFF in engine_bindings.cc); a destructor that waited holding it would wait for ever.
+template <typename T>
+std::shared_ptr<T> OwnedGilFree(T* p) {
+  return std::shared_ptr<T>(p, [](T* q) {
+    if (PyGILState_Check() == 0) {
+      delete q;
+      return;
+    }
+    nb::gil_scoped_release release;
+    delete q;
+  });
 }
 
 // CPU arrays a native operation reads from / writes into (numpy, torch, jax via DLPack).

@@ -47,25 +47,45 @@ double DefaultTimeout() {
   return 120.0;
 }
 
-// A Python-facing future: the native future plus the arrays the operation reads or writes.
-//
-// KEEPALIVE CONTRACT: the arrays are held until the operation completes; destroying a PyFuture
-// whose operation still runs waits for it (GIL released), so a dropped future can never let a
-// worker write into freed memory.
-class PyFuture {
- public:
-  explicit PyFuture(Future f) : f_(std::move(f)) {}
-  ~PyFuture() {
-    if (!f_->done()) {
-      nb::gil_scoped_release release;
-      (void)f_->Wait(std::nullopt);
-    }
-  }
-  std::vector<nb::object> keepalive;
+// The arrays an operation reads or writes; each holds a reference to its Python owner.
+struct HeldArrays {
   std::optional<SrcArray> src;
   std::optional<DstArray> dst;
   std::vector<SrcArray> src_regions;
   std::vector<DstArray> dst_regions;
+};
+
+// Set while this thread runs a done-callback (PyFuture::AddDoneCallback). Such a thread is an
+// engine worker (or the registering thread, when the future was already complete).
+thread_local int tls_in_done_callback = 0;
+
+// A Python-facing future: the native future plus the arrays the operation reads or writes.
+//
+// KEEPALIVE CONTRACT: the arrays are held until the operation completes, so a dropped future can
+// never let a worker write into freed memory. Destroying a PyFuture whose operation still runs:
+// - outside a done-callback, waits for it (GIL released): a dropped future means "done";
+// - inside a done-callback (DROP HAND-OFF), waits for nothing: the arrays are handed to the
+//   operation, which releases them under the GIL when it completes. That thread is an engine
+//   worker the dropped operation may be queued behind; waiting there hung a one-thread engine
+//   for good (found by the 2026-12-07 audit).
+class PyFuture {
+ public:
+  explicit PyFuture(Future f) : f_(std::move(f)) {}
+  ~PyFuture() {
+    if (f_->done()) return;
+    if (tls_in_done_callback > 0) {
+      auto* handed = new HeldArrays(std::move(held));
+      f_->OnComplete([handed](const Status&) {
+        if (Finalizing()) return;  // interpreter going away: leak the references, never decref
+        nb::gil_scoped_acquire gil;
+        delete handed;
+      });
+      return;
+    }
+    nb::gil_scoped_release release;
+    (void)f_->Wait(std::nullopt);
+  }
+  HeldArrays held;
 
   bool Done() const { return f_->done(); }
   bool Cancel() { return f_->Cancel(); }
@@ -114,6 +134,7 @@ class PyFuture {
     f_->OnComplete([raw, f](const Status&) {
       if (Finalizing()) return;  // interpreter going away: drop silently, never touch Python
       nb::gil_scoped_acquire gil;
+      ++tls_in_done_callback;
       try {
         nb::handle callable(raw);
         callable(nb::cast(PyFuture(f)));
@@ -123,6 +144,7 @@ class PyFuture {
         PyErr_SetString(PyExc_RuntimeError, e.what());
         PyErr_WriteUnraisable(raw);
       }
+      --tls_in_done_callback;
       Py_DECREF(raw);
     });
   }
@@ -201,8 +223,8 @@ engine::SegmentList Segments(const std::vector<Array>& regions, const SegmentArr
 
 nb::object WrapFuture(Future f, std::optional<ReadArray> src, std::optional<WriteArray> dst) {
   auto* out = new PyFuture(std::move(f));
-  out->src = std::move(src);
-  out->dst = std::move(dst);
+  out->held.src = std::move(src);
+  out->held.dst = std::move(dst);
   return nb::cast(out, nb::rv_policy::take_ownership);
 }
 
@@ -219,7 +241,8 @@ engine::RowBuffer WriteRows(const WriteArray& a, size_t n, size_t block_bytes,
 void init_engine(nb::module_& m) {
   nb::class_<ThreadPool>(m, "Engine",
                          "Worker threads that run copies while Python keeps computing.")
-      .def(nb::init<size_t>(), nb::arg("threads") = 0)
+      .def(nb::new_([](size_t threads) { return OwnedGilFree(new ThreadPool(threads)); }),
+           nb::arg("threads") = 0)
       .def_prop_ro("num_threads", &ThreadPool::num_threads)
       .def_prop_ro("queue_depth", &ThreadPool::queue_depth);
 
@@ -248,7 +271,7 @@ void init_engine(nb::module_& m) {
           f = engine::PutBlocks(eng, blocks, std::move(ids), std::move(buf));
         }
         auto* out = new PyFuture(std::move(f));
-        out->src = std::move(src);
+        out->held.src = std::move(src);
         return out;
       },
       nb::arg("engine"), nb::arg("pool"), nb::arg("ids"), nb::arg("src"),
@@ -267,7 +290,7 @@ void init_engine(nb::module_& m) {
           f = engine::GetBlocks(eng, blocks, std::move(ids), std::move(buf));
         }
         auto* out = new PyFuture(std::move(f));
-        out->dst = std::move(dst);
+        out->held.dst = std::move(dst);
         return out;
       },
       nb::arg("engine"), nb::arg("pool"), nb::arg("ids"), nb::arg("dst"),
@@ -286,7 +309,7 @@ void init_engine(nb::module_& m) {
           f = engine::PutSegments(eng, blocks, std::move(ids), std::move(list));
         }
         auto* out = new PyFuture(std::move(f));
-        out->src_regions = std::move(regions);
+        out->held.src_regions = std::move(regions);
         return out;
       },
       nb::arg("engine"), nb::arg("pool"), nb::arg("ids"), nb::arg("regions"), nb::arg("segments"),
@@ -306,7 +329,7 @@ void init_engine(nb::module_& m) {
           f = engine::GetSegments(eng, blocks, std::move(ids), std::move(list));
         }
         auto* out = new PyFuture(std::move(f));
-        out->dst_regions = std::move(regions);
+        out->held.dst_regions = std::move(regions);
         return out;
       },
       nb::arg("engine"), nb::arg("pool"), nb::arg("ids"), nb::arg("regions"), nb::arg("segments"),
@@ -332,8 +355,8 @@ void init_engine(nb::module_& m) {
           f = engine::CopyAsync(eng, std::move(spans));
         }
         auto* out = new PyFuture(std::move(f));
-        out->src = std::move(src);
-        out->dst = std::move(dst);
+        out->held.src = std::move(src);
+        out->held.dst = std::move(dst);
         return out;
       },
       nb::arg("engine"), nb::arg("dst"), nb::arg("src"), nb::rv_policy::take_ownership,

@@ -169,7 +169,7 @@ void init_store(nb::module_& m) {
                              prefault, huge_pages, write_through, index_recency, disk_checkpoint_s,
                              disk_checkpoint_writes, disk_manifest_progressive_write_back);
             nb::gil_scoped_release release;
-            return Unwrap(KVStore::Open(o, std::move(engine))).release();
+            return OwnedGilFree(Unwrap(KVStore::Open(o, std::move(engine))).release());
           },
           nb::arg("engine"), nb::arg("block_bytes"), nb::arg("host_blocks"),
           nb::arg("name_space") = "", nb::arg("fingerprint") = "", nb::arg("disk_dir") = "",
@@ -181,7 +181,7 @@ void init_store(nb::module_& m) {
           nb::arg("write_through") = false,
           nb::arg("index_recency") = block::BlockIndex::kDefaultRecency,
           nb::arg("disk_checkpoint_s") = 60.0, nb::arg("disk_checkpoint_writes") = 1 << 16,
-          nb::arg("disk_manifest_progressive_write_back") = true, nb::rv_policy::take_ownership)
+          nb::arg("disk_manifest_progressive_write_back") = true)
       .def_prop_ro("block_bytes", &KVStore::block_bytes)
       .def_prop_ro("index_recency", &KVStore::index_recency,
                    "Recency mode of the store's index (CLOCK or EXACT_LRU).")

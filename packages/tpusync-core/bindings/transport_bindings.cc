@@ -400,9 +400,10 @@ void init_transport(nb::module_& m) {
           ThrowIfError(Status::InvalidArgument("KVStore needs block_bytes > 0"));
         auto tiers = Unwrap(store::KVStore::OpenTiers(o));
         tiers.push_back(Unwrap(node::RemoteTier::Open(std::move(r), std::move(sec))));
-        return Unwrap(store::KVStore::Open(std::move(tiers), store::KVStore::ConfigFrom(o),
-                                           std::move(engine)))
-            .release();
+        return OwnedGilFree(
+            Unwrap(store::KVStore::Open(std::move(tiers), store::KVStore::ConfigFrom(o),
+                                        std::move(engine)))
+                .release());
       },
       nb::arg("engine"), nb::arg("block_bytes"), nb::arg("host_blocks"), nb::arg("nodes"),
       nb::arg("secret"), nb::arg("disk_dir") = "", nb::arg("disk_blocks") = 0,
@@ -415,7 +416,7 @@ void init_transport(nb::module_& m) {
       nb::arg("write_through") = false,
       nb::arg("index_recency") = block::BlockIndex::kDefaultRecency,
       nb::arg("disk_checkpoint_s") = 60.0, nb::arg("disk_checkpoint_writes") = 1 << 16,
-      nb::arg("disk_manifest_progressive_write_back") = true, nb::rv_policy::take_ownership,
+      nb::arg("disk_manifest_progressive_write_back") = true,
       "A KVStore over host [-> disk] -> store nodes (host demotes to disk first, then remote).");
 }
 

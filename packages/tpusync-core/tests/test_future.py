@@ -1,3 +1,6 @@
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -79,3 +82,99 @@ def test_dropping_a_future_waits_for_its_copy():
     g = tc._native.copy(eng, np.zeros(8, np.uint8), np.ones(8, np.uint8))
     g.result(timeout=30)
     assert dst.all()
+
+
+def _run_alone(code: str, timeout: float = 60.0) -> str:
+    """Runs `code` in a fresh interpreter; a hang fails the test (with the child's stacks, dumped
+    by faulthandler) instead of stalling the run."""
+    dump = f"import faulthandler\nfaulthandler.dump_traceback_later({timeout - 15}, exit=True)\n"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", dump + textwrap.dedent(code)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hung for {timeout} s; output so far: {e.stdout!r} {e.stderr!r}")
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_future_dropped_inside_a_done_callback_does_not_wait_for_its_copy():
+    """DROP HAND-OFF: on a one-thread engine the callback runs on the only worker, so a dropped
+    follow-up copy that waited could never run (it hung for good). The follow-up must still run
+    into live buffers, and its arrays must be released once it has."""
+    out = _run_alone(
+        """
+        import gc, time, weakref
+        import numpy as np
+        import tpusync.core as tc
+        eng = tc.Engine(1)
+        first_dst = np.zeros(1 << 20, np.uint8)
+        first = tc._native.copy(eng, first_dst, np.ones(1 << 20, np.uint8))
+        dst = np.zeros(64 << 20, np.uint8)
+        refs = []
+        def follow_up(_):
+            src = np.full(64 << 20, 7, np.uint8)
+            refs.append(weakref.ref(src))
+            g = tc._native.copy(eng, dst, src)
+            del g, src  # the copy is still queued behind this very callback
+            print("callback returned", flush=True)
+        first.add_done_callback(follow_up)
+        first.result(timeout=30)
+        deadline = time.monotonic() + 30
+        while (not refs or refs[0]() is not None) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            gc.collect()
+        print("src released", bool(refs) and refs[0]() is None)
+        print("copied", bool((dst == 7).all()))
+        """
+    )
+    assert "callback returned" in out
+    assert "src released True" in out
+    assert "copied True" in out
+
+
+def test_dropping_an_engine_while_a_copy_with_a_done_callback_runs():
+    """GIL-FREE DESTRUCTION: the engine joins its workers with the GIL released, so the running
+    copy's callback (which takes the GIL) can finish; holding the GIL there hung for good."""
+    out = _run_alone(
+        """
+        import time
+        import numpy as np
+        import tpusync.core as tc
+        eng = tc.Engine(1)
+        src = np.ones(512 << 20, np.uint8)
+        dst = np.zeros_like(src)
+        f = tc._native.copy(eng, dst, src)
+        f.add_done_callback(lambda fut: print("callback", fut.state, flush=True))
+        while f.state == "pending":
+            time.sleep(0.001)
+        del eng
+        print("engine dropped", f.state, flush=True)
+        """
+    )
+    assert "callback done" in out or "callback cancelled" in out
+    assert "engine dropped" in out
+
+
+def test_closing_a_store_while_an_engine_callback_runs():
+    """GIL-FREE DESTRUCTION: a store's close waits for its queued put, which waits behind a copy
+    whose done-callback needs the GIL; closing with the GIL held hung for good."""
+    out = _run_alone(
+        """
+        import numpy as np
+        import tpusync.core as tc
+        eng = tc.Engine(1)
+        big = np.ones(512 << 20, np.uint8)
+        copied = tc._native.copy(eng, np.zeros_like(big), big)
+        copied.add_done_callback(lambda fut: print("callback", fut.state, flush=True))
+        store = tc.KVStore(1 << 20, 8, huge_pages=False, engine=eng)
+        put = store.put([b"k" * 32], np.ones((1, 1 << 20), np.uint8))
+        store.close()
+        print("closed, put", put.result(timeout=30), flush=True)
+        """
+    )
+    assert "callback done" in out
+    assert "closed, put [True]" in out
