@@ -479,6 +479,7 @@ concurrency::Future KVStore::Get(std::vector<std::string> keys, memory::RowBuffe
                                  std::shared_ptr<std::vector<uint8_t>> found) {
   const auto t0 = Clock::now();
   Status bad = CheckRows(dst, keys.size());
+  for (size_t i = 0; bad.ok() && i < keys.size(); ++i) bad = block::ValidateKey(keys[i]);
   if (!bad.ok()) return concurrency::Future::Completed(bad);
   found->assign(keys.size(), 0);
   struct Job {
@@ -497,7 +498,7 @@ concurrency::Future KVStore::Get(std::vector<std::string> keys, memory::RowBuffe
     gets_ += job->keys.size();
     for (size_t i = 0; i < job->keys.size(); ++i) {
       const std::string& key = job->keys[i];
-      auto p = block::ValidateKey(key).ok() ? index_.Lookup(key, /*touch=*/true) : std::nullopt;
+      auto p = index_.Lookup(key, /*touch=*/true);
       size_t t = tiers_.size();
       if (p) {
         for (t = 0; t < tiers_.size() && !p->in(tiers_[t]->kind()); ++t) {

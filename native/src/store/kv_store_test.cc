@@ -116,6 +116,16 @@ TEST(KVStore, BadInputIsRefusedBeforeAnythingMoves) {
   fut = f.store->Put({std::string(65, 'k')}, {buf.data(), kBytes, 1, {}}, stored);
   EXPECT_EQ(fut->Wait(kWait).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(f.host->used(), 0u);
+  // A get refuses the keys a put refuses (it reported them as misses): nothing is read or counted.
+  EXPECT_EQ(f.Put({1}), (std::vector<uint8_t>{1}));
+  auto found = std::make_shared<std::vector<uint8_t>>();
+  std::vector<uint8_t> two(2 * kBytes);
+  for (const std::string& bad : {std::string(), std::string(65, 'k')}) {
+    fut = f.store->Get({Key(1), bad}, {two.data(), kBytes, 2, {}}, found);
+    EXPECT_EQ(fut->Wait(kWait).code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(f.store->stats().misses, 0u);
+  EXPECT_EQ(f.store->stats().tiers[0].hits, 0u);
   std::vector<std::string_view> missing = {"zzz"};
   EXPECT_EQ(f.store->Pin(missing).code(), StatusCode::kNotFound);
 }

@@ -142,6 +142,18 @@ def test_a_read_only_destination_is_named_as_such():
         store.get(_keys(1), dst)
 
 
+@pytest.mark.parametrize("bad", [b"", b"k" * 65], ids=["empty", "65-bytes"])
+def test_a_get_refuses_the_keys_a_put_refuses(bad):
+    """An empty or over-long key was a silent miss in a get while a put raised."""
+    store = tc.KVStore(BLOCK, 4, huge_pages=False)
+    with pytest.raises(tc.InvalidArgumentError, match="key"):
+        store.put([bad], np.zeros((1, BLOCK), np.uint8)).result(10)
+    store.put(_keys(1), np.zeros((1, BLOCK), np.uint8)).result(10)
+    with pytest.raises(tc.InvalidArgumentError, match="key"):
+        store.get([*_keys(1), bad], np.zeros((2, BLOCK), np.uint8)).result(10)
+    assert store.stats()["misses"] == 0
+
+
 def test_store_mask_is_read_only():
     store = tc.KVStore(BLOCK, 4, huge_pages=False)
     mask = store.put(_keys(2), np.zeros((2, BLOCK), np.uint8)).mask(10)

@@ -196,6 +196,9 @@ class KVStore {
   size_t num_tiers() const { return tiers_.size(); }
   tier::BlockTier& tier_at(size_t i) { return *tiers_[i]; }
 
+  // Put and Get fail as a whole (InvalidArgument, nothing moved) when a key is not 1..kMaxKeyBytes
+  // bytes (block/block_key.h) or the buffer does not hold one row per key.
+  //
   // Writes row(i) of `src` under keys[i]. stored->at(i) = 1 when the key is stored afterwards.
   concurrency::Future Put(std::vector<std::string> keys, memory::RowBuffer src,
                           std::shared_ptr<std::vector<uint8_t>> stored);
