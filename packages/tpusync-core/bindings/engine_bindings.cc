@@ -241,7 +241,13 @@ engine::RowBuffer WriteRows(const WriteArray& a, size_t n, size_t block_bytes,
 void init_engine(nb::module_& m) {
   nb::class_<ThreadPool>(m, "Engine",
                          "Worker threads that run copies while Python keeps computing.")
-      .def(nb::new_([](size_t threads) { return OwnedGilFree(new ThreadPool(threads)); }),
+      .def(nb::new_([](int64_t threads) {
+             if (threads < 0) {
+               throw StatusError(Status::InvalidArgument(
+                   StrCat("Engine threads must be >= 0 (0: one per CPU), got ", threads)));
+             }
+             return OwnedGilFree(new ThreadPool(static_cast<size_t>(threads)));
+           }),
            nb::arg("threads") = 0)
       .def_prop_ro("num_threads", &ThreadPool::num_threads)
       .def_prop_ro("queue_depth", &ThreadPool::queue_depth);

@@ -154,6 +154,25 @@ def test_a_get_refuses_the_keys_a_put_refuses(bad):
     assert store.stats()["misses"] == 0
 
 
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: tc.KVStore(-BLOCK, 4), "KVStore: block_bytes must be >= 0, got -4096"),
+        (lambda: tc.KVStore(BLOCK, 4, disk_blocks=-1), "KVStore: disk_blocks must be >= 0"),
+        (lambda: tc.KVStore(BLOCK, 4, io_threads=-2), "KVStore: io_threads must be >= 0"),
+        (lambda: tc.HostBlockPool(BLOCK, -4), "HostBlockPool: num_blocks must be >= 0"),
+        (lambda: tc.HostBlockPool(BLOCK, 4).alloc(-1), "alloc: n must be >= 0"),
+        (lambda: tc.HostBlockPool(BLOCK, 4).free([0, -1]), "block ids must be >= 0, got -1"),
+        (lambda: tc.Engine(-1), "Engine threads must be >= 0"),
+    ],
+    ids=["block_bytes", "disk_blocks", "io_threads", "num_blocks", "alloc", "free", "engine"],
+)
+def test_negative_counts_are_refused_by_name(make, message):
+    """nanobind's error for a negative int only listed the signatures it expected."""
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
 def test_store_mask_is_read_only():
     store = tc.KVStore(BLOCK, 4, huge_pages=False)
     mask = store.put(_keys(2), np.zeros((2, BLOCK), np.uint8)).mask(10)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import threading
 from collections.abc import Sequence
@@ -87,6 +88,7 @@ class HostBlockPool:
         mlock: bool = False,
         engine: _native.Engine | None = None,
     ) -> None:
+        _counts("HostBlockPool", block_bytes=block_bytes, num_blocks=num_blocks)
         self._pool = _native.BlockPool.create(
             block_bytes,
             num_blocks,
@@ -123,6 +125,7 @@ class HostBlockPool:
 
     def alloc(self, n: int) -> list[int]:
         """Allocate ``n`` blocks, all or none (PoolExhaustedError names sizes on failure)."""
+        _counts("alloc", n=n)
         return self._pool.alloc(n)
 
     def free(self, ids: Sequence[int]) -> None:
@@ -203,4 +206,17 @@ def _ids(ids: Sequence[int], what: str = "block ids") -> list[int]:
         if ids.dtype.kind == "i" and ids.size and int(ids.min()) < 0:
             raise ValueError(f"{what} must be >= 0, got {int(ids.min())}")
         return ids.astype(np.uint64, copy=False).tolist()
-    return list(ids)
+    out = list(ids)
+    if out and min(out) < 0:
+        raise ValueError(f"{what} must be >= 0, got {min(out)}")
+    return out
+
+
+def _counts(owner: str, **counts: int) -> None:
+    """Refuses a count that is not an int >= 0, by name (nanobind's own error for a negative int
+    only listed the signatures it expected)."""
+    for name, v in counts.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{owner}: {name} must be an int, got {type(v).__name__}")
+        if v < 0:
+            raise ValueError(f"{owner}: {name} must be >= 0, got {v}")

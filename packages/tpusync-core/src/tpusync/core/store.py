@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from tpusync.core import _native
-from tpusync.core.pool import _ids, _writable, default_engine
+from tpusync.core.pool import _counts, _ids, _writable, default_engine
 
 __all__ = ["KVStore", "StoreFuture"]
 
@@ -197,6 +197,19 @@ class KVStore:
         checkpoint_writes: int = 1 << 16,
         checkpoint_write_back: str = "progressive",
     ) -> None:
+        _counts(
+            "KVStore",
+            block_bytes=block_bytes,
+            host_blocks=host_blocks,
+            disk_blocks=disk_blocks,
+            segment_blocks=segment_blocks,
+            io_threads=io_threads,
+            writeback_batch=writeback_batch,
+            writeback_headroom=writeback_headroom,
+            replicas=replicas,
+            remote_blocks=remote_blocks,
+            checkpoint_writes=checkpoint_writes,
+        )
         self._engine = engine or default_engine()
         self._block_bytes = block_bytes
         local = dict(  # the host / disk tiers, the same with or without store nodes
