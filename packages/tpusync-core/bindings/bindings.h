@@ -9,6 +9,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -40,13 +42,29 @@ T Unwrap(Result<T> r) {
   return std::move(r).value();
 }
 
+// engine_bindings.cc: true while this thread runs a Future's done-callback (an engine worker, or
+// the registering thread when the future was already complete).
+bool InDoneCallback();
+
 // GIL-FREE DESTRUCTION: a native object whose destructor waits for engine work (an Engine joins
 // its workers, a KVStore waits for its operations) goes to Python as a shared_ptr whose deleter
-// releases the GIL around the delete. A worker may need the GIL to finish (a done-callback, the
-// DROP HAND-OFF in engine_bindings.cc); a destructor that waited holding it would wait for ever.
+// never waits where that work could be stuck behind the waiter:
+// - holding the GIL, it releases it around the delete (a worker may need the GIL to finish: a
+//   done-callback, the DROP HAND-OFF in engine_bindings.cc);
+// - inside a done-callback, it deletes on a thread of its own and returns at once: the waiting
+//   thread would be an engine worker the awaited work may be queued behind (a store closed in a
+//   callback of its own put on a one-thread engine hung for good), or the very worker an Engine's
+//   destructor joins.
 template <typename T>
 std::shared_ptr<T> OwnedGilFree(T* p) {
   return std::shared_ptr<T>(p, [](T* q) {
+    if (InDoneCallback()) {
+      try {
+        std::thread([q] { delete q; }).detach();
+        return;
+      } catch (const std::system_error&) {  // no thread to be had: delete here, as before
+      }
+    }
     if (PyGILState_Check() == 0) {
       delete q;
       return;

@@ -221,6 +221,8 @@ engine::SegmentList Segments(const std::vector<Array>& regions, const SegmentArr
 
 }  // namespace
 
+bool InDoneCallback() { return tls_in_done_callback > 0; }
+
 nb::object WrapFuture(Future f, std::optional<ReadArray> src, std::optional<WriteArray> dst) {
   auto* out = new PyFuture(std::move(f));
   out->held.src = std::move(src);

@@ -178,3 +178,59 @@ def test_closing_a_store_while_an_engine_callback_runs():
     )
     assert "callback done" in out
     assert "closed, put [True]" in out
+
+
+def test_closing_a_store_inside_a_callback_of_its_own_put():
+    """GIL-FREE DESTRUCTION: inside a done-callback the store is released on a thread of its own.
+    Waiting there for the put queued behind the callback, on the engine's only worker, hung for
+    good. The queued put still completes, and the store does close (its disk lock is freed)."""
+    out = _run_alone(
+        """
+        import sys, tempfile, time
+        import numpy as np
+        import tpusync.core as tc
+        B = 1 << 20
+        disk = tempfile.mkdtemp()
+        eng = tc.Engine(1)
+        store = tc.KVStore(B, 400, disk_dir=disk, disk_blocks=8, huge_pages=False, engine=eng)
+        first = store.put([i.to_bytes(4, "little") * 8 for i in range(300)], np.ones((300, B), np.uint8))
+        first.add_done_callback(lambda _: (store.close(), print("closed in callback", flush=True)))
+        queued = store.put([b"z" * 32], np.ones((1, B), np.uint8))
+        print("queued put", queued.result(timeout=30), flush=True)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                tc.KVStore(B, 4, disk_dir=disk, disk_blocks=8, huge_pages=False).close()
+                print("reopened", flush=True)
+                break
+            except tc.TpusyncError as e:
+                if time.monotonic() > deadline:
+                    sys.exit(f"never closed: {e}")
+                time.sleep(0.05)
+        """
+    )
+    assert "closed in callback" in out
+    assert "queued put [True]" in out
+    assert "reopened" in out
+
+
+def test_dropping_the_last_reference_to_an_engine_inside_its_own_callback():
+    """GIL-FREE DESTRUCTION: the engine's destructor joins its workers, here the very thread that
+    runs the callback; it aborted the process (std::system_error: resource deadlock avoided)."""
+    out = _run_alone(
+        """
+        import time
+        import numpy as np
+        import tpusync.core as tc
+        holder = [tc.Engine(1)]
+        src = np.ones(256 << 20, np.uint8)
+        dst = np.zeros_like(src)
+        f = tc._native.copy(holder[0], dst, src)
+        f.add_done_callback(lambda _: (holder.clear(), print("dropped", flush=True)))
+        f.result(timeout=30)
+        time.sleep(0.5)
+        print("alive", bool(dst.all()), flush=True)
+        """
+    )
+    assert "dropped" in out
+    assert "alive True" in out

@@ -367,6 +367,10 @@ class KVStore:
         A disk tier then writes its clean-shutdown manifest, so the next store on ``disk_dir``
         takes its blocks without reading every slot header (docs/tiers.md); a process that dies
         without closing leaves none and the next open scans the headers.
+
+        Inside a done-callback, close returns at once and the store is released on a thread of
+        its own once its operations complete (the callback's thread is an engine worker they may
+        be queued behind); its namespace and ``disk_dir`` stay locked until then.
         """
         self._native = None
 
