@@ -270,3 +270,38 @@ def test_consecutive_blocks_per_layer_batches_and_late_bad_id(name):
         mgr.d2h([0, 1, 2], fwd)
     check_moved(mgr, moved, lay, [], [])
     mgr.close()
+
+
+def test_arrays_shared_between_layers_are_refused_on_the_in_place_path():
+    """ALIAS RULE: one zeros array for every layer's K and V (a common JAX idiom) was accepted;
+    a load into layer 0 then changed every layer, and the caller's own array."""
+    lay = KVLayout.jax_pages(N, H, B, D, jnp.float32)
+    zeros = jnp.zeros(lay.shape, jnp.float32)
+    with pytest.raises(tc.InvalidArgumentError, match="is the same memory as layer 0 part 0"):
+        KVCacheManager([(zeros, zeros) for _ in range(3)], lay, host_blocks=8)
+    # The staged path replaces the arrays it loads into, so sharing is harmless there.
+    KVCacheManager([(zeros, zeros) for _ in range(3)], lay, host_blocks=8, staged=True)
+
+
+def test_freed_weights_are_refused_not_restored_from_uninitialised_memory():
+    pool = tc.HostBlockPool(4096, 8)
+    tree = {"w": jnp.arange(64, dtype=jnp.float32)}
+    host, futs = flatten_weights(tree, pool)
+    [f.result(timeout=30) for f in futs]
+    host.free()
+    with pytest.raises(tc.StateError, match="freed"):
+        restore_weights(host, tree)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_empty_transfers_and_use_after_close(staged):
+    """The staged path's d2h of no block raised a bare IndexError; a closed manager raised the
+    executor's RuntimeError."""
+    lay = KVLayout.jax_pages(N, H, B, D, jnp.float32)
+    mgr = KVCacheManager(to_device(host_cache(lay, 2)), lay, host_blocks=8, staged=staged)
+    empty = mgr.alloc_host(0)
+    mgr.d2h([], empty).result(timeout=30)
+    mgr.h2d([], empty).result(timeout=30)
+    mgr.close()
+    with pytest.raises(tc.StateError, match="closed"):
+        mgr.d2h([1], mgr.alloc_host(1))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -200,7 +203,10 @@ def test_store_keys_carry_the_format_so_other_formats_miss():
     # Same bytes per block, different block_size / heads split: a miss, never foreign bytes.
     other = KVLayout.vllm_cpu(N, H * 2, B // 2, D, torch.float16)
     reader = KVCacheManager(
-        [torch.zeros(other.shape, dtype=torch.float16)] * 2, other, host_blocks=4, store=store
+        [torch.zeros(other.shape, dtype=torch.float16) for _ in range(2)],
+        other,
+        host_blocks=4,
+        store=store,
     )
     assert reader.format.host_block_bytes == writer.format.host_block_bytes
     assert writer.lookup([b"k" * 32]) == 1 and reader.lookup([b"k" * 32]) == 0
@@ -319,7 +325,7 @@ def test_pd_mismatched_peer_format_refused_by_field():
         hnd = KVLayout.hnd(N, H, B, D, torch.float16)
         cpool = tc.HostBlockPool(pool.block_bytes, 8)
         cons = KVCacheManager(
-            [torch.zeros(hnd.shape, dtype=torch.float16)] * 2,
+            [torch.zeros(hnd.shape, dtype=torch.float16) for _ in range(2)],
             hnd,
             pool=cpool,
             transport=PdBlockTransport(cpool, secret=SECRET),
@@ -477,3 +483,102 @@ def test_freed_host_id_in_a_later_batch_refused_before_any_byte_moves():
         np.testing.assert_array_equal(mgr.pool.view(int(i)), s)
     for p, o in zip(mgr.kv_caches[0], cache_before, strict=True):
         assert torch.equal(p, o)
+
+
+def test_store_save_and_load_when_the_pool_is_rounded_up_to_whole_pages():
+    """768-byte host blocks: the pool's size is rounded up to whole pages, so pool_bytes //
+    num_blocks is not the slot stride; every save of a block past slot 0 was refused."""
+    lay = KVLayout.hnd(6, 3, 4, 8, torch.float32)
+    caches = [torch.randn(lay.shape)]
+    mgr = KVCacheManager(caches, lay, host_blocks=8, store=KVStore(768, 64, huge_pages=False))
+    assert mgr.host_block_bytes == 768
+    assert mgr.pool.native.pool_bytes // mgr.pool.num_blocks != mgr.pool.native.block_stride
+    mgr.save([b"a", b"b", b"c"], [0, 1, 2]).result(timeout=10)
+    assert mgr.lookup([b"a", b"b", b"c"]) == 3
+    orig = caches[0].clone()
+    mgr.load([b"c", b"a"], [4, 5]).result(timeout=10)
+    assert torch.equal(caches[0][:, 4], orig[:, 2]) and torch.equal(caches[0][:, 5], orig[:, 0])
+
+
+def test_d2h_refuses_a_host_block_written_twice():
+    """Two device blocks (or two layer groups) gathered into one host block raced; one was lost."""
+    caches, lay = make_cache("hnd", layers=2)
+    mgr = KVCacheManager(caches, lay, host_blocks=8)
+    ids = mgr.alloc_host(2)
+    snap = mgr.pool.view(int(ids[0][0])).copy()
+    twice = ids.copy()
+    twice[0, 1] = twice[0, 0]
+    with pytest.raises(tc.InvalidArgumentError, match="more than once"):
+        mgr.d2h([1, 2], twice)
+    across = ids.copy()
+    across[1, 0] = across[0, 1]  # layer group 1 writes layer group 0's host block
+    with pytest.raises(tc.InvalidArgumentError, match="more than once"):
+        mgr.d2h_layer(0, [1, 2], across)
+    np.testing.assert_array_equal(mgr.pool.view(int(ids[0][0])), snap)
+    mgr.h2d([1, 2], twice).result(timeout=10)  # reading one host block twice is fine
+
+
+def test_cache_parts_that_share_memory_are_refused():
+    """ALIAS RULE: one tensor as K and V, or as two layers, was accepted; a load into one part
+    then changed the other."""
+    lay = KVLayout.jax_pages(N, H, B, D, torch.float16)
+    kv = torch.zeros(lay.shape, dtype=torch.float16)
+    with pytest.raises(tc.InvalidArgumentError, match="layer 0 part 1 is the same memory"):
+        KVCacheManager([(kv, kv)], lay, host_blocks=4)
+    hnd = KVLayout.hnd(N, H, B, D, torch.float16)
+    one = torch.zeros(hnd.shape, dtype=torch.float16)
+    with pytest.raises(tc.InvalidArgumentError, match="layer 1 part 0 is the same memory"):
+        KVCacheManager([one, one], hnd, host_blocks=4)
+    # K and V as the two halves of one tensor share no byte: accepted.
+    both = torch.zeros((2, *lay.shape), dtype=torch.float16)
+    KVCacheManager([(both[0], both[1])], lay, host_blocks=4)
+
+
+def test_pd_finish_send_cancels_the_send_so_its_blocks_and_id_come_back_at_once():
+    """RETRACT CONTRACT: the native send was only forgotten; its blocks and its id stayed taken
+    until send_deadline (60 s by default)."""
+    caches, lay = make_cache("hnd", layers=2)
+    pool = tc.HostBlockPool(KVCacheManager(caches, lay, host_blocks=1).host_block_bytes, 16)
+    with PdBlockTransport(pool, secret=SECRET, send_deadline=600.0) as t:
+        mgr = KVCacheManager(caches, lay, pool=pool, transport=t)
+        mgr.register_send("req-9", [1, 2, 3]).result(timeout=10)
+        mgr.finish_send("req-9")
+        assert pool.num_free == pool.num_blocks
+        mgr.register_send("req-9", [1, 2, 3]).result(timeout=10)  # the id is free again
+        mgr.finish_send("req-9")
+
+
+def test_pd_start_recv_that_times_out_abandons_its_fetch():
+    """ABANDON CONTRACT: after start_recv's own timeout the fetch ran on until recv_deadline,
+    holding its staging blocks and refusing a retry of the same id."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []  # accepted connections that never get an answer (a hung producer)
+    stop = threading.Event()
+
+    def accept():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(listener.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        caches, lay = make_cache("hnd", layers=1)
+        pool = tc.HostBlockPool(KVCacheManager(caches, lay, host_blocks=1).host_block_bytes, 16)
+        t = PdBlockTransport(pool, secret=SECRET, recv_deadline=600.0)
+        mgr = KVCacheManager(caches, lay, pool=pool, transport=t)
+        peer = f"127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(tc.TimeoutError):
+            mgr.start_recv(peer, "req-1", [0, 1, 2], timeout=1.0).result(timeout=30)
+        deadline = time.monotonic() + 20
+        while pool.num_free != pool.num_blocks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.num_free == pool.num_blocks
+        assert "req-1" in mgr.poll()["failed"]
+        with pytest.raises(tc.TimeoutError):  # the same id may be fetched again
+            mgr.start_recv(peer, "req-1", [0, 1, 2], timeout=0.5).result(timeout=30)
+    finally:
+        stop.set()
+        listener.close()
+        for c in held:
+            c.close()

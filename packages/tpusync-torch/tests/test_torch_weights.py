@@ -40,3 +40,37 @@ def test_restore_refuses_mismatch_naming_tensor_and_field():
     with pytest.raises(tc.InvalidArgumentError, match="field 'name'"):
         restore_weights(host, {"a": torch.zeros(10)})
     assert not b.any()
+
+
+def test_freed_weights_and_missing_buckets_are_refused():
+    """A freed HostWeights raised a bare IndexError (the JAX face restored uninitialised memory);
+    bucket -1 silently restored the last bucket."""
+    sd = {"a": torch.randn(64, 64), "b": torch.randn(64, 64)}
+    pool = tc.HostBlockPool(4096, 32)
+    host, futures = flatten_weights(sd, pool, bucket_bytes=16 << 10)
+    [f.result(timeout=10) for f in futures]
+    targets = {k: torch.zeros_like(v) for k, v in sd.items()}
+    for bad in ([99], [-1]):
+        with pytest.raises(tc.InvalidArgumentError, match="does not exist"):
+            restore_weights(host, targets, buckets=bad)
+    host.free()
+    with pytest.raises(tc.StateError, match="freed"):
+        restore_weights(host, targets)
+
+
+def test_a_flatten_that_fails_gives_back_what_it_took():
+    """A bucket that did not fit, or a tensor on an unsupported device, left the blocks already
+    taken allocated for good."""
+    pool = tc.HostBlockPool(4096, 3)
+    big = {"a": torch.randn(2048), "b": torch.randn(2048)}  # 8 KiB each: two buckets of 2 blocks
+    with pytest.raises(tc.PoolExhaustedError):
+        flatten_weights(big, pool, bucket_bytes=8 << 10)
+    assert pool.num_free == pool.num_blocks
+    mixed = {"a": torch.randn(16), "m": torch.empty(16, device="meta")}
+    with pytest.raises(tc.InvalidArgumentError, match="several devices"):
+        flatten_weights(mixed, pool)
+    with pytest.raises(tc.InvalidArgumentError, match="'meta' device"):
+        flatten_weights({"m": torch.empty(16, device="meta")}, pool)
+    with pytest.raises(tc.InvalidArgumentError, match="not a torch.Tensor"):
+        flatten_weights({"x": [1.0, 2.0]}, pool)
+    assert pool.num_free == pool.num_blocks

@@ -41,9 +41,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 from tpusync.core import InvalidArgumentError, _native
+from tpusync.core.errors import StateError
 from tpusync.core.errors import TimeoutError as TpusyncTimeoutError
 from tpusync.core.kvcache.futures import TransferFuture, default_timeout, watch
-from tpusync.core.kvcache.layout import BlockFormat, KVLayout, PieceGeometry, split_layers
+from tpusync.core.kvcache.layout import (
+    BlockFormat,
+    KVLayout,
+    PieceGeometry,
+    check_unshared,
+    split_layers,
+)
 from tpusync.core.kvcache.manager import KVCacheManagerBase
 from tpusync.core.kvcache.plan import Piece, segments_for
 from tpusync.core.kvcache.protocols import BlockTransport, KVStore
@@ -164,7 +171,8 @@ class _Chained(TransferFuture):
             nf = inner.result(timeout=0) if ok else None
             if nf is not None and nf.wait(max(0.0, t - (time.monotonic() - t0))):
                 self.settle(lambda: (nf.result(timeout=0), None)[1])
-        return super().result(timeout=0 if cf.Future.done(self) else timeout)
+        left = max(0.0, t - (time.monotonic() - t0))  # one budget for both waits, not two
+        return super().result(timeout=0 if cf.Future.done(self) else left)
 
 
 class _Part:
@@ -248,6 +256,15 @@ class KVCacheManager(KVCacheManagerBase):
         )
         platforms = {d.platform for parts in self._arrays for a in parts for d in a.devices()}
         self.staged = bool(staged) if staged is not None else platforms != {"cpu"}
+        if not self.staged:  # loads write these buffers in place (IN-PLACE CONTRACT)
+            check_unshared(
+                [
+                    (s.data.unsafe_buffer_pointer(), f"layer {name} part {k} shard {s.index}")
+                    for name, parts in zip(self.layer_names, self._arrays, strict=True)
+                    for k, arr in enumerate(parts)
+                    for s in arr.addressable_shards
+                ]
+            )
         devices = {d for parts in self._arrays for a in parts for d in a.devices()}
         offered = all(_has_pinned(d) for d in devices)
         if host_memory == "pinned_host" and not offered:
@@ -286,7 +303,10 @@ class KVCacheManager(KVCacheManagerBase):
         """Run ``fn`` on the worker; the future completes when ``fn`` has and, if ``fn`` returned
         a native copy future (CPU path, see :meth:`_launch`), when that copy has too."""
         out = _Chained(name)
-        inner = self._worker.submit(fn)
+        try:
+            inner = self._worker.submit(fn)
+        except RuntimeError as e:  # the executor's "cannot schedule new futures after shutdown"
+            raise StateError(f"{name}: this KVCacheManager is closed") from e
         out._inner = inner
         out.keepalive.append(inner)
         inner.add_done_callback(out.chain)
@@ -360,6 +380,8 @@ class KVCacheManager(KVCacheManagerBase):
 
     # -- save: device -> host ------------------------------------------------------------------
     def _d2h_now(self, layers: list[int], blocks: np.ndarray, host_ids: np.ndarray) -> Any:
+        if blocks.size == 0:
+            return None  # nothing to move (the staged path's padding needs one block)
         ax = self.layout.block_axis
         shards_of = {}
         for layer in layers:
@@ -399,6 +421,8 @@ class KVCacheManager(KVCacheManagerBase):
 
     # -- load: host -> device ------------------------------------------------------------------
     def _h2d_now(self, layers: list[int], blocks: np.ndarray, host_ids: np.ndarray) -> Any:
+        if blocks.size == 0:
+            return None
         if not self.staged:
             return self._h2d_in_place(layers, blocks, host_ids)
         ax = self.layout.block_axis

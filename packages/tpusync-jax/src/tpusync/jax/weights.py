@@ -39,16 +39,20 @@ def flatten_weights(
     host = {k: _c_order(jax.device_get(v)) for k, v in leaves}
     items = [(k, dtype_name(v.dtype), tuple(v.shape), v.nbytes) for k, v in host.items()]
     manifest = plan_weights(items, pool.block_bytes, bucket_bytes)
-    bucket_ids = [pool.alloc(end - first) for first, end in manifest.buckets]
+    out = HostWeights.alloc(pool, manifest)
     futures = []
-    for b, ids in enumerate(bucket_ids):
-        regions = [
-            host[e.name].reshape(-1).view(np.uint8) for e in manifest.entries if e.bucket == b
-        ]
-        segs = weight_segments(manifest, b, list(range(len(regions))))
-        nf = _native.put_segments(pool.engine, pool.native, ids, regions, segs)
-        futures.append(from_native(nf, f"flatten bucket {b}"))
-    return HostWeights(pool, manifest, bucket_ids), futures
+    try:
+        for b, ids in out.ids_of():
+            regions = [
+                host[e.name].reshape(-1).view(np.uint8) for e in manifest.entries if e.bucket == b
+            ]
+            segs = weight_segments(manifest, b, list(range(len(regions))))
+            nf = _native.put_segments(pool.engine, pool.native, ids, regions, segs)
+            futures.append(from_native(nf, f"flatten bucket {b}"))
+    except BaseException:
+        out.free()  # a block still being filled is recycled only once its copy ends (BORROW)
+        raise
+    return out, futures
 
 
 def restore_weights(host: HostWeights, like: Any, timeout: float | None = None) -> Any:
@@ -60,9 +64,10 @@ def restore_weights(host: HostWeights, like: Any, timeout: float | None = None) 
     leaves = _leaves(like)
     m = host.manifest
     m.check_targets([(k, dtype_name(v.dtype), tuple(v.shape)) for k, v in leaves])
+    chosen = host.ids_of()
     bufs = {k: np.empty(v.shape, dtype=v.dtype) for k, v in leaves}
     futures = []
-    for b, ids in enumerate(host.bucket_ids):
+    for b, ids in chosen:
         regions = [bufs[e.name].reshape(-1).view(np.uint8) for e in m.entries if e.bucket == b]
         segs = weight_segments(m, b, list(range(len(regions))))
         nf = _native.get_segments(host.pool.engine, host.pool.native, ids, regions, segs)

@@ -34,7 +34,7 @@ from tpusync.core.kvcache.futures import (
     from_native,
     watch,
 )
-from tpusync.core.kvcache.layout import BlockFormat, KVLayout, split_layers
+from tpusync.core.kvcache.layout import BlockFormat, KVLayout, check_unshared, split_layers
 from tpusync.core.kvcache.manager import KVCacheManagerBase
 from tpusync.core.kvcache.plan import Piece, segments_for
 from tpusync.core.kvcache.protocols import BlockTransport, KVStore
@@ -77,6 +77,13 @@ class KVCacheManager(KVCacheManagerBase):
             kv_caches, layout, lambda e: isinstance(e, torch.Tensor), "tensor"
         )
         entries = self._parts
+        check_unshared(
+            [
+                (p.data_ptr(), f"layer {name} part {k}")
+                for name, parts in zip(self.layer_names, self._parts, strict=True)
+                for k, p in enumerate(parts)
+            ]
+        )
         devices = {p.device for parts in self._parts for p in parts}
         if len(devices) != 1:
             raise InvalidArgumentError(

@@ -79,20 +79,27 @@ def flatten_weights(
     buckets are still being copied. Non-contiguous tensors are copied through a contiguous
     temporary. The caller frees the blocks (``HostWeights.free``).
     """
+    stream = _stream_for(state_dict)
     items = [
         (k, dtype_name(v.dtype), tuple(v.shape), v.numel() * v.element_size())
         for k, v in state_dict.items()
     ]
     manifest = plan_weights(items, pool.block_bytes, bucket_bytes)
     tensors = {k: v if v.is_contiguous() else v.contiguous() for k, v in state_dict.items()}
-    bucket_ids = [pool.alloc(end - first) for first, end in manifest.buckets]
-    host = HostWeights(pool, manifest, bucket_ids)
-    stream = _stream_for(tensors)
+    host = HostWeights.alloc(pool, manifest)
     pool_u8 = R.pin_pool(pool) if stream is not None else None
     futures = []
-    for b, ids in enumerate(bucket_ids):
-        ts = [tensors[e.name] for e in manifest.entries if e.bucket == b]
-        futures.append(_copy_bucket(pool, manifest, b, ids, ts, True, stream, pool_u8))
+    try:
+        for b, ids in host.ids_of():
+            ts = [tensors[e.name] for e in manifest.entries if e.bucket == b]
+            futures.append(_copy_bucket(pool, manifest, b, ids, ts, True, stream, pool_u8))
+    except BaseException:
+        host.free()  # a block still being filled is recycled only once its copy ends (BORROW)
+        if pool_u8 is not None and futures:  # unpinned once the launched copies end
+            gather(futures, "flatten_weights").add_done_callback(lambda _f: R.unpin_pool(pool))
+        elif pool_u8 is not None:
+            R.unpin_pool(pool)
+        raise
     if pool_u8 is not None:  # one pinning for the whole call, released when every bucket is done
         gather(futures, "flatten_weights").add_done_callback(lambda _f: R.unpin_pool(pool))
     return host, futures
@@ -111,13 +118,12 @@ def restore_weights(
     for k, v in state_dict.items():
         if not v.is_contiguous():
             raise InvalidArgumentError(f"weight {k!r}: restore target must be contiguous")
+    chosen = host.ids_of(buckets)
     stream = _stream_for(state_dict)
     pool_u8 = R.pin_pool(host.pool) if stream is not None else None
-    chosen = range(len(m.buckets)) if buckets is None else buckets
     futures = []
-    for b in chosen:
+    for b, ids in chosen:
         ts = [state_dict[e.name] for e in m.entries if e.bucket == b]
-        ids = host.bucket_ids[b]
         futures.append(_copy_bucket(host.pool, m, b, ids, ts, False, stream, pool_u8))
     out = gather(futures, "restore_weights")
     if pool_u8 is not None:
@@ -126,8 +132,17 @@ def restore_weights(
 
 
 def _stream_for(tensors: Mapping[str, torch.Tensor]) -> torch.cuda.Stream | None:
+    """A copy stream for CUDA weights, None for CPU ones; refuses (before anything is allocated)
+    anything else, or weights on several devices."""
+    for k, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"weight {k!r} is a {type(t).__name__}, not a torch.Tensor")
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
         raise InvalidArgumentError(f"weights live on several devices: {sorted(map(str, devices))}")
     dev = next(iter(devices), torch.device("cpu"))
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(
+            f"weights on a {dev.type!r} device: only cpu and cuda are supported"
+        )
     return torch.cuda.Stream(device=dev) if dev.type == "cuda" else None

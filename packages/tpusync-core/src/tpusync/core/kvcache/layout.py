@@ -39,6 +39,7 @@ __all__ = [
     "KVLayout",
     "PieceGeometry",
     "check_format",
+    "check_unshared",
 ]
 
 AXIS_NAMES = ("kv", "block", "head", "token", "dim")
@@ -269,6 +270,22 @@ class PieceGeometry:
             if np.any(np.diff(srt) < run):
                 raise InvalidArgumentError(f"tensor strides {tuple(strides)} make a block overlap")
         return cls(offsets, run, strides[block_axis], region, order)
+
+
+def check_unshared(starts: Sequence[tuple[int, str]]) -> None:
+    """ALIAS RULE: cache parts written in place must not share memory. ``starts`` holds each
+    part's (or shard's) first-element address and its name; two that start at the same byte are
+    refused (e.g. one zeros array passed as K and V of every layer: a load into one layer would
+    change them all). Parts that merely interleave (K and V as strided views of one tensor) start
+    at different bytes and pass."""
+    seen: dict[int, str] = {}
+    for addr, what in starts:
+        if addr in seen:
+            raise InvalidArgumentError(
+                f"{what} is the same memory as {seen[addr]}: every layer's K and V need their own "
+                "tensors or arrays, or a load into one would change the other"
+            )
+        seen[addr] = what
 
 
 def split_layers(

@@ -119,12 +119,19 @@ class KVCacheManagerBase:
             )
         return arr
 
-    def _checked_host_ids(self, host_ids: Any, n: int) -> np.ndarray:
+    def _checked_host_ids(self, host_ids: Any, n: int, written: bool) -> np.ndarray:
         """:meth:`_host_ids`, and every id refused (one native borrow check, all or none) unless
         it is a live block of the pool: a bulk call moves in several batches, each of which
         borrows only its own rows, so the whole call's ids are checked here before any byte
-        moves."""
+        moves. Host blocks a call writes (d2h) must also be distinct: two device blocks (or two
+        groups) gathered into one host block would race, and one would be lost."""
         arr = self._host_ids(host_ids, n)
+        if written and np.unique(arr).size != arr.size:
+            values, counts = np.unique(arr, return_counts=True)
+            raise InvalidArgumentError(
+                f"d2h writes host block {int(values[counts > 1][0])} more than once; each "
+                "(group, device block) needs its own host block (nothing was copied)"
+            )
         if arr.size:
             self.pool.borrow(arr.reshape(-1).tolist()).release()
         return arr
@@ -182,13 +189,15 @@ class KVCacheManagerBase:
         """Gather ``device_blocks`` of one layer into host blocks (asynchronous)."""
         (layer,) = self._layers([layer])
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "d2h", unique=False)
-        return self._transfer([layer], blocks, self._checked_host_ids(host_ids, blocks.size), True)
+        ids = self._checked_host_ids(host_ids, blocks.size, written=True)
+        return self._transfer([layer], blocks, ids, True)
 
     def h2d_layer(self, layer: int, device_blocks: Sequence[int], host_ids: Any) -> TransferFuture:
         """Scatter host blocks into ``device_blocks`` of one layer (asynchronous)."""
         (layer,) = self._layers([layer])
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "h2d", unique=True)
-        return self._transfer([layer], blocks, self._checked_host_ids(host_ids, blocks.size), False)
+        ids = self._checked_host_ids(host_ids, blocks.size, written=False)
+        return self._transfer([layer], blocks, ids, False)
 
     def d2h(
         self, device_blocks: Sequence[int], host_ids: Any, layers: Iterable[int] | None = None
@@ -196,7 +205,7 @@ class KVCacheManagerBase:
         """Gather every (or the given) layer into host blocks; per-layer futures."""
         layers = self._layers(layers)
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "d2h", unique=False)
-        return self._bulk(layers, blocks, self._checked_host_ids(host_ids, blocks.size), True)
+        return self._bulk(layers, blocks, self._checked_host_ids(host_ids, blocks.size, True), True)
 
     def h2d(
         self, device_blocks: Sequence[int], host_ids: Any, layers: Iterable[int] | None = None
@@ -204,7 +213,8 @@ class KVCacheManagerBase:
         """Scatter host blocks into every (or the given) layer; per-layer futures."""
         layers = self._layers(layers)
         blocks = check_block_ids(device_blocks, self.layout.num_blocks, "h2d", unique=True)
-        return self._bulk(layers, blocks, self._checked_host_ids(host_ids, blocks.size), False)
+        ids = self._checked_host_ids(host_ids, blocks.size, False)
+        return self._bulk(layers, blocks, ids, False)
 
     def _bulk(
         self, layers: list[int], blocks: np.ndarray, ids: np.ndarray, to_host: bool
@@ -246,7 +256,7 @@ class KVCacheManagerBase:
         """A [slots, host_block_bytes] view over the whole pool (no copy) and the row of each
         host id in ``ids`` ([groups, n]), hash-major to match :meth:`store_keys`."""
         native = self.pool.native
-        stride = native.pool_bytes // self.pool.num_blocks
+        stride = native.block_stride  # a pool rounded up to whole pages has spare bytes at its end
         if self._rows_view is None:
             flat = np.ctypeslib.as_array(
                 ctypes.cast(native.base_address, ctypes.POINTER(ctypes.c_uint8)),
@@ -459,11 +469,14 @@ class KVCacheManagerBase:
         limit = default_timeout() if timeout is None else timeout
         bounded = TransferFuture(f"fetch {transfer_id} from {peer}")
         fetched.add_done_callback(lambda g: bounded.settle(lambda: g.result(timeout=0)))
-        watch(
-            bounded.done,
-            lambda: bounded.settle(lambda: _timeout(transfer_id, peer, limit)),
-            time.monotonic() + limit,
-        )
+
+        def expired() -> None:
+            bounded.settle(lambda: _timeout(transfer_id, peer, limit))
+            abandon = getattr(transport, "abandon", None)  # optional (pd_transport ABANDON)
+            if abandon is not None and not fetched.done():
+                abandon(transfer_id, f"start_recv gave up after {limit} s")
+
+        watch(bounded.done, expired, time.monotonic() + limit)
 
         def scatter(meta: Any) -> Any:
             check_format(self.format, meta.get("format", {}), f"peer {peer}")

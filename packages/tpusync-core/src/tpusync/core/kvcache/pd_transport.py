@@ -15,8 +15,16 @@ ID CONTRACT: a transfer id (str) maps to the 63-bit request id ``blake2b-64(id) 
 live at most once per producer (AlreadyExistsError).
 
 RETRACT CONTRACT: the producer holds its own reference on every published block until the
-consumer acknowledged a verified receipt or ``send_deadline`` passed (the primitive has no
-cancel); :meth:`retract` forgets the id, and the caller may free its blocks at once either way.
+consumer acknowledged a verified receipt, ``send_deadline`` passed, or :meth:`retract` cancelled
+the send (a pull still in flight then fails, and keeps the blocks' memory out of the pool until it
+let go: ``PdProducer.cancel``). The caller may free its blocks at once, and may publish the same
+id again. Before, retract only forgot the id: the blocks and the id stayed taken until
+``send_deadline``.
+
+ABANDON CONTRACT: :meth:`abandon` gives up a fetch in flight (``PdConsumer.abandon``, on a thread
+of its own, so it returns at once): its future fails, its local blocks are written no more, and
+the id may be fetched again. The manager calls it when its own deadline fires first; before, the
+fetch ran on until ``recv_deadline`` and held the id and its blocks until then.
 
 DEAD-PEER CONTRACT: a fetch from a dead producer (refused connection, reset mid-stream, expired
 deadline) fails its future with UnavailableError carrying the primitive's code and reason.
@@ -27,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import hashlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -34,11 +43,13 @@ from typing import Any
 
 import numpy as np
 
-from tpusync.core.errors import InvalidArgumentError, UnavailableError
+from tpusync.core.errors import InvalidArgumentError, NotFoundError, TpusyncError, UnavailableError
 from tpusync.core.pd import PdConsumer, PdProducer
 from tpusync.core.pool import HostBlockPool
 
 __all__ = ["PdBlockTransport"]
+
+log = logging.getLogger(__name__)
 
 _MAGIC = b"TSPM"
 _META_BYTES = 2048
@@ -147,7 +158,26 @@ class PdBlockTransport:
     def retract(self, transfer_id: str) -> None:
         with self._lock:
             self._sent.discard(transfer_id)
+        try:
+            self._producer.cancel(_request_id(transfer_id), f"transfer {transfer_id!r} retracted")
+        except NotFoundError:
+            pass  # it already ended: acknowledged, expired or cancelled
         self._producer.poll()
+
+    def abandon(self, transfer_id: str, reason: str) -> None:
+        """Give up fetching ``transfer_id`` (ABANDON CONTRACT); a no-op when it is not pending."""
+        rid = _request_id(transfer_id)
+        with self._lock:
+            if rid not in self._pending:
+                return
+
+        def run() -> None:
+            try:
+                self._consumer.abandon(rid, reason)
+            except TpusyncError as e:  # ended meanwhile, or a source was slow to stop: logged
+                log.debug("abandon of transfer %r: %s", transfer_id, e)
+
+        threading.Thread(target=run, name="tpusync-pd-abandon", daemon=True).start()
 
     # -- consumer ----------------------------------------------------------------------------
     def fetch(

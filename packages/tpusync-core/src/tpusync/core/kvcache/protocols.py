@@ -66,7 +66,9 @@ class BlockTransport(Protocol):
 
     DEAD-PEER CONTRACT: ``fetch`` returns a future that FAILS (UnavailableError) when the peer is
     dead or goes away; it never stays pending forever after the transport has noticed. The manager
-    adds its own deadline on top, so even a transport that never answers cannot hang a caller.
+    adds its own deadline on top, so even a transport that never answers cannot hang a caller;
+    when that deadline fires first, the manager calls the transport's optional
+    ``abandon(transfer_id, reason)`` so the fetch stops and its id can be fetched again.
     """
 
     def publish(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tpusync.core.errors import InvalidArgumentError
+from tpusync.core.errors import InvalidArgumentError, StateError
 
 if TYPE_CHECKING:
     from tpusync.core.pool import HostBlockPool
@@ -102,6 +102,35 @@ class HostWeights:
     pool: HostBlockPool
     manifest: WeightManifest
     bucket_ids: list[list[int]]
+
+    @classmethod
+    def alloc(cls, pool: HostBlockPool, manifest: WeightManifest) -> HostWeights:
+        """The blocks of every bucket of ``manifest``, all or none (a bucket that does not fit
+        frees the ones before it)."""
+        host = cls(pool, manifest, [])
+        try:
+            for first, end in manifest.buckets:
+                host.bucket_ids.append(pool.alloc(end - first))
+        except BaseException:
+            host.free()
+            raise
+        return host
+
+    def ids_of(self, buckets: Sequence[int] | None = None) -> list[tuple[int, list[int]]]:
+        """(bucket, its block ids) for ``buckets`` (default: all), refused before any byte moves
+        when the weights were freed or a bucket does not exist (a freed HostWeights used to
+        restore uninitialised memory)."""
+        if len(self.bucket_ids) != len(self.manifest.buckets):
+            raise StateError("these HostWeights were freed: their blocks are gone")
+        chosen = range(len(self.bucket_ids)) if buckets is None else list(buckets)
+        for b in chosen:
+            if isinstance(b, bool) or not isinstance(b, int | np.integer):
+                raise InvalidArgumentError(f"bucket {b!r} is not an int")
+            if not 0 <= b < len(self.bucket_ids):
+                raise InvalidArgumentError(
+                    f"bucket {b} does not exist (the manifest has {len(self.bucket_ids)})"
+                )
+        return [(int(b), self.bucket_ids[b]) for b in chosen]
 
     def free(self) -> None:
         for ids in self.bucket_ids:
