@@ -1,6 +1,7 @@
 #include "tpusync/transport/link.h"
 
 #include <poll.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -60,7 +61,11 @@ Result<std::unique_ptr<Server>> Server::Start(ServerOptions options, Secret secr
   TPUSYNC_ASSIGN_OR_RETURN(Fd fd, Listen(addr));
   std::unique_ptr<Server> s(new Server());
   TPUSYNC_ASSIGN_OR_RETURN(s->address_, LocalAddress(fd.get(), addr.is_unix));
-  if (addr.is_unix) s->address_.host = addr.host;
+  if (addr.is_unix) {
+    s->address_.host = addr.host;
+    struct stat st {};
+    if (::stat(addr.host.c_str(), &st) == 0) s->unix_id_ = {st.st_dev, st.st_ino};
+  }
   s->options_ = std::move(options);
   s->secret_ = std::move(secret);
   s->handler_ = std::move(handler);
@@ -266,7 +271,13 @@ void Server::Stop() {
   // Connections still in their handshake see the closed listener only at their deadline: bounded
   // by handshake_timeout.
   for (auto& t : threads) t.join();
-  if (address_.is_unix) ::unlink(address_.host.c_str());
+  if (address_.is_unix && listen_fd_.valid()) {
+    // UNIX PATH RULE: only our own socket (another process may have bound the path since).
+    struct stat st {};
+    if (::stat(address_.host.c_str(), &st) == 0 && unix_id_ == std::pair{st.st_dev, st.st_ino}) {
+      ::unlink(address_.host.c_str());
+    }
+  }
   listen_fd_.Reset();
 }
 

@@ -6,7 +6,13 @@
 #include <numeric>
 #include <thread>
 
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
 
 #include "tpusync/transport/fault_stream.h"
 
@@ -409,6 +415,55 @@ TEST(Transport, UnixSocketLinksWork) {
   auto link = ConnectLink(echo.server->address(), TestSecret(), {.streams = 2});
   ASSERT_TRUE(link.ok()) << link.status().ToString();
   EXPECT_TRUE((*link)->healthy());
+}
+
+// UNIX PATH RULE: a listener replaces only a stale socket at its path; a file or a live peer's
+// socket is refused and left alone, and a stop removes the path only while it is its own socket.
+TEST(Transport, AUnixListenerNeverRemovesWhatIsNotItsStaleSocket) {
+  const std::string path = "/tmp/tpusync-link-path-" + std::to_string(::getpid()) + ".sock";
+  auto listen = [&] {
+    ServerOptions o;
+    o.listen = "unix:" + path;
+    return Server::Start(std::move(o), TestSecret(), [](std::shared_ptr<Link>) {});
+  };
+  ::unlink(path.c_str());
+  FILE* f = std::fopen(path.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs("notes", f);
+  std::fclose(f);
+  auto on_file = listen();
+  EXPECT_EQ(on_file.status().code(), StatusCode::kAlreadyExists) << on_file.status().ToString();
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));  // the file is still there
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+
+  auto first = listen();
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  auto second = listen();  // a live listener's socket is not taken over
+  EXPECT_EQ(second.status().code(), StatusCode::kAlreadyExists) << second.status().ToString();
+  EXPECT_TRUE(ConnectLink((*first)->address(), TestSecret(), {}).ok());
+
+  // Another process replaced the path: the first listener's stop leaves it alone.
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  f = std::fopen(path.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  (*first)->Stop();
+  EXPECT_EQ(::stat(path.c_str(), &st), 0);
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+
+  // A stale socket (its process died without removing it) is replaced.
+  int raw = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::strncpy(sa.sun_path, path.c_str(), sizeof(sa.sun_path) - 1);
+  ASSERT_EQ(::bind(raw, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ::close(raw);
+  auto fresh = listen();
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  (*fresh)->Stop();
+  EXPECT_NE(::stat(path.c_str(), &st), 0);  // its own socket is removed at stop
 }
 
 TEST(Transport, StopJoinsEverythingWithLinksOpen) {

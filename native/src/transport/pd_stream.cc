@@ -748,6 +748,11 @@ struct PdConsumer::Request {
   // `pulling` (mu_) counts sources inside PullFrom, the only code that writes destination
   // blocks; `borrowed` (mu_) says the destination borrow is still held, so it is returned once.
   std::atomic<bool> abandoned{false};
+  // FAIL-FAST CONTRACT: set (under mu_) by Abandon and by the first source that fails; read
+  // without mu_ like `abandoned`. Once set, no source starts and a running one stops writing:
+  // its link is closed and the same-host copy loop checks it between blocks.
+  std::atomic<bool> stop{false};
+  Status first_failure;  // mu_: the failed source's reason, reported when the last source ended
   size_t pulling = 0;
   bool borrowed = false;
   PdLanded on_landed;  // RELAY CONTRACT: set at Begin, then only read
@@ -773,6 +778,11 @@ PdConsumer::PdConsumer(std::shared_ptr<BlockAllocator> pool, Secret secret,
 Result<std::unique_ptr<PdConsumer>> PdConsumer::Create(std::shared_ptr<BlockAllocator> pool,
                                                        Secret secret, PdConsumerOptions options) {
   if (!pool) return Status::InvalidArgument("PdConsumer needs a block pool");
+  if (options.connect.streams == 0 || options.connect.streams > 64) {
+    // Checked here too, not only per link: every striped pull would fail with it later.
+    return Status::InvalidArgument(
+        StrCat("PdConsumer streams must be 1..64, got ", options.connect.streams));
+  }
   return std::unique_ptr<PdConsumer>(
       new PdConsumer(std::move(pool), std::move(secret), std::move(options)));
 }
@@ -872,9 +882,19 @@ Result<std::shared_ptr<PdConsumer::Request>> PdConsumer::Begin(uint64_t request_
   if (requests_.count(request_id)) {
     return Status::AlreadyExists(StrCat("request ", request_id, " is already receiving"));
   }
+  // DESTINATION CONTRACT: two live receives never write one block (both reported done, one
+  // block holding one of them).
+  for (BlockId b : req->all_blocks) {
+    if (auto it = receiving_.find(b); it != receiving_.end()) {
+      return Status::InvalidArgument(StrCat("destination block ", b,
+                                            " is already being received by request ", it->second,
+                                            " (wait for its end, or abandon it)"));
+    }
+  }
   // Borrow: the destination memory stays valid until the receive ends, even if freed meanwhile.
   TPUSYNC_RETURN_IF_ERROR(pool_->AcquireBorrow(req->all_blocks));
   req->borrowed = true;
+  for (BlockId b : req->all_blocks) receiving_[b] = request_id;
   req->running = req->sources.size();
   requests_[request_id] = req;
   for (size_t i = first_queued; i < req->sources.size(); ++i) jobs_.push_back({req, i});
@@ -908,8 +928,8 @@ void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
           ? small_links_
           : links_;
   // A queued source of an abandoned request does not even connect (ABANDON CONTRACT).
-  auto link = req->abandoned.load() ? Result<std::unique_ptr<Link>>(Status::Cancelled("abandoned"))
-                                    : links.Acquire(src.peer, req->deadline);
+  auto link = req->stop.load() ? Result<std::unique_ptr<Link>>(Status::Cancelled("stopped"))
+                               : links.Acquire(src.peer, req->deadline);
   if (!link.ok()) {
     result = link.status();
   } else {
@@ -918,7 +938,7 @@ void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
     {
       // Under mu_: either Abandon sees this link (and shuts it) or we see the abandon.
       std::lock_guard lock(mu_);
-      go = !req->abandoned.load();
+      go = !req->stop.load();
       if (go) {
         req->links.insert(raw);
         ++req->pulling;
@@ -936,18 +956,25 @@ void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
       req->links.erase(raw);
       --req->pulling;  // Update below wakes Abandon
     } else {
-      result = Status::Cancelled("abandoned");
+      result = Status::Cancelled("stopped");
     }
     links.Release(std::move(*link));
   }
   std::lock_guard lock(mu_);
-  if (!result.ok() && req->status.state == PdState::kPending) {
-    req->status.state = PdState::kFailed;
-    req->status.reason =
+  if (!result.ok() && req->status.state == PdState::kPending && req->first_failure.ok()) {
+    // FAIL-FAST CONTRACT: the request has failed, so its other sources stop writing now (they
+    // wrote on into blocks a caller may already reuse, until their own end or the deadline).
+    req->first_failure =
         Status(result.code(), StrCat("source ", src.peer.ToString(), ": ", result.message()));
+    req->stop.store(true);
+    for (Link* l : req->links) l->Close();
   }
   if (--req->running == 0) {
-    if (req->status.state == PdState::kPending) {
+    if (req->status.state == PdState::kPending && !req->first_failure.ok()) {
+      // Reported only now, when no source writes any more, and so reported once.
+      req->status.state = PdState::kFailed;
+      req->status.reason = req->first_failure;
+    } else if (req->status.state == PdState::kPending) {
       req->status.state = PdState::kDone;
       bool all = true;
       for (const Source& s : req->sources) {
@@ -958,12 +985,16 @@ void PdConsumer::RunSource(std::shared_ptr<Request> req, size_t index) {
           req->status.checksums.insert(req->status.checksums.end(), s.sums.begin(), s.sums.end());
       }
     }
-    if (req->borrowed) {
-      req->borrowed = false;
-      pool_->ReleaseBorrow(req->all_blocks);
-    }
+    ReleaseDestinations(*req);
   }
   Update(*req);
+}
+
+void PdConsumer::ReleaseDestinations(Request& req) {
+  if (!req.borrowed) return;
+  req.borrowed = false;
+  pool_->ReleaseBorrow(req.all_blocks);
+  for (BlockId b : req.all_blocks) receiving_.erase(b);
 }
 
 Result<std::vector<PdRelease>> PdConsumer::Abandon(uint64_t request_id, Status reason) {
@@ -992,6 +1023,7 @@ Result<std::vector<PdRelease>> PdConsumer::Abandon(uint64_t request_id, Status r
       return Status::NotFound(StrCat("request ", request_id, " was already abandoned"));
     }
     req->abandoned.store(true);
+    req->stop.store(true);
     if (req->status.state == PdState::kPending) {
       req->status.state = PdState::kFailed;
       req->status.reason = reason;
@@ -1005,10 +1037,7 @@ Result<std::vector<PdRelease>> PdConsumer::Abandon(uint64_t request_id, Status r
     }
     // No write after we return: wait (bounded) until no source is inside PullFrom.
     stopped = cv_.wait_until(lock, bound, [&] { return req->pulling == 0; });
-    if (stopped && req->borrowed) {
-      req->borrowed = false;
-      pool_->ReleaseBorrow(req->all_blocks);
-    }
+    if (stopped) ReleaseDestinations(*req);
     Update(*req);
   }
   // Best-effort, each producer in parallel, every wait bounded (ABANDON CONTRACT).
@@ -1211,7 +1240,7 @@ Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {
           for (uint32_t g = 0; g < groups && damaged.ok(); ++g) {
             const size_t gfirst = size_t{g} * *bpg, glast = std::min<size_t>(gfirst + *bpg, n);
             for (size_t i = gfirst; i < glast; ++i) {
-              if (req.abandoned.load()) return Status::Cancelled("abandoned mid-copy");
+              if (req.stop.load()) return Status::Cancelled("stopped mid-copy");
               if (!with_sums) {
                 // Non-temporal stores: a per-block memcpy would first read every destination
                 // line (base/stream_copy.h); measured 0.53x of one bulk copy of the same bytes.

@@ -1226,3 +1226,62 @@ TEST(PdRelay, TheSameHostPathOffersOnlyOnceEveryBlockIsOpen) {
 
 }  // namespace
 }  // namespace tpusync::transport
+
+namespace tpusync::transport {
+namespace {
+
+// FAIL-FAST CONTRACT: source 1 fails at once (its producer registered 2 blocks, it is asked for
+// 3); source 2 waits for a registration that comes only later. Before, the request read failed at
+// once but source 2 kept waiting (up to the producer's max_pull_wait, 10 s) and then wrote its
+// destination blocks. Now its link is closed, the request ends (and is reported once) when no
+// source writes any more, and registering source 2 afterwards writes nothing.
+TEST(PdStream, TheFirstFailedSourceStopsTheOthersBeforeTheRequestIsReported) {
+  auto p1pool = MakePool(4096, 8), p2pool = MakePool(4096, 8), cpool = MakePool(4096, 16);
+  auto p1 = PdProducer::Start(p1pool, TestSecret(), {});
+  auto p2 = PdProducer::Start(p2pool, TestSecret(), {});
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {});
+  auto d = *cpool->Alloc(5);
+  std::memset(*cpool->Address(d[3]), 0xEE, cpool->block_bytes());
+  std::memset(*cpool->Address(d[4]), 0xEE, cpool->block_bytes());
+  std::vector<BlockId> d1(d.begin(), d.begin() + 3), d2(d.begin() + 3, d.end());
+  OfferFilled(**p1, *p1pool, 7, 2, 0, 1);
+  ASSERT_TRUE(
+      (*consumer)
+          ->StartRecv(7, {{(*p1)->address().ToString(), d1}, {(*p2)->address().ToString(), d2}},
+                      DeadlineInMs(30000))
+          .ok());
+  auto got = (*consumer)->Wait(7, UINT32_MAX, DeadlineInMs(5000));
+  ASSERT_TRUE(got.ok()) << got.status().ToString();  // well before source 2's 10 s wait
+  EXPECT_EQ(got->state, PdState::kFailed);
+  EXPECT_EQ(got->reason.code(), StatusCode::kInvalidArgument) << got->reason.ToString();
+  size_t reported = 0;
+  for (auto& s : (*consumer)->Poll()) reported += s.request_id == 7;
+  EXPECT_EQ(reported, 1u);
+  EXPECT_TRUE((*consumer)->Poll().empty());  // reported once
+  OfferFilled(**p2, *p2pool, 7, 2, 0, 2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  for (BlockId b : d2) EXPECT_EQ((*cpool->Address(b))[0], 0xEE) << "block " << b << " written";
+}
+
+// DESTINATION CONTRACT: a receive into a block another live receive writes is refused; once that
+// receive ended, the block may be received into again.
+TEST(PdStream, TwoLiveReceivesNeverShareADestinationBlock) {
+  auto ppool = MakePool(4096, 8), cpool = MakePool(4096, 8);
+  auto producer = PdProducer::Start(ppool, TestSecret(), {});
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {});
+  const std::string peer = (*producer)->address().ToString();
+  auto d = *cpool->Alloc(3);
+  ASSERT_TRUE((*consumer)->StartRecv(1, {{peer, {d[0], d[1]}}}, DeadlineInMs(30000)).ok());
+  const Status second = (*consumer)->StartRecv(2, {{peer, {d[1], d[2]}}}, DeadlineInMs(30000));
+  EXPECT_EQ(second.code(), StatusCode::kInvalidArgument) << second.ToString();
+  EXPECT_NE(second.message().find("already being received by request 1"), std::string::npos);
+  OfferFilled(**producer, *ppool, 1, 2, 0, 3);
+  EXPECT_EQ(WaitEnd(**consumer, 1).state, PdState::kDone);
+  (void)(*consumer)->Poll();
+  OfferFilled(**producer, *ppool, 2, 2, 0, 4);
+  ASSERT_TRUE((*consumer)->StartRecv(2, {{peer, {d[1], d[2]}}}, DeadlineInMs(30000)).ok());
+  EXPECT_EQ(WaitEnd(**consumer, 2).state, PdState::kDone);
+}
+
+}  // namespace
+}  // namespace tpusync::transport

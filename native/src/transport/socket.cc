@@ -7,6 +7,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -154,12 +155,38 @@ Status ConfigureSocket(int fd, bool is_unix, const SocketOptions& options) {
   return Status::OK();
 }
 
+namespace {
+// UNIX PATH RULE: only a stale socket (one nobody accepts on) is removed before bind.
+Status ClearStaleSocket(const Address& addr, const SockAddr& sa) {
+  struct stat st {};
+  if (::lstat(addr.host.c_str(), &st) != 0) {
+    return errno == ENOENT ? Status::OK() : Status::FromErrno(errno, StrCat("stat ", addr.host));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return Status::AlreadyExists(StrCat(addr.host,
+                                        " exists and is not a socket: refusing to replace it "
+                                        "(pick another unix: path, or remove the file)"));
+  }
+  Fd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!probe.valid()) return Status::FromErrno(errno, "socket");
+  if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&sa.storage), sa.len) == 0) {
+    return Status::AlreadyExists(
+        StrCat(addr.ToString(), " is in use: a live process listens on it"));
+  }
+  if (errno != ECONNREFUSED) return Status::FromErrno(errno, StrCat("probe ", addr.ToString()));
+  if (::unlink(addr.host.c_str()) != 0 && errno != ENOENT) {
+    return Status::FromErrno(errno, StrCat("remove the stale socket ", addr.host));
+  }
+  return Status::OK();
+}
+}  // namespace
+
 Result<Fd> Listen(const Address& addr, int backlog) {
   TPUSYNC_ASSIGN_OR_RETURN(SockAddr sa, Resolve(addr));
   Fd fd(::socket(sa.family, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return Status::FromErrno(errno, "socket");
   if (addr.is_unix) {
-    ::unlink(addr.host.c_str());
+    TPUSYNC_RETURN_IF_ERROR(ClearStaleSocket(addr, sa));
   } else {
     const int one = 1;
     (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));

@@ -27,6 +27,8 @@
 // return), and joins every thread it started before it returns.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -38,6 +40,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "tpusync/base/status.h"
@@ -101,6 +104,7 @@ class Server {
   Secret secret_;
   LinkHandler handler_;
   Address address_;
+  std::pair<dev_t, ino_t> unix_id_{};  // a unix listener's socket file (UNIX PATH RULE)
   Fd listen_fd_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> rejected_{0}, links_{0};

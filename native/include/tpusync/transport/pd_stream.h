@@ -272,6 +272,11 @@ class PdConsumer {
   // producers were still told). Otherwise one PdRelease per distinct source producer.
   Result<std::vector<PdRelease>> Abandon(uint64_t request_id, Status reason);
   // Every request; terminal ones are reported once and then forgotten.
+  //
+  // FAIL-FAST CONTRACT: the first source of a request that fails stops the others (their links
+  // are closed, queued ones never connect); the request is reported failed, with that source's
+  // reason, once no source writes its blocks any more. DESTINATION CONTRACT: a receive whose
+  // destination block another live receive still writes is refused (kInvalidArgument).
   std::vector<PdStatus> Poll();
   // Waits until `groups` groups are ready, the request ended, or the deadline passed.
   Result<PdStatus> Wait(uint64_t request_id, uint32_t groups, Deadline deadline);
@@ -292,6 +297,8 @@ class PdConsumer {
   Status TellProducer(const Address& peer, uint64_t request_id, const Status& reason,
                       Deadline deadline);
   void Update(Request& req);  // mu_ held
+  // Returns the destination borrow once and frees the blocks for other receives (mu_ held).
+  void ReleaseDestinations(Request& req);
 
   std::shared_ptr<BlockAllocator> pool_;
   size_t small_pull_bytes_ = 0;  // 0: every source uses links_
@@ -301,6 +308,8 @@ class PdConsumer {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<uint64_t, std::shared_ptr<Request>> requests_;
+  // DESTINATION CONTRACT: block -> the live receive writing it (mu_; until its borrow ends).
+  std::map<BlockId, uint64_t> receiving_;
   std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<Mapping>> mappings_;
   // WORKER CONTRACT: each source of a request runs on its own worker for the whole transfer (it
   // blocks on sockets); workers are kept and reused, so a small pull costs no thread creation. A

@@ -72,7 +72,13 @@ struct SocketOptions {
   bool no_delay = true;  // TCP_NODELAY: frames are written whole with writev
 };
 
-// Listens on `addr` (port 0 picks a free port; a unix path is unlinked first). Non-blocking fd.
+// Listens on `addr` (port 0 picks a free port). Non-blocking fd.
+//
+// UNIX PATH RULE: a unix path that exists is replaced only when it is a stale socket (nobody
+// accepts on it: its process died). Any other file, or a socket a live process listens on, is
+// refused (kAlreadyExists) and left alone; the server removes its path at stop only while the
+// path is still its own socket. Before, any file there was unlinked, a live peer's socket taken
+// over, and the new owner's socket removed by the old one's stop.
 Result<Fd> Listen(const Address& addr, int backlog = 128);
 // The bound address of a listening socket (to learn an ephemeral port).
 Result<Address> LocalAddress(int fd, bool is_unix);
