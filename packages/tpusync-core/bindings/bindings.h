@@ -46,8 +46,10 @@ T Unwrap(Result<T> r) {
 // the registering thread when the future was already complete).
 bool InDoneCallback();
 
-// GIL-FREE DESTRUCTION: a native object whose destructor waits for engine work (an Engine joins
-// its workers, a KVStore waits for its operations) goes to Python as a shared_ptr whose deleter
+// GIL-FREE DESTRUCTION: a native object whose destructor waits for engine work or other threads
+// (an Engine joins its workers, a KVStore waits for its operations, a P/D consumer, producer,
+// store node or client joins its connection threads, which may sit in a connect until its
+// timeout) goes to Python as a shared_ptr whose deleter
 // never waits where that work could be stuck behind the waiter:
 // - holding the GIL, it releases it around the delete (a worker may need the GIL to finish: a
 //   done-callback, the DROP HAND-OFF in engine_bindings.cc);

@@ -104,8 +104,8 @@ void init_transport(nb::module_& m) {
             o.server.socket.buffer_bytes = socket_buffer_bytes;
             auto s = MakeSecret(secret);
             nb::gil_scoped_release release;
-            return std::shared_ptr<PdProducer>(
-                Unwrap(PdProducer::Start(std::move(pool), std::move(s), o)));
+            return OwnedGilFree(
+                Unwrap(PdProducer::Start(std::move(pool), std::move(s), o)).release());
           },
           nb::arg("pool"), nb::arg("secret"), nb::arg("listen") = "127.0.0.1:0",
           nb::arg("unix_path") = "", nb::arg("handshake_timeout") = 5.0,
@@ -175,8 +175,8 @@ void init_transport(nb::module_& m) {
             o.connect.socket.buffer_bytes = socket_buffer_bytes;
             auto s = MakeSecret(secret);
             nb::gil_scoped_release release;
-            return std::shared_ptr<PdConsumer>(
-                Unwrap(PdConsumer::Create(std::move(pool), std::move(s), o)));
+            return OwnedGilFree(
+                Unwrap(PdConsumer::Create(std::move(pool), std::move(s), o)).release());
           },
           nb::arg("pool"), nb::arg("secret"), nb::arg("streams") = 4,
           nb::arg("connect_timeout") = 5.0, nb::arg("socket_buffer_bytes") = 0,
@@ -283,8 +283,7 @@ void init_transport(nb::module_& m) {
             o.fingerprint = fingerprint;
             auto s = MakeSecret(secret);
             nb::gil_scoped_release release;
-            return std::shared_ptr<node::StoreNode>(
-                Unwrap(node::StoreNode::Start(o, std::move(s))));
+            return OwnedGilFree(Unwrap(node::StoreNode::Start(o, std::move(s))).release());
           },
           nb::arg("secret"), nb::arg("listen") = "127.0.0.1:0",
           nb::arg("capacity_bytes") = size_t{1} << 30, nb::arg("block_bytes") = 256 << 10,
@@ -337,8 +336,8 @@ void init_transport(nb::module_& m) {
             o.timeout = Ms(timeout);
             o.connect.timeout = Ms(timeout);
             auto s = MakeSecret(secret);
-            return std::shared_ptr<node::StoreClient>(
-                Unwrap(node::StoreClient::Create(std::move(pool), std::move(s), o)));
+            return OwnedGilFree(
+                Unwrap(node::StoreClient::Create(std::move(pool), std::move(s), o)).release());
           },
           nb::arg("pool"), nb::arg("secret"), nb::arg("nodes"), nb::arg("replication") = 1,
           nb::arg("timeout") = 10.0)

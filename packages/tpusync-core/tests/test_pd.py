@@ -127,6 +127,39 @@ def test_register_send_errors_are_typed():
             prod.register_send(7, [ids[0] + (1 << 40)], deadline=10.0)
 
 
+def test_consumer_arguments_are_refused_by_name_and_close_is_final():
+    """A float block id was truncated into another block; streams=0 was accepted and failed every
+    striped pull later; a PdConsumer had no close()."""
+    pool = tc.HostBlockPool(4096, 4)
+    with pytest.raises(tc.InvalidArgumentError, match="streams must be 1..64, got 0"):
+        PdConsumer(pool, secret=SECRET, streams=0)
+    with PdProducer(pool, secret=SECRET) as prod, PdConsumer(pool, secret=SECRET) as cons:
+        ids = pool.alloc(2)
+        with pytest.raises(TypeError, match="is not an int"):
+            cons.start_recv(1, prod.address, [float(ids[0]), float(ids[1])])
+        with pytest.raises(ValueError, match="readers\\[0\\] must be >= 0"):
+            cons.recv_multi(1, [(prod.address, ids, -1)])
+    with pytest.raises(tc.StateError, match="closed"):
+        cons.poll()
+
+
+def test_a_unix_path_that_is_not_a_stale_socket_is_left_alone(tmp_path):
+    """UNIX PATH RULE: a producer unlinked whatever was at its unix path (a user's file became a
+    socket, then vanished at close) and took over a live producer's socket."""
+    pool = tc.HostBlockPool(4096, 4)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    with pytest.raises(tc.AlreadyExistsError, match="is not a socket"):
+        PdProducer(pool, secret=SECRET, unix_path=str(notes))
+    assert notes.read_text() == "keep me"
+    path = str(tmp_path / "p.sock")
+    with PdProducer(pool, secret=SECRET, unix_path=path):
+        with pytest.raises(tc.AlreadyExistsError, match="a live process listens on it"):
+            PdProducer(pool, secret=SECRET, unix_path=path)
+        assert os.path.exists(path)
+    assert not os.path.exists(path)
+
+
 def test_cancel_ends_a_send_at_once_reports_it_once_and_frees_its_blocks():
     """CANCEL CONTRACT: a cancelled send is failed (code Cancelled, the caller's reason) in the
     next poll only, its blocks are free again, and it cannot be cancelled twice (a pull of it is

@@ -32,9 +32,13 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from tpusync.core import _native
-from tpusync.core.pool import HostBlockPool
+from tpusync.core.errors import StateError
+from tpusync.core.pool import HostBlockPool, _counts, _ids
 
 __all__ = [
     "SECRET_ENV",
@@ -157,10 +161,17 @@ def _results(raw: list[dict]) -> list[PdResult]:
 def _sources(
     sources: Sequence[tuple[str, Sequence[int]] | tuple[str, Sequence[int], int]],
 ) -> tuple[list[tuple[str, list[int]]], list[int]]:
-    """(peer, blocks) pairs and one reader count per source (SHARED-SEND CONTRACT)."""
-    pairs = [(str(s[0]), [int(b) for b in s[1]]) for s in sources]
-    readers = [int(s[2]) if len(s) > 2 else 1 for s in sources]
-    return pairs, readers
+    """(peer, blocks) pairs and one reader count per source (SHARED-SEND CONTRACT). Block ids
+    and reader counts are checked as the pool's are (a float id was truncated into another
+    block)."""
+    pairs = [(str(s[0]), _ids(s[1], "destination block ids")) for s in sources]
+    readers = [s[2] if len(s) > 2 else 1 for s in sources]
+    _counts("PdConsumer", **{f"readers[{i}]": r for i, r in enumerate(readers)})
+    for i, (_, ids) in enumerate(pairs):
+        for b in ids:
+            if isinstance(b, bool) or not isinstance(b, int | np.integer):
+                raise TypeError(f"source {i}: block id {b!r} is not an int")
+    return pairs, [int(r) for r in readers]
 
 
 def _secret(secret: bytes | None, secret_file: str | os.PathLike[str] | None) -> bytes:
@@ -279,6 +290,11 @@ class PdProducer:
         self.close()
 
 
+class _ClosedConsumer:
+    def __getattr__(self, name: str) -> Any:
+        raise StateError("this PdConsumer is closed")
+
+
 class PdConsumer:
     """Pulls producers' blocks into blocks of ``pool`` over ``streams`` parallel connections."""
 
@@ -315,6 +331,18 @@ class PdConsumer:
         small transfers. Returns within ``deadline`` seconds (plus the moment a socket needs to
         notice it); the result is not reported again by :meth:`poll`."""
         return self.recv_multi(request_id, [(peer, blocks)], deadline)
+
+    def close(self) -> None:
+        """Stop receiving: requests in flight end and their sources stop (each bounded by its
+        connect timeout or deadline); other Python threads run meanwhile (the GIL is released).
+        Later calls raise :class:`~tpusync.core.errors.StateError`."""
+        self._native = _ClosedConsumer()
+
+    def __enter__(self) -> PdConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def recv_multi(
         self, request_id: int, sources: Sequence[tuple[str, Sequence[int]]], deadline: float = 30.0
