@@ -582,3 +582,18 @@ def test_pd_start_recv_that_times_out_abandons_its_fetch():
         listener.close()
         for c in held:
             c.close()
+
+
+def test_a_tensor_whose_memory_was_moved_or_freed_is_refused():
+    """The byte regions were captured once: after resize_(0) of a tensor's storage (sleep-mode
+    offload, FSDP) a d2h segfaulted; after set_() an h2d wrote into the old storage."""
+    caches, lay = make_cache("hnd", layers=2)
+    mgr = KVCacheManager(caches, lay, host_blocks=8)
+    ids = mgr.alloc_host(1)
+    mgr.d2h([1], ids).result(timeout=10)
+    caches[1].set_(torch.zeros_like(caches[1]))
+    with pytest.raises(tc.StateError, match="layer 1 part 0: its memory was moved or freed"):
+        mgr.h2d([2], ids)
+    caches[0].untyped_storage().resize_(0)
+    with pytest.raises(tc.StateError, match="layer 0 part 0: its memory was moved or freed"):
+        mgr.d2h([1], ids, layers=[0])

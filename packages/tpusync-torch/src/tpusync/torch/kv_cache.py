@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import torch
-from tpusync.core import InvalidArgumentError, _native
+from tpusync.core import InvalidArgumentError, StateError, _native
 from tpusync.core.kvcache.futures import (
     TransferFuture,
     default_timeout,
@@ -173,7 +173,7 @@ class KVCacheManager(KVCacheManagerBase):
         for layer in layers:
             g, off = self._where(layer)
             base = len(regions)
-            regions.extend(self._regions[layer])
+            regions.extend(self._live_regions(layer))
             pieces = [
                 Piece(base + p.region, p.geometry, p.host_offset) for p in self._pieces[layer]
             ]
@@ -189,6 +189,22 @@ class KVCacheManager(KVCacheManagerBase):
             np.ascontiguousarray(np.concatenate(segs)),
         )
         return from_native(nf, f"{'d2h' if to_host else 'h2d'} layers {layers[0]}..{layers[-1]}")
+
+    def _live_regions(self, layer: int) -> list[torch.Tensor]:
+        """The byte regions of ``layer``, refused when the engine moved or freed a tensor's memory
+        since construction (``t.set_(...)``, ``t.untyped_storage().resize_(0)`` as sleep-mode
+        offload and FSDP do): a copy then wrote into a stale storage, or segfaulted."""
+        out = self._regions[layer]
+        for k, (part, r) in enumerate(zip(self._parts[layer], out, strict=True)):
+            if part.data_ptr() != r.data_ptr() or r.untyped_storage().nbytes() < (
+                r.storage_offset() + r.numel()
+            ):
+                raise StateError(
+                    f"layer {self.layer_names[layer]} part {k}: its memory was moved or freed "
+                    "since this KVCacheManager was made (set_, resize_ of its storage); make a "
+                    "new manager over the current tensors"
+                )
+        return out
 
     # -- CUDA: copy stream + pinned pool + events ----------------------------------------------
     def _borrow(self, host_ids: list[int]) -> Any:
