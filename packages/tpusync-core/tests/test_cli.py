@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tpusync.core import cli
 
 
@@ -183,3 +185,30 @@ def test_shm_list_shows_owners_and_reclaim_removes_only_dead_ones():
         live.native.unlink()
         if os.path.exists(f"/dev/shm/{prefix}killed"):
             os.unlink(f"/dev/shm/{prefix}killed")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["store-node", "--capacity", "99999999999999999999TiB"], "is too large a size"),
+        (["store-node", "--metrics-port", "99999"], "is not a TCP port (1..65535)"),
+        (["bench", "memory", "--total-mib", "-1"], "--total-mib: -1 is not >= 1"),
+        (["bench", "memory", "--repeats", "0"], "--repeats: 0 is not >= 1"),
+        (["bench", "tiers", "--lookup-keys", "abc"], "--lookup-keys: 'abc' is not an integer"),
+        (["bench", "transport", "--streams", "0"], "--streams: 0 is not >= 1"),
+        (["demo", "--layers", "0"], "--layers: 0 is not >= 1"),
+        (["bench", "memory", "--total-mib", "1", "--quiet"], "tpusync bench memory: "),
+    ],
+    ids=["capacity", "port", "total-mib", "repeats", "lookup-keys", "streams", "layers", "tiny"],
+)
+def test_bad_numbers_get_one_line_and_exit_2(args, message):
+    """Each printed a traceback (exit 1), a cryptic error, or silently ran the defaults."""
+    bad = subprocess.run(
+        [sys.executable, "-m", "tpusync.core.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2, bad.stderr
+    assert message in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -5,8 +5,46 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from tpusync.core import _native
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a bad count got a traceback, or 0 silently meant the
+    default)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} is not >= 1")
+    return v
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 1..65535."""
+    v = _positive_int(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"{v} is not a TCP port (1..65535)")
+    return v
+
+
+def _int_list(text: str) -> list[int]:
+    """argparse type: comma-separated ints >= 1, e.g. 1000,100000."""
+    return [_positive_int(x) for x in text.split(",")]
+
+
+def _one_line(command: str, run: Callable[[], int]) -> int:
+    """Runs a command; an error it can name (bad input, no memory, a failed system call) is one
+    line on stderr and exit status 2, not a traceback."""
+    from tpusync.core.errors import TpusyncError
+
+    try:
+        return run()
+    except (TpusyncError, OSError, ValueError, MemoryError) as e:
+        print(f"tpusync {command}: {e}", file=sys.stderr)
+        return 2
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
@@ -36,6 +74,10 @@ def _plugin_suites() -> dict:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    return _one_line(f"bench {args.suite}", lambda: _bench(args))
+
+
+def _bench(args: argparse.Namespace) -> int:
     defaults = {
         "memory": (256, 5),
         "tiers": (256, 5),
@@ -57,7 +99,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             total_bytes=args.total_mib << 20,
             repeats=args.repeats,
             directory=args.dir,
-            lookup_sizes=[int(x) for x in args.lookup_keys.split(",")],
+            lookup_sizes=args.lookup_keys,
             session_tokens=args.session_tokens,
             show_progress=not args.quiet,
         )
@@ -140,6 +182,10 @@ def _print_transport_table(result: dict) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    return _one_line("demo", lambda: _demo(args))
+
+
+def _demo(args: argparse.Namespace) -> int:
     from tpusync.core import demo
 
     result = demo.run(layers=args.layers, num_blocks=args.blocks)
@@ -160,11 +206,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_store_node(args: argparse.Namespace) -> int:
     """A node that cannot start (bad size, address or port in use, namespace or disk directory
     held by another node, no secret) says why in one line on stderr and exits 2."""
-    from tpusync.core.errors import TpusyncError
     from tpusync.core.store_node import parse_size, run_store_node
 
-    try:
-        return run_store_node(
+    return _one_line(
+        "store-node",
+        lambda: run_store_node(
             listen=args.listen,
             capacity=parse_size(args.capacity),
             block_bytes=parse_size(args.block_bytes),
@@ -174,10 +220,8 @@ def _cmd_store_node(args: argparse.Namespace) -> int:
             disk_capacity=parse_size(args.disk_capacity) if args.disk_dir else 0,
             name_space=args.namespace or "",
             fingerprint=args.fingerprint or "",
-        )
-    except (TpusyncError, OSError, ValueError) as e:
-        print(f"tpusync store-node: {e}", file=sys.stderr)
-        return 2
+        ),
+    )
 
 
 def _cmd_shm(args: argparse.Namespace) -> int:
@@ -220,23 +264,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.add_argument(
         "--total-mib",
-        type=int,
+        type=_positive_int,
         default=None,
         help="MiB per measurement (memory 256, transport 1024)",
     )
     p.add_argument(
-        "--repeats", type=int, default=None, help="runs per figure (memory 5, transport 3)"
+        "--repeats",
+        type=_positive_int,
+        default=None,
+        help="runs per figure (memory 5, transport 3)",
     )
     p.add_argument(
-        "--streams", type=int, nargs="+", default=None, help="transport: TCP stream counts"
+        "--streams",
+        type=_positive_int,
+        nargs="+",
+        default=None,
+        help="transport: TCP stream counts",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--dir", default=None, help="tiers: directory for the disk tier and fio")
     p.add_argument(
-        "--lookup-keys", default="1000,100000,10000000", help="tiers: index sizes for lookups"
+        "--lookup-keys",
+        type=_int_list,
+        default=[1000, 100000, 10000000],
+        help="tiers: index sizes for lookups",
     )
     p.add_argument(
-        "--session-tokens", type=int, default=1 << 20, help="tiers: long-session stream length"
+        "--session-tokens",
+        type=_positive_int,
+        default=1 << 20,
+        help="tiers: long-session stream length",
     )
     p.add_argument(
         "--link-gbit",
@@ -258,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-capacity", default="16GiB", help="disk tier size (with --disk-dir)")
     p.add_argument("--block-bytes", default="256KiB", help="block size, e.g. 256KiB")
     p.add_argument("--auth-secret-file", default=None, help="file holding the shared secret")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port")
+    p.add_argument("--metrics-port", type=_port, default=None, help="Prometheus metrics port")
     p.add_argument(
         "--namespace",
         default=None,
@@ -291,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_shm)
 
     p = sub.add_parser("demo", help="offload a synthetic paged KV cache and back")
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--blocks", type=int, default=256)
+    p.add_argument("--layers", type=_positive_int, default=16)
+    p.add_argument("--blocks", type=_positive_int, default=256)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_demo)
     return parser

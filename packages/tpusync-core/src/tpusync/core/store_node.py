@@ -37,7 +37,10 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size (e.g. 8GiB, 512MiB, 4096)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size >= 1 << 63:
+        raise ValueError(f"{text!r} is too large a size (at most 8 EiB)")
+    return size
 
 
 class StoreNode:
