@@ -665,11 +665,12 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
     sent = link.streams[i]->SendMeta(Op::kPdEnd, id, {}, e->deadline);
   }
   // TCP: every byte left our blocks. Same-host: the consumer may still be copying out of them,
-  // so the borrow lasts until its ack or its socket closes (CANCEL CONTRACT).
+  // so the borrow lasts until its ack or its socket closes (CANCEL CONTRACT, SAME-HOST HOLD).
   if (!shm_path) let_go();
-  if (!shm_path && sent.ok()) {
+  if (sent.ok()) {
     // CANCEL CONTRACT: nothing left to stop; the consumer may already have put the link back in
-    // its pool with the ack on its way, so a Cancel from now on leaves the link open.
+    // its pool with the ack on its way, so a Cancel from now on leaves the link open. Same-host:
+    // shutting the link would end the wait below while the consumer still copies.
     std::lock_guard lock(mu_);
     e->sending.erase(&link);
   }
@@ -693,7 +694,31 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
     std::lock_guard lock(mu_);
     e->bytes += bb * addrs.size();
   }
-  auto ack = s0.Expect(Op::kPdAck, e->deadline);
+  // SAME-HOST HOLD: the slots stay borrowed until the consumer acknowledged or its socket closed,
+  // past this send's deadline and past a Cancel (which end the registration, not the copy): it
+  // reads them straight out of our segment, and a recycled slot would hand it another request's
+  // bytes. Before, both let go at once, and a slow consumer published groups of reused bytes.
+  auto ack = s0.Expect(Op::kPdAck, shm_path ? DeadlineInMs(3600 * 1000) : e->deadline);
+  while (shm_path && !ack.ok() && ack.status().code() == StatusCode::kTimeout && !s0.broken()) {
+    ack = s0.Expect(Op::kPdAck, DeadlineInMs(3600 * 1000));
+  }
+  if (shm_path && !ack.ok()) {
+    bool stopping;
+    {
+      std::lock_guard lock(mu_);
+      stopping = stop_;
+    }
+    if (stopping) {
+      // Stop closed the link under a consumer that may still copy: keep its slots out of the
+      // pool for good rather than recycle them under it.
+      borrowed_all = false;
+      held.clear();
+      LogWarning(StrCat("producer stopped while a same-host consumer of request ", id,
+                        " may still copy: its ", e->blocks.size(),
+                        " block(s) stay out of the pool"));
+      return ack.status();
+    }
+  }
   let_go();
   if (!ack.ok()) return ack.status();
   const Status verdict = DecodeStatus(ack->meta);

@@ -1283,5 +1283,44 @@ TEST(PdStream, TwoLiveReceivesNeverShareADestinationBlock) {
   EXPECT_EQ(WaitEnd(**consumer, 2).state, PdState::kDone);
 }
 
+// SAME-HOST HOLD: a same-host consumer reads the slots straight out of the producer's segment, so
+// they stay borrowed past the send's deadline and past a Cancel until it acknowledged or its
+// socket closed. Before, both let go at once: a slow consumer then copied (and published as
+// ready) blocks the producer's application had already refilled. The consumer here is a bare
+// link that takes the offer and never answers.
+TEST(PdStream, SameHostSlotsStayBorrowedUntilTheConsumerIsGone) {
+  const std::string shm = "tpusync-pd-hold-" + std::to_string(::getpid());
+  auto ppool = MakePool(4096, 4, shm);
+  PdProducerOptions po;
+  po.unix_path = "/tmp/" + shm + ".sock";
+  auto producer = PdProducer::Start(ppool, TestSecret(), po);
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  for (bool cancel : {false, true}) {
+    const uint64_t id = cancel ? 2 : 1;
+    auto src = *ppool->Alloc(2);
+    ASSERT_TRUE((*producer)->RegisterSend(id, src, 0, DeadlineInMs(cancel ? 60000 : 300)).ok());
+    ASSERT_TRUE(ppool->Free(src).ok());
+    auto link =
+        ConnectLink(*ParseAddress((*producer)->unix_address()), TestSecret(), {.streams = 1});
+    ASSERT_TRUE(link.ok()) << link.status().ToString();
+    MetaWriter w;
+    w.U32(2).U64(4096).U32(60000).U8(1);  // 2 blocks of 4096 bytes, 60 s, same-host copy ok
+    ASSERT_TRUE((*link)->streams[0]->SendMeta(Op::kPdPull, id, w.bytes(), DeadlineInMs(5000)).ok());
+    auto offer = (*link)->streams[0]->RecvHead(DeadlineInMs(5000));
+    ASSERT_TRUE(offer.ok()) << offer.status().ToString();
+    ASSERT_EQ(offer->op(), Op::kPdShmOffer);
+    if (cancel) {
+      ASSERT_TRUE((*producer)->Cancel(id, Status::Cancelled("given up")).ok());
+    } else {
+      EXPECT_EQ(ProducerEnd(**producer, id).reason.code(), StatusCode::kTimeout);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    // The registration ended; the consumer may still be reading: its slots are not free.
+    EXPECT_EQ(ppool->num_free(), 2u) << (cancel ? "after a cancel" : "past the deadline");
+    (*link)->Close();
+    link->reset();
+    EXPECT_EQ(WaitFree(*ppool, 4), 4u);
+  }
+}
 }  // namespace
 }  // namespace tpusync::transport

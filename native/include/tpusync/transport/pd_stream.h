@@ -181,7 +181,10 @@ class PdProducer {
   Status Open(uint64_t request_id, uint32_t first, std::span<const BlockId> blocks,
               std::span<const uint64_t> checksums);
   // CANCEL CONTRACT: ends a registered send as failed with `reason` (which must not be OK) at
-  // once. kNotFound when `request_id` is not registered (never was, or already done / expired /
+  // once. SAME-HOST HOLD: a same-host consumer already copying out of the segment keeps the
+  // slots borrowed (out of the free list) until it acknowledged or its socket closed, past a
+  // Cancel and past the deadline; a Stop under it keeps them out of the pool for good (logged).
+  // kNotFound when `request_id` is not registered (never was, or already done / expired /
   // cancelled: each request ends once).
   Status Cancel(uint64_t request_id, Status reason);
   // Every request; terminal ones (done / failed) are reported once and then forgotten.
