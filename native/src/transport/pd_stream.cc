@@ -741,6 +741,7 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
 struct PdConsumer::Mapping {
   const uint8_t* base = nullptr;
   size_t size = 0;
+  Fd fd;  // kept to see whether the segment was removed (MAPPING CACHE)
   ~Mapping() {
     if (base) ::munmap(const_cast<uint8_t*>(base), size);
   }
@@ -1121,6 +1122,14 @@ Result<std::shared_ptr<PdConsumer::Mapping>> PdConsumer::MapSegment(Fd fd) {
         it != mappings_.end() && it->second->size == size_t(st.st_size)) {
       return it->second;
     }
+    // MAPPING CACHE: a segment that was removed (its producer exited) and that no receive uses
+    // is unmapped here, at the next new one; before, every restarted producer's whole pool
+    // stayed mapped (and its memory in use) for the consumer's lifetime.
+    for (auto it = mappings_.begin(); it != mappings_.end();) {
+      struct stat now {};
+      const bool gone = ::fstat(it->second->fd.get(), &now) != 0 || now.st_nlink == 0;
+      it = gone && it->second.use_count() == 1 ? mappings_.erase(it) : std::next(it);
+    }
   }
   void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED | MAP_POPULATE,
                    fd.get(), 0);
@@ -1128,9 +1137,15 @@ Result<std::shared_ptr<PdConsumer::Mapping>> PdConsumer::MapSegment(Fd fd) {
   auto m = std::make_shared<Mapping>();
   m->base = static_cast<const uint8_t*>(p);
   m->size = static_cast<size_t>(st.st_size);
+  m->fd = std::move(fd);
   std::lock_guard lock(mu_);
   mappings_[key] = m;
   return m;
+}
+
+size_t PdConsumer::mapped_segments() const {
+  std::lock_guard lock(mu_);
+  return mappings_.size();
 }
 
 Status PdConsumer::PullFrom(Request& req, Source& src, Link& link) {

@@ -1322,5 +1322,30 @@ TEST(PdStream, SameHostSlotsStayBorrowedUntilTheConsumerIsGone) {
     EXPECT_EQ(WaitFree(*ppool, 4), 4u);
   }
 }
+
+// MAPPING CACHE: the segment of a producer that exited is unmapped once no receive uses it and a
+// new segment is mapped; before, each restarted producer's whole pool stayed mapped for good.
+TEST(PdStream, TheSegmentOfAGoneProducerIsUnmapped) {
+  auto cpool = MakePool(4096, 4);
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {.connect = {.streams = 1}});
+  auto dst = *cpool->Alloc(1);
+  for (int gen = 0; gen < 3; ++gen) {
+    const std::string shm =
+        "tpusync-pd-gen-" + std::to_string(::getpid()) + "-" + std::to_string(gen);
+    {
+      auto ppool = MakePool(4096, 4, shm);
+      PdProducerOptions po;
+      po.unix_path = "/tmp/" + shm + ".sock";
+      auto producer = PdProducer::Start(ppool, TestSecret(), po);
+      ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+      OfferFilled(**producer, *ppool, 1, 1, 0, static_cast<uint8_t>(gen));
+      auto got = (*consumer)->Recv(1, {{(*producer)->unix_address(), dst}}, DeadlineInMs(10000));
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      ASSERT_EQ(got->state, PdState::kDone) << got->reason.ToString();
+      EXPECT_TRUE(got->shm);
+      EXPECT_EQ((*consumer)->mapped_segments(), 1u) << "generation " << gen;
+    }  // the producer and its pool (and so its segment) are gone
+  }
+}
 }  // namespace
 }  // namespace tpusync::transport

@@ -284,6 +284,9 @@ class PdConsumer {
   // Waits until `groups` groups are ready, the request ended, or the deadline passed.
   Result<PdStatus> Wait(uint64_t request_id, uint32_t groups, Deadline deadline);
   size_t idle_links() const { return links_.idle() + small_links_.idle(); }
+  // Producer segments mapped for the same-host path (MAPPING CACHE: a removed one that no
+  // receive uses is unmapped when the next new segment is mapped).
+  size_t mapped_segments() const;
 
  private:
   struct Request;
