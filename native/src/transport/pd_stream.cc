@@ -472,7 +472,12 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
   if (!other_readers.ok()) return refuse(other_readers);
   if (!e) {
     return refuse(Status::NotFound(
-        StrCat("request ", id, " is not registered on this producer (or its deadline passed)")));
+        StrCat("request ", id,
+               " is not registered on this producer (or its deadline passed); the pull "
+               "waited ",
+               std::min<uint64_t>(*wait_ms, options_.max_pull_wait.count()),
+               " ms for it (at most the producer's max_pull_wait, ", options_.max_pull_wait.count(),
+               " ms)")));
   }
   if (*n != e->blocks.size() || *block_bytes != pool_->block_bytes()) {
     return refuse(Status::InvalidArgument(

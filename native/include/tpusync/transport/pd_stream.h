@@ -154,7 +154,10 @@ struct PdProducerOptions {
   std::string listen = "127.0.0.1:0";  // TCP address
   std::string unix_path;               // optional: also listen here (same-host peers)
   ServerOptions server;                // handshake timeout, socket options, fault wrapper
-  std::chrono::milliseconds max_pull_wait{10000};  // how long a pull may wait for RegisterSend
+  // How long a pull may wait for RegisterSend (bounded, so pulls of ids that never come cannot
+  // hold serving threads): a receive started earlier than this before the registration fails
+  // kNotFound, the message naming both waits, whatever its own deadline.
+  std::chrono::milliseconds max_pull_wait{10000};
   // HASH-AHEAD CONTRACT (pd_stream.cc): pulls on links with fewer streams than this get a hasher
   // thread per stream when they carry no origin checksums; 0 = the number of hardware threads
   // (a hasher only helps while a core would otherwise idle). Tests set it to force the path.
@@ -264,7 +267,7 @@ class PdConsumer {
   // a plain round trip); other sources run on workers as with StartRecv. Returns by `deadline`
   // plus the time a socket needs to notice it; a terminal request is reported here and not again
   // by Poll. Rejected alternative: running StartRecv inline - StartRecv must return at once, since
-  // a consumer may start a receive long before the producer registers the send.
+  // a consumer may start a receive before the producer registers the send (up to max_pull_wait).
   Result<PdStatus> Recv(uint64_t request_id, std::vector<PdSource> sources, Deadline deadline);
   // ABANDON CONTRACT: ends request `request_id` as failed with `reason` (not OK) and tells its
   // producers to drop their blocks. Errors: kInvalidArgument (OK reason), kNotFound (not
