@@ -81,6 +81,17 @@ def test_geometry_merges_contiguous_runs():
         geometry_of(np.broadcast_to(np.zeros((1, 4)), (3, 4)).T, 1)
 
 
+def test_a_size_1_axis_does_not_change_the_memory_order():
+    """SIZE-1 AXES: one KV head per rank (GQA under tensor parallelism). torch and numpy / JAX
+    give that axis different strides for the same bytes; the formats differed, so a torch
+    producer and a JAX consumer refused each other and their store keys missed."""
+    a = np.zeros((2, 10, 1, 4, 8), np.float16)  # [kv, block, head=1, token, dim]
+    other = np.lib.stride_tricks.as_strided(a, a.shape, (*a.strides[:2], 2, *a.strides[3:]))
+    g, h = geometry_of(a, 1), geometry_of(other, 1)
+    assert g.memory_order == h.memory_order == ("a0", "a1", "a3", "a4")
+    assert g.run_offsets.tolist() == h.run_offsets.tolist() and g.run_bytes == h.run_bytes
+
+
 def test_block_id_checks():
     assert check_block_ids([0, 3], 4, "x", unique=True).tolist() == [0, 3]
     with pytest.raises(tc.InvalidArgumentError, match=r"block id 4 \(position 1\)"):

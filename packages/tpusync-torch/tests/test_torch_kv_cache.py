@@ -234,6 +234,13 @@ def test_bad_input_refused_before_any_byte_moves():
         mgr.d2h([0, 1, 2], ids)
     with pytest.raises(tc.InvalidArgumentError, match="layer 5 out of range"):
         mgr.d2h_layer(5, [0, 1], ids)
+    # Float ids were truncated (into another block), negative ones overflowed, layer 0.9 was 0.
+    with pytest.raises(tc.InvalidArgumentError, match="host ids must be integers"):
+        mgr.d2h([0, 1], ids.astype(np.float64) + 0.7)
+    with pytest.raises(tc.InvalidArgumentError, match="host ids must be >= 0"):
+        mgr.d2h([0, 1], -np.ones((2, 2), np.int64))
+    with pytest.raises(tc.InvalidArgumentError, match="is not an int"):
+        mgr.d2h([0, 1], ids, layers=[0.9])
     np.testing.assert_array_equal(mgr.pool.view(int(ids[0][0])), snap)
     mgr.free_host(ids)
     with pytest.raises(tc.TpusyncError):  # freed host ids: refused by the native borrow check

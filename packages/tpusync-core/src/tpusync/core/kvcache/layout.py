@@ -253,7 +253,11 @@ class PieceGeometry:
             shape[block_axis] > 1 and not strides[block_axis]
         ):
             raise InvalidArgumentError(f"broadcast (zero) strides {tuple(strides)} in a KV tensor")
-        order = tuple(axes[d] for d in sorted(range(len(shape)), key=lambda d: -strides[d]))
+        # SIZE-1 AXES: their stride is arbitrary (torch and numpy / JAX pick different ones for
+        # the same bytes), so they are left out of the memory order; two caches that differed
+        # only there had unequal formats (a P/D refusal, a store miss). The block axis stays.
+        kept = [d for d in range(len(shape)) if shape[d] > 1 or d == block_axis]
+        order = tuple(axes[d] for d in sorted(kept, key=lambda d: -strides[d]))
         # Merge the innermost axes while they are contiguous.
         run = itemsize
         k = len(inner)

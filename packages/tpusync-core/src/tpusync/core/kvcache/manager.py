@@ -109,7 +109,12 @@ class KVCacheManagerBase:
         self.pool.free(np.asarray(host_ids, dtype=np.uint64).reshape(-1).tolist())
 
     def _host_ids(self, host_ids: Any, n: int) -> np.ndarray:
-        arr = np.asarray(host_ids, dtype=np.uint64)
+        raw = np.asarray(host_ids)
+        if raw.size and raw.dtype.kind not in "iu":  # a float id was truncated into another block
+            raise InvalidArgumentError(f"host ids must be integers, got an array of {raw.dtype}")
+        if raw.size and raw.dtype.kind == "i" and int(raw.min()) < 0:
+            raise InvalidArgumentError(f"host ids must be >= 0, got {int(raw.min())}")
+        arr = raw.astype(np.uint64)
         if arr.ndim == 1 and self.num_groups == 1:
             arr = arr[None, :]
         if arr.shape != (self.num_groups, n):
@@ -146,11 +151,13 @@ class KVCacheManagerBase:
         return host_ids[groups].reshape(-1).tolist(), {g: k for k, g in enumerate(groups)}
 
     def _layers(self, layers: Iterable[int] | None) -> list[int]:
-        out = list(range(self.num_layers)) if layers is None else [int(x) for x in layers]
+        out = list(range(self.num_layers)) if layers is None else list(layers)
         for x in out:
+            if isinstance(x, bool) or not isinstance(x, int | np.integer):
+                raise InvalidArgumentError(f"layer {x!r} is not an int (int() truncated 0.9 to 0)")
             if not 0 <= x < self.num_layers:
                 raise InvalidArgumentError(f"layer {x} out of range (cache has {self.num_layers})")
-        return out
+        return [int(x) for x in out]
 
     def _where(self, layer: int) -> tuple[int, int]:
         """(group row, byte offset inside the host block) of a layer."""
