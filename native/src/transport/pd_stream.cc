@@ -1376,6 +1376,11 @@ Result<PdStatus> PdConsumer::Wait(uint64_t request_id, uint32_t groups, Deadline
            (req->status.groups_total > 0 && req->status.groups_ready >= groups);
   });
   if (!ended) {
+    if (groups == UINT32_MAX) {  // the whole request
+      return Status::Timeout(StrCat("request ", request_id, " did not end by the deadline (",
+                                    req->status.groups_ready, " of ", req->status.groups_total,
+                                    " groups ready)"));
+    }
     return Status::Timeout(StrCat("request ", request_id, ": ", req->status.groups_ready, " of ",
                                   groups, " groups ready at the deadline"));
   }

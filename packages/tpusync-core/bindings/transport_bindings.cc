@@ -30,8 +30,10 @@ using transport::PdConsumer;
 using transport::PdProducer;
 using transport::PdStatus;
 
-Deadline After(double seconds) {
-  if (!(seconds >= 0)) ThrowIfError(Status::InvalidArgument("a timeout must be >= 0 seconds"));
+Deadline After(double seconds, const char* what) {
+  if (!(seconds >= 0)) {
+    ThrowIfError(Status::InvalidArgument(StrCat(what, " must be >= 0 seconds, got ", seconds)));
+  }
   return transport::Clock::now() + SecondsToDuration(seconds);  // inf: for ever
 }
 
@@ -117,7 +119,7 @@ void init_transport(nb::module_& m) {
           "register_send",
           [](PdProducer& p, uint64_t request_id, std::vector<BlockId> blocks, double deadline,
              uint32_t blocks_per_group, std::vector<uint64_t> checksums) {
-            const Deadline d = After(deadline);
+            const Deadline d = After(deadline, "deadline");
             nb::gil_scoped_release release;
             ThrowIfError(p.RegisterSend(request_id, std::move(blocks), blocks_per_group, d,
                                         std::move(checksums)));
@@ -128,7 +130,7 @@ void init_transport(nb::module_& m) {
           "register_relay",
           [](PdProducer& p, uint64_t request_id, uint32_t num_blocks, double deadline,
              uint32_t blocks_per_group) {
-            const Deadline d = After(deadline);
+            const Deadline d = After(deadline, "deadline");
             nb::gil_scoped_release release;
             ThrowIfError(p.RegisterRelay(request_id, num_blocks, blocks_per_group, d));
           },
@@ -187,7 +189,7 @@ void init_transport(nb::module_& m) {
              std::vector<std::pair<std::string, std::vector<BlockId>>> sources, double deadline,
              const std::vector<uint32_t>& readers) {
             auto src = Sources(std::move(sources), readers);
-            const Deadline d = After(deadline);
+            const Deadline d = After(deadline, "deadline");
             Result<PdStatus> r = Status::Internal("unset");
             {
               nb::gil_scoped_release release;
@@ -204,7 +206,7 @@ void init_transport(nb::module_& m) {
              const std::vector<uint32_t>& readers, std::shared_ptr<PdProducer> relay,
              std::vector<uint64_t> relay_ids) {
             auto src = Sources(std::move(sources), readers);
-            const Deadline d = After(deadline);
+            const Deadline d = After(deadline, "deadline");
             transport::PdLanded on_landed;
             if (relay && !relay_ids.empty()) {
               // RELAY CONTRACT: each landed run is opened on every relay, natively (no GIL). A
@@ -256,7 +258,7 @@ void init_transport(nb::module_& m) {
       .def(
           "wait",
           [](PdConsumer& c, uint64_t request_id, uint32_t groups, double timeout) {
-            const Deadline d = After(timeout);
+            const Deadline d = After(timeout, "timeout");
             Result<PdStatus> r = Status::Internal("unset");
             {
               nb::gil_scoped_release release;

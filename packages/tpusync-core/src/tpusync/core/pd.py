@@ -350,7 +350,7 @@ class PdConsumer:
         """:meth:`recv` with several senders: the first is pulled on the calling thread, the
         others on worker threads; returns once every sender landed or one failed."""
         pairs, readers = _sources(sources)
-        return PdResult(**self._native.recv(request_id, pairs, deadline, readers))
+        return _result(self._native.recv(request_id, pairs, deadline, readers))
 
     def start_recv(
         self,
