@@ -94,7 +94,7 @@ def pair_layers(src_layers: Sequence[int], dst_layers: Sequence[int]) -> list[in
 
 
 def load_secret(secret_file: str | os.PathLike[str] | None = None) -> bytes:
-    """The shared transport secret: the file's bytes (one trailing newline dropped) when
+    """The shared transport secret: the file's bytes (every trailing CR and LF dropped) when
     ``secret_file`` is given, else ``$TPUSYNC_AUTH_SECRET``. Raises ValueError when neither is set
     or the secret is shorter than 16 bytes."""
     if secret_file is not None:
