@@ -95,13 +95,10 @@ def flatten_weights(
             futures.append(_copy_bucket(pool, manifest, b, ids, ts, True, stream, pool_u8))
     except BaseException:
         host.free()  # a block still being filled is recycled only once its copy ends (BORROW)
-        if pool_u8 is not None and futures:  # unpinned once the launched copies end
-            gather(futures, "flatten_weights").add_done_callback(lambda _f: R.unpin_pool(pool))
-        elif pool_u8 is not None:
-            R.unpin_pool(pool)
         raise
-    if pool_u8 is not None:  # one pinning for the whole call, released when every bucket is done
-        gather(futures, "flatten_weights").add_done_callback(lambda _f: R.unpin_pool(pool))
+    finally:
+        if pool_u8 is not None:  # one pinning for the call, released when its copies are done
+            gather(futures, "flatten_weights").add_done_callback(lambda _f: R.unpin_pool(pool))
     return host, futures
 
 

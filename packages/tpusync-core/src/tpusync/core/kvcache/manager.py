@@ -131,12 +131,13 @@ class KVCacheManagerBase:
         moves. Host blocks a call writes (d2h) must also be distinct: two device blocks (or two
         groups) gathered into one host block would race, and one would be lost."""
         arr = self._host_ids(host_ids, n)
-        if written and np.unique(arr).size != arr.size:
-            values, counts = np.unique(arr, return_counts=True)
-            raise InvalidArgumentError(
-                f"d2h writes host block {int(values[counts > 1][0])} more than once; each "
-                "(group, device block) needs its own host block (nothing was copied)"
-            )
+        if written:
+            values, counts = np.unique(arr, return_counts=True)  # one sort, only for d2h
+            if values.size != arr.size:
+                raise InvalidArgumentError(
+                    f"d2h writes host block {int(values[counts > 1][0])} more than once; each "
+                    "(group, device block) needs its own host block (nothing was copied)"
+                )
         if arr.size:
             self.pool.borrow(arr.reshape(-1).tolist()).release()
         return arr
