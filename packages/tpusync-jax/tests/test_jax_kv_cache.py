@@ -305,3 +305,25 @@ def test_empty_transfers_and_use_after_close(staged):
     mgr.close()
     with pytest.raises(tc.StateError, match="closed"):
         mgr.d2h([1], mgr.alloc_host(1))
+
+
+def test_a_load_into_read_only_memory_is_refused_not_a_segfault(tmp_path):
+    """WRITABLE MEMORY CHECK: jax.device_put of an aligned numpy array on CPU aliases it, also over
+    a read-only mapping; an in-place load then killed the process with SIGSEGV. The staged path
+    (which replaces the arrays it loads) and saves still work."""
+    lay = KVLayout.jax_pages(N, H, B, D, jnp.float32)
+    host = host_cache(lay, 2)
+    np.save(tmp_path / "v.npy", host[1][1])
+    ro = jax.device_put(np.load(tmp_path / "v.npy", mmap_mode="r"))
+    caches = to_device(host)
+    caches[1][1] = ro
+    mgr = KVCacheManager(caches, lay, host_blocks=8)
+    ids = mgr.alloc_host(2)
+    mgr.d2h([6, 1], ids).result(timeout=30)
+    with pytest.raises(tc.InvalidArgumentError, match=r"layer 1 part 1: .* is read-only"):
+        mgr.h2d([0, 2], ids)
+    staged = KVCacheManager(caches, lay, host_blocks=8, staged=True)
+    sids = staged.alloc_host(2)
+    staged.d2h([6, 1], sids).result(timeout=30)
+    staged.h2d([0, 2], sids).result(timeout=30)
+    check_moved(staged, host, lay, [6, 1], [0, 2])

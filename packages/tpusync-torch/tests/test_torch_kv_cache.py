@@ -7,6 +7,7 @@ import contextlib
 import socket
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -604,3 +605,31 @@ def test_a_tensor_whose_memory_was_moved_or_freed_is_refused():
     caches[0].untyped_storage().resize_(0)
     with pytest.raises(tc.StateError, match="layer 0 part 0: its memory was moved or freed"):
         mgr.d2h([1], ids, layers=[0])
+
+
+def _read_only_tensor(tmp_path, like: torch.Tensor) -> torch.Tensor:
+    """A tensor over a read-only file mapping (torch keeps no read-only flag; it only warns)."""
+    path = tmp_path / "cache.npy"
+    np.save(path, like.numpy())
+    with warnings.catch_warnings():  # torch warns once per process
+        warnings.simplefilter("ignore")
+        return torch.from_numpy(np.load(path, mmap_mode="r"))
+
+
+def test_a_load_into_read_only_memory_is_refused_not_a_segfault(tmp_path):
+    """WRITABLE MEMORY CHECK: an h2d into a cache over a read-only mapping killed the process with
+    SIGSEGV in the native copy. A save from it still works."""
+    caches, lay = make_cache("hnd", layers=2)
+    ro = _read_only_tensor(tmp_path, caches[1])
+    mgr = KVCacheManager([caches[0], ro], lay, host_blocks=8)
+    ids = mgr.alloc_host(2)
+    mgr.d2h([1, 2], ids).result(timeout=10)  # reading read-only memory is fine
+    with pytest.raises(tc.InvalidArgumentError, match=r"layer 1 part 0: .* is read-only"):
+        mgr.h2d([1, 2], ids)
+    with pytest.raises(tc.InvalidArgumentError, match="is read-only"):
+        mgr.h2d_layer(0, [1, 2], ids)  # checked for the whole cache, not only the layer loaded
+    fine = KVCacheManager([torch.zeros_like(c) for c in caches], lay, pool=mgr.pool)
+    fine.h2d([1, 2], ids).result(timeout=10)
+    ax = lay.block_axis
+    for b in (1, 2):
+        assert torch.equal(block(fine.kv_caches[1][0], ax, b), block(ro, ax, b))

@@ -1,3 +1,6 @@
+import warnings
+
+import numpy as np
 import pytest
 import torch
 
@@ -74,3 +77,22 @@ def test_a_flatten_that_fails_gives_back_what_it_took():
     with pytest.raises(tc.InvalidArgumentError, match="not a torch.Tensor"):
         flatten_weights({"x": [1.0, 2.0]}, pool)
     assert pool.num_free == pool.num_blocks
+
+
+def test_restore_into_read_only_memory_is_refused_not_a_segfault(tmp_path):
+    """WRITABLE MEMORY CHECK: restore_weights into a tensor over a read-only mapping killed the
+    process with SIGSEGV."""
+    np.save(tmp_path / "b.npy", np.zeros(9, np.float32))
+    with warnings.catch_warnings():  # torch warns once per process
+        warnings.simplefilter("ignore")
+        ro = torch.from_numpy(np.load(tmp_path / "b.npy", mmap_mode="r"))
+    pool = tc.HostBlockPool(4096, 8)
+    sd = {"a": torch.arange(10.0), "b": torch.arange(9.0)}
+    host, futures = flatten_weights(sd, pool)
+    for f in futures:
+        f.result(timeout=10)
+    a = torch.zeros(10)
+    with pytest.raises(tc.InvalidArgumentError, match="weight 'b': .* is read-only"):
+        restore_weights(host, {"a": a, "b": ro})
+    assert not a.any()  # refused before any byte moved
+    host.free()

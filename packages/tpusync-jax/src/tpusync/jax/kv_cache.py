@@ -55,6 +55,7 @@ from tpusync.core.kvcache.manager import KVCacheManagerBase
 from tpusync.core.kvcache.plan import Piece, segments_for
 from tpusync.core.kvcache.protocols import BlockTransport, KVStore
 from tpusync.core.pool import HostBlockPool
+from tpusync.core.procmaps import check_writable
 
 __all__ = ["KVCacheManager"]
 
@@ -288,6 +289,7 @@ class KVCacheManager(KVCacheManagerBase):
         self._inflight: list[tuple[object, Any]] = []
         self._job_token: object = None  # the running job's request token (worker only)
         self._request = threading.local()
+        self._writable_checked = False  # WRITABLE MEMORY CHECK at the first in-place load
 
     @property
     def kv_caches(self) -> list[list[jax.Array]]:
@@ -350,6 +352,19 @@ class KVCacheManager(KVCacheManagerBase):
     def _transfer(self, layers, blocks, host_ids, to_host) -> TransferFuture:
         # Unknown / stale / freed host ids were refused for the whole call before any byte
         # moves (KVCacheManagerBase._checked_host_ids).
+        if not to_host and not self.staged and not self._writable_checked:
+            # An aligned numpy array jax.device_put on CPU is aliased, not copied, even over a
+            # read-only mapping (np.load(path, mmap_mode="r")): an in-place load would crash.
+            check_writable(
+                [
+                    (s.data.unsafe_buffer_pointer(), s.data.nbytes, f"layer {n} part {k}")
+                    for n, parts in zip(self.layer_names, self._arrays, strict=True)
+                    for k, arr in enumerate(parts)
+                    for s in arr.addressable_shards
+                ],
+                "a load (h2d)",
+            )
+            self._writable_checked = True
         name = f"{'d2h' if to_host else 'h2d'} layers {layers[0]}..{layers[-1]}"
         job = self._d2h_now if to_host else self._h2d_now
         token = getattr(self._request, "token", None) or object()

@@ -39,6 +39,7 @@ from tpusync.core.kvcache.manager import KVCacheManagerBase
 from tpusync.core.kvcache.plan import Piece, segments_for
 from tpusync.core.kvcache.protocols import BlockTransport, KVStore
 from tpusync.core.pool import HostBlockPool
+from tpusync.core.procmaps import check_writable
 from tpusync.torch import _regions as R
 
 __all__ = ["KVCacheManager"]
@@ -130,6 +131,8 @@ class KVCacheManager(KVCacheManagerBase):
                 [R.byte_region(p, g) for p, g in zip(parts, gs, strict=True)]
                 for parts, gs in zip(self._parts, self._geoms, strict=True)
             ]
+            # Checked at the first load, so a save-only manager may sit on read-only memory.
+            self._writable_checked = False
 
     @property
     def kv_caches(self) -> list[list[torch.Tensor]]:
@@ -166,6 +169,16 @@ class KVCacheManager(KVCacheManagerBase):
         ``_batch_ids``); a layer's segments point at its group's row and at its byte offset
         inside those host blocks.
         """
+        if not to_host and not self._writable_checked:
+            check_writable(
+                [
+                    (r.data_ptr(), r.numel(), f"layer {name} part {k}")
+                    for name, rs in zip(self.layer_names, self._regions, strict=True)
+                    for k, r in enumerate(rs)
+                ],
+                "a load (h2d)",
+            )
+            self._writable_checked = True
         n = int(blocks.size)
         ids, pos = self._batch_ids(layers, host_ids)
         regions: list[torch.Tensor] = []

@@ -19,6 +19,7 @@ from tpusync.core.kvcache.weights import (
     weight_segments,
 )
 from tpusync.core.pool import HostBlockPool
+from tpusync.core.procmaps import check_writable
 from tpusync.torch import _regions as R
 
 __all__ = ["HostWeights", "flatten_weights", "restore_weights"]
@@ -115,6 +116,14 @@ def restore_weights(
     for k, v in state_dict.items():
         if not v.is_contiguous():
             raise InvalidArgumentError(f"weight {k!r}: restore target must be contiguous")
+    check_writable(
+        [
+            (v.data_ptr(), v.numel() * v.element_size(), f"weight {k!r}")
+            for k, v in state_dict.items()
+            if v.device.type == "cpu"
+        ],
+        "restore_weights",
+    )
     chosen = host.ids_of(buckets)
     stream = _stream_for(state_dict)
     pool_u8 = R.pin_pool(host.pool) if stream is not None else None
