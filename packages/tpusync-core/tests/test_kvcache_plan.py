@@ -92,6 +92,26 @@ def test_a_size_1_axis_does_not_change_the_memory_order():
     assert g.run_offsets.tolist() == h.run_offsets.tolist() and g.run_bytes == h.run_bytes
 
 
+def test_blocks_that_share_bytes_are_refused_interleaved_ones_pass():
+    """BLOCKS APART RULE: an as_strided cache whose block stride is shorter than a block was
+    accepted, and a load into one block changed its neighbour."""
+    axes = ("block", "x")
+
+    def geo(stride_block, stride_x, n=2, x=3):
+        return PieceGeometry.of((n, x), (stride_block, stride_x), 1, 0, axes)
+
+    with pytest.raises(tc.InvalidArgumentError, match="make blocks overlap"):
+        geo(2, 1)  # block 1 starts inside block 0
+    with pytest.raises(tc.InvalidArgumentError, match="make blocks overlap"):
+        geo(2, 2)  # bytes 0,2,4 and 2,4,6
+    geo(3, 1)  # dense
+    geo(1, 2)  # interleaved: 0,2,4 and 1,3,5 (the quick test passes)
+    geo(3, 2)  # 0,2,4 and 3,5,7: apart, found by the exact test (the quick one fails)
+    # The JAX page layout [heads, blocks, tokens, dim] with the block axis inside the heads.
+    a = np.zeros((4, 16, 8, 2), np.float32)
+    geometry_of(a, 1)
+
+
 def test_block_id_checks():
     assert check_block_ids([0, 3], 4, "x", unique=True).tolist() == [0, 3]
     with pytest.raises(tc.InvalidArgumentError, match=r"block id 4 \(position 1\)"):

@@ -542,6 +542,17 @@ def test_cache_parts_that_share_memory_are_refused():
     KVCacheManager([(both[0], both[1])], lay, host_blocks=4)
 
 
+def test_a_cache_whose_blocks_overlap_is_refused():
+    """BLOCKS APART RULE: an as_strided cache with a block stride of half a block was accepted;
+    a load into block 1 then changed block 0."""
+    lay = KVLayout.hnd(N, H, B, D, torch.float16)
+    blk = H * B * D
+    base = torch.zeros(2 * N * blk, dtype=torch.float16)
+    t = base.as_strided(lay.shape, (N * blk, blk // 2, B * D, D, 1))
+    with pytest.raises(tc.InvalidArgumentError, match="make blocks overlap"):
+        KVCacheManager([t], lay, host_blocks=4)
+
+
 def test_pd_finish_send_cancels_the_send_so_its_blocks_and_id_come_back_at_once():
     """RETRACT CONTRACT: the native send was only forgotten; its blocks and its id stayed taken
     until send_deadline (60 s by default)."""

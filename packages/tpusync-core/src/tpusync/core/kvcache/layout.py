@@ -273,7 +273,43 @@ class PieceGeometry:
             srt = np.sort(offsets)
             if np.any(np.diff(srt) < run):
                 raise InvalidArgumentError(f"tensor strides {tuple(strides)} make a block overlap")
+        _check_blocks_apart(shape, strides, itemsize, block_axis, offsets, run)
         return cls(offsets, run, strides[block_axis], region, order)
+
+
+_MAX_CHECKED_RUNS = 1 << 24
+
+
+def _check_blocks_apart(shape, strides, itemsize, block_axis, offsets, run) -> None:
+    """BLOCKS APART RULE: no two blocks of a tensor share a byte, or a load into one block would
+    change another (a cache made with as_strided, whose block stride is shorter than a block).
+    Every layout a framework makes passes the quick test: sorted by stride, each axis steps past
+    everything the smaller-stride axes reach (dense, padded and permuted tensors alike). Other
+    strides get the exact test, every run of every block sorted (bounded by _MAX_CHECKED_RUNS)."""
+    axes = sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: strides[d])
+    reach = itemsize
+    for d in axes:
+        if strides[d] < reach:
+            break
+        reach += (shape[d] - 1) * strides[d]
+    else:
+        return
+    n = shape[block_axis]
+    if n * offsets.size > _MAX_CHECKED_RUNS:
+        raise InvalidArgumentError(
+            f"tensor strides {tuple(strides)} interleave blocks in a way too large to check "
+            f"for overlap ({n} blocks x {offsets.size} runs); use a dense or permuted tensor"
+        )
+    starts = np.sort(
+        (np.arange(n, dtype=np.uint64)[:, None] * np.uint64(strides[block_axis]) + offsets).reshape(
+            -1
+        )
+    )
+    if np.any(np.diff(starts) < run):
+        raise InvalidArgumentError(
+            f"tensor strides {tuple(strides)} make blocks overlap: a load into one block would "
+            "change another"
+        )
 
 
 def check_unshared(starts: Sequence[tuple[int, str]]) -> None:
