@@ -33,23 +33,19 @@ uint8_t* RowOf(const memory::RowBuffer& b, size_t i) {
 
 }  // namespace
 
-Result<std::vector<std::unique_ptr<tier::BlockTier>>> KVStore::OpenTiers(const KVStoreOptions& o) {
+Result<std::vector<std::unique_ptr<tier::BlockTier>>> KVStore::OpenTiers(const KVStoreOptions& o,
+                                                                         size_t tiers_below) {
   if (o.block_bytes == 0) return Status::InvalidArgument("KVStore needs block_bytes > 0");
   if (o.host_blocks == 0 && o.disk_dir.empty()) {
     return Status::InvalidArgument("KVStore needs host_blocks > 0 or a disk tier");
   }
+  // FAILED OPEN RULE: everything that can refuse the store runs before the host tier exists
+  // (the store's settings, then the disk tier), because a host tier in /dev/shm outlives its
+  // process by design: a refused open would leave its segment behind, holding host_blocks x
+  // block_bytes of RAM.
+  const size_t num_tiers = (o.host_blocks > 0) + !o.disk_dir.empty() + tiers_below;
+  TPUSYNC_RETURN_IF_ERROR(CheckConfig(ConfigFrom(o), num_tiers));
   std::vector<std::unique_ptr<tier::BlockTier>> tiers;
-  if (o.host_blocks > 0) {
-    tier::HostTierOptions h;
-    h.block_bytes = o.block_bytes;
-    h.num_blocks = o.host_blocks;
-    if (!o.name_space.empty()) h.shm_name = "tpusync-" + o.name_space + "-host";
-    h.fingerprint = o.fingerprint;
-    h.prefault = o.prefault;
-    h.huge_pages = o.huge_pages;
-    TPUSYNC_ASSIGN_OR_RETURN(auto host, tier::HostTier::Open(h));
-    tiers.push_back(std::move(host));
-  }
   if (!o.disk_dir.empty()) {
     if (o.disk_blocks == 0) return Status::InvalidArgument("a disk tier needs disk_blocks > 0");
     tier::DiskTierOptions d;
@@ -64,6 +60,17 @@ Result<std::vector<std::unique_ptr<tier::BlockTier>>> KVStore::OpenTiers(const K
     d.manifest_progressive_write_back = o.disk_manifest_progressive_write_back;
     TPUSYNC_ASSIGN_OR_RETURN(auto disk, tier::DiskTier::Open(d));
     tiers.push_back(std::move(disk));
+  }
+  if (o.host_blocks > 0) {
+    tier::HostTierOptions h;
+    h.block_bytes = o.block_bytes;
+    h.num_blocks = o.host_blocks;
+    if (!o.name_space.empty()) h.shm_name = "tpusync-" + o.name_space + "-host";
+    h.fingerprint = o.fingerprint;
+    h.prefault = o.prefault;
+    h.huge_pages = o.huge_pages;
+    TPUSYNC_ASSIGN_OR_RETURN(auto host, tier::HostTier::Open(h));
+    tiers.insert(tiers.begin(), std::move(host));  // the fastest tier first
   }
   return tiers;
 }
@@ -82,18 +89,9 @@ StoreConfig KVStore::ConfigFrom(const KVStoreOptions& o) {
   return c;
 }
 
-Result<std::unique_ptr<KVStore>> KVStore::Open(const KVStoreOptions& o,
-                                               std::shared_ptr<concurrency::ThreadPool> engine) {
-  TPUSYNC_ASSIGN_OR_RETURN(auto tiers, OpenTiers(o));
-  return Open(std::move(tiers), ConfigFrom(o), std::move(engine));
-}
-
-Result<std::unique_ptr<KVStore>> KVStore::Open(std::vector<std::unique_ptr<tier::BlockTier>> tiers,
-                                               const StoreConfig& config,
-                                               std::shared_ptr<concurrency::ThreadPool> engine) {
-  if (tiers.empty()) return Status::InvalidArgument("KVStore needs at least one tier");
-  if (!engine) return Status::InvalidArgument("KVStore needs an engine");
-  if (config.write_through && tiers.size() < 2) {
+Status KVStore::CheckConfig(const StoreConfig& config, size_t num_tiers) {
+  if (num_tiers == 0) return Status::InvalidArgument("KVStore needs at least one tier");
+  if (config.write_through && num_tiers < 2) {
     return Status::InvalidArgument("write_through needs a tier below the first (disk or remote)");
   }
   if (config.write_through && config.write_through_queue == 0) {
@@ -106,6 +104,20 @@ Result<std::unique_ptr<KVStore>> KVStore::Open(std::vector<std::unique_ptr<tier:
   if (std::isnan(config.put_wait_s) || std::isnan(config.checkpoint_s)) {
     return Status::InvalidArgument("put_wait_s and checkpoint_s must be numbers (not NaN)");
   }
+  return MakePolicy(config.policy, config.policy_history).status();
+}
+
+Result<std::unique_ptr<KVStore>> KVStore::Open(const KVStoreOptions& o,
+                                               std::shared_ptr<concurrency::ThreadPool> engine) {
+  TPUSYNC_ASSIGN_OR_RETURN(auto tiers, OpenTiers(o));
+  return Open(std::move(tiers), ConfigFrom(o), std::move(engine));
+}
+
+Result<std::unique_ptr<KVStore>> KVStore::Open(std::vector<std::unique_ptr<tier::BlockTier>> tiers,
+                                               const StoreConfig& config,
+                                               std::shared_ptr<concurrency::ThreadPool> engine) {
+  if (!engine) return Status::InvalidArgument("KVStore needs an engine");
+  TPUSYNC_RETURN_IF_ERROR(CheckConfig(config, tiers.size()));
   for (const auto& t : tiers) {
     if (t->block_bytes() != tiers[0]->block_bytes()) {
       return Status::InvalidArgument("every tier of a KVStore must store the same block size");
@@ -295,6 +307,23 @@ Status KVStore::CheckRows(const memory::RowBuffer& b, size_t n) const {
   return Status::OK();
 }
 
+Status KVStore::CheckDistinctRows(const memory::RowBuffer& b) const {
+  // DISTINCT ROWS (get): two keys read into one row race, the row ends with either block, and a
+  // lower tier verifying the bytes there could see the other key's.
+  std::vector<std::pair<uint64_t, size_t>> rows;
+  rows.reserve(b.rows.size());
+  for (size_t i = 0; i < b.rows.size(); ++i) rows.push_back({b.rows[i], i});
+  std::sort(rows.begin(), rows.end());
+  for (size_t j = 1; j < rows.size(); ++j) {
+    if (rows[j].first == rows[j - 1].first) {
+      return Status::InvalidArgument(StrCat("row index ", rows[j].first, " is given for keys #",
+                                            rows[j - 1].second, " and #", rows[j].second,
+                                            "; a get writes every key into a row of its own"));
+    }
+  }
+  return Status::OK();
+}
+
 bool KVStore::DropVictim(size_t t) {
   const Tier kind = tiers_[t]->kind();
   const bool has_lower = t + 1 < tiers_.size();
@@ -336,8 +365,9 @@ bool KVStore::DropVictim(size_t t) {
   return false;
 }
 
-Result<uint64_t> KVStore::MakeRoom(size_t t, bool wait, std::unique_lock<std::mutex>& lock) {
-  const auto deadline = Clock::now() + SecondsToDuration(config_.put_wait_s);
+Result<uint64_t> KVStore::MakeRoom(size_t t, std::unique_lock<std::mutex>& lock,
+                                   std::optional<Clock::time_point> wait_until) {
+  const bool wait = wait_until.has_value();
   for (;;) {
     auto loc = tiers_[t]->Reserve();
     if (loc.ok()) return loc;
@@ -350,7 +380,7 @@ Result<uint64_t> KVStore::MakeRoom(size_t t, bool wait, std::unique_lock<std::mu
                                           tiers_[t]->capacity(), " blocks)"));
     }
     wb_cv_.notify_all();
-    if (room_cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+    if (room_cv_.wait_until(lock, *wait_until) == std::cv_status::timeout) {
       if (tiers_[t]->used() < tiers_[t]->capacity() || DropVictim(t)) continue;
       return Status::PoolExhausted(StrCat("the ", block::TierName(tiers_[t]->kind()),
                                           " tier stayed full for ", config_.put_wait_s,
@@ -428,7 +458,7 @@ concurrency::Future KVStore::Put(std::vector<std::string> keys, memory::RowBuffe
               wt_queue_.push_back(key);
             }
           } else {
-            tiers_[0]->Release(op.location, /*forget=*/false);
+            tiers_[0]->Release(op.location, /*forget=*/op.status.ok());  // WRITTEN, NOT INDEXED
             ++put_rejected_;
           }
         }
@@ -440,6 +470,7 @@ concurrency::Future KVStore::Put(std::vector<std::string> keys, memory::RowBuffe
     });
   };
   auto chunk = std::make_shared<Chunk>();
+  const auto put_deadline = t0 + SecondsToDuration(config_.put_wait_s);  // ONE PUT WAIT
   {
     std::unique_lock<std::mutex> lock(mu_);
     puts_ += state->keys.size();
@@ -452,20 +483,20 @@ concurrency::Future KVStore::Put(std::vector<std::string> keys, memory::RowBuffe
         continue;
       }
       inflight_.insert(key);
-      auto loc = MakeRoom(0, /*wait=*/false, lock);
+      auto loc = MakeRoom(0, lock);
       if (!loc.ok() && !chunk->ops.empty()) {
         lock.unlock();
         submit(std::move(chunk));
         chunk = std::make_shared<Chunk>();
         lock.lock();
       }
-      if (!loc.ok()) loc = MakeRoom(0, /*wait=*/true, lock);
+      if (!loc.ok()) loc = MakeRoom(0, lock, put_deadline);
       if (!loc.ok()) {
         inflight_.erase(key);
         ++put_rejected_;
         continue;
       }
-      chunk->ops.push_back({key, RowOf(src, i), *loc, sequence_++, Status()});
+      chunk->ops.push_back({key, RowOf(src, i), *loc, sequence_++, Status(), std::nullopt});
       chunk->index.push_back(i);
     }
   }
@@ -479,6 +510,7 @@ concurrency::Future KVStore::Get(std::vector<std::string> keys, memory::RowBuffe
                                  std::shared_ptr<std::vector<uint8_t>> found) {
   const auto t0 = Clock::now();
   Status bad = CheckRows(dst, keys.size());
+  if (bad.ok()) bad = CheckDistinctRows(dst);
   for (size_t i = 0; bad.ok() && i < keys.size(); ++i) bad = block::ValidateKey(keys[i]);
   if (!bad.ok()) return concurrency::Future::Completed(bad);
   found->assign(keys.size(), 0);
@@ -515,7 +547,7 @@ concurrency::Future KVStore::Get(std::vector<std::string> keys, memory::RowBuffe
       }
       policy_->OnAccess(key);
       ++counters_[t].hits;
-      job->reads[t].push_back({key, RowOf(job->dst, i), loc, Status()});
+      job->reads[t].push_back({key, RowOf(job->dst, i), loc, Status(), std::nullopt});
       job->index[t].push_back(i);
     }
   }
@@ -544,7 +576,11 @@ concurrency::Future KVStore::Get(std::vector<std::string> keys, memory::RowBuffe
     };
     std::vector<Forget> forget;
     std::vector<tier::BlockWrite> promote;
-    std::vector<size_t> promote_from;
+    struct Promotable {
+      size_t key;                     // index into job->keys (and the caller's rows)
+      std::optional<uint64_t> check;  // the checksum the lower tier verified, where it has one
+    };
+    std::vector<Promotable> promote_from;
     {
       std::unique_lock<std::mutex> lock(mu_);
       for (size_t t = 0; t < tiers_.size(); ++t) {
@@ -554,7 +590,7 @@ concurrency::Future KVStore::Get(std::vector<std::string> keys, memory::RowBuffe
           tiers_[t]->Unhold(op.location);
           if (s.ok() && op.status.ok()) {
             (*found)[i] = 1;
-            if (t > 0) promote_from.push_back(t * job->keys.size() + i);
+            if (t > 0) promote_from.push_back({i, op.checksum});
             continue;
           }
           ++misses_;
@@ -574,15 +610,20 @@ concurrency::Future KVStore::Get(std::vector<std::string> keys, memory::RowBuffe
         }
       }
       // Promote lower-tier hits into the fastest tier when that needs no waiting.
-      for (size_t code : promote_from) {
-        const size_t i = code % job->keys.size();
+      // PROMOTION CHECK: the copy comes out of the caller's row, which the caller may change
+      // (another thread sharing the buffer) once the read verified it, so the fastest tier
+      // checks it against the verified checksum while it copies and indexes nothing on a
+      // mismatch. A remote read has no checksum here (the client verified it on arrival): its
+      // promotion trusts the row.
+      for (const Promotable& from : promote_from) {
+        const size_t i = from.key;
         const std::string& key = job->keys[i];
         auto p = index_.Lookup(key, false);
         if (!p || p->in(tiers_[0]->kind()) || inflight_.count(key)) continue;
-        auto loc = MakeRoom(0, /*wait=*/false, lock);
+        auto loc = MakeRoom(0, lock);
         if (!loc.ok()) break;
         inflight_.insert(key);
-        promote.push_back({key, RowOf(job->dst, i), *loc, sequence_++, Status()});
+        promote.push_back({key, RowOf(job->dst, i), *loc, sequence_++, Status(), from.check});
       }
     }
     for (const Forget& f : forget) tiers_[f.tier]->Release(f.loc, /*forget=*/true);
@@ -756,7 +797,7 @@ bool KVStore::WritebackRound(std::unique_lock<std::mutex>& lock) {
         if (!eligible(v.key)) continue;  // changed while the lock was released
         auto p = index_.Lookup(v.key, false);
         if (p->location[static_cast<size_t>(kind)] != v.location) continue;
-        auto loc = MakeRoom(t + 1, /*wait=*/false, lock);
+        auto loc = MakeRoom(t + 1, lock);
         if (!loc.ok()) break;
         if (!top.Hold(v.location).ok()) {
           low.Release(*loc, false);
@@ -765,7 +806,7 @@ bool KVStore::WritebackRound(std::unique_lock<std::mutex>& lock) {
         demoting_.insert(v.key);
         keys.push_back(v.key);
         from.push_back(v.location);
-        ops.push_back({{}, nullptr, *loc, sequence_++, Status()});
+        ops.push_back({{}, nullptr, *loc, sequence_++, Status(), std::nullopt});
       }
       if (ops.empty()) continue;
       wb_idle_ = false;
@@ -778,7 +819,7 @@ bool KVStore::WritebackRound(std::unique_lock<std::mutex>& lock) {
         ops[j].data = top.Address(from[j]);
         if (ops[j].data == nullptr) {  // not byte-addressable: stage through a read
           bounce.emplace_back(block_bytes_);
-          tier::BlockRead r{keys[j], bounce.back().data(), from[j], Status()};
+          tier::BlockRead r{keys[j], bounce.back().data(), from[j], Status(), std::nullopt};
           top.ReadBatch({&r, 1});
           ops[j].data = r.status.ok() ? bounce.back().data() : nullptr;
         }
@@ -801,7 +842,9 @@ bool KVStore::WritebackRound(std::unique_lock<std::mutex>& lock) {
           Emit(StoreEvent::Kind::kStored, low.kind(), keys[j]);
           continue;
         }
-        low.Release(ops[j].location, false);
+        // WRITTEN, NOT INDEXED: a key removed (or cleared) while its write landed must not come
+        // back after a crash from the header just written, so its slot is forgotten.
+        low.Release(ops[j].location, /*forget=*/st.ok());
         if (!st.ok()) {
           ++writeback_errors_;
           demote_failed_.insert(keys[j]);
@@ -876,7 +919,7 @@ bool KVStore::WriteThroughBatch(std::unique_lock<std::mutex>& lock) {
     while (t < last && !p->in(tiers_[t]->kind())) ++t;
     if (t == last) continue;
     const uint64_t from = p->location[static_cast<size_t>(tiers_[t]->kind())];
-    auto loc = MakeRoom(last, /*wait=*/false, lock);
+    auto loc = MakeRoom(last, lock);
     if (!loc.ok()) {  // every handle of the last tier pinned / in flight: drop the copy
       ++write_through_dropped_;
       continue;
@@ -906,13 +949,13 @@ bool KVStore::WriteThroughBatch(std::unique_lock<std::mutex>& lock) {
     const uint8_t* data = tiers_[c.from_tier]->Address(c.from);
     if (data == nullptr) {  // not byte-addressable (disk): stage through a read
       bounce.emplace_back(block_bytes_);
-      tier::BlockRead r{c.key, bounce.back().data(), c.from, Status()};
+      tier::BlockRead r{c.key, bounce.back().data(), c.from, Status(), std::nullopt};
       tiers_[c.from_tier]->ReadBatch({&r, 1});
       data = r.status.ok() ? bounce.back().data() : nullptr;
     }
     if (data == nullptr) continue;
     op_of[j] = ops.size();
-    ops.push_back({c.key, data, c.to, c.sequence, Status()});
+    ops.push_back({c.key, data, c.to, c.sequence, Status(), std::nullopt});
   }
   low.WriteBatch(ops);
   lock.lock();
@@ -930,7 +973,7 @@ bool KVStore::WriteThroughBatch(std::unique_lock<std::mutex>& lock) {
       Emit(StoreEvent::Kind::kStored, low_kind, c.key);
       continue;
     }
-    low.Release(c.to, false);
+    low.Release(c.to, /*forget=*/st.ok());  // WRITTEN, NOT INDEXED (see WritebackRound)
     if (!st.ok()) {
       ++write_through_errors_;
       all_ok = false;

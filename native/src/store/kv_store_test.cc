@@ -429,6 +429,58 @@ TEST(KVStore, CorruptedLowerTierBlockIsAMissAndItsSlotIsReclaimed) {
   EXPECT_EQ(f.store->Lookup(k0, nullptr), 0u);
 }
 
+TEST(KVStore, KeysClearedWhileTheirWriteBackLandsLeaveNoKeyedSlotBelow) {
+  // WRITTEN, NOT INDEXED: the slots a write-back batch wrote for keys cleared meanwhile were
+  // released with their headers intact, so a restart after a crash brought the keys back.
+  StoreConfig cfg;
+  cfg.writeback_batch = 4;
+  cfg.writeback_headroom = 2;
+  Fixture f(4, 16, cfg);
+  f.disk->HoldWrites(true);
+  f.Put({1, 2, 3, 4});
+  const auto deadline = std::chrono::steady_clock::now() + kWait;
+  while (f.disk->waiting_writes() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(f.disk->waiting_writes(), 1u);
+  f.store->Clear();
+  f.disk->HoldWrites(false);
+  ASSERT_TRUE(f.store->Flush(kWait).ok());
+  EXPECT_EQ(f.store->stats().keys, 0u);
+  EXPECT_EQ(f.disk->used(), 0u);
+  EXPECT_GT(f.disk->forgets(), 0u);
+  EXPECT_EQ(f.disk->keyed(), 0u);
+}
+
+TEST(KVStore, AGetRefusesTwoKeysIntoOneRow) {
+  // DISTINCT ROWS: both reads raced into the row, and the disk hit was promoted to DRAM from it
+  // after the other key's bytes landed there (that key's bytes under this key from then on).
+  Fixture f(4, 16);
+  f.Put({1, 2});
+  std::vector<uint8_t> buf(2 * kBytes);
+  auto found = std::make_shared<std::vector<uint8_t>>();
+  auto fut = f.store->Get({Key(1), Key(2)}, {buf.data(), kBytes, 2, {1, 1}}, found);
+  const Status s = fut->Wait(kWait);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("row index 1 is given for keys #0 and #1"), std::string::npos);
+  EXPECT_EQ(f.Get({1, 2}), (std::vector<uint8_t>{1, 1}));
+}
+
+TEST(KVStore, OnePutWaitsPutWaitSecondsInAllNotPerKey) {
+  // ONE PUT WAIT: with the host tier full of pinned blocks, each key of a put waited put_wait_s
+  // in turn (12 keys at 0.5 s blocked the caller for 6 s).
+  Fixture f(2, 16);  // put_wait_s = 2
+  f.Put({1, 2});
+  std::vector<std::string_view> pinned = {"blk-1", "blk-2"};
+  ASSERT_TRUE(f.store->Pin(pinned).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto stored = f.Put({10, 11, 12, 13});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(stored, (std::vector<uint8_t>{0, 0, 0, 0}));
+  EXPECT_LT(s, 2.0 * 2 + 1.0);  // one put_wait_s (2 s) in all, with slack; it was 4 x 2 s
+  ASSERT_TRUE(f.store->Unpin(pinned).ok());
+}
+
 TEST(KVStore, SecondUsePolicySparesTheDisk) {
   StoreConfig cfg;
   cfg.policy = "second_use";

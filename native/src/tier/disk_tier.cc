@@ -113,6 +113,18 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& o) {
     return Status::InvalidArgument("disk tier needs block_bytes > 0 and num_blocks > 0");
   }
   if (o.num_blocks > 0xffffffffu) return Status::InvalidArgument("more than 2^32 disk slots");
+  // BOOKKEEPING BOUND: the slots live on disk, but the tier keeps per-slot state in RAM (and the
+  // store an index entry per block); a count the machine cannot hold is refused by name instead
+  // of ending in std::bad_alloc or the OOM killer.
+  const uint64_t ram = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+                       static_cast<uint64_t>(sysconf(_SC_PAGE_SIZE));
+  if (ram > 0 && o.num_blocks > ram / 2 / kRamPerSlot) {
+    return Status::InvalidArgument(
+        StrCat("disk_blocks ", o.num_blocks, " needs about ", o.num_blocks * kRamPerSlot >> 20,
+               " MiB of RAM for the disk tier's per-slot state (", kRamPerSlot,
+               " bytes a slot), more than half of this machine's ", ram >> 20,
+               " MiB: use fewer, larger blocks"));
+  }
   std::unique_ptr<DiskTier> t(new DiskTier());
   t->dir_ = o.directory;
   t->block_bytes_ = o.block_bytes;
@@ -271,6 +283,17 @@ void DiskTier::Recover() {
 }
 
 Status DiskTier::RecoverFromManifest(std::string* why) {
+  // Open sized every segment; one that had another size (truncated since the manifest was
+  // written) now matches the manifest's size stamp again, so it is caught here.
+  for (const SegmentFile& seg : segments_) {
+    if (auto was = seg.resized_from()) {
+      const Status s = Status::Corrupted(StrCat("segment ", seg.path(), " was ", *was,
+                                                " bytes at open (truncated or replaced since the "
+                                                "last run)"));
+      *why = StrCat("manifest not used: ", s.message());
+      return s;
+    }
+  }
   std::vector<SegmentStamp> now;
   for (const SegmentFile& seg : segments_) {
     auto st = StampSegment(seg.fd(), seg.path());
@@ -871,7 +894,9 @@ void DiskTier::ReadBatch(std::span<BlockRead> ops) {
       const auto* h = reinterpret_cast<const SlotHeader*>(headers.get() + i * kSlotHeaderBytes);
       const uint8_t* payload = bounce[i] ? bounce[i].get() : op.dst;
       op.status = VerifyBlock(*h, op.key, payload, block_bytes_, fingerprint_);
+      if (!op.status.ok() && !bounce[i]) op.status = RereadPrivately(op);
       if (op.status.ok() && bounce[i]) std::memcpy(op.dst, payload, block_bytes_);
+      if (op.status.ok()) op.checksum = h->checksum;
       if (!op.status.ok()) op.status = Status::Corrupted(StrCat(where, ": ", op.status.message()));
     }
     if (op.status.ok()) {
@@ -884,6 +909,23 @@ void DiskTier::ReadBatch(std::span<BlockRead> ops) {
   }
   blocks_read_ += ok;
   read_ns_ += NowNs() - t0;
+}
+
+Status DiskTier::RereadPrivately(BlockRead& op) {
+  AlignedBuf header = Aligned(kSlotHeaderBytes);
+  AlignedBuf payload = Aligned(payload_bytes_);
+  std::vector<IoOp> io(1);
+  io[0].fd = SegmentOf(op.location).fd();
+  io[0].offset = SlotOffset(op.location);
+  io[0].iov = {{header.get(), kSlotHeaderBytes}, {payload.get(), payload_bytes_}};
+  RunCoalesced(io);
+  if (io[0].result != static_cast<int64_t>(io[0].expected())) {
+    return Status::Corrupted("block payload checksum mismatch (the slot could not be read again)");
+  }
+  const auto* h = reinterpret_cast<const SlotHeader*>(header.get());
+  Status s = VerifyBlock(*h, op.key, payload.get(), block_bytes_, fingerprint_);
+  if (s.ok()) std::memcpy(op.dst, payload.get(), block_bytes_);
+  return s;
 }
 
 std::vector<RecoveredBlock> DiskTier::TakeRecovered() { return std::move(recovered_); }

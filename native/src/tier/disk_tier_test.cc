@@ -3,9 +3,11 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -18,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "test_io.h"
+#include "tpusync/base/checksum.h"
 
 namespace tpusync::tier {
 namespace {
@@ -226,6 +229,47 @@ TEST_F(DiskTierTest, AdjacentSlotsAcrossSegmentsRoundTripInOneBatch) {
   EXPECT_EQ(r[0].status.code(), StatusCode::kCorrupted);
   EXPECT_EQ(r[1].status.code(), StatusCode::kCorrupted);
   EXPECT_TRUE(r[2].status.ok());
+}
+
+TEST_F(DiskTierTest, ABlockChangedInTheCallersBufferIsReadAgainNotCalledCorrupted) {
+  // CONFIRMED CORRUPTION: a read straight into the caller's buffer that another thread wrote
+  // (a scratch buffer shared by two gets) failed its check, and the tier called the block
+  // corrupted and the store dropped its slot: a good block lost for good.
+  DiskTierOptions o = Options();
+  o.wrap_io = [](std::unique_ptr<IoBackend> inner) -> std::unique_ptr<IoBackend> {
+    class ScribblesOnce final : public IoBackend {
+     public:
+      explicit ScribblesOnce(std::unique_ptr<IoBackend> in) : inner_(std::move(in)) {}
+      std::string_view name() const override { return inner_->name(); }
+      void Run(std::span<IoOp> ops) override {
+        inner_->Run(ops);
+        for (IoOp& op : ops) {
+          if (!op.write && op.iov.size() == 2 && op.iov[1].iov_len >= kBytes && !done_) {
+            static_cast<uint8_t*>(op.iov[1].iov_base)[0] ^= 0xff;  // "another thread" wrote
+            done_ = true;
+          }
+        }
+      }
+      bool done_ = false;
+
+     private:
+      std::unique_ptr<IoBackend> inner_;
+    };
+    return std::make_unique<ScribblesOnce>(std::move(inner));
+  };
+  auto t = std::move(DiskTier::Open(o).value());
+  const auto a = Data(5);
+  const uint64_t loc = WriteOne(*t, "a", a);
+  // An aligned destination, so that direct I/O too lands in it (no bounce buffer).
+  std::unique_ptr<uint8_t, decltype(&std::free)> dst(
+      static_cast<uint8_t*>(std::aligned_alloc(4096, kBytes)), &std::free);
+  BlockRead r{"a", dst.get(), loc, {}};
+  t->ReadBatch({&r, 1});
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_TRUE(std::equal(a.begin(), a.end(), dst.get()));
+  EXPECT_EQ(t->stats().corrupted, 0u);
+  ASSERT_TRUE(r.checksum.has_value());
+  EXPECT_EQ(*r.checksum, Checksum64(a.data(), a.size()));
 }
 
 TEST_F(DiskTierTest, DirectIoRefusedPerIoFallsBackToBufferedWithoutLosingBlocks) {

@@ -198,10 +198,16 @@ void HostTier::WriteBatch(std::span<BlockWrite> ops) {
     // this process, and a demotion to disk hashes the block itself, so it is copied unhashed
     // (its header carries checksum 0). Rejected: hashing every DRAM block (a third of put time).
     uint64_t sum = 0;
-    if (shm_name_.empty()) {
+    if (shm_name_.empty() && !op.expect_checksum) {
       StreamCopy(*addr, op.data, bytes);
     } else {
       sum = CopyWithChecksum64(*addr, op.data, bytes);
+    }
+    if (op.expect_checksum && sum != *op.expect_checksum) {
+      // The source changed after it was verified (BlockWrite::expect_checksum): the slot stays
+      // invalidated, so nothing indexes or re-attaches these bytes.
+      op.status = Status::Corrupted("block bytes changed between their verification and the copy");
+      continue;
     }
     SlotHeader fresh;
     FillSlotHeader(&fresh, op.key, bytes, sum, op.sequence, fingerprint_);

@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include "tpusync/base/checksum.h"
+
 namespace tpusync::tier {
 namespace {
 
@@ -56,6 +58,34 @@ TEST_F(HostTierShmTest, ReattachRecoversVerifiedBlocks) {
     BlockRead rd{r.key, out.data(), r.location, {}};
     t->ReadBatch({&rd, 1});
     EXPECT_EQ(out[4095], r.key == "a" ? 1 : 3);
+  }
+}
+
+TEST_F(HostTierShmTest, AWriteWhoseBytesMissTheExpectedChecksumLeavesNoBlock) {
+  // BlockWrite::expect_checksum (the store's PROMOTION CHECK): bytes that changed since they were
+  // verified are not stored, in an anonymous tier or in /dev/shm (where a re-attach would have
+  // served them).
+  std::vector<uint8_t> d(4096, 7);
+  const uint64_t good = Checksum64(d.data(), d.size());
+  for (bool shm : {false, true}) {
+    HostTierOptions o = Options();
+    if (!shm) o.shm_name.clear();
+    {
+      auto t = std::move(HostTier::Open(o).value());
+      BlockWrite bad{"bad", d.data(), *t->Reserve(), 1, {}, good ^ 1};
+      BlockWrite ok{"ok", d.data(), *t->Reserve(), 2, {}, good};
+      t->WriteBatch({&bad, 1});
+      t->WriteBatch({&ok, 1});
+      EXPECT_EQ(bad.status.code(), StatusCode::kCorrupted) << shm;
+      EXPECT_TRUE(ok.status.ok()) << shm;
+      t->Release(bad.location, false);
+    }
+    if (shm) {
+      auto t = std::move(HostTier::Open(o).value());
+      auto rec = t->TakeRecovered();
+      ASSERT_EQ(rec.size(), 1u);
+      EXPECT_EQ(rec[0].key, "ok");
+    }
   }
 }
 

@@ -40,7 +40,10 @@ class MockTier final : public BlockTier {
     std::lock_guard<std::mutex> l(mu_);
     Slot& s = slots_[loc];
     if (!s.used || s.releasing) return;
-    if (forget) s.key.clear();
+    if (forget) {
+      s.key.clear();
+      ++forgets_;
+    }
     if (s.holds) {
       s.releasing = true;
     } else {
@@ -130,6 +133,18 @@ class MockTier final : public BlockTier {
     std::lock_guard<std::mutex> l(mu_);
     return waiting_writes_;
   }
+  // Slots released with forget (a disk tier zeroes their headers: no restart brings them back).
+  size_t forgets() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return forgets_;
+  }
+  // Slots whose key is set (what a restart of a persistent tier would find).
+  size_t keyed() const {
+    std::lock_guard<std::mutex> l(mu_);
+    size_t n = 0;
+    for (const Slot& s : slots_) n += !s.key.empty();
+    return n;
+  }
   void Damage(uint64_t loc) {
     std::lock_guard<std::mutex> l(mu_);
     if (!slots_[loc].bytes.empty()) slots_[loc].bytes[0] ^= 0xff;
@@ -153,6 +168,7 @@ class MockTier final : public BlockTier {
   bool writes_held_ = false;
   size_t waiting_writes_ = 0;
   std::condition_variable gate_cv_;
+  size_t forgets_ = 0;
   TierStats stats_;
 };
 

@@ -24,9 +24,12 @@ Result<SegmentFile> SegmentFile::Open(const std::string& path, uint64_t size_byt
   }
   struct stat st {};
   if (fstat(f.fd_, &st) != 0) return Status::FromErrno(errno, StrCat("fstat ", path));
-  if (static_cast<uint64_t>(st.st_size) != size_bytes &&
-      ftruncate(f.fd_, static_cast<off_t>(size_bytes)) != 0) {
-    return Status::FromErrno(errno, StrCat("sizing segment ", path, " to ", size_bytes, " bytes"));
+  if (static_cast<uint64_t>(st.st_size) != size_bytes) {
+    f.resized_from_ = static_cast<uint64_t>(st.st_size);
+    if (ftruncate(f.fd_, static_cast<off_t>(size_bytes)) != 0) {
+      return Status::FromErrno(errno,
+                               StrCat("sizing segment ", path, " to ", size_bytes, " bytes"));
+    }
   }
   return f;
 }
@@ -47,6 +50,7 @@ SegmentFile& SegmentFile::operator=(SegmentFile&& o) noexcept {
     fd_ = o.fd_;
     direct_ = o.direct_;
     path_ = std::move(o.path_);
+    resized_from_ = o.resized_from_;
     o.fd_ = -1;
   }
   return *this;

@@ -174,6 +174,10 @@ engine::RowBuffer Rows(const Array& a, size_t n, size_t block_bytes,
   const size_t item = a.itemsize();
   engine::RowBuffer out;
   out.base = static_cast<uint8_t*>(const_cast<void*>(static_cast<const void*>(a.data())));
+  if (n == 0 && (!rows || rows->empty())) {
+    out.stride = block_bytes;  // an empty batch moves nothing (numpy 2 gives an empty array
+    return out;                // strides of 0, so its shape and strides say nothing)
+  }
   if (!rows && CContiguous(a, 0) && a.nbytes() == n * block_bytes) {
     out.stride = block_bytes;
     out.num_rows = n;
@@ -182,7 +186,9 @@ engine::RowBuffer Rows(const Array& a, size_t n, size_t block_bytes,
   if (a.ndim() >= 2 && CContiguous(a, 1) && a.stride(0) > 0) {
     size_t row = item;
     for (size_t d = 1; d < a.ndim(); ++d) row *= a.shape(d);
-    if (row == block_bytes && (rows || a.shape(0) == n)) {
+    // [m >= n, ...]: without rows= the first n rows (a request's hit run into a buffer sized
+    // for the whole request, as in docs/tiers.md).
+    if (row == block_bytes && (rows || a.shape(0) >= n)) {
       out.stride = static_cast<size_t>(a.stride(0)) * item;
       out.num_rows = a.shape(0);
       if (rows) out.rows = std::move(*rows);
@@ -192,7 +198,7 @@ engine::RowBuffer Rows(const Array& a, size_t n, size_t block_bytes,
   throw StatusError(Status::InvalidArgument(StrCat(
       "buffer of ", a.nbytes(), " bytes (", a.ndim(), " dims) does not hold ", n, " blocks of ",
       block_bytes,
-      " bytes: pass a C-contiguous array of exactly n*block_bytes bytes, or shape [n, "
+      " bytes: pass a C-contiguous array of exactly n*block_bytes bytes, or shape [m >= n, "
       "...] (with rows=: [num_rows, ...]) whose rows are contiguous runs of block_bytes bytes")));
 }
 

@@ -399,8 +399,10 @@ void init_transport(nb::module_& m) {
         nb::gil_scoped_release release;
         if (block_bytes == 0)
           ThrowIfError(Status::InvalidArgument("KVStore needs block_bytes > 0"));
-        auto tiers = Unwrap(store::KVStore::OpenTiers(o));
-        tiers.push_back(Unwrap(node::RemoteTier::Open(std::move(r), std::move(sec))));
+        // The remote tier first: a refused open must not leave a /dev/shm host tier behind.
+        auto remote = Unwrap(node::RemoteTier::Open(std::move(r), std::move(sec)));
+        auto tiers = Unwrap(store::KVStore::OpenTiers(o, /*tiers_below=*/1));
+        tiers.push_back(std::move(remote));
         return OwnedGilFree(
             Unwrap(store::KVStore::Open(std::move(tiers), store::KVStore::ConfigFrom(o),
                                         std::move(engine)))

@@ -135,7 +135,7 @@ def test_consumer_arguments_are_refused_by_name_and_close_is_final():
         PdConsumer(pool, secret=SECRET, streams=0)
     with PdProducer(pool, secret=SECRET) as prod, PdConsumer(pool, secret=SECRET) as cons:
         ids = pool.alloc(2)
-        with pytest.raises(TypeError, match="is not an int"):
+        with pytest.raises(TypeError, match="destination block ids must be integers, got float"):
             cons.start_recv(1, prod.address, [float(ids[0]), float(ids[1])])
         with pytest.raises(ValueError, match="readers\\[0\\] must be >= 0"):
             cons.recv_multi(1, [(prod.address, ids, -1)])

@@ -68,6 +68,47 @@ def test_bad_input_is_refused_and_moves_nothing(store):
     with pytest.raises(TypeError, match="bytes"):
         store.put(["text-key"], np.zeros(BLOCK, np.uint8))
     assert store.stats()["keys"] == 0
+    # DISTINCT ROWS: two keys read into one row raced, and a disk hit promoted from that row
+    # could be stored with the other key's bytes.
+    store.put(keys([1, 2]), blocks([1, 2])).result(10)
+    with pytest.raises(tc.InvalidArgumentError, match="row index 0 is given for keys #0 and #1"):
+        store.get(keys([1, 2]), np.zeros((2, BLOCK), np.uint8), rows=[0, 0]).result(10)
+
+
+def test_empty_batches_and_a_hit_run_into_a_buffer_sized_for_the_request(store):
+    """An empty put / get was refused ("buffer of 0 bytes ... does not hold 0 blocks": numpy 2
+    gives np.zeros((0, B)) strides (0, 0)), and so was docs/tiers.md's own example, a get of the
+    leading hit run into rows sized for the whole request."""
+    assert store.put([], np.zeros((0, BLOCK), np.uint8)).result(10) == []
+    assert store.get([], np.empty((0, BLOCK), np.uint8)).result(10) == []
+    request = keys(range(5))
+    store.put(request[:3], blocks(range(3))).result(10)
+    n, _ = store.lookup(request)
+    dst_rows = np.zeros((len(request), BLOCK), np.uint8)
+    assert store.get(request[:n], dst_rows).result(10) == [True] * 3
+    np.testing.assert_array_equal(dst_rows[:3], blocks(range(3)))
+    assert not dst_rows[3:].any()
+    with pytest.raises(tc.InvalidArgumentError, match="does not hold 6 blocks"):
+        store.get(keys(range(6)), dst_rows)  # fewer rows than keys is still refused
+
+
+def test_plausible_mistakes_are_refused_by_name(store):
+    """Each of these raised nanobind's "incompatible function arguments" with every signature."""
+    dst = np.zeros((2, BLOCK), np.uint8)
+    with pytest.raises(TypeError, match="src must be an array .* got list"):
+        store.put(keys([1]), [0] * BLOCK)
+    with pytest.raises(TypeError, match="dst is bytes, which is read-only"):
+        store.get(keys([1]), bytes(BLOCK))
+    with pytest.raises(TypeError, match="rows must be integers, got float"):
+        store.get(keys([1]), dst, rows=[1.0])
+    with pytest.raises(ValueError, match="rows must be < 2"):
+        store.get(keys([1]), dst, rows=[2**64])
+    with pytest.raises(ValueError, match="max_events must be >= 0"):
+        store.take_events(-1)
+    with pytest.raises(TypeError, match="fingerprint must be a str"):
+        tc.KVStore(BLOCK, 4, fingerprint=5)
+    tc.KVStore(BLOCK, 4, fingerprint=None).close()  # None: no fingerprint
+    assert store.get(keys([1]), dst, rows=[np.int64(1)]).result(10) == [False]  # numpy ints fine
 
 
 def test_rows_scatter_gather_and_zero_copy_destinations(store):
@@ -173,6 +214,40 @@ def test_unwritable_directory_is_a_clear_error_at_start(tmp_path):
         tc.KVStore(BLOCK, 4, disk_dir=tmp_path / "file" / "sub", disk_blocks=8)
     with pytest.raises(tc.StorageIOError, match="disk tier directory"):
         tc.KVStore(BLOCK, 4, disk_dir="/proc/tpusync-cannot-be-here", disk_blocks=8)
+
+
+def test_a_refused_open_leaves_no_host_tier_in_dev_shm(tmp_path):
+    """FAILED OPEN RULE: a namespaced store whose disk tier or settings were refused (a directory
+    locked by another store, an unknown io_backend or policy) left its /dev/shm host segment
+    behind, fully allocated, one per namespace tried."""
+    owner = tc.KVStore(BLOCK, 4, disk_dir=tmp_path / "taken", disk_blocks=8)
+    ns = f"test-failed-open-{uuid.uuid4().hex[:8]}"
+    seg = Path(f"/dev/shm/tpusync-{ns}-host")
+    try:
+        with pytest.raises(tc.StateError, match="in use by another process"):
+            tc.KVStore(BLOCK, 64, namespace=ns, disk_dir=tmp_path / "taken", disk_blocks=8)
+        assert not seg.exists()
+        with pytest.raises(tc.TpusyncError, match="bogus"):
+            tc.KVStore(
+                BLOCK, 64, namespace=ns, disk_dir=tmp_path / "d", disk_blocks=8, io_backend="bogus"
+            )
+        assert not seg.exists()
+        with pytest.raises(tc.TpusyncError, match="nope"):
+            tc.KVStore(BLOCK, 64, namespace=ns, policy="nope")
+        assert not seg.exists()
+        tc.KVStore(BLOCK, 64, namespace=ns).close()  # the namespace itself is fine
+        assert seg.exists()
+    finally:
+        owner.close()
+        for p in (seg, Path(f"{seg}.lock")):
+            p.unlink(missing_ok=True)
+
+
+def test_a_disk_tier_too_large_for_its_bookkeeping_is_refused_by_name(tmp_path):
+    """BOOKKEEPING BOUND: disk_blocks=2**31 allocated ~36 bytes of RAM per slot at open, and the
+    process was OOM-killed (or saw a bare std::bad_alloc under a memory limit)."""
+    with pytest.raises(tc.InvalidArgumentError, match=r"disk_blocks 4294967295 needs about"):
+        tc.KVStore(BLOCK, 4, disk_dir=tmp_path, disk_blocks=2**32 - 1)
 
 
 def test_second_process_on_the_same_directory_gets_a_lock_error(tmp_path):

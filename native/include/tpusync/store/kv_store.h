@@ -64,6 +64,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -180,9 +181,11 @@ class KVStore {
   static Result<std::unique_ptr<KVStore>> Open(const KVStoreOptions& options,
                                                std::shared_ptr<concurrency::ThreadPool> engine);
   // The host / disk tiers that Open(options) would build, and its StoreConfig (so a caller can add
-  // a tier below them, e.g. node/remote_tier.h, and use the Open below).
+  // `tiers_below` tiers below them, e.g. node/remote_tier.h, and use the Open below). The store's
+  // settings are checked first and the host tier is opened last (FAILED OPEN RULE in the .cc):
+  // open the tiers below before calling this.
   static Result<std::vector<std::unique_ptr<tier::BlockTier>>> OpenTiers(
-      const KVStoreOptions& options);
+      const KVStoreOptions& options, size_t tiers_below = 0);
   static StoreConfig ConfigFrom(const KVStoreOptions& options);
   // Tiers fastest first; every tier must have the same block size.
   static Result<std::unique_ptr<KVStore>> Open(std::vector<std::unique_ptr<tier::BlockTier>> tiers,
@@ -238,9 +241,11 @@ class KVStore {
   void Emit(StoreEvent::Kind kind, block::Tier tier, std::string_view key);  // mu_ held
   explicit KVStore(block::Recency recency) : index_(recency) {}
   Status Start();
-  // A free location in tier t, dropping clean / refused LRU victims; with `wait`, waits up to
-  // put_wait_s for write-back. `lock` holds mu_.
-  Result<uint64_t> MakeRoom(size_t t, bool wait, std::unique_lock<std::mutex>& lock);
+  // A free location in tier t, dropping clean / refused LRU victims; with a `wait_until`, waits
+  // for write-back until then (a put passes one deadline, put_wait_s after its call, for all its
+  // keys: ONE PUT WAIT). `lock` holds mu_.
+  Result<uint64_t> MakeRoom(size_t t, std::unique_lock<std::mutex>& lock,
+                            std::optional<std::chrono::steady_clock::time_point> wait_until = {});
   bool DropVictim(size_t t);  // mu_ held
   void WritebackLoop();
   void WriteThroughLoop();
@@ -254,6 +259,9 @@ class KVStore {
   void OpBegin();
   void OpEnd();
   Status CheckRows(const memory::RowBuffer& buf, size_t n) const;
+  Status CheckDistinctRows(const memory::RowBuffer& buf) const;
+  // The store's own settings, for a store of num_tiers tiers (before any tier is opened).
+  static Status CheckConfig(const StoreConfig& config, size_t num_tiers);
   size_t Parts(size_t blocks) const;
 
   size_t block_bytes_ = 0;

@@ -190,6 +190,15 @@ class DiskTier final : public BlockTier {
   void Journal(std::span<const uint64_t> slots);  // JOURNAL CONTRACT: before the bytes change
   void Free(uint64_t slot);                       // mu_ held
   void RunCoalesced(std::vector<IoOp>& ops);
+  // CONFIRMED CORRUPTION: a block read straight into the caller's buffer that fails its check
+  // is read again into the tier's own memory before it is called corrupted (and its slot freed):
+  // another thread writing that buffer meanwhile (a shared scratch buffer) is not corruption. On
+  // success the verified bytes are copied to op.dst.
+  Status RereadPrivately(BlockRead& op);
+  // RAM a slot costs at open, for the BOOKKEEPING BOUND: the tier's per-slot state (state, holds,
+  // forget flag, free stack, sequence: 18 bytes) plus what a KVStore above it reserves (36 bytes
+  // a slot measured in all). A full tier costs more: the store's index keeps ~150 bytes a key.
+  static constexpr uint64_t kRamPerSlot = 36;
   void RunIo(std::span<IoOp> ops);  // io_->Run, then the DIRECT I/O CONTRACT's per-I/O fallback
   void DropDirectIo();
   const SegmentFile& SegmentOf(uint64_t location) const;

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "tpusync/base/status.h"
@@ -34,11 +35,15 @@ class SegmentFile {
   // Turns this descriptor buffered (clears O_DIRECT). Idempotent.
   Status DropDirect();
   const std::string& path() const { return path_; }
+  // The file's size before Open sized it, when it had another one (a segment truncated or
+  // deleted since the last run: a manifest must not vouch for its slots).
+  std::optional<uint64_t> resized_from() const { return resized_from_; }
 
  private:
   int fd_ = -1;
   bool direct_ = false;
   std::string path_;
+  std::optional<uint64_t> resized_from_;
 };
 
 }  // namespace tpusync::tier

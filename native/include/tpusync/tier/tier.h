@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -39,6 +40,10 @@ struct BlockWrite {
   uint64_t location = 0;
   uint64_t sequence = 0;  // store-wide write order (persisted in the header)
   Status status;          // out
+  // in, optional: the XXH3-64 the bytes must have. The tier hashes them as it copies and fails
+  // the op kCorrupted (slot left empty) on a mismatch: a copy out of memory the store does not
+  // own (a caller's get buffer, when a hit is promoted) may have changed since it was verified.
+  std::optional<uint64_t> expect_checksum;
 };
 
 struct BlockRead {
@@ -46,6 +51,9 @@ struct BlockRead {
   uint8_t* dst = nullptr;  // block_bytes() writable bytes
   uint64_t location = 0;
   Status status;  // out: kCorrupted on checksum / key / length mismatch or a truncated slot
+  // out: the XXH3-64 the tier verified the bytes against (the slot header's), where it keeps one
+  // (disk); unset where the tier checks none itself.
+  std::optional<uint64_t> checksum;
 };
 
 struct RecoveredBlock {

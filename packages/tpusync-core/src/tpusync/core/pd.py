@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from tpusync.core import _native
 from tpusync.core.errors import StateError
 from tpusync.core.pool import HostBlockPool, _counts, _ids
@@ -167,10 +165,6 @@ def _sources(
     pairs = [(str(s[0]), _ids(s[1], "destination block ids")) for s in sources]
     readers = [s[2] if len(s) > 2 else 1 for s in sources]
     _counts("PdConsumer", **{f"readers[{i}]": r for i, r in enumerate(readers)})
-    for i, (_, ids) in enumerate(pairs):
-        for b in ids:
-            if isinstance(b, bool) or not isinstance(b, int | np.integer):
-                raise TypeError(f"source {i}: block id {b!r} is not an int")
     return pairs, [int(r) for r in readers]
 
 

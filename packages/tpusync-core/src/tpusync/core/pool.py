@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import operator
 import os
 import threading
 from collections.abc import Sequence
@@ -207,8 +208,14 @@ def _ids(ids: Sequence[int], what: str = "block ids") -> list[int]:
             raise ValueError(f"{what} must be >= 0, got {int(ids.min())}")
         return ids.astype(np.uint64, copy=False).tolist()
     out = list(ids)
+    for x in out:
+        if isinstance(x, bool) or not hasattr(x, "__index__"):
+            raise TypeError(f"{what} must be integers, got {type(x).__name__}")
+    out = [operator.index(x) for x in out]  # ints, numpy / torch integer scalars
     if out and min(out) < 0:
         raise ValueError(f"{what} must be >= 0, got {min(out)}")
+    if out and max(out) >= 1 << 64:
+        raise ValueError(f"{what} must be < 2**64, got {max(out)}")
     return out
 
 

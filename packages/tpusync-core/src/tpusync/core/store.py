@@ -84,6 +84,28 @@ def _rows(rows: Sequence[int] | None) -> list[int] | None:
     return None if rows is None else _ids(rows, "rows")
 
 
+def _text(value: str | None, what: str) -> str:
+    """A string option; None means none (nanobind listed its signatures for None)."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TypeError(f"KVStore: {what} must be a str, got {type(value).__name__}")
+    return value
+
+
+def _array(buf: Any, what: str, writes: bool) -> Any:
+    """``buf`` itself, unless it is plainly not an array (a list, bytes, a number...): refused
+    by name instead of nanobind's list of signatures."""
+    if isinstance(buf, list | tuple | dict | str | int | float | bool) or buf is None:
+        raise TypeError(
+            f"{what} must be an array (numpy, torch or JAX CPU array, or a HostBlockPool view), "
+            f"got {type(buf).__name__}"
+        )
+    if writes and isinstance(buf, bytes):
+        raise TypeError(f"{what} is bytes, which is read-only: a get writes into it")
+    return buf
+
+
 def _recency(recency: str | _native.Recency) -> _native.Recency:
     if isinstance(recency, _native.Recency):
         return recency
@@ -214,7 +236,7 @@ class KVStore:
         self._block_bytes = block_bytes
         local = dict(  # the host / disk tiers, the same with or without store nodes
             name_space=namespace or "",
-            fingerprint=fingerprint,
+            fingerprint=_text(fingerprint, "fingerprint"),
             disk_dir=os.fspath(disk_dir) if disk_dir is not None else "",
             disk_blocks=disk_blocks,
             disk_segment_blocks=segment_blocks,
@@ -275,7 +297,7 @@ class KVStore:
         self, keys: Sequence[bytes], src: Any, rows: Sequence[int] | None = None
     ) -> StoreFuture:
         """Store row ``i`` of ``src`` (or row ``rows[i]``) under ``keys[i]``, asynchronously."""
-        fut, mask = self.native.put(_keys(keys), src, _rows(rows))
+        fut, mask = self.native.put(_keys(keys), _array(src, "src", False), _rows(rows))
         return StoreFuture(fut, mask)
 
     def get(
@@ -286,7 +308,7 @@ class KVStore:
         ``result()[i]`` is False for a miss (absent, evicted, or corrupted on disk); that row's
         bytes are then unspecified.
         """
-        fut, mask = self.native.get(_keys(keys), _writable(dst), _rows(rows))
+        fut, mask = self.native.get(_keys(keys), _writable(_array(dst, "dst", True)), _rows(rows))
         return StoreFuture(fut, mask)
 
     def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
@@ -344,6 +366,7 @@ class KVStore:
         ``kind`` is ``"stored"``, ``"removed"`` or ``"cleared"``; ``tier`` is ``"host"``,
         ``"disk"`` or ``"remote"`` (meaningless for ``"cleared"``).
         """
+        _counts("take_events", max_events=max_events)
         raw, dropped = self.native.take_events(max_events)
         return [(k, t.name.lower(), key) for k, t, key in raw], int(dropped)
 
