@@ -140,8 +140,8 @@ class KVStore:
         policy: ``"lru"`` (every block cascades to disk) or ``"second_use"`` (only blocks used
             twice are written to disk).
         io_backend: ``"auto"`` (io_uring where the kernel allows it), ``"io_uring"`` or ``"pread"``.
-        put_wait_s: the longest a put waits for write-back to free DRAM before it reports a block
-            not stored.
+        put_wait_s: the longest one put call waits, in all, for write-back to free DRAM before
+            it reports its remaining blocks not stored.
         remote: store nodes (``HOST:PORT`` each, ``tpusync store-node``) forming a last, shared
             tier: the host tier demotes to disk first (when there is one), then to the nodes;
             lookups try local tiers first, then the nodes (blocks other processes stored there
