@@ -1,3 +1,4 @@
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -56,7 +57,7 @@ def make_samplers(world=4, dtype=torch.bfloat16, mode="shadow", column_major=())
     return subs
 
 
-def push(version, full, subs, delta=False, publishers=None, tamper=None):
+def push(version, full, subs, delta=False, publishers=None, tamper=None, drop=None):
     shards = trainer_shards(full)
     publishers = publishers or [WeightPublisher(r) for r in shards]
     manifests = [p.prepare(version, shards[p.rank], delta=delta) for p in publishers]
@@ -69,6 +70,8 @@ def push(version, full, subs, delta=False, publishers=None, tamper=None):
         for chunk in p.chunks(manifest, shards[p.rank], dst):
             if tamper:
                 chunk = tamper(chunk)
+            if drop and drop(chunk):
+                continue
             subs[chunk.dst_rank].receive(chunk)
     return manifest, publishers, shards
 
@@ -565,3 +568,64 @@ def test_chunk_delta_manifest_refuses_bad_rows():
         dataclasses.replace(m, rows={"w": ((0, 7),)})
     with pytest.raises(ValueError, match="only a delta manifest"):
         dataclasses.replace(m, base_version=None)
+
+
+def test_a_dirty_inplace_subscriber_refuses_a_delta_until_a_full_update_lands():
+    """DIRTY RULE: a version that failed half way left some live tensors at it; a delta on the old
+    base then committed a mix of two versions, reported ok."""
+    subs = make_samplers(dtype=torch.float32, mode="inplace")
+    full = full_weights(1)
+    with contextlib.ExitStack() as paused:
+        for s in subs:
+            paused.enter_context(s.paused())
+        pubs, _ = push_committed(1, full, subs)
+        full2 = {n: t + 1 for n, t in full.items()}
+        push(2, full2, subs, publishers=pubs, drop=lambda c: c.name == "embed")  # v2 fails
+        for s in subs:
+            with pytest.raises(UpdateRejectedError, match="dirty until a full update"):
+                s.commit()
+            assert s.dirty and s.version == 1
+        full3 = dict(full)
+        full3["embed"] = full["embed"] + 3
+        shards3 = trainer_shards(full3)
+        m3 = pubs[0].prepare(3, shards3[0], delta=True)
+        assert m3.base_version == 1 and [t.name for t in m3.tensors] == ["embed"]
+        with pytest.raises(VersionSkewError, match="dirty since a failed update"):
+            subs[0].begin(m3)
+        push(4, full3, subs, publishers=[WeightPublisher(r) for r in range(2)])
+        for s in subs:
+            assert s.commit() == 4 and not s.dirty
+    expect_equal(subs, full3, torch.float32)
+
+
+def test_a_name_map_must_give_each_trainer_tensor_its_own_target_and_map_something():
+    """Two trainer tensors mapped to one engine tensor: the last write won and the other engine
+    tensor kept its old version, reported ok. A name map that maps nothing "committed" every
+    version while nothing changed."""
+    layouts = {"w": ShardLayout.replicated((8, 6), [0])}
+    full = full_weights(1)
+    shards = trainer_shards(full, world=1)
+    manifest = WeightPublisher(0).prepare(1, shards[0])
+    both = WeightSubscriber(0, {"w": torch.zeros(8, 6)}, layouts, name_map=lambda n: "w")
+    with pytest.raises(ValueError, match="both map to w"):
+        both.begin(manifest)
+    nothing = WeightSubscriber(0, {"w": torch.zeros(8, 6)}, layouts, name_map=lambda n: None)
+    with pytest.raises(ValueError, match="maps none of the trainer's 3 tensors"):
+        nothing.begin(manifest)
+
+
+def test_inplace_updates_write_into_parameters_that_require_grad():
+    """Live nn.Parameters refused every in-place update ("a view of a leaf Variable that requires
+    grad is being used in an in-place operation")."""
+    subs = make_samplers(dtype=torch.float32, mode="inplace")
+    for s in subs:
+        s._weights = {n: torch.nn.Parameter(t) for n, t in s.weights.items()}
+    live = subs[1].weights["model.embed"]
+    with contextlib.ExitStack() as paused:
+        for s in subs:
+            paused.enter_context(s.paused())
+        push(1, full_weights(1), subs)
+        for s in subs:
+            assert s.commit() == 1
+    assert subs[1].weights["model.embed"] is live and live.requires_grad
+    expect_equal(subs, full_weights(1), torch.float32)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import time
 
 import pytest
 import rl_netutil as U
 import torch
 
+from tpusync.core import StateError
 from tpusync.rl import ShardLayout, TrainerSync
 from tpusync.rl.layout import Box
 from tpusync.rl.manifest import Manifest, TensorMeta
@@ -1823,3 +1825,148 @@ def test_a_killed_trainers_pool_is_reclaimed_by_the_next_same_host_endpoint():
     finally:
         if os.path.exists(f"/dev/shm/{killed}"):
             os.unlink(f"/dev/shm/{killed}")
+
+
+def test_closed_trainer_and_sampler_refuse_use_and_free_their_pools_at_once():
+    """publish() after close() reported success with no samplers left; update() after close()
+    waited out its timeout; a closed TrainerSync kept its pool (and /dev/shm segment) until the
+    next garbage collection (its control server held a bound method of it)."""
+    import gc
+    import weakref
+
+    from tpusync.rl import SamplerSync, WeightSubscriber
+
+    dst = tp_layouts(1, {n: 0 for n in U.SHAPES})
+    trainer, eng = rank0(dst, same_host=True, pool_bytes=1 << 20)
+    sub = WeightSubscriber(
+        0, {n: torch.zeros(lay.shape) for n, lay in eng.items()}, eng, name_map=U.engine_name
+    )
+    sampler = SamplerSync(
+        sub, replica=0, control=trainer.control_address, secret=U.SECRET, block_bytes=BB
+    )
+    sampler.close()
+    sampler.close()  # idempotent
+    with pytest.raises(StateError, match="SamplerSync 0:0 is closed"):
+        sampler.update(0.1)
+    shm = trainer._ep.address["shm"]
+    pool = weakref.ref(trainer._ep.pool)
+    gc.disable()  # what frees the pool must be close(), not a collection
+    try:
+        trainer.close()
+        trainer.close()
+        assert pool() is None
+        assert not os.path.exists(f"/dev/shm/{shm}")
+        with pytest.raises(
+            StateError, match="TrainerSync rank 0 is closed: publish\\(1\\) refused"
+        ):
+            trainer.publish(1, U.full_weights(1))
+    finally:
+        gc.enable()
+
+
+def test_bad_sizes_and_durations_are_refused_by_name_before_anything_starts():
+    """block_bytes=0 divided by zero; a float bucket_blocks, block_bytes=100 or a negative pool
+    failed only in publish, after the version was announced; silence=inf killed the sampler's
+    heartbeat thread; deadline=0 was accepted."""
+    dst = tp_layouts(1, {n: 0 for n in U.SHAPES})
+    for kw, err, match in [
+        ({"block_bytes": 0}, ValueError, "block_bytes must be at least 8192, got 0"),
+        ({"block_bytes": 100}, ValueError, "block_bytes must be at least 8192"),
+        ({"bucket_blocks": 2.5}, TypeError, "bucket_blocks must be an int, got float"),
+        ({"fanout": 1.5}, TypeError, "fanout must be an int"),
+        ({"pool_bytes": -1}, ValueError, "pool_bytes must be >= 0"),
+        ({"deadline": 0}, ValueError, "deadline must be a finite number of seconds > 0"),
+        ({"silence": math.inf}, ValueError, "silence must be a finite number"),
+    ]:
+        with pytest.raises(err, match=match):
+            rank0(dst, **kw)
+    trainer, eng = rank0(dst)
+    try:
+        from tpusync.rl import SamplerSync, WeightSubscriber
+
+        sub = WeightSubscriber(
+            0, {n: torch.zeros(lay.shape) for n, lay in eng.items()}, eng, name_map=U.engine_name
+        )
+        for kw, match in [({"window": 0}, "window must be >= 1"), ({"poll_interval": -1}, "poll")]:
+            with pytest.raises(ValueError, match=match):
+                SamplerSync(sub, replica=0, control=trainer.control_address, secret=U.SECRET, **kw)
+    finally:
+        trainer.close()
+
+
+def test_a_second_sampler_under_a_live_samplers_key_is_refused(caplog):
+    """ONE PROCESS PER KEY: two samplers started with the same (replica, rank) took turns as the
+    member; one failed every version while publish reported success. The second is refused
+    (logged) while the first is alive, and the first takes the version."""
+    import threading
+
+    from tpusync.rl import SamplerSync, WeightSubscriber
+
+    dst = tp_layouts(1, {n: 0 for n in U.SHAPES})
+    trainer, eng = rank0(dst, pool_bytes=8 << 20)
+
+    def sampler():
+        sub = WeightSubscriber(
+            0, {n: torch.zeros(lay.shape) for n, lay in eng.items()}, eng, name_map=U.engine_name
+        )
+        return SamplerSync(
+            sub,
+            replica=0,
+            control=trainer.control_address,
+            secret=U.SECRET,
+            block_bytes=BB,
+            pool_bytes=8 << 20,
+        )
+
+    a, b = sampler(), sampler()
+    try:
+        assert a.update(0.3) is None  # joined; nothing published yet
+        with caplog.at_level(logging.ERROR, logger="tpusync.rl"):
+            assert b.update(0.5) is None
+        assert "sampler 0:0 is already a live member" in caplog.text
+        assert trainer.samplers == ["0:0"]
+        got = []
+        t = threading.Thread(target=lambda: got.append(a.update(30.0)))
+        t.start()
+        rep = trainer.publish(1, U.full_weights(1))
+        t.join(30)
+        assert rep.ok and rep.committed == ["0:0"], rep
+        assert got and got[0].ok and a.version == 1 and b.version == 0
+    finally:
+        a.close()
+        b.close()
+        trainer.close()
+
+
+def test_a_sampler_pool_smaller_than_a_bucket_fails_the_version_at_once():
+    """Both sides waited out the version's deadline (every version) before reporting the pool."""
+    import threading
+
+    from tpusync.rl import SamplerSync, WeightSubscriber
+
+    dst = tp_layouts(1, {n: 0 for n in U.SHAPES})
+    trainer, eng = rank0(dst, pool_bytes=8 << 20, bucket_blocks=8, deadline=30.0)
+    sub = WeightSubscriber(
+        0, {n: torch.zeros(lay.shape) for n, lay in eng.items()}, eng, name_map=U.engine_name
+    )
+    small = SamplerSync(
+        sub,
+        replica=0,
+        control=trainer.control_address,
+        secret=U.SECRET,
+        block_bytes=BB,
+        pool_bytes=4 * BB,
+    )
+    try:
+        assert small.update(0.3) is None
+        got = []
+        t = threading.Thread(target=lambda: got.append(small.update(30.0)))
+        t.start()
+        rep = trainer.publish(1, U.full_weights(1))
+        t.join(30)
+        assert not rep.ok and rep.seconds < 10.0, rep
+        assert "pool holds 4 blocks, less than one bucket (8 blocks" in rep.failed["0:0"]
+        assert got and not got[0].ok and small.version == 0
+    finally:
+        small.close()
+        trainer.close()

@@ -450,17 +450,32 @@ class WeightSubscriber:
                     f"delta update {manifest.base_version}->{manifest.version} refused: rank "
                     f"{self.rank} has version {self._version}"
                 )
+            if manifest.base_version is not None and self.dirty:
+                # DIRTY RULE: a failed in-place update left some live tensors at a version that
+                # is neither the base nor this one; a delta would commit that mix.
+                raise VersionSkewError(
+                    f"delta update {manifest.base_version}->{manifest.version} refused: rank "
+                    f"{self.rank}'s in-place weights are dirty since a failed update; a full "
+                    "update must land first"
+                )
             if self.mode == "inplace" and not self._paused:
                 raise RuntimeError(
                     "in-place updates need the engine paused: use `with sub.paused():`"
                 )
             expected, staging = {}, {}
+            mapped: dict[str, str] = {}  # engine name -> the trainer name mapped to it
             for meta in manifest.tensors:
                 engine = self._name_map(meta.name)
                 if engine is None:
                     continue
                 if engine not in self._layouts:
                     raise ValueError(f"trainer tensor {meta.name} maps to unknown tensor {engine}")
+                if engine in mapped:
+                    raise ValueError(
+                        f"trainer tensors {mapped[engine]} and {meta.name} both map to {engine}: "
+                        "the name map must give every trainer tensor its own target"
+                    )
+                mapped[engine] = meta.name
                 if tuple(meta.layout.shape) != tuple(self._layouts[engine].shape):
                     raise ValueError(
                         f"{meta.name} -> {engine}: trainer shape {meta.layout.shape} != "
@@ -477,7 +492,9 @@ class WeightSubscriber:
                 if rows is not None and not mine:
                     continue  # a per-chunk delta that changed none of this rank's rows
                 if self.mode == "inplace":
-                    staging[engine] = live  # a per-chunk delta writes only the changed rows
+                    # A per-chunk delta writes only the changed rows. Detached: the live tensors
+                    # may be nn.Parameters, which refuse in-place writes that autograd records.
+                    staging[engine] = live.detach()
                 else:
                     spare = self._spare.pop(engine, None)
                     ok = (
@@ -492,6 +509,12 @@ class WeightSubscriber:
                         # in a whole new version. Rejected: writing the rows into the live tensor
                         # (a reader would see a mix of versions).
                         staging[engine].copy_(live)
+            if manifest.base_version is None and manifest.tensors and not mapped:
+                raise ValueError(
+                    f"update {manifest.version}: the name map maps none of the trainer's "
+                    f"{len(manifest.tensors)} tensors (e.g. {manifest.tensors[0].name}) to a "
+                    "tensor of this sampler"
+                )
             if self.mode == "inplace":
                 self.dirty = True
             by_name: dict[str, list[Transfer]] = {}

@@ -9,6 +9,8 @@ ACK LEDGER CONTRACT: see :class:`_Endpoint`; every poll of the producer goes thr
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import socket
 import tempfile
@@ -20,6 +22,7 @@ from typing import Any
 from tpusync.core import NotFoundError, PoolExhaustedError
 from tpusync.core.pd import PdConsumer, PdProducer
 from tpusync.core.pool import HostBlockPool, reclaim_stale_segments
+from tpusync.rl.pack import MIN_PIECE
 
 # Threads that pack and hash a trainer's blocks, and that hash an in-place shared-segment
 # reader's blocks ahead of its staging copy: two keeps both cores of a 2-vCPU host busy while the
@@ -50,6 +53,27 @@ def _process_gone(ident: Mapping[str, Any]) -> bool:
     except (OSError, ValueError, KeyError):
         return False  # cannot tell: the deadline decides, as for a remote sampler
     return fields[0] in ("Z", "X") or int(fields[19]) != int(ident.get("started", -1))
+
+
+MIN_BLOCK_BYTES = 2 * MIN_PIECE  # what pack_streams needs to cut pieces
+
+
+def check_args(owner: str, seconds: Mapping[str, float], **counts: int) -> None:
+    """Counts and durations of TrainerSync / SamplerSync, refused by name before anything starts
+    (a zero block size divided by zero; a float bucket count or a negative pool failed only in
+    publish, after the version was announced; an infinite silence killed the heartbeat thread)."""
+    for name, v in counts.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{owner}: {name} must be an int, got {type(v).__name__}")
+        if v < 0:
+            raise ValueError(f"{owner}: {name} must be >= 0, got {v}")
+    if "block_bytes" in counts and counts["block_bytes"] < MIN_BLOCK_BYTES:
+        raise ValueError(
+            f"{owner}: block_bytes must be at least {MIN_BLOCK_BYTES}, got {counts['block_bytes']}"
+        )
+    for name, v in seconds.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < math.inf:
+            raise ValueError(f"{owner}: {name} must be a finite number of seconds > 0, got {v!r}")
 
 
 class _Endpoint:
@@ -148,7 +172,12 @@ class _Endpoint:
             time.sleep(0.005)
 
     def close(self) -> None:
+        """Stop the producer and the consumer and drop the pool: its memory (and /dev/shm
+        segment) goes once nothing else holds it, not when the owner object is collected."""
         self.producer.close()
+        self.consumer.close()
+        # Each of them holds the pool too.
+        self.pool = self.producer = self.consumer = None  # type: ignore[assignment]
         if self._dir:
             for name in os.listdir(self._dir):
                 os.unlink(os.path.join(self._dir, name))

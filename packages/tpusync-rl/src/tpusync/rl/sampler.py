@@ -42,9 +42,9 @@ from tpusync.core import (
     checksum64,
 )
 from tpusync.core.pd import load_secret
-from tpusync.rl.chunks import Chunk, UpdateRejectedError, VersionSkewError, WeightSubscriber
+from tpusync.rl.chunks import Chunk, UpdateRejectedError, WeightSubscriber
 from tpusync.rl.control import ControlClient
-from tpusync.rl.endpoint import FILL_THREADS, _Endpoint
+from tpusync.rl.endpoint import FILL_THREADS, _Endpoint, check_args
 from tpusync.rl.layout import ShardLayout, _layout_from_wire, _layout_to_wire
 from tpusync.rl.manifest import Manifest
 from tpusync.rl.pack import TRAILER, StreamPlan, pack_streams
@@ -93,6 +93,17 @@ class SamplerSync:
         plans from its samplers (``TrainerSync(dst_layouts=None)``, SAMPLER LAYOUTS CONTRACT);
         by default the subscriber's own when it uses the trainer's names. ``window``: bucket
         pulls in flight per source process (HOP LAG CONTRACT)."""
+        check_args(
+            "SamplerSync",
+            {"poll_interval": poll_interval} if poll_interval else {},
+            replica=replica,
+            block_bytes=block_bytes,
+            pool_bytes=pool_bytes,
+            streams=streams,
+            window=window,
+        )
+        if window < 1:
+            raise ValueError(f"SamplerSync: window must be >= 1, got {window}")
         self.sub = subscriber
         self.replica = replica
         self._secret = secret if secret is not None else load_secret()
@@ -151,6 +162,8 @@ class SamplerSync:
         self._beat_for: tuple[int, float, bool] | None = None  # (version, deadline, applied)
         self._beat_interval = 1.0
         self._joined = False  # polled trainer rank 0 at least once: say goodbye on close
+        self._closed = False
+        self._refused: str | None = None  # the reason rank 0 last refused this sampler's poll
         self._fwd_lock = threading.Lock()
         self._fwd: dict[int, list[int]] = {}  # child index -> request ids registered for it
         self._child_keys: dict[int, str] = {}
@@ -352,6 +365,8 @@ class SamplerSync:
         ``confirm(version)``: the GROUP COMMIT CONTRACT, called at most once, only for a version
         that verified on this rank (an exception it raises rejects the version like a reason).
         """
+        if self._closed:
+            raise StateError(f"SamplerSync {self.replica}:{self.sub.rank} is closed")
         end = time.monotonic() + timeout
         msg = {
             "op": "next",
@@ -366,10 +381,17 @@ class SamplerSync:
                     {**msg, "have": max(self.version, self._seen), "layouts": layouts},
                     timeout=min(2.0, max(end - time.monotonic(), 0.05)),
                 )
-            except (TimeoutError, RuntimeError) as e:  # rank 0 gone, slow, or refusing
+            except TimeoutError as e:  # rank 0 gone or slow
                 log.debug("sampler %d:%d: poll failed: %s", self.replica, self.sub.rank, e)
                 time.sleep(self._poll)
                 continue
+            except RuntimeError as e:  # refused, e.g. its key taken (ONE PROCESS PER KEY)
+                if str(e) != self._refused:  # logged once per reason, not per poll
+                    self._refused = str(e)
+                    log.error("sampler %d:%d: %s", self.replica, self.sub.rank, e)
+                time.sleep(max(self._poll, 0.1))
+                continue
+            self._refused = None
             self._joined = True
             if "layouts_known" in reply:  # a restarted rank 0 asks for them again
                 self._layouts_known = bool(reply["layouts_known"])
@@ -417,7 +439,7 @@ class SamplerSync:
                     f"trainer block size {ann['block_bytes']} != this sampler's {self._ep.pool.block_bytes}"
                 )
             self.sub.begin(manifest)
-        except (VersionSkewError, ValueError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - a name_map that raises too: reported, not raised
             log.error("sampler %d:%d refuses version %d: %s", self.replica, me, version, e)
             result = UpdateResult(version, False, f"refused: {e}", time.monotonic() - t0)
             self._report(result)
@@ -450,6 +472,14 @@ class SamplerSync:
                     raise UpdateRejectedError(
                         f"trainer rank 0 left this sampler out of version {version}'s tree "
                         "(it had not heard from it for its silence timeout: presumed dead)"
+                    )
+                if self._ep.pool.num_blocks < ann["bucket_blocks"]:
+                    # A pull lands a whole bucket in this pool: it would wait for room that can
+                    # never come, until the version's deadline, on this side and the trainer's.
+                    raise UpdateRejectedError(
+                        f"this sampler's pool holds {self._ep.pool.num_blocks} blocks, less than "
+                        f"one bucket ({ann['bucket_blocks']} blocks of {ann['block_bytes']} "
+                        "bytes): give SamplerSync a larger pool_bytes"
                     )
                 parent, slot = _parent(topo, self.replica, ann["fanout"])
                 children = _children(topo, self.replica, ann["fanout"])
@@ -912,7 +942,11 @@ class SamplerSync:
         child acknowledged them or ``timeout`` seconds pass (each send also ends at its version's
         deadline), so a parent that commits and closes first never cuts off a child still pulling
         the last buckets. Rejected: closing at once (the child's pull failed with "peer closed the
-        connection" and it rejected a version its parent had committed)."""
+        connection" and it rejected a version its parent had committed). Idempotent; update()
+        afterwards raises StateError."""
+        if self._closed:
+            return
+        self._closed = True
         left = self._ep.drain(timeout)
         if left:
             log.warning(

@@ -46,6 +46,10 @@ class _SharedBuckets:
         self.quit: set[str] = set()  # readers that reported a failure of the shared version
         self._released: set[tuple[tuple[int, int, int, int], str]] = set()  # (slot, reader)
 
+    def drop_pool(self) -> None:
+        """The owner closed: let go of its pool (its memory goes once nothing else holds it)."""
+        self._pool = None  # type: ignore[assignment]
+
     def request(self, op: str, msg: dict, answer: Any) -> dict | None:
         """A shared reader's ``bucket`` long poll or ``release`` (lock held)."""
         version, key = int(msg["version"]), str(msg["key"])

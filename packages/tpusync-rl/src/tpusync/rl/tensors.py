@@ -30,7 +30,20 @@ def _normalize(
         missing = [r for r in ranks if r in held and r not in local]
         if missing:
             raise ValueError(f"{name}: no local shard given for layout ranks {missing}")
-        out[name] = ({r: local[r] for r in ranks if r in held}, layout)
+        mine = {r: local[r] for r in ranks if r in held}
+        for r, shard in mine.items():
+            # SHARD SHAPE RULE: checked before anything is announced. A shard larger than its
+            # box had part of it sent silently (e.g. the full tensor passed as every rank's
+            # shard: each rank's box got the first rows); a smaller one failed mid-version.
+            want = layout.box_of(r).shape
+            if tuple(shard.shape) != tuple(want):
+                raise ValueError(
+                    f"{name}: the local shard of rank {r} has shape {tuple(shard.shape)}, its "
+                    f"layout box {tuple(want)}"
+                )
+            if str(getattr(shard, "device", "")) == "meta":
+                raise ValueError(f"{name}: the local shard of rank {r} is a meta tensor (no data)")
+        out[name] = (mine, layout)
     return out
 
 

@@ -44,12 +44,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpusync.core import Checksum64Stream, PoolExhaustedError
+from tpusync.core import Checksum64Stream, PoolExhaustedError, StateError
 from tpusync.core.pd import load_secret
 from tpusync.rl.agreement import _Agreement, _partial
 from tpusync.rl.chunks import WeightPublisher, _as_torch, _torch_dtype
 from tpusync.rl.control import ControlClient, ControlServer
-from tpusync.rl.endpoint import FILL_THREADS, _Endpoint
+from tpusync.rl.endpoint import FILL_THREADS, _Endpoint, _process_gone, check_args
 from tpusync.rl.layout import Box, ShardLayout, _layout_from_wire, _layout_to_wire
 from tpusync.rl.manifest import Manifest
 from tpusync.rl.membership import _Membership
@@ -80,6 +80,18 @@ class _Refill:
     boxes: Mapping[int, Mapping[str, Box]]
     cursor: dict[tuple[str, int], int] = field(default_factory=dict)
     rids: dict[int, tuple[str, int]] = field(default_factory=dict)
+
+
+def _gone_here(addr: Mapping[str, Any], mine: Mapping[str, Any]) -> bool:
+    """Whether the process behind a member's address runs on this host and has exited (a
+    restarted sampler then takes its key at once, not after the silence timeout)."""
+    proc = addr.get("proc") or {}
+    return (
+        bool(proc)
+        and addr.get("host") == mine.get("host")
+        and proc.get("pidns") == (mine.get("proc") or {}).get("pidns")
+        and _process_gone(proc)
+    )
 
 
 class TrainerSync:
@@ -164,8 +176,16 @@ class TrainerSync:
         (SHARED-SEGMENT CONTRACT) when it holds every trainer rank; False keeps them in the tree.
         ``silence`` (rank 0): seconds without a heartbeat after which a sampler in the middle of
         an update is presumed dead (HEARTBEAT CONTRACT); keep it well below ``deadline``."""
-        if not silence > 0:
-            raise ValueError(f"silence must be > 0 seconds, got {silence}")
+        check_args(
+            "TrainerSync",
+            {"silence": silence, "deadline": deadline},
+            rank=rank,
+            world=world,
+            fanout=fanout,
+            block_bytes=block_bytes,
+            bucket_blocks=bucket_blocks,
+            pool_bytes=pool_bytes,
+        )
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside world {world}")
         if fanout < 1:
@@ -216,6 +236,7 @@ class TrainerSync:
         # free pool blocks, packing (device -> host copy into the pool + block hash), waiting for
         # the last acknowledgements. Where the time goes, for the bench and for tuning.
         self.stages = {"pool_wait_s": 0.0, "fill_s": 0.0, "ack_wait_s": 0.0}
+        self._closed = False
         self._server: ControlServer | None = None
         self._client: ControlClient | None = None
         if rank == 0:
@@ -270,6 +291,24 @@ class TrainerSync:
                     except ValueError as e:
                         log.error("trainer rank 0: %s", e)
                         return {"op": "error", "reason": str(e)}
+                held = self._group.members.get(key)
+                heard = self._group.alive.get(key, 0.0)
+                if (
+                    held is not None
+                    and held != msg["addr"]
+                    and time.monotonic() - heard < self.silence
+                    and not _gone_here(held, self._ep.address)
+                ):
+                    # ONE PROCESS PER KEY: a second sampler under a live sampler's (replica,
+                    # rank) took its place in the announcements, and one of the two failed
+                    # every version while publish reported success. A restarted sampler gets
+                    # the key once the old one is silent for `silence` seconds.
+                    return {
+                        "op": "error",
+                        "reason": f"sampler {key} is already a live member at "
+                        f"{held.get('tcp')} (pid {(held.get('proc') or {}).get('pid')}): every "
+                        "sampler process needs its own (replica, rank)",
+                    }
                 self._group.members[key] = msg["addr"]
                 self._group.have[key] = have
                 self._group.alive[key] = time.monotonic()
@@ -585,9 +624,18 @@ class TrainerSync:
         do not share one base.
         """
         t0 = time.monotonic()
+        if self._closed:
+            raise StateError(f"TrainerSync rank {self.rank} is closed: publish({version}) refused")
         if self.rank == 0 and self._dst is None:
             self._check_layouts_known(version)
         tensors = _normalize(tensors, self.world, self.ranks)
+        for name, (_, layout) in tensors.items():  # before anything is announced
+            theirs = (self._dst or {}).get(name)
+            if theirs is not None and tuple(theirs.shape) != tuple(layout.shape):
+                raise ValueError(
+                    f"{name}: the trainer publishes shape {tuple(layout.shape)}, dst_layouts "
+                    f"plans the samplers for {tuple(theirs.shape)}"
+                )
         view = _first(tensors)
         agree = delta and len(self.ranks) < self.world  # other processes hold ranks
         if not agree:
@@ -681,6 +729,11 @@ class TrainerSync:
             t1 = time.monotonic()
             self._wait_sent(outstanding, ann, report, t0 + self.deadline)
             self.stages["ack_wait_s"] = time.monotonic() - t1
+        except BaseException:
+            # Announced, then failed: in-place samplers may hold part of it (dirty), so the next
+            # version goes out whole, never as a delta on the old base (DIRTY RULE, chunks.py).
+            self._force_full = True
+            raise
         finally:
             self._refill = None
             for key in self._shares.end(version):
@@ -958,9 +1011,18 @@ class TrainerSync:
             self._group.failed_past[version] = {k: str(w) for k, w in report.failed.items()}
 
     def close(self) -> None:
+        """Stop serving and release the pool (idempotent); publish afterwards raises."""
+        if self._closed:
+            return
+        self._closed = True
         if self._server is not None:
             self._server.close()
         if self._client is not None:
             self._client.close()
         self._fillers.shutdown(wait=True)
         self._ep.close()
+        # The server holds self._handle (a bound method): drop it so a closed trainer is freed
+        # by reference counting, not at the next garbage collection. The shared-bucket ledger
+        # (also held by the membership) is the pool's last holder.
+        self._server = None
+        self._shares.drop_pool()
