@@ -40,9 +40,11 @@ struct BlockWrite {
   uint64_t location = 0;
   uint64_t sequence = 0;  // store-wide write order (persisted in the header)
   Status status;          // out
-  // in, optional: the XXH3-64 the bytes must have. The tier hashes them as it copies and fails
-  // the op kCorrupted (slot left empty) on a mismatch: a copy out of memory the store does not
-  // own (a caller's get buffer, when a hit is promoted) may have changed since it was verified.
+  // in, optional: the XXH3-64 the bytes must have. The host tier hashes them as it copies and
+  // fails the op kCorrupted (slot left empty) on a mismatch: a copy out of memory the store does
+  // not own (a caller's get buffer, when a disk hit is promoted) may have changed since it was
+  // verified. Other tiers ignore it: the store only sets it when promoting a disk hit, and the
+  // host tier is the only tier above the disk.
   std::optional<uint64_t> expect_checksum;
 };
 
