@@ -177,10 +177,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def event_endpoint() -> str:
+    """A KV event endpoint that a SUB connects to before the engine binds it: a Unix socket, not
+    a TCP port. A port from free_port() is free only until someone takes it, and before the
+    engine binds it two can: vLLM's workers pick free ports of their own, and zmq retries a
+    refused TCP connect every 100 ms from ephemeral source ports, one of which can be the target
+    (a socket connected to itself). Seen once: "Address already in use" at the engine's bind,
+    with a TP=2 engine whose start-up is long."""
+    import tempfile
+
+    return f"ipc://{tempfile.mkdtemp(prefix='tpusync-events-')}/events"
+
+
 def scenario_inproc(model: str) -> dict:
     """Reuse, proof that loaded bytes are used, abort and preemption (in-process engine)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = event_endpoint()
     sub = Subscriber(endpoint)
     llm = make_llm(model, extra={"kv_events_endpoint": endpoint, "pod_id": "pod-0"})
     sched, worker = connectors(llm)
@@ -308,7 +320,7 @@ def scenario_parallel(model: str, par: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler's connector in-process
     # vLLM's automatic CPU binding wants a NUMA node per worker; this VM has one.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = event_endpoint()
     sub = Subscriber(endpoint)
     tp, pp = layout(par)
     extra = {"kv_events_endpoint": endpoint, "pod_id": "pod-tp"}
@@ -415,13 +427,13 @@ def scenario_restart_b(model: str, ns: str, disk: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     # collective_rpc of a test function (worker_totals) needs vLLM's pickle fallback.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    vllm_port = free_port()
-    # vLLM's PUB binds only wildcard endpoints (it connects to host:port ones).
-    vllm_sub = Subscriber(f"tcp://127.0.0.1:{vllm_port}", topic="kv")
+    # vLLM's PUB binds ipc:// and wildcard endpoints (it connects to host:port ones).
+    vllm_events = event_endpoint()
+    vllm_sub = Subscriber(vllm_events, topic="kv")
     llm = make_llm(
         model,
         extra={"namespace": ns, "disk_dir": disk, **CHAIN},
-        vllm_events=f"tcp://*:{vllm_port}",
+        vllm_events=vllm_events,
     )
     r = {"p1": generate(llm, prompt(11)), "worker": worker_totals(llm)}
     r["p3"] = generate(llm, prompt(13))  # a miss: computed, stored, announced
@@ -575,7 +587,7 @@ def _shared_llm(model: str, nodes: list[str], secret_file: str, pod: str, **extr
     """An in-process engine whose store's last tier is the store nodes ``nodes``; its KV events
     go to a SUB of this process."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = event_endpoint()
     sub = Subscriber(endpoint)
     llm = make_llm(
         model,
