@@ -120,6 +120,10 @@ def test_buffer_size_mismatch(pool):
     ids = pool.alloc(2)
     with pytest.raises(tc.InvalidArgumentError, match="does not hold 2 blocks of 4096 bytes"):
         pool.put(ids, np.zeros(4096, np.uint8))
+    with pytest.raises(TypeError, match="src must be an array .* got list"):
+        pool.put(ids, [0] * 8192)  # nanobind printed its signatures
+    with pytest.raises(TypeError, match="dst is bytes, which is read-only"):
+        pool.get(ids, bytes(8192))
 
 
 def test_read_only_source_is_accepted_destination_refused(pool):

@@ -168,7 +168,11 @@ class HostBlockPool:
         no staging copy. Row indices are range-checked before any byte moves.
         """
         return _native.put_blocks(
-            self._engine, self._pool, _ids(ids), src, None if rows is None else _ids(rows, "rows")
+            self._engine,
+            self._pool,
+            _ids(ids),
+            _array(src, "src", False),
+            None if rows is None else _ids(rows, "rows"),
         )
 
     def get(
@@ -179,7 +183,7 @@ class HostBlockPool:
             self._engine,
             self._pool,
             _ids(ids),
-            _writable(dst),
+            _writable(_array(dst, "dst", True)),
             None if rows is None else _ids(rows, "rows"),
         )
 
@@ -188,6 +192,19 @@ class HostBlockPool:
             f"HostBlockPool(block_bytes={self.block_bytes}, num_blocks={self.num_blocks}, "
             f"free={self.num_free}, shm={self._pool.shm_name or None!r})"
         )
+
+
+def _array(buf: Any, what: str, writes: bool) -> Any:
+    """``buf`` itself, unless it is plainly not an array (a list, bytes, a number...): refused
+    by name instead of nanobind's list of signatures."""
+    if isinstance(buf, list | tuple | dict | str | int | float | bool) or buf is None:
+        raise TypeError(
+            f"{what} must be an array (numpy, torch or JAX CPU array, or a HostBlockPool view), "
+            f"got {type(buf).__name__}"
+        )
+    if writes and isinstance(buf, bytes):
+        raise TypeError(f"{what} is bytes, which is read-only: a get writes into it")
+    return buf
 
 
 def _writable(dst: Any) -> Any:
@@ -207,11 +224,11 @@ def _ids(ids: Sequence[int], what: str = "block ids") -> list[int]:
         if ids.dtype.kind == "i" and ids.size and int(ids.min()) < 0:
             raise ValueError(f"{what} must be >= 0, got {int(ids.min())}")
         return ids.astype(np.uint64, copy=False).tolist()
-    out = list(ids)
-    for x in out:
+    out = []
+    for x in ids:  # ints, numpy / torch integer scalars
         if isinstance(x, bool) or not hasattr(x, "__index__"):
             raise TypeError(f"{what} must be integers, got {type(x).__name__}")
-    out = [operator.index(x) for x in out]  # ints, numpy / torch integer scalars
+        out.append(operator.index(x))
     if out and min(out) < 0:
         raise ValueError(f"{what} must be >= 0, got {min(out)}")
     if out and max(out) >= 1 << 64:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from tpusync.core import _native
-from tpusync.core.pool import _counts, _ids, _writable, default_engine
+from tpusync.core.pool import _array, _counts, _ids, _writable, default_engine
 
 __all__ = ["KVStore", "StoreFuture"]
 
@@ -91,19 +91,6 @@ def _text(value: str | None, what: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"KVStore: {what} must be a str, got {type(value).__name__}")
     return value
-
-
-def _array(buf: Any, what: str, writes: bool) -> Any:
-    """``buf`` itself, unless it is plainly not an array (a list, bytes, a number...): refused
-    by name instead of nanobind's list of signatures."""
-    if isinstance(buf, list | tuple | dict | str | int | float | bool) or buf is None:
-        raise TypeError(
-            f"{what} must be an array (numpy, torch or JAX CPU array, or a HostBlockPool view), "
-            f"got {type(buf).__name__}"
-        )
-    if writes and isinstance(buf, bytes):
-        raise TypeError(f"{what} is bytes, which is read-only: a get writes into it")
-    return buf
 
 
 def _recency(recency: str | _native.Recency) -> _native.Recency:

@@ -21,7 +21,7 @@ from typing import Any
 
 from tpusync.core import NotFoundError, PoolExhaustedError
 from tpusync.core.pd import PdConsumer, PdProducer
-from tpusync.core.pool import HostBlockPool, reclaim_stale_segments
+from tpusync.core.pool import HostBlockPool, _counts, reclaim_stale_segments
 from tpusync.rl.pack import MIN_PIECE
 
 # Threads that pack and hash a trainer's blocks, and that hash an in-place shared-segment
@@ -62,11 +62,7 @@ def check_args(owner: str, seconds: Mapping[str, float], **counts: int) -> None:
     """Counts and durations of TrainerSync / SamplerSync, refused by name before anything starts
     (a zero block size divided by zero; a float bucket count or a negative pool failed only in
     publish, after the version was announced; an infinite silence killed the heartbeat thread)."""
-    for name, v in counts.items():
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(f"{owner}: {name} must be an int, got {type(v).__name__}")
-        if v < 0:
-            raise ValueError(f"{owner}: {name} must be >= 0, got {v}")
+    _counts(owner, **counts)
     if "block_bytes" in counts and counts["block_bytes"] < MIN_BLOCK_BYTES:
         raise ValueError(
             f"{owner}: block_bytes must be at least {MIN_BLOCK_BYTES}, got {counts['block_bytes']}"
