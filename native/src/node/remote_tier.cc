@@ -136,7 +136,8 @@ void RemoteTier::ReadBatch(std::span<tier::BlockRead> ops) {
     }
   }
   if (keys.empty()) return;
-  auto res = client_->GetRaw(keys, dst);
+  std::vector<uint64_t> sums(keys.size());
+  auto res = client_->GetRaw(keys, dst, sums);
   std::lock_guard<std::mutex> l(mu_);
   for (size_t j = 0; j < asked.size(); ++j) {
     tier::BlockRead& op = ops[asked[j]];
@@ -147,6 +148,7 @@ void RemoteTier::ReadBatch(std::span<tier::BlockRead> ops) {
       op.status = Status::NotFound("remote tier: no store node holds the block any more");
     } else {
       op.status = Status::OK();
+      op.checksum = sums[j];  // verified on arrival: the store's promotion checks its copy
       ++stats_.blocks_read;
       stats_.bytes_read += options_.block_bytes;
     }

@@ -197,5 +197,40 @@ TEST(RemoteTierStore, ABlockTheNodesDroppedIsAMissAndForgotten) {
   EXPECT_EQ(b->stats().corrupted, 0u);
 }
 
+// A remote hit reports the checksum its bytes were verified against on arrival (the sender's
+// XXH3 from the frame), so the store can check the copy it promotes out of the caller's row
+// (PROMOTION CHECK: the row may have changed after the read verified it).
+TEST(RemoteTierStore, AHitReportsTheChecksumItWasVerifiedAgainst) {
+  auto cluster = StartNodes(2);
+  RemoteTierOptions ro;
+  ro.block_bytes = kBlock;
+  ro.capacity_blocks = 16;
+  ro.client.nodes = cluster.addrs;
+  auto remote = RemoteTier::Open(ro, TestSecret());
+  ASSERT_TRUE(remote.ok()) << remote.status().ToString();
+  const auto keys = Keys(6, "c");
+  std::vector<uint8_t> rows(keys.size() * kBlock);
+  std::vector<tier::BlockWrite> writes(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    FillFor(keys[i], rows.data() + i * kBlock);
+    auto loc = (*remote)->Reserve();
+    ASSERT_TRUE(loc.ok());
+    writes[i] = {.key = keys[i], .data = rows.data() + i * kBlock, .location = *loc};
+  }
+  (*remote)->WriteBatch(writes);
+  for (auto& w : writes) ASSERT_TRUE(w.status.ok()) << w.status.ToString();
+  std::vector<uint8_t> into(keys.size() * kBlock);
+  std::vector<tier::BlockRead> reads(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    reads[i] = {.key = keys[i], .dst = into.data() + i * kBlock, .location = writes[i].location};
+  }
+  (*remote)->ReadBatch(reads);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_TRUE(reads[i].status.ok()) << reads[i].status.ToString();
+    ASSERT_TRUE(reads[i].checksum.has_value()) << keys[i];
+    EXPECT_EQ(*reads[i].checksum, Checksum64(rows.data() + i * kBlock, kBlock)) << keys[i];
+  }
+}
+
 }  // namespace
 }  // namespace tpusync::node

@@ -81,7 +81,8 @@ Result<std::vector<uint8_t>> StoreClient::Call(size_t n, Op op,
                                                const std::vector<std::string>& keys,
                                                std::span<const uint8_t* const> payload,
                                                std::span<uint8_t* const> dst, uint8_t flags,
-                                               std::span<const uint8_t> extra_meta) {
+                                               std::span<const uint8_t> extra_meta,
+                                               std::span<uint64_t> sums) {
   TPUSYNC_ASSIGN_OR_RETURN(auto link, links_.Acquire(addrs_[n]));
   transport::Stream& s = *link->streams[0];
   const auto deadline = transport::Clock::now() + options_.timeout;
@@ -140,6 +141,11 @@ Result<std::vector<uint8_t>> StoreClient::Call(size_t n, Op op,
       links_.Release(std::move(link));
       return got;
     }
+    if (!sums.empty()) {  // RecvBlocks verified block j against reply->checksums[j]
+      for (size_t i = 0, j = 0; i < out.size(); ++i) {
+        if (out[i]) sums[i] = reply->checksums[j++];
+      }
+    }
   }
   links_.Release(std::move(link));
   if (!st.ok()) return st;
@@ -150,7 +156,7 @@ Result<std::vector<uint8_t>> StoreClient::CallRange(size_t n, Op op,
                                                     const std::vector<std::string>& keys,
                                                     std::span<const uint8_t* const> payload,
                                                     std::span<uint8_t* const> dst, size_t lo,
-                                                    size_t hi) {
+                                                    size_t hi, std::span<uint64_t> sums) {
   const size_t per = std::max<size_t>(1, kMaxRequestBytes / block_bytes_);
   std::vector<uint8_t> out;
   out.reserve(hi - lo);
@@ -158,7 +164,8 @@ Result<std::vector<uint8_t>> StoreClient::CallRange(size_t n, Op op,
     const size_t b = std::min(hi, a + per);
     std::vector<std::string> ks(keys.begin() + a, keys.begin() + b);
     auto res = Call(n, op, ks, payload.empty() ? payload : payload.subspan(a, b - a),
-                    dst.empty() ? dst : dst.subspan(a, b - a));
+                    dst.empty() ? dst : dst.subspan(a, b - a), 0, {},
+                    sums.empty() ? sums : sums.subspan(a, b - a));
     if (!res.ok()) return res.status();
     out.insert(out.end(), res->begin(), res->end());
   }
@@ -168,10 +175,11 @@ Result<std::vector<uint8_t>> StoreClient::CallRange(size_t n, Op op,
 Result<std::vector<uint8_t>> StoreClient::CallChunked(size_t n, Op op,
                                                       const std::vector<std::string>& keys,
                                                       std::span<const uint8_t* const> payload,
-                                                      std::span<uint8_t* const> dst) {
+                                                      std::span<uint8_t* const> dst,
+                                                      std::span<uint64_t> sums) {
   const size_t bytes = keys.size() * block_bytes_;
   const size_t stripes = std::clamp<size_t>(bytes / kStripeMinBytes, 1, kMaxStripes);
-  if (stripes == 1) return CallRange(n, op, keys, payload, dst, 0, keys.size());
+  if (stripes == 1) return CallRange(n, op, keys, payload, dst, 0, keys.size(), sums);
   const size_t part = (keys.size() + stripes - 1) / stripes;
   std::vector<Status> status(stripes);
   std::vector<std::vector<uint8_t>> results(stripes);
@@ -179,7 +187,7 @@ Result<std::vector<uint8_t>> StoreClient::CallChunked(size_t n, Op op,
     const size_t lo = i * part;
     const size_t hi = std::min(keys.size(), lo + part);
     if (lo >= hi) return;
-    auto res = CallRange(n, op, keys, payload, dst, lo, hi);
+    auto res = CallRange(n, op, keys, payload, dst, lo, hi, sums);
     if (res.ok()) {
       results[i] = std::move(*res);
     } else {
@@ -271,9 +279,11 @@ Result<std::vector<bool>> StoreClient::Get(const std::vector<std::string>& keys,
 }
 
 Result<std::vector<bool>> StoreClient::GetRaw(const std::vector<std::string>& keys,
-                                              std::span<uint8_t* const> dst) {
-  if (keys.size() != dst.size()) {
-    return Status::InvalidArgument(StrCat(keys.size(), " keys for ", dst.size(), " blocks"));
+                                              std::span<uint8_t* const> dst,
+                                              std::span<uint64_t> sums) {
+  if (keys.size() != dst.size() || (!sums.empty() && sums.size() != keys.size())) {
+    return Status::InvalidArgument(StrCat(keys.size(), " keys for ", dst.size(), " blocks and ",
+                                          sums.size(), " checksum slots"));
   }
   TPUSYNC_RETURN_IF_ERROR(ValidateKeys(keys));
   std::vector<bool> found(keys.size(), false);
@@ -293,13 +303,18 @@ Result<std::vector<bool>> StoreClient::GetRaw(const std::vector<std::string>& ke
         ks.push_back(keys[i]);
         ds.push_back(dst[i]);
       }
-      auto res = CallChunked(node, Op::kStoreGet, ks, {}, ds);
+      std::vector<uint64_t> got_sums(sums.empty() ? 0 : idx.size());
+      auto res = CallChunked(node, Op::kStoreGet, ks, {}, ds, got_sums);
       if (!res.ok()) {
         last = res.status();  // failover: the next round asks the next replica
         continue;
       }
       reached++;
-      for (size_t j = 0; j < idx.size(); ++j) found[idx[j]] = found[idx[j]] || (*res)[j];
+      for (size_t j = 0; j < idx.size(); ++j) {
+        if (!(*res)[j]) continue;
+        found[idx[j]] = true;
+        if (!sums.empty()) sums[idx[j]] = got_sums[j];
+      }
     }
   }
   if (reached == 0 && !last.ok()) return last;  // no node answered at all: say why

@@ -612,9 +612,8 @@ concurrency::Future KVStore::Get(std::vector<std::string> keys, memory::RowBuffe
       // Promote lower-tier hits into the fastest tier when that needs no waiting.
       // PROMOTION CHECK: the copy comes out of the caller's row, which the caller may change
       // (another thread sharing the buffer) once the read verified it, so the fastest tier
-      // checks it against the verified checksum while it copies and indexes nothing on a
-      // mismatch. A remote read has no checksum here (the client verified it on arrival): its
-      // promotion trusts the row.
+      // checks it against the verified checksum (the disk slot's; the reply frame's for a remote
+      // read) while it copies and indexes nothing on a mismatch.
       for (const Promotable& from : promote_from) {
         const size_t i = from.key;
         const std::string& key = job->keys[i];

@@ -78,10 +78,14 @@ class StoreClient {
   Result<size_t> LookupPrefix(const std::vector<std::string>& keys,
                               std::chrono::milliseconds lease);
   // Raw-memory forms (the remote tier's rows): src[i] / dst[i] point at block_bytes bytes.
+  // GetRaw fills sums[i] (when sums is not empty: one per key) for every found key with the
+  // checksum its bytes were verified against on arrival (Checksum64 of the block), so a caller
+  // that copies the row later can tell whether the row changed since (the store's PROMOTION
+  // CHECK).
   Result<std::vector<uint32_t>> PutRaw(const std::vector<std::string>& keys,
                                        std::span<const uint8_t* const> src);
   Result<std::vector<bool>> GetRaw(const std::vector<std::string>& keys,
-                                   std::span<uint8_t* const> dst);
+                                   std::span<uint8_t* const> dst, std::span<uint64_t> sums = {});
   size_t block_bytes() const { return block_bytes_; }
   size_t num_nodes() const { return addrs_.size(); }
   // Removes keys from every replica; returns whether each was present anywhere.
@@ -93,23 +97,27 @@ class StoreClient {
                                                    size_t block_bytes, Secret secret,
                                                    StoreClientOptions options);
   // Sends one request to node `n` and returns its per-key result bytes; a Get reply's blocks
-  // land in dst[i] for each found key i.
+  // land in dst[i] for each found key i, and (sums not empty: parallel to dst) the checksum
+  // each was verified against in sums[i].
   Result<std::vector<uint8_t>> Call(size_t n, transport::Op op,
                                     const std::vector<std::string>& keys,
                                     std::span<const uint8_t* const> payload,
                                     std::span<uint8_t* const> dst, uint8_t flags = 0,
-                                    std::span<const uint8_t> extra_meta = {});
+                                    std::span<const uint8_t> extra_meta = {},
+                                    std::span<uint64_t> sums = {});
   // Call, split into requests of at most kMaxRequestBytes of payload / received blocks, striped
   // over several links (STRIPE CONTRACT).
   Result<std::vector<uint8_t>> CallChunked(size_t n, transport::Op op,
                                            const std::vector<std::string>& keys,
                                            std::span<const uint8_t* const> payload,
-                                           std::span<uint8_t* const> dst);
+                                           std::span<uint8_t* const> dst,
+                                           std::span<uint64_t> sums = {});
   // Keys [lo, hi) of a CallChunked batch, one request after another on one link at a time.
   Result<std::vector<uint8_t>> CallRange(size_t n, transport::Op op,
                                          const std::vector<std::string>& keys,
                                          std::span<const uint8_t* const> payload,
-                                         std::span<uint8_t* const> dst, size_t lo, size_t hi);
+                                         std::span<uint8_t* const> dst, size_t lo, size_t hi,
+                                         std::span<uint64_t> sums = {});
   Result<size_t> Lookup(const std::vector<std::string>& keys, uint32_t lease_ms);
   std::shared_ptr<BlockAllocator> pool_;
   size_t block_bytes_ = 0;

@@ -42,9 +42,9 @@ struct BlockWrite {
   Status status;          // out
   // in, optional: the XXH3-64 the bytes must have. The host tier hashes them as it copies and
   // fails the op kCorrupted (slot left empty) on a mismatch: a copy out of memory the store does
-  // not own (a caller's get buffer, when a disk hit is promoted) may have changed since it was
-  // verified. Other tiers ignore it: the store only sets it when promoting a disk hit, and the
-  // host tier is the only tier above the disk.
+  // not own (a caller's get buffer, when a disk or remote hit is promoted) may have changed since
+  // it was verified. Other tiers ignore it: the store only sets it when promoting a hit of a lower
+  // tier, and the host tier is the only tier promoted into.
   std::optional<uint64_t> expect_checksum;
 };
 
@@ -53,8 +53,8 @@ struct BlockRead {
   uint8_t* dst = nullptr;  // block_bytes() writable bytes
   uint64_t location = 0;
   Status status;  // out: kCorrupted on checksum / key / length mismatch or a truncated slot
-  // out: the XXH3-64 the tier verified the bytes against (the slot header's), where it keeps one
-  // (disk); unset where the tier checks none itself.
+  // out: the XXH3-64 the tier verified the bytes against: the slot header's (disk), the one the
+  // reply frame carried for the block (remote); unset where the tier checks none itself.
   std::optional<uint64_t> checksum;
 };
 
