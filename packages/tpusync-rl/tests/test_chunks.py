@@ -570,6 +570,26 @@ def test_chunk_delta_manifest_refuses_bad_rows():
         dataclasses.replace(m, base_version=None)
 
 
+def test_a_tensor_changed_during_the_send_goes_out_again_in_the_next_delta():
+    """SNAPSHOT RULE: version 1's bytes were read as A, then an optimizer step changed row 4 to B
+    before ``published``. The base is A's digests (taken before the send), so a delta against B
+    resends row 4's chunk; digests taken after the send (B's) called B unchanged, and a sampler
+    that got A (or a torn A/B) kept it through every later delta."""
+    lay = ShardLayout.replicated((6, 2), [0])
+    pub = WeightPublisher(0, chunk_bytes=8)  # one row per chunk
+    w = torch.zeros(6, 2)
+    t = {"w": (w, lay)}
+    taken = pub.digests(t)
+    m1 = pub.prepare(1, t)
+    sent = b"".join(bytes(c.data) for c in pub.chunks(m1, t, {"w": lay}))  # the send reads A
+    w[4, 1] = 3.0  # the step lands before publish returned
+    pub.published(m1, t, taken=taken)
+    assert pub.changed_rows(t) == {"w": ((4, 5),)}
+    assert sent == bytes(48)
+    with pytest.raises(ValueError, match=r"no digests taken for \['w'\]"):
+        pub.published(m1, t, taken={})
+
+
 def test_a_dirty_inplace_subscriber_refuses_a_delta_until_a_full_update_lands():
     """DIRTY RULE: a version that failed half way left some live tensors at it; a delta on the old
     base then committed a mix of two versions, reported ok."""

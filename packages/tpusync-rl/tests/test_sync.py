@@ -1345,6 +1345,41 @@ def test_chunk_delta_from_one_trainer_to_shadow_and_inplace_samplers_is_bit_equa
         trainer.close()
 
 
+def test_a_tensor_stepped_during_publish_is_resent_by_the_next_delta(monkeypatch):
+    """SNAPSHOT RULE (chunks.py): the optimizer steps layers.1.w while version 1 is on the wire,
+    after the send read it (the fault is injected right after the trainer's send). The sampler
+    commits the old value; version 2, a delta of the same (stepped) tensors, must bring it to
+    the trainer's bytes. With the base digested after the send, version 2 was an empty delta and
+    the sampler kept the old row for good."""
+    q = U.ctx().Queue()
+    dst = tp_layouts(1, {})
+    trainer, eng = rank0(dst, bucket_blocks=2, deadline=30.0)
+    procs = start_samplers(q, trainer.control_address, eng, 1, 1, 2, common={"dtype": "float32"})
+    full = U.full_weights(77)
+    send = TrainerSync._send
+
+    def send_then_step(self, *a, **kw):
+        out = send(self, *a, **kw)
+        if self._pub.base_version is None:  # version 1 only
+            full["layers.1.w"][200, 1] += 0.5
+        return out
+
+    monkeypatch.setattr(TrainerSync, "_send", send_then_step)
+    try:
+        trainer.wait_for_samplers(1, timeout=30)
+        assert trainer.publish(1, full, delta=True).ok
+        (info,) = collect(q, 1).values()
+        assert info["ok"] and info["digest"] != U.expected_digest(full, eng, 0, torch.float32)
+        rep = trainer.publish(2, full, delta=True)
+        assert rep.ok and rep.bytes_sent > 0, rep
+        (info,) = collect(q, 1).values()
+        assert info["ok"] and info["serving"] == 2, info
+        assert info["digest"] == U.expected_digest(full, eng, 0, torch.float32)
+    finally:
+        join_all(procs)
+        trainer.close()
+
+
 def test_failed_version_forces_the_next_one_full_on_every_trainer_rank():
     """Sampler rank 1 pulls all of delta version 2, then rejects it: trainer rank 1 saw every
     acknowledgement (no failure of its own), only rank 0 knows. Version 3 (a one-element change)

@@ -201,6 +201,14 @@ class WeightPublisher:
     :class:`tpusync.rl.trainer.TrainerSync`): pass it as ``changed`` to :meth:`prepare`, and the
     union of the ranks' changed row runs (:meth:`changed_rows`) as ``rows`` to send only the
     changed chunks of those tensors (CHUNK DELTA CONTRACT); without ``rows`` they go whole.
+
+    SNAPSHOT RULE: the base digests describe the tensors as they were BEFORE their bytes were
+    read for the send: take them with :meth:`digests` first and hand the same dict to
+    :meth:`changed_rows` and :meth:`published` (``taken=``). A tensor changed while the send
+    read it (an optimizer step that did not wait for ``publish``) may reach the samplers torn,
+    and then differs from the base, so the next delta sends its changed chunks again. Digests
+    taken after the send (the rule before 2026-12-07) described bytes the samplers never got:
+    such a tensor stayed torn on the samplers through every later delta.
     """
 
     rank: int
@@ -269,15 +277,26 @@ class WeightPublisher:
         published digests; every name when none were taken."""
         return set(self.changed_rows(tensors))
 
+    def digests(self, tensors: Mapping[str, tuple[Any, ShardLayout]]) -> dict[str, tuple]:
+        """The per-chunk digests of every local tensor, one read of each (SNAPSHOT RULE)."""
+        return {
+            name: _digest(local, layout, self.rank, self.chunk_bytes)
+            for name, (local, layout) in tensors.items()
+        }
+
     def changed_rows(
-        self, tensors: Mapping[str, tuple[Any, ShardLayout]]
+        self,
+        tensors: Mapping[str, tuple[Any, ShardLayout]],
+        taken: Mapping[str, tuple] | None = None,
     ) -> dict[str, tuple[tuple[int, int], ...] | None]:
         """Changed tensors -> the global row runs of this process's changed chunks, or None when
         the whole tensor counts as changed (CHUNK DELTA CONTRACT; no digests taken, another
-        dtype, shape or sharding, a 0-d tensor). Unchanged tensors are absent."""
+        dtype, shape or sharding, a 0-d tensor). Unchanged tensors are absent. ``taken``: the
+        tensors' digests from :meth:`digests` (else they are taken here)."""
+        taken = self.digests(tensors) if taken is None else taken
         out = {}
-        for name, (local, layout) in tensors.items():
-            new = _digest(local, layout, self.rank, self.chunk_bytes)
+        for name, (_local, layout) in tensors.items():
+            new = taken[name]
             old = self._last_digests.get(name)
             if old == new:
                 continue
@@ -315,18 +334,24 @@ class WeightPublisher:
         manifest: Manifest,
         tensors: Mapping[str, tuple[Any, ShardLayout]],
         digests: bool = True,
+        taken: Mapping[str, tuple] | None = None,
     ) -> None:
         """Record that ``manifest`` went out (the base of the next delta).
 
         ``tensors`` holds every tensor of this rank (a shard or ``{rank: shard}`` each), not only
-        the manifest's: the digests describe the whole model at this version.
-        ``digests=False`` skips hashing every local tensor (a full read of the model) when no
-        delta will follow; the next delta then sends every tensor, which is always correct.
+        the manifest's: the digests describe the whole model at this version. ``taken``: their
+        digests from :meth:`digests`, taken before the send (SNAPSHOT RULE); without it they
+        are taken here. ``digests=False`` keeps none (no full read of the model) when no delta
+        will follow; the next delta then sends every tensor, which is always correct.
         """
         self._last_digests.clear()
         if digests:
-            for name, (local, layout) in tensors.items():
-                self._last_digests[name] = _digest(local, layout, self.rank, self.chunk_bytes)
+            if taken is None:
+                taken = self.digests(tensors)
+            missing = sorted(set(tensors) - set(taken))
+            if missing:
+                raise ValueError(f"published: no digests taken for {missing}")
+            self._last_digests.update({name: taken[name] for name in tensors})
         self._last_version = manifest.version
 
 

@@ -638,17 +638,21 @@ class TrainerSync:
                 )
         view = _first(tensors)
         agree = delta and len(self.ranks) < self.world  # other processes hold ranks
+        # Digests of every local tensor are only worth a pass over the model once deltas are
+        # used; they are taken before anything is read for the send (SNAPSHOT RULE, chunks.py).
+        keep = self._delta_used or delta
+        taken = self._pub.digests(tensors) if keep else None
         if not agree:
             # One process holds every rank: its own changed set, over all of its shards.
             use = delta and self._delta_possible(version)
-            mine = self._pub.changed_rows(tensors) if use else {}
+            mine = self._pub.changed_rows(tensors, taken) if use else {}
             manifest = self._pub.prepare(
                 version, view, delta=use, changed=set(mine), rows=_partial(mine)
             )
         elif self.rank == 0:
             self._pub.check_next(version)  # before the agreement: an old version stays decided
             try:
-                mine = self._pub.changed_rows(tensors)
+                mine = self._pub.changed_rows(tensors, taken)
                 union = self._agreement.agree(
                     version,
                     mine,
@@ -682,7 +686,7 @@ class TrainerSync:
             self._agreement.report(
                 self._client,
                 version,
-                self._pub.changed_rows(tensors),
+                self._pub.changed_rows(tensors, taken),
                 t0 + self.deadline,
                 self.deadline,
                 self._force_full,
@@ -740,9 +744,8 @@ class TrainerSync:
                 report.failed.setdefault(key, "did not read every shared bucket by the deadline")
         if self.rank == 0:
             self._collect(ann, report, t0 + self.deadline)
-        # Digests of every local tensor are only worth a pass over the model once deltas are used.
-        self._delta_used = self._delta_used or delta
-        self._pub.published(manifest, tensors, digests=self._delta_used)
+        self._delta_used = keep
+        self._pub.published(manifest, tensors, digests=keep, taken=taken)
         self._force_full = bool(report.failed)
         report.seconds = time.monotonic() - t0
         self.metrics["versions_published"] += 1
