@@ -20,6 +20,7 @@ Result<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions options, 
   TPUSYNC_ASSIGN_OR_RETURN(
       t->client_,
       StoreClient::CreateRaw(options.block_bytes, std::move(secret), std::move(options.client)));
+  TPUSYNC_RETURN_IF_ERROR(t->client_->CheckNodes());
   t->slots_.resize(options.capacity_blocks);
   for (size_t i = options.capacity_blocks; i-- > 0;) t->free_.push_back(i);
   return t;
@@ -161,16 +162,24 @@ size_t RemoteTier::AdoptPrefix(std::span<const std::string_view> keys,
   locations->clear();
   if (keys.empty()) return 0;
   std::vector<std::string> ks(keys.begin(), keys.end());
-  auto n = client_->LookupPrefix(ks, options_.lease);
+  std::vector<size_t> leased_on;
+  auto n = client_->LookupPrefix(ks, options_.lease, &leased_on);
   if (!n.ok() || *n == 0) return 0;
-  std::lock_guard<std::mutex> l(mu_);
-  for (size_t i = 0; i < *n && !free_.empty(); ++i) {
-    const uint64_t loc = free_.back();
-    free_.pop_back();
-    slots_[loc] = Slot{.used = true, .key = ks[i]};
-    locations->push_back(loc);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (size_t i = 0; i < *n && !free_.empty(); ++i) {
+      const uint64_t loc = free_.back();
+      free_.pop_back();
+      slots_[loc] = Slot{.used = true, .key = ks[i]};
+      locations->push_back(loc);
+    }
   }
-  return locations->size();
+  const size_t adopted = locations->size();
+  if (adopted < *n) {  // LEASE CONTRACT: no handle, no lease
+    client_->EndLeases({ks.begin() + adopted, ks.begin() + *n},
+                       {leased_on.begin() + adopted, leased_on.begin() + *n});
+  }
+  return adopted;
 }
 
 tier::TierStats RemoteTier::stats() const {

@@ -197,6 +197,37 @@ TEST(RemoteTierStore, ABlockTheNodesDroppedIsAMissAndForgotten) {
   EXPECT_EQ(b->stats().corrupted, 0u);
 }
 
+// LEASE CONTRACT: only adopted keys stay leased - not those past the nodes' prefix, nor those
+// the tier has no handle for; and a node with another block size fails the open by name.
+TEST(RemoteTierStore, OnlyAdoptedKeysStayLeasedAndABlockSizeMismatchFailsTheOpen) {
+  auto cluster = StartNodes(1);
+  auto direct = StoreClient::CreateRaw(kBlock, TestSecret(), {.nodes = cluster.addrs});
+  const auto keys = Keys(6, "l");
+  std::vector<uint8_t> rows(keys.size() * kBlock, 3);
+  std::vector<const uint8_t*> src;
+  for (size_t i = 0; i < keys.size(); ++i) src.push_back(rows.data() + i * kBlock);
+  ASSERT_TRUE((*direct)->PutRaw(keys, src).ok());
+  ASSERT_TRUE((*direct)->Remove({"l1"}).ok());  // l0, a gap, then l2..l5
+  RemoteTierOptions ro;
+  ro.block_bytes = kBlock;
+  ro.capacity_blocks = 2;
+  ro.client.nodes = cluster.addrs;
+  auto remote = RemoteTier::Open(ro, TestSecret());
+  ASSERT_TRUE(remote.ok()) << remote.status().ToString();
+  std::vector<uint64_t> locs;
+  std::vector<std::string_view> all(keys.begin(), keys.end());
+  EXPECT_EQ((*remote)->AdoptPrefix(all, &locs), 1u);
+  EXPECT_EQ(cluster.nodes[0]->stats().leases_active, 1u);  // l0 only
+  std::vector<std::string_view> tail(keys.begin() + 2, keys.end());
+  EXPECT_EQ((*remote)->AdoptPrefix(tail, &locs), 1u);  // one handle left for four hits
+  EXPECT_EQ(cluster.nodes[0]->stats().leases_active, 2u);
+  ro.block_bytes = 2 * kBlock;
+  auto wide = RemoteTier::Open(ro, TestSecret());
+  EXPECT_EQ(wide.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(wide.status().message().find("serves 8192-byte blocks"), std::string::npos)
+      << wide.status().ToString();
+}
+
 // A remote hit reports the checksum its bytes were verified against on arrival (the sender's
 // XXH3 from the frame), so the store can check the copy it promotes out of the caller's row
 // (PROMOTION CHECK: the row may have changed after the read verified it).

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <system_error>
 #include <thread>
+#include <unordered_set>
 
 #include "tpusync/base/checksum.h"
 #include "tpusync/block/block_key.h"
@@ -34,8 +36,15 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Make(std::shared_ptr<BlockAllo
   c->block_bytes_ = block_bytes;
   for (const auto& n : options.nodes) {
     TPUSYNC_ASSIGN_OR_RETURN(auto a, transport::ParseAddress(n));
-    c->addrs_.push_back(a);
     const std::string canon = a.ToString();
+    for (const auto& seen : c->addrs_) {
+      if (seen.ToString() == canon) {  // NODE LIST RULE
+        return Status::InvalidArgument(StrCat("node ", canon,
+                                              " is listed twice (its replicas would be one node); "
+                                              "list each node once"));
+      }
+    }
+    c->addrs_.push_back(a);
     c->seeds_.push_back(Checksum64(canon.data(), canon.size()));
   }
   return c;
@@ -77,6 +86,30 @@ std::vector<size_t> StoreClient::Rank(std::string_view key) const {
   return out;
 }
 
+template <typename Fn>
+auto StoreClient::ForEachNode(const std::map<size_t, std::vector<size_t>>& per_node, Fn fn)
+    -> std::vector<decltype(fn(size_t{}, per_node.begin()->second))> {
+  using R = decltype(fn(size_t{}, per_node.begin()->second));
+  std::vector<std::optional<R>> out(per_node.size());
+  std::vector<std::thread> threads;
+  size_t e = 0;
+  for (const auto& [node, idx] : per_node) {
+    auto run = [&, node = node, e] { out[e].emplace(fn(node, per_node.at(node))); };
+    if (e++ == 0) continue;  // the first entry runs on the calling thread, below
+    try {
+      threads.emplace_back(run);
+    } catch (const std::system_error&) {
+      run();  // no thread to spare: this node is asked on the calling thread
+    }
+  }
+  if (!per_node.empty()) out[0].emplace(fn(per_node.begin()->first, per_node.begin()->second));
+  for (auto& t : threads) t.join();
+  std::vector<R> results;
+  results.reserve(out.size());
+  for (auto& r : out) results.push_back(std::move(*r));
+  return results;
+}
+
 Result<std::vector<uint8_t>> StoreClient::Call(size_t n, Op op,
                                                const std::vector<std::string>& keys,
                                                std::span<const uint8_t* const> payload,
@@ -110,6 +143,16 @@ Result<std::vector<uint8_t>> StoreClient::Call(size_t n, Op op,
     return Status::Corrupted("malformed store reply");
   }
   auto per_key = r.Bytes(*count);
+  if (per_key.ok() && r.remaining() >= 8) {  // the node's block size (store_node.h)
+    auto theirs = r.U64();
+    if (theirs.ok() && *theirs != block_bytes_) {
+      link->Close();
+      return Status::InvalidArgument(StrCat("store node ", addrs_[n].ToString(), " serves ",
+                                            *theirs, "-byte blocks; this client's are ",
+                                            block_bytes_,
+                                            " bytes (give both the same block size)"));
+    }
+  }
   const Status st = transport::DecodeStatus(std::span(reply->meta).first(5 + msg->size()));
   std::vector<uint8_t> out;
   if (per_key.ok()) out.assign(per_key->begin(), per_key->end());
@@ -241,14 +284,18 @@ Result<std::vector<uint32_t>> StoreClient::PutRaw(const std::vector<std::string>
   std::vector<uint32_t> replicas(keys.size(), 0);
   Status last;
   size_t accepted = 0;
-  for (auto& [node, idx] : per_node) {
+  auto results = ForEachNode(per_node, [&](size_t node, const std::vector<size_t>& idx) {
     std::vector<std::string> ks;
     std::vector<const uint8_t*> bs;
     for (size_t i : idx) {
       ks.push_back(keys[i]);
       bs.push_back(blocks[i]);
     }
-    auto res = CallChunked(node, Op::kStorePut, ks, bs, {});
+    return CallChunked(node, Op::kStorePut, ks, bs, {});
+  });
+  size_t e = 0;
+  for (auto& [node, idx] : per_node) {
+    auto& res = results[e++];
     if (!res.ok()) {
       // Unreachable, or it refused the request (a payload damaged in flight, another block size,
       // our secret): its replicas do not count, and if every node did the same the put fails.
@@ -296,15 +343,24 @@ Result<std::vector<bool>> StoreClient::GetRaw(const std::vector<std::string>& ke
     for (size_t i = 0; i < keys.size(); ++i) {
       if (!found[i]) per_node[ranks[i][round]].push_back(i);
     }
-    for (auto& [node, idx] : per_node) {
+    std::vector<std::vector<uint64_t>> got_sums(per_node.size());
+    size_t e = 0;
+    for (auto& [node, idx] : per_node) got_sums[e++].resize(sums.empty() ? 0 : idx.size());
+    std::map<size_t, size_t> entry;  // node -> its index in per_node's order
+    for (auto& [node, idx] : per_node) entry.emplace(node, entry.size());
+    auto results = ForEachNode(per_node, [&](size_t node, const std::vector<size_t>& idx) {
       std::vector<std::string> ks;
       std::vector<uint8_t*> ds;
       for (size_t i : idx) {
         ks.push_back(keys[i]);
         ds.push_back(dst[i]);
       }
-      std::vector<uint64_t> got_sums(sums.empty() ? 0 : idx.size());
-      auto res = CallChunked(node, Op::kStoreGet, ks, {}, ds, got_sums);
+      return CallChunked(node, Op::kStoreGet, ks, {}, ds, got_sums[entry.at(node)]);
+    });
+    e = 0;
+    for (auto& [node, idx] : per_node) {
+      const size_t at = e++;
+      auto& res = results[at];
       if (!res.ok()) {
         last = res.status();  // failover: the next round asks the next replica
         continue;
@@ -313,7 +369,7 @@ Result<std::vector<bool>> StoreClient::GetRaw(const std::vector<std::string>& ke
       for (size_t j = 0; j < idx.size(); ++j) {
         if (!(*res)[j]) continue;
         found[idx[j]] = true;
-        if (!sums.empty()) sums[idx[j]] = got_sums[j];
+        if (!sums.empty()) sums[idx[j]] = got_sums[at][j];
       }
     }
   }
@@ -322,18 +378,51 @@ Result<std::vector<bool>> StoreClient::GetRaw(const std::vector<std::string>& ke
 }
 
 Result<size_t> StoreClient::LookupPrefix(const std::vector<std::string>& keys) {
-  return Lookup(keys, 0);
+  return Lookup(keys, 0, nullptr);
 }
 
 Result<size_t> StoreClient::LookupPrefix(const std::vector<std::string>& keys,
-                                         std::chrono::milliseconds lease) {
+                                         std::chrono::milliseconds lease,
+                                         std::vector<size_t>* leased_on) {
   const auto ms = std::clamp<int64_t>(lease.count(), 1, kMaxLeaseMs);
-  return Lookup(keys, static_cast<uint32_t>(ms));
+  return Lookup(keys, static_cast<uint32_t>(ms), leased_on);
 }
 
-Result<size_t> StoreClient::Lookup(const std::vector<std::string>& keys, uint32_t lease_ms) {
+void StoreClient::EndLeases(const std::vector<std::string>& keys,
+                            const std::vector<size_t>& nodes) {
+  std::map<size_t, std::vector<size_t>> per_node;
+  for (size_t i = 0; i < keys.size() && i < nodes.size(); ++i) {
+    if (nodes[i] < addrs_.size()) per_node[nodes[i]].push_back(i);
+  }
+  ForEachNode(per_node, [&](size_t node, const std::vector<size_t>& idx) {
+    std::vector<std::string> ks;
+    for (size_t i : idx) ks.push_back(keys[i]);
+    return Call(node, Op::kStoreLookup, ks, {}, {}, kUnleaseFlag).status();
+  });  // best effort: a lease a node did not hear about expires
+}
+
+Status StoreClient::CheckNodes() {
+  std::map<size_t, std::vector<size_t>> all;
+  for (size_t n = 0; n < addrs_.size(); ++n) all[n] = {};
+  const std::vector<std::string> probe = {"tpusync-check-nodes"};
+  auto results = ForEachNode(all, [&](size_t node, const std::vector<size_t>&) {
+    return Call(node, Op::kStoreLookup, probe, {}, {}).status();
+  });
+  for (const Status& st : results) {
+    const StatusCode c = st.code();
+    if (c == StatusCode::kInvalidArgument || c == StatusCode::kPermissionDenied ||
+        c == StatusCode::kVersionMismatch || c == StatusCode::kCorrupted) {
+      return st;
+    }
+  }
+  return Status::OK();
+}
+
+Result<size_t> StoreClient::Lookup(const std::vector<std::string>& keys, uint32_t lease_ms,
+                                   std::vector<size_t>* leased_on) {
   TPUSYNC_RETURN_IF_ERROR(ValidateKeys(keys));
   std::vector<bool> found(keys.size(), false);
+  std::vector<size_t> on(keys.size(), 0);  // the node that found (and leased) each key
   std::vector<std::vector<size_t>> ranks;
   for (const auto& k : keys) ranks.push_back(Rank(k));
   size_t prefix_bound = keys.size();
@@ -347,22 +436,46 @@ Result<size_t> StoreClient::Lookup(const std::vector<std::string>& keys, uint32_
       if (!found[i]) per_node[ranks[i][round]].push_back(i);
     }
     if (per_node.empty()) break;
-    for (auto& [node, idx] : per_node) {
+    auto results = ForEachNode(per_node, [&](size_t node, const std::vector<size_t>& idx) {
       std::vector<std::string> ks;
       for (size_t i : idx) ks.push_back(keys[i]);
-      auto res = Call(node, Op::kStoreLookup, ks, {}, {}, lease_ms ? kLeaseFlag : uint8_t{0},
-                      extra.bytes());
+      return Call(node, Op::kStoreLookup, ks, {}, {}, lease_ms ? kLeaseFlag : uint8_t{0},
+                  extra.bytes());
+    });
+    size_t e = 0;
+    for (auto& [node, idx] : per_node) {
+      auto& res = results[e++];
       if (!res.ok()) {
         last = res.status();
         continue;
       }
       reached++;
-      for (size_t j = 0; j < idx.size(); ++j) found[idx[j]] = found[idx[j]] || (*res)[j];
+      for (size_t j = 0; j < idx.size(); ++j) {
+        if ((*res)[j] && !found[idx[j]]) {
+          found[idx[j]] = true;
+          on[idx[j]] = node;
+        }
+      }
     }
   }
   if (reached == 0 && !last.ok()) return last;  // no node answered at all: say why
   size_t n = 0;
   while (n < keys.size() && found[n]) ++n;
+  if (lease_ms) {
+    // LEASED PREFIX CONTRACT: the keys found past the first miss were leased too; end those
+    // leases (a key that also sits in the prefix keeps its one lease per request).
+    std::unordered_set<std::string_view> kept(keys.begin(), keys.begin() + n);
+    std::vector<std::string> past;
+    std::vector<size_t> past_on;
+    for (size_t i = n; i < keys.size(); ++i) {
+      if (found[i] && !kept.contains(keys[i]) && kept.insert(keys[i]).second) {
+        past.push_back(keys[i]);
+        past_on.push_back(on[i]);
+      }
+    }
+    if (!past.empty()) EndLeases(past, past_on);
+    if (leased_on) leased_on->assign(on.begin(), on.begin() + n);
+  }
   return n;
 }
 
@@ -376,10 +489,14 @@ Result<std::vector<bool>> StoreClient::Remove(const std::vector<std::string>& ke
   std::vector<bool> removed(keys.size(), false);
   Status last;
   size_t reached = 0;
-  for (auto& [node, idx] : per_node) {
+  auto results = ForEachNode(per_node, [&](size_t node, const std::vector<size_t>& idx) {
     std::vector<std::string> ks;
     for (size_t i : idx) ks.push_back(keys[i]);
-    auto res = Call(node, Op::kStoreRemove, ks, {}, {});
+    return Call(node, Op::kStoreRemove, ks, {}, {});
+  });
+  size_t e = 0;
+  for (auto& [node, idx] : per_node) {
+    auto& res = results[e++];
     if (!res.ok()) {
       last = res.status();
       continue;

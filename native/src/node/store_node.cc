@@ -33,21 +33,24 @@ namespace {
 constexpr int64_t kIoTimeoutMs = 30000;
 constexpr auto kIdleLinkTimeout = std::chrono::minutes(10);
 
-Status Reply(Stream& s, uint64_t id, const Status& st, const std::vector<uint8_t>& per_key,
-             const std::vector<const uint8_t*>& blocks = {}, uint64_t block_bytes = 0) {
+}  // namespace
+
+Status StoreNode::Reply(Stream& s, uint64_t id, const Status& st,
+                        const std::vector<uint8_t>& per_key,
+                        const std::vector<const uint8_t*>& blocks) {
   MetaWriter w;
   const auto head = EncodeStatus(st);
   w.Bytes(head).U32(static_cast<uint32_t>(per_key.size())).Bytes(per_key);
+  w.U64(options_.block_bytes);
   transport::OutFrame f;
   f.op = Op::kStoreReply;
   f.request_id = id;
   const auto meta = w.Take();
   f.meta = meta;
   f.blocks = blocks;
-  f.block_bytes = blocks.empty() ? 0 : block_bytes;
+  f.block_bytes = blocks.empty() ? 0 : options_.block_bytes;
   return s.Send(f, DeadlineInMs(kIoTimeoutMs));
 }
-}  // namespace
 
 std::vector<uint8_t> EncodeKeys(const std::vector<std::string>& keys) {
   MetaWriter w;
@@ -74,6 +77,11 @@ Result<std::vector<std::string>> DecodeKeys(MetaReader& r) {
 }
 
 Result<std::unique_ptr<StoreNode>> StoreNode::Start(StoreNodeOptions options, Secret secret) {
+  if (options.block_bytes > kMaxNodeRequestBytes) {
+    return Status::InvalidArgument(StrCat("block size ", options.block_bytes,
+                                          " bytes exceeds a node request's limit of ",
+                                          kMaxNodeRequestBytes, " (no block could be stored)"));
+  }
   if (options.block_bytes == 0 || options.capacity_bytes < options.block_bytes) {
     return Status::InvalidArgument(StrCat("capacity ", options.capacity_bytes,
                                           " bytes cannot hold one block of ", options.block_bytes));
@@ -84,6 +92,7 @@ Result<std::unique_ptr<StoreNode>> StoreNode::Start(StoreNodeOptions options, Se
   }
   std::unique_ptr<StoreNode> n(new StoreNode());
   n->options_ = options;
+  n->max_leased_keys_ = options.capacity_bytes / options.block_bytes / kLeasedShare;
   n->engine_ =
       std::make_shared<concurrency::ThreadPool>(std::max<size_t>(1, options.engine_threads));
   store::KVStoreOptions ko;
@@ -309,7 +318,7 @@ Status StoreNode::HandleGet(Stream& s, const InFrame& f, std::shared_ptr<Scratch
       if (ended.insert((*keys)[i]).second) EndLease((*keys)[i]);
     }
   }
-  const Status sent = Reply(s, f.header.request_id, Status::OK(), flags, src, bb);
+  const Status sent = Reply(s, f.header.request_id, Status::OK(), flags, src);
   std::lock_guard lock(stats_mu_);
   stats_.gets++;
   stats_.get_hits += src.size();
@@ -361,6 +370,10 @@ Status StoreNode::HandleLookup(Stream& s, const InFrame& f) {
   auto keys = DecodeKeys(r);
   Status bad = keys.ok() ? Status::OK() : keys.status();
   uint32_t lease_ms = 0;
+  const bool unlease = f.header.flags & kUnleaseFlag;
+  if (bad.ok() && unlease && (f.header.flags & kLeaseFlag)) {
+    bad = Status::InvalidArgument("a lookup cannot both lease and end leases");
+  }
   if (bad.ok() && (f.header.flags & kLeaseFlag)) {
     auto ms = r.U32();
     if (!ms.ok()) {
@@ -379,19 +392,38 @@ Status StoreNode::HandleLookup(Stream& s, const InFrame& f) {
   }
   std::vector<uint8_t> found(keys->size(), 0);
   std::vector<block::Placement> placed;
-  uint64_t leased = 0;
+  uint64_t leased = 0, refused = 0;
   {
     std::lock_guard lock(lease_mu_);
     const auto expires = transport::Clock::now() + std::chrono::milliseconds(lease_ms);
     std::unordered_map<std::string_view, size_t> first;  // key -> its first index in the request
     for (size_t i = 0; i < keys->size(); ++i) {
       const std::string_view k = (*keys)[i];
-      if (lease_ms == 0) {
+      if (lease_ms == 0 && !unlease) {
         found[i] = store_->Lookup({&k, 1}, &placed) == 1;
         continue;
       }
       if (auto [it, fresh] = first.emplace(k, i); !fresh) {
         found[i] = found[it->second];  // one lease per distinct key of a request
+        continue;
+      }
+      if (unlease) {
+        if (leases_.contains((*keys)[i])) {
+          EndLease((*keys)[i]);
+          found[i] = 1;
+        }
+        continue;
+      }
+      // LEASE BOUND: past it a found key is reported found and pins nothing more.
+      auto held = leases_.find((*keys)[i]);
+      const bool bounded = held == leases_.end() ? leases_.size() >= max_leased_keys_
+                                                 : held->second.count >= kMaxLeasesPerKey;
+      if (bounded) {
+        found[i] = store_->Lookup({&k, 1}, &placed) == 1;
+        if (found[i] && held != leases_.end()) {
+          held->second.expires = std::max(held->second.expires, expires);
+        }
+        refused += found[i];
         continue;
       }
       // Pin succeeds only for a stored key: lookup and lease in one step.
@@ -407,6 +439,7 @@ Status StoreNode::HandleLookup(Stream& s, const InFrame& f) {
     std::lock_guard lock(stats_mu_);
     stats_.lookups++;
     stats_.leases += leased;
+    stats_.leases_refused += refused;
   }
   return Reply(s, f.header.request_id, Status::OK(), found);
 }

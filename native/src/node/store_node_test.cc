@@ -8,6 +8,9 @@
 #include <random>
 #include <thread>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "tpusync/base/checksum.h"
@@ -336,9 +339,15 @@ TEST(StoreNode, ClientCallsThatNoNodeTakesFailWithTheReason) {
   uint8_t* into[] = {row.data()};
   auto put = (*wide)->PutRaw({"w"}, rows);
   EXPECT_EQ(put.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(put.status().message().find("put of 32768-byte blocks to a node of 16384-byte blocks"),
+  EXPECT_NE(put.status().message().find("serves 16384-byte blocks; this client's are 32768 bytes"),
             std::string::npos)
       << put.status().ToString();
+  // Every reply carries the node's block size: a lookup names it too, and CheckNodes asks.
+  auto look = (*wide)->LookupPrefix({"g"});
+  EXPECT_EQ(look.status().code(), StatusCode::kInvalidArgument) << look.status().ToString();
+  EXPECT_EQ((*wide)->CheckNodes().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*stranger)->CheckNodes().code(), StatusCode::kPermissionDenied);
+  EXPECT_TRUE((*good)->CheckNodes().ok());
   auto get = (*wide)->GetRaw({"g"}, into);
   EXPECT_EQ(get.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(get.status().message().find("serves 16384-byte blocks; this client's are 32768 bytes"),
@@ -380,6 +389,99 @@ TEST(StoreNode, LeasedKeysSurviveEvictionUntilReadOrExpiry) {
   EXPECT_EQ(*(*client)->LookupPrefix({"a0"}), 0u);
   EXPECT_EQ(*(*client)->LookupPrefix({"a1"}), 0u);
   EXPECT_EQ(*(*client)->LookupPrefix(Keys(8, "c")), 8u);
+}
+
+// LEASED PREFIX CONTRACT: keys found past the first miss are not left leased; LEASE BOUND: one
+// key takes at most kMaxLeasesPerKey leases and leases pin at most half of the node, so lookups
+// never followed by reads cannot fill it (another client's put found no room before).
+TEST(StoreNode, LeasesEndPastThePrefixAndStayBounded) {
+  auto node = StartNode(8);  // leases may pin 4 distinct keys
+  auto pool = MakePool(16);
+  auto client = StoreClient::Create(pool, TestSecret(), {.nodes = {node->address().ToString()}});
+  auto src = *pool->Alloc(8);
+  Fill(*pool, src, 5);
+  ASSERT_TRUE((*client)->Put(Keys(8), src).ok());
+  const auto lease = std::chrono::milliseconds(600000);
+  EXPECT_EQ(*(*client)->LookupPrefix({"missing", "k1", "k2"}, lease), 0u);
+  EXPECT_EQ(node->stats().leases_active, 0u);  // k1 and k2 were leased, then released
+  std::vector<size_t> on;
+  EXPECT_EQ(*(*client)->LookupPrefix({"k0", "missing", "k2"}, lease, &on), 1u);
+  EXPECT_EQ(on, std::vector<size_t>{0});
+  EXPECT_EQ(node->stats().leases_active, 1u);
+  (*client)->EndLeases({"k0"}, on);
+  EXPECT_EQ(node->stats().leases_active, 0u);
+  for (int i = 0; i < 100; ++i) ASSERT_EQ(*(*client)->LookupPrefix({"k1"}, lease), 1u);
+  auto st = node->stats();
+  EXPECT_EQ(st.leases_active, kMaxLeasesPerKey);
+  EXPECT_EQ(st.leases_refused, 100u - kMaxLeasesPerKey);
+  EXPECT_EQ(*(*client)->LookupPrefix(Keys(8), lease), 8u);  // found, but only 4 keys pinned
+  st = node->stats();
+  EXPECT_EQ(st.leases_active, kMaxLeasesPerKey + 3);
+  EXPECT_EQ(st.leases_refused, 100u - kMaxLeasesPerKey + 5);  // k1 (its bound) and k4..k7
+  // Another client's put still finds the unpinned half.
+  auto other = StoreClient::Create(pool, TestSecret(), {.nodes = {node->address().ToString()}});
+  auto put = (*other)->Put(Keys(4, "o"), std::vector<BlockId>(src.begin(), src.begin() + 4));
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  EXPECT_EQ(*put, std::vector<uint32_t>(4, 1));
+}
+
+TEST(StoreNode, ANodeListedTwiceAndABlockNoRequestCanCarryAreRefused) {
+  auto node = StartNode(8);
+  const std::string addr = node->address().ToString();
+  auto twice = StoreClient::CreateRaw(kBlock, TestSecret(), {.nodes = {addr, addr}});
+  EXPECT_EQ(twice.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.status().message().find("listed twice"), std::string::npos);
+  auto huge = StoreNode::Start(
+      {.capacity_bytes = 4 * kMaxNodeRequestBytes, .block_bytes = 2 * kMaxNodeRequestBytes},
+      TestSecret());
+  EXPECT_EQ(huge.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(huge.status().message().find("exceeds a node request's limit"), std::string::npos);
+}
+
+// DEADLINE CONTRACT: the nodes of one round are asked at once, so three nodes that accept TCP
+// connections and never answer cost one connect timeout per call, not three in a row.
+TEST(StoreNode, HungNodesOfOneRoundAreWaitedForTogether) {
+  auto live = StartNode(64);
+  std::vector<int> hung;
+  std::vector<std::string> nodes = {live->address().ToString()};
+  for (int i = 0; i < 3; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    ASSERT_EQ(::listen(fd, 16), 0);  // the kernel completes connects; nobody ever answers
+    socklen_t len = sizeof(a);
+    ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    nodes.push_back("127.0.0.1:" + std::to_string(ntohs(a.sin_port)));
+    hung.push_back(fd);
+  }
+  StoreClientOptions o{.nodes = nodes, .replication = 1};
+  o.timeout = std::chrono::milliseconds(1000);
+  o.connect.timeout = std::chrono::milliseconds(1000);
+  auto client = StoreClient::CreateRaw(kBlock, TestSecret(), o);
+  ASSERT_TRUE(client.ok());
+  const auto keys = Keys(16);  // spread over all four nodes
+  std::vector<uint8_t> rows(keys.size() * kBlock, 1);
+  std::vector<const uint8_t*> src;
+  std::vector<uint8_t*> dst;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    src.push_back(rows.data() + i * kBlock);
+    dst.push_back(rows.data() + i * kBlock);
+  }
+  const auto timed = [](auto call) {
+    const auto t0 = std::chrono::steady_clock::now();
+    call();
+    return std::chrono::steady_clock::now() - t0;
+  };
+  const auto bound =
+      std::chrono::milliseconds(2500);  // one connect timeout plus slack; 3 s in a row
+  EXPECT_LT(timed([&] { (void)(*client)->PutRaw(keys, src); }), bound);
+  EXPECT_LT(timed([&] { (void)(*client)->GetRaw(keys, dst); }), bound);
+  EXPECT_LT(timed([&] { (void)(*client)->LookupPrefix(keys); }), bound);
+  EXPECT_LT(timed([&] { (void)(*client)->Remove(keys); }), bound);
+  for (int fd : hung) ::close(fd);
 }
 
 TEST(StoreNode, DiskTierBelowDramHoldsWhatDramCannot) {

@@ -45,6 +45,15 @@ std::chrono::milliseconds Ms(double seconds, const char* what = "a timeout") {
   return std::max(SecondsToMs(seconds), std::chrono::milliseconds(1));
 }
 
+std::string Bytes(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
+
+std::vector<std::string> Bytes(const std::vector<nb::bytes>& keys) {
+  std::vector<std::string> out;
+  out.reserve(keys.size());
+  for (const auto& k : keys) out.push_back(Bytes(k));
+  return out;
+}
+
 transport::Secret MakeSecret(const nb::bytes& secret) {
   return Unwrap(transport::Secret::FromBytes(std::string(secret.c_str(), secret.size())));
 }
@@ -313,6 +322,7 @@ void init_transport(nb::module_& m) {
              d["evictions"] = s.evictions;
              d["leases"] = s.leases;
              d["leases_expired"] = s.leases_expired;
+             d["leases_refused"] = s.leases_refused;
              d["leases_active"] = s.leases_active;
              d["disk_blocks_total"] = s.disk_blocks_total;
              d["disk_blocks_used"] = s.disk_blocks_used;
@@ -344,31 +354,50 @@ void init_transport(nb::module_& m) {
           nb::arg("pool"), nb::arg("secret"), nb::arg("nodes"), nb::arg("replication") = 1,
           nb::arg("timeout") = 10.0)
       .def(
-          "rank", [](const node::StoreClient& c, const std::string& key) { return c.Rank(key); },
+          "rank", [](const node::StoreClient& c, nb::bytes key) { return c.Rank(Bytes(key)); },
           nb::arg("key"))
       .def(
           "put",
-          [](node::StoreClient& c, const std::vector<std::string>& keys,
-             const std::vector<BlockId>& blocks) { return Unwrap(c.Put(keys, blocks)); },
-          nb::arg("keys"), nb::arg("blocks"), nb::call_guard<nb::gil_scoped_release>())
+          [](node::StoreClient& c, const std::vector<nb::bytes>& keys,
+             const std::vector<BlockId>& blocks) {
+            auto ks = Bytes(keys);
+            nb::gil_scoped_release release;
+            return Unwrap(c.Put(ks, blocks));
+          },
+          nb::arg("keys"), nb::arg("blocks"))
       .def(
           "get",
-          [](node::StoreClient& c, const std::vector<std::string>& keys,
-             const std::vector<BlockId>& dst) { return Unwrap(c.Get(keys, dst)); },
-          nb::arg("keys"), nb::arg("dst"), nb::call_guard<nb::gil_scoped_release>())
+          [](node::StoreClient& c, const std::vector<nb::bytes>& keys,
+             const std::vector<BlockId>& dst) {
+            auto ks = Bytes(keys);
+            nb::gil_scoped_release release;
+            return Unwrap(c.Get(ks, dst));
+          },
+          nb::arg("keys"), nb::arg("dst"))
       .def(
           "lookup_prefix",
-          [](node::StoreClient& c, const std::vector<std::string>& keys, double lease) {
-            if (lease > 0) return Unwrap(c.LookupPrefix(keys, Ms(lease)));
-            return Unwrap(c.LookupPrefix(keys));
+          [](node::StoreClient& c, const std::vector<nb::bytes>& keys, double lease) {
+            if (!(lease >= 0)) {  // NaN too
+              ThrowIfError(Status::InvalidArgument(
+                  StrCat("lease must be >= 0 seconds (0: no lease), got ", lease)));
+            }
+            auto ks = Bytes(keys);
+            nb::gil_scoped_release release;
+            if (lease > 0) return Unwrap(c.LookupPrefix(ks, Ms(lease)));
+            return Unwrap(c.LookupPrefix(ks));
           },
-          nb::arg("keys"), nb::arg("lease") = 0.0, nb::call_guard<nb::gil_scoped_release>())
+          nb::arg("keys"), nb::arg("lease") = 0.0)
       .def(
           "remove",
-          [](node::StoreClient& c, const std::vector<std::string>& keys) {
-            return Unwrap(c.Remove(keys));
+          [](node::StoreClient& c, const std::vector<nb::bytes>& keys) {
+            auto ks = Bytes(keys);
+            nb::gil_scoped_release release;
+            return Unwrap(c.Remove(ks));
           },
-          nb::arg("keys"), nb::call_guard<nb::gil_scoped_release>());
+          nb::arg("keys"))
+      .def(
+          "check_nodes", [](node::StoreClient& c) { ThrowIfError(c.CheckNodes()); },
+          nb::call_guard<nb::gil_scoped_release>());
 
   // A KVStore whose last tier is the remote tier over store nodes (node/remote_tier.h).
   m.def(

@@ -412,3 +412,49 @@ def test_namespaced_node_killed_with_sigkill_restarts_warm_and_verified(secret_f
         for path in (shm, shm + ".lock"):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_client_and_node_input_is_checked_by_name():
+    """Bad counts, secrets, keys and leases get named errors (nanobind printed its signatures, a
+    str node list was split into one-character addresses, a negative lease was ignored); bytes
+    keys (block hashes) work like str keys; a lookup leaves no lease past its prefix; a node
+    listed twice and a node of another block size are refused when the store opens."""
+    from tpusync.core.store_node import StoreNode
+
+    with pytest.raises(ValueError, match="StoreNode: capacity must be >= 0, got -1"):
+        StoreNode(capacity=-1, secret=SECRET)
+    with pytest.raises(TypeError, match="secret must be bytes or str, got int"):
+        StoreNode(secret=123)
+    node = StoreNode(capacity=8 * BLOCK, block_bytes=BLOCK, secret=SECRET.decode())
+    try:
+        pool = tc.HostBlockPool(BLOCK, 8)
+        with pytest.raises(ValueError, match="StoreClient: replication must be >= 0"):
+            StoreClient(pool, node.address, replication=-1, secret=SECRET)
+        client = StoreClient(pool, node.address, secret=SECRET)  # one str: one node
+        client.check_nodes()
+        src = pool.alloc(2)
+        pool.view(src[0])[:] = 7
+        pool.view(src[1])[:] = 9
+        with pytest.raises(ValueError, match="block ids must be >= 0, got -1"):
+            client.put(["k"], [-1])
+        with pytest.raises(TypeError, match="key 1 must be str or bytes, got int"):
+            client.put([b"a", 5], src)
+        with pytest.raises(ValueError, match="key 0 is not valid UTF-8"):
+            client.lookup_prefix(["\udcff"])
+        assert client.put([b"\xff\x00hash", "text"], src) == [1, 1]
+        dst = pool.alloc(2)
+        assert client.get([b"\xff\x00hash", b"text"], dst) == [True, True]  # "text" == b"text"
+        assert (pool.view(dst[0]) == 7).all() and (pool.view(dst[1]) == 9).all()
+        for bad in (-1.0, float("nan")):
+            with pytest.raises(tc.InvalidArgumentError, match="lease must be >= 0"):
+                client.lookup_prefix(["text"], lease=bad)
+        assert client.lookup_prefix([b"absent", b"\xff\x00hash", "text"], lease=60) == 0
+        assert node.stats()["leases_active"] == 0  # found past the prefix: released
+        with pytest.raises(tc.InvalidArgumentError, match="listed twice"):
+            tc.KVStore(BLOCK, 4, remote=[node.address, node.address], auth_secret=SECRET)
+        with pytest.raises(tc.InvalidArgumentError, match=f"serves {BLOCK}-byte blocks"):
+            tc.KVStore(2 * BLOCK, 4, remote=node.address, auth_secret=SECRET)
+        with pytest.raises(tc.AuthError):
+            tc.KVStore(BLOCK, 4, remote=node.address, auth_secret=b"wrong-secret-0123456789abc")
+    finally:
+        node.stop()

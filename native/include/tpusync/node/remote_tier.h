@@ -13,7 +13,11 @@
 //
 // LEASE CONTRACT: AdoptPrefix (the store's Lookup hook) looks keys up with a read lease on the
 // nodes, so the blocks a Lookup reported stay on the nodes until the following Get reads them or
-// `lease` passes.
+// `lease` passes. Only the keys it adopts stay leased: those past the nodes' prefix
+// (StoreClient LEASED PREFIX CONTRACT) and those it has no free handle for are released at once.
+//
+// Open asks every node once (StoreClient::CheckNodes): a node with another block size or that
+// refuses the secret fails the open by name; a node that is down is skipped (it may come up).
 //
 // INTEGRITY: bytes are checksummed on the wire (verified on receipt) and in the node's own tiers;
 // a read also checks that the location still names the asked key (a mismatch is kCorrupted).

@@ -12,11 +12,24 @@
 // and the socket (writev / readv). A batch for one node is sent as requests of at most
 // kMaxRequestBytes of payload, so a node's per-connection receive buffer stays bounded.
 //
-// DEADLINE CONTRACT: every request to one node waits at most `timeout`; a call that fails over
-// through the replicas waits at most replication x timeout in total.
+// DEADLINE CONTRACT: every request to one node waits at most connect.timeout (a new link's
+// connect and handshake) plus `timeout`; the nodes of one replica round are asked at the same
+// time, each on its own thread, so a call waits at most replication x (connect.timeout +
+// timeout) in total however many nodes are down or hung.
+//
+// LEASED PREFIX CONTRACT: LookupPrefix with a lease leaves leases only on the keys of the prefix
+// it returns: keys found past the first miss were leased by their node too, and are released
+// (kUnleaseFlag) before it returns, so a lookup never pins blocks its caller will not read. A
+// caller that reads only part of the prefix ends the rest with EndLeases.
+//
+// NODE LIST RULE: an address listed twice is refused (its "replicas" would be one node). A name
+// and an IP of one node (localhost:7000, 127.0.0.1:7000) are not detected; list each node once.
+// Every reply carries the node's block size (store_node.h): a node with another block size
+// fails each request to it with a named error, and CheckNodes asks each node once.
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -75,8 +88,16 @@ class StoreClient {
   Result<size_t> LookupPrefix(const std::vector<std::string>& keys);
   // Same, and every key of the prefix found on a node is leased there for `lease` (not evicted
   // until a get reads it or the lease expires; store_node.h READ LEASE CONTRACT).
-  Result<size_t> LookupPrefix(const std::vector<std::string>& keys,
-                              std::chrono::milliseconds lease);
+  // leased_on (optional) gets, for each key of the prefix, the node holding its lease.
+  Result<size_t> LookupPrefix(const std::vector<std::string>& keys, std::chrono::milliseconds lease,
+                              std::vector<size_t>* leased_on = nullptr);
+  // Ends one lease of keys[i] on node nodes[i] (from LookupPrefix's leased_on): the prefix keys a
+  // caller will not read. Best effort: a node that does not answer lets the leases expire.
+  void EndLeases(const std::vector<std::string>& keys, const std::vector<size_t>& nodes);
+  // Asks every node once (a lookup of one key, no lease). Fails with the first node that answers
+  // with an error that a retry would not cure: another block size, a refused secret. Nodes that
+  // are down or do not answer are skipped (they may come up later).
+  Status CheckNodes();
   // Raw-memory forms (the remote tier's rows): src[i] / dst[i] point at block_bytes bytes.
   // GetRaw fills sums[i] (when sums is not empty: one per key) for every found key with the
   // checksum its bytes were verified against on arrival (Checksum64 of the block), so a caller
@@ -118,7 +139,13 @@ class StoreClient {
                                          std::span<const uint8_t* const> payload,
                                          std::span<uint8_t* const> dst, size_t lo, size_t hi,
                                          std::span<uint64_t> sums = {});
-  Result<size_t> Lookup(const std::vector<std::string>& keys, uint32_t lease_ms);
+  Result<size_t> Lookup(const std::vector<std::string>& keys, uint32_t lease_ms,
+                        std::vector<size_t>* leased_on);
+  // Runs fn(node, key indices) for every entry of per_node at the same time (DEADLINE
+  // CONTRACT) and returns each entry's result, in the map's order.
+  template <typename Fn>
+  auto ForEachNode(const std::map<size_t, std::vector<size_t>>& per_node, Fn fn)
+      -> std::vector<decltype(fn(size_t{}, per_node.begin()->second))>;
   std::shared_ptr<BlockAllocator> pool_;
   size_t block_bytes_ = 0;
   StoreClientOptions options_;

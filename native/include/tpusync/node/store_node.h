@@ -15,9 +15,20 @@
 // READ LEASE CONTRACT: a lookup with kLeaseFlag pins every key it finds in the KVStore for the
 // requested lease (at most kMaxLeaseMs): the key is not evicted until a get reads it (which ends
 // one lease) or the lease expires (expired leases are dropped at most kLeaseSweepMs after expiry,
-// on the next request or stats call). A remove ends every lease of the key and removes it. A get
-// copies its blocks out of the KVStore (under the tier's hold) before sending them, so a
-// concurrent remove or eviction never changes bytes on the wire.
+// on the next request or stats call). A lookup with kUnleaseFlag ends one lease of each key it
+// names (a client that leased keys it will not read: those past the first miss of a prefix).
+// A remove ends every lease of the key and removes it. A get copies its blocks out of the
+// KVStore (under the tier's hold) before sending them, so a concurrent remove or eviction never
+// changes bytes on the wire.
+// LEASE BOUND: leases never pin more than half of the node's DRAM blocks (kLeasedShare) nor
+// more than kMaxLeasesPerKey times one key; a lookup past either bound still reports the key
+// found, and past the per-key bound extends the key's expiry, but pins nothing more
+// (stats().leases_refused), so lookups that are never followed by reads cannot fill a node
+// until no put finds room.
+//
+// Every reply's metadata ends with the node's block size (u64), so a client configured with
+// another block size gets a named error on its first request instead of puts that fail one by
+// one (StoreClient::CheckNodes).
 //
 // WARM RESTART CONTRACT: a node started with a namespace keeps its DRAM tier in
 // /dev/shm/tpusync-<namespace>-host (and re-attaches its disk tier), exactly like a serving
@@ -68,7 +79,12 @@ using transport::Secret;
 inline constexpr uint32_t kMaxKeysPerRequest = 1u << 16;
 // kStoreLookup flag: lease the found keys; the metadata then ends with a u32 lease in ms.
 inline constexpr uint8_t kLeaseFlag = 1;
+// kStoreLookup flag: end one lease of each key (found = a lease was ended). Not with kLeaseFlag.
+inline constexpr uint8_t kUnleaseFlag = 2;
 inline constexpr int64_t kMaxLeaseMs = 600000;
+// LEASE BOUND (above).
+inline constexpr uint32_t kMaxLeasesPerKey = 64;
+inline constexpr size_t kLeasedShare = 2;  // at most 1 / kLeasedShare of the DRAM blocks
 inline constexpr int64_t kLeaseSweepMs = 100;
 // A request's payload (put) or reply payload (get) must fit in this many bytes.
 inline constexpr size_t kMaxNodeRequestBytes = size_t{256} << 20;
@@ -97,6 +113,7 @@ struct StoreNodeStats {
   uint64_t gets = 0, get_hits = 0, get_misses = 0;
   uint64_t lookups = 0, removes = 0, evictions = 0;
   uint64_t leases = 0, leases_expired = 0, leases_active = 0;
+  uint64_t leases_refused = 0;  // lookups past the LEASE BOUND: found, not pinned
   uint64_t disk_blocks_total = 0, disk_blocks_used = 0;
   uint64_t bytes_in = 0, bytes_out = 0;
   uint64_t rejected_peers = 0, links = 0;
@@ -131,6 +148,9 @@ class StoreNode {
                    std::shared_ptr<Scratch>& buf);
   Status HandleLookup(transport::Stream& s, const transport::InFrame& f);
   Status HandleRemove(transport::Stream& s, const transport::InFrame& f);
+  // Sends a kStoreReply: status, per-key results, the node's block size, then `blocks`.
+  Status Reply(transport::Stream& s, uint64_t id, const Status& st,
+               const std::vector<uint8_t>& per_key, const std::vector<const uint8_t*>& blocks = {});
   // Lease bookkeeping; EndLease / EndAllLeases need lease_mu_ held.
   void SweepLeases(bool force);
   void EndLease(const std::string& key);
@@ -148,6 +168,7 @@ class StoreNode {
   };
   mutable std::mutex lease_mu_;
   std::unordered_map<std::string, Lease> leases_;
+  size_t max_leased_keys_ = 0;  // LEASE BOUND: distinct keys leases may pin
   transport::Deadline next_sweep_{};
   mutable std::mutex stats_mu_;
   StoreNodeStats stats_;

@@ -168,8 +168,16 @@ def _sources(
     return pairs, [int(r) for r in readers]
 
 
-def _secret(secret: bytes | None, secret_file: str | os.PathLike[str] | None) -> bytes:
-    return secret if secret is not None else load_secret(secret_file)
+def _secret(secret: bytes | str | None, secret_file: str | os.PathLike[str] | None) -> bytes:
+    """``secret`` as bytes (a str as UTF-8, like ``$TPUSYNC_AUTH_SECRET``), else
+    :func:`load_secret`."""
+    if secret is None:
+        return load_secret(secret_file)
+    if isinstance(secret, str):
+        return secret.encode()
+    if isinstance(secret, (bytes, bytearray, memoryview)):
+        return bytes(secret)
+    raise TypeError(f"the transport secret must be bytes or str, got {type(secret).__name__}")
 
 
 class PdProducer:

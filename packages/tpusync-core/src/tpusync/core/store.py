@@ -138,8 +138,9 @@ class KVStore:
         auth_secret_file: a file holding the nodes' shared secret.
         replicas: copies of each block on distinct nodes (reads fall back to the next replica).
         remote_blocks: remote blocks this store indexes at once.
-        remote_timeout: seconds one request to one node may take (a read that fails over waits at
-            most ``replicas`` times this).
+        remote_timeout: seconds a new link's connect, and then one request, to one node may take;
+            the nodes of one replica round are asked at once, so a call waits at most
+            ``2 * replicas`` times this however many nodes are down.
         write_through: also copy every newly put block to the LAST tier (the store nodes, else the
             disk tier), asynchronously, so that other processes sharing that tier find it at once
             instead of when this store's DRAM overflows. ``put`` completes when the fastest tier
@@ -193,7 +194,7 @@ class KVStore:
         prefault: bool = True,
         huge_pages: bool = True,
         engine: _native.Engine | None = None,
-        remote: Sequence[str] | None = None,
+        remote: str | Sequence[str] | None = None,
         auth_secret: bytes | None = None,
         auth_secret_file: str | os.PathLike[str] | None = None,
         replicas: int = 1,
@@ -243,14 +244,15 @@ class KVStore:
             disk_manifest_progressive_write_back=_write_back(checkpoint_write_back),
         )
         if remote:
-            from tpusync.core.pd import load_secret
+            from tpusync.core.pd import _secret
+            from tpusync.core.store_node import node_list
 
-            secret = auth_secret if auth_secret is not None else load_secret(auth_secret_file)
+            secret = _secret(auth_secret, auth_secret_file)
             self._native = _native.open_remote_kv_store(
                 self._engine,
                 block_bytes,
                 host_blocks,
-                list(remote),
+                node_list(remote, "KVStore remote"),
                 secret,
                 replicas=replicas,
                 remote_blocks=remote_blocks,

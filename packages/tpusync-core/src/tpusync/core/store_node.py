@@ -22,8 +22,8 @@ import threading
 from collections.abc import Sequence
 
 from tpusync.core import _native
-from tpusync.core.pd import load_secret
-from tpusync.core.pool import HostBlockPool
+from tpusync.core.pd import _secret
+from tpusync.core.pool import HostBlockPool, _counts, _ids
 
 __all__ = ["StoreClient", "StoreNode", "parse_size", "run_store_node"]
 
@@ -68,8 +68,11 @@ class StoreNode:
         name_space: str = "",
         fingerprint: str = "",
     ) -> None:
+        _counts(
+            "StoreNode", capacity=capacity, block_bytes=block_bytes, disk_capacity=disk_capacity
+        )
         self._native = _native.StoreNode.start(
-            secret if secret is not None else load_secret(secret_file),
+            _secret(secret, secret_file),
             listen=listen,
             capacity_bytes=capacity,
             block_bytes=block_bytes,
@@ -109,34 +112,73 @@ class StoreClient:
         secret_file: str | None = None,
         timeout: float = 10.0,
     ) -> None:
+        _counts("StoreClient", replication=replication)
         self._pool = pool
         self._native = _native.StoreClient.create(
-            pool.native,
-            secret if secret is not None else load_secret(secret_file),
-            list(nodes),
-            replication=replication,
-            timeout=timeout,
-        )
+            pool.native, _secret(secret, secret_file), node_list(nodes, "StoreClient nodes"),
+            replication=replication, timeout=timeout,
+        )  # fmt: skip
 
-    def rank(self, key: str) -> list[int]:
+    def rank(self, key: Key) -> list[int]:
         """Node indices for ``key``, best first (the first ``replication`` hold it)."""
-        return self._native.rank(key)
+        return self._native.rank(_keys([key])[0])
 
-    def put(self, keys: Sequence[str], blocks: Sequence[int]) -> list[int]:
+    def put(self, keys: Sequence[Key], blocks: Sequence[int]) -> list[int]:
         """Store block i under keys[i]; returns how many replicas hold each key afterwards."""
-        return self._native.put(list(keys), list(blocks))
+        return self._native.put(_keys(keys), _ids(blocks))
 
-    def get(self, keys: Sequence[str], dst: Sequence[int]) -> list[bool]:
+    def get(self, keys: Sequence[Key], dst: Sequence[int]) -> list[bool]:
         """Copy keys[i] into block dst[i] when any replica has it; returns found flags."""
-        return self._native.get(list(keys), list(dst))
+        return self._native.get(_keys(keys), _ids(dst, "destination block ids"))
 
-    def lookup_prefix(self, keys: Sequence[str], lease: float = 0.0) -> int:
+    def lookup_prefix(self, keys: Sequence[Key], lease: float = 0.0) -> int:
         """Length of the leading run of ``keys`` stored somewhere (batched per node). With
-        ``lease`` > 0 (seconds) each found key stays on its node until read or the lease ends."""
-        return self._native.lookup_prefix(list(keys), lease=lease)
+        ``lease`` > 0 (seconds) each key of that run stays on its node until read or the lease
+        ends; keys found past the run are not left leased."""
+        return self._native.lookup_prefix(_keys(keys), lease=lease)
 
-    def remove(self, keys: Sequence[str]) -> list[bool]:
-        return self._native.remove(list(keys))
+    def remove(self, keys: Sequence[Key]) -> list[bool]:
+        return self._native.remove(_keys(keys))
+
+    def check_nodes(self) -> None:
+        """Ask every node once; raise for a node that refuses this client for good (another
+        block size, another secret). Nodes that are down or silent are skipped."""
+        self._native.check_nodes()
+
+
+Key = str | bytes
+
+
+def _keys(keys: Sequence[Key]) -> list[bytes]:
+    """Keys as bytes: bytes as given (block hashes, like KVStore's), str as UTF-8."""
+    if isinstance(keys, (str, bytes)):
+        raise TypeError("keys must be a sequence of keys, got a single key")
+    out = []
+    for i, k in enumerate(keys):
+        if isinstance(k, (bytes, bytearray, memoryview)):
+            out.append(bytes(k))
+        elif isinstance(k, str):
+            try:
+                out.append(k.encode())
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"key {i} is not valid UTF-8 text ({e.reason}); pass bytes"
+                ) from None
+        else:
+            raise TypeError(f"key {i} must be str or bytes, got {type(k).__name__}")
+    return out
+
+
+def node_list(nodes: str | Sequence[str], what: str) -> list[str]:
+    """``HOST:PORT`` strings; one string is one node (iterating it gave one-character
+    "addresses")."""
+    if isinstance(nodes, str):
+        return [nodes]
+    out = list(nodes)
+    for i, n in enumerate(out):
+        if not isinstance(n, str):
+            raise TypeError(f"{what}: node {i} must be a 'HOST:PORT' str, got {type(n).__name__}")
+    return out
 
 
 def _metrics(node: StoreNode, host: str, port: int) -> object:
