@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,3 +212,39 @@ def test_store_nodes_share_blocks_between_worker_stores_with_salted_keys(tmp_pat
             s.close()
     finally:
         node.stop()
+
+
+class _Late:
+    """A future whose wait times out while the native operation still owns its buffer."""
+
+    def mask(self, timeout):
+        raise tc.TimeoutError("not done in time (injected)")
+
+
+def test_a_wait_that_times_out_gives_up_the_staging_buffer(monkeypatch):
+    """STAGING RULE: a get whose wait timed out still writes into the buffer it was given; the
+    next save must stage into another one (reused, the late get's blocks were stored under the
+    save's keys). The same for the layered load's thread and for a put."""
+    src = layers()
+    store = WorkerStore(src, host_blocks=8)
+    given = []
+
+    def late(keys, stage):
+        given.append(stage)
+        return _Late()
+
+    monkeypatch.setattr(store.store, "get", late)
+    with pytest.raises(tc.TimeoutError):
+        store.load(keys("a"), [0], timeout=0.01)
+    load = store.start_load(keys("b"), [1], 0.01)
+    failed, in_time = load.finish()
+    assert failed == [1] and in_time and isinstance(load.error, tc.TimeoutError)
+    monkeypatch.setattr(store.store, "put", late)
+    with pytest.raises(tc.TimeoutError):
+        store.save(keys("c"), [2], timeout=0.01)
+    monkeypatch.undo()
+    assert store.save(keys("d"), [3], timeout=10) == 1
+    assert len(given) == 3
+    for old in given:  # none of the buffers a late operation holds is staged into again
+        assert not np.shares_memory(old, store._stage(1))
+    store.close()

@@ -353,6 +353,7 @@ class TpusyncConnector(KVConnectorBase_V1):
         self._load: LayeredLoad | None = None
         self._load_transfers: list[Transfer] = []
         self._layers_waited: set[int] = set()
+        self._layers_late: set[int] = set()  # waits that timed out: the forward read them unloaded
         self._load_errors: set[int] = set()
         self._worker_stats = TpusyncStats()
         self.totals = TpusyncStats()  # never reset: for diagnostics and tests
@@ -1006,6 +1007,7 @@ class TpusyncConnector(KVConnectorBase_V1):
                 )
                 self._load_transfers = list(meta.loads)
                 self._layers_waited = set()
+                self._layers_late = set()
                 self._count("layered_loads", 1)
             except _TRANSFER_ERRORS as exc:
                 log.warning("tpusync load of %d blocks not started: %s", len(keys), exc)
@@ -1048,9 +1050,14 @@ class TpusyncConnector(KVConnectorBase_V1):
         if group is None:
             return
         t0 = time.perf_counter()
-        if not load.wait_layer(group):
+        if load.wait_layer(group):
+            self._layers_waited.add(group)
+        else:
+            # LATE LAYER RULE: the forward goes on and reads this layer's KV unloaded; the load
+            # may still land afterwards, "in time" for finish(), so the step's blocks are failed
+            # there by this set, never counted as loaded.
             log.warning("tpusync: layer %s not loaded in %.0f s", layer_name, load.timeout)
-        self._layers_waited.add(group)
+            self._layers_late.add(group)
         self._count("layer_waits", 1)
         self._count("layer_wait_seconds", time.perf_counter() - t0)
 
@@ -1062,12 +1069,21 @@ class TpusyncConnector(KVConnectorBase_V1):
         if load is None or self.store is None:
             return
         failed, in_time = load.finish()
-        unwaited = len(self._layer_groups) - len(self._layers_waited)
+        late = len(self._layers_late)
+        unwaited = len(self._layer_groups) - len(self._layers_waited) - late
         all_ids = {b for tr in self._load_transfers for b in tr.block_ids}
         if not in_time:
             log.warning("tpusync: a load did not complete in %.0f s", load.timeout)
             failed = list(all_ids)
             self.store.abandon_staging()
+        elif late:
+            log.warning(
+                "tpusync: %d of %d layers' loads landed after the forward read them; their "
+                "blocks are recomputed",
+                late,
+                len(self._layer_groups),
+            )
+            failed = list(all_ids)
         elif unwaited:
             log.warning(
                 "tpusync: vLLM did not wait for %d of %d layers' loads; their blocks are "

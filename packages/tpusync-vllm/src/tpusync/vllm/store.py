@@ -223,6 +223,18 @@ class WorkerStore:
         """A load that timed out still owns the staging buffer: later copies use a new one."""
         self._staging = np.empty((0, self.key_bytes), dtype=np.uint8)
 
+    def _wait(self, fut: Any, timeout: float) -> np.ndarray:
+        """``fut.mask(timeout)``. STAGING RULE: a wait that raised (a timeout, a closed store)
+        leaves the native put / get still reading or writing the staging buffer, so the buffer
+        is abandoned first: the next save or load stages into a new one. (Reused, a late get
+        wrote the blocks of an earlier load into a later save's rows, which were then stored
+        under the later keys.)"""
+        try:
+            return fut.mask(timeout)
+        except BaseException:
+            self.abandon_staging()
+            raise
+
     def _stage(self, n: int) -> np.ndarray:
         if self._staging.shape[0] < n:
             self._staging = np.empty(
@@ -241,7 +253,7 @@ class WorkerStore:
         rb = self.row_bytes
         for j, arr in enumerate(self._np):
             stage[:, j * rb : (j + 1) * rb] = arr[idx]
-        return int(np.count_nonzero(self.store.put(keys, stage).mask(timeout)))
+        return int(np.count_nonzero(self._wait(self.store.put(keys, stage), timeout)))
 
     def load(self, keys: Sequence[bytes], block_ids: Sequence[int], timeout: float) -> list[int]:
         """Read ``keys[i]`` into vLLM block ``block_ids[i]``; returns the block ids whose key was
@@ -250,7 +262,7 @@ class WorkerStore:
             return []
         keys = self._salted(keys)
         stage = self._stage(len(keys))
-        found = self.store.get(keys, stage).mask(timeout).astype(bool)
+        found = self._wait(self.store.get(keys, stage), timeout).astype(bool)
         ids = np.asarray(block_ids, dtype=np.int64)
         return self._scatter(stage, found, ids, [list(range(len(self._np)))])
 
@@ -300,7 +312,7 @@ class WorkerStore:
             failed: list[int] = []
             try:
                 try:
-                    found = fut.mask(timeout).astype(bool)
+                    found = self._wait(fut, timeout).astype(bool)
                 finally:
                     self.release(release)  # the bytes are in the staging buffer: lease over
                 failed = self._scatter(stage, found, ids, groups, load._layer_ready)
