@@ -237,6 +237,62 @@ def test_a_sequence_gap_clears_the_pod_and_garbage_is_counted():
         raw.close(0)
 
 
+def test_malformed_events_are_counted_and_the_subscriber_thread_keeps_indexing():
+    """WIRE CHECK (events.py): a field of the wrong type or missing, a list used as a hash, a
+    non-UTF-8 topic are each one undecodable message - they used to escape as TypeError /
+    KeyError and end the subscriber's thread, after which the index never changed again. A
+    medium this index has no weight for scores 0 (score() raised KeyError for every request)."""
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.PUB)
+    raw.setsockopt(zmq.LINGER, 0)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    idx = PrefixIndex()
+    sub = KVEventSubscriber([f"tcp://127.0.0.1:{port}"], idx)
+    topic = b"kv@pod-m@tiny"
+    seq = iter(range(10**6))
+
+    def send(batch, t=topic) -> None:
+        payload = batch if isinstance(batch, bytes) else msgpack.packb(batch, use_bin_type=True)
+        raw.send_multipart([t, struct.pack(">Q", next(seq)), payload])
+
+    stored = {"type": "BlockStored", "block_hashes": [HASHES[0]], "block_size": 16}
+    bad = [
+        [None, [], None],
+        [1.0, 5, None],
+        [1.0, [{**stored, "block_size": None}], None],
+        [1.0, [{"type": "BlockStored", "block_size": 16}], None],
+        [1.0, [{"type": "BlockRemoved", "block_hashes": None}], None],
+        [1.0, [["BlockStored", 7, None, [], 16, None, "CPU"]], None],
+        [1.0, [{**stored, "block_hashes": [[1, 2]]}], None],
+        [1.0, [{**stored, "token_ids": ["a"]}], None],
+    ]
+    try:
+        deadline = time.monotonic() + 10
+        while not sub.streams and time.monotonic() < deadline:
+            send(encode_batch([AllBlocksCleared()]))
+            sub.poll(0.1)
+        assert sub.streams
+        sub.poll(0.1)
+        sub.start()
+        base = sub.undecodable
+        for b in bad:
+            send(b)
+        send(encode_batch([]), t=b"kv@\xff\xfe@tiny")
+        send([1.0, [{**stored, "medium": "cpu"}], None])  # a medium with no weight
+        send(encode_batch([BlockStored(HASHES[1:2], None, [], 16, None, "CPU")]))
+        end = time.monotonic() + 10
+        while not idx.media(HASHES[1]) and time.monotonic() < end:
+            time.sleep(0.02)
+        assert sub._thread is not None and sub._thread.is_alive()
+        assert idx.media(HASHES[1]) == {"pod-m": {"CPU"}}
+        assert sub.undecodable - base == len(bad) + 1
+        # HASHES[0] is held in "cpu": it weighs nothing but keeps the prefix going.
+        assert idx.score([HASHES[0], HASHES[1]]) == {"pod-m": DEFAULT_TIER_WEIGHTS["CPU"]}
+    finally:
+        sub.close()
+        raw.close(0)
+
+
 def test_router_listens_and_pods_connect_like_llm_ds_indexer():
     idx = PrefixIndex()
     sub = KVEventSubscriber(["tcp://127.0.0.1:*"], idx, bind=True)

@@ -138,7 +138,46 @@ def _event_to_wire(event: KVEvent, encoding: Encoding) -> Any:
     raise InvalidArgumentError(f"not a KV event: {event!r}")
 
 
+def _hashes(raw: Any, what: str = "block_hashes") -> list[BlockHash]:
+    """A list of block hashes (bytes or int) from the wire; anything else is refused (a list
+    used as a hash broke the index half way through a batch)."""
+    if not isinstance(raw, list | tuple):
+        raise InvalidArgumentError(f"{what} must be a list, got {type(raw).__name__}")
+    for h in raw:
+        if isinstance(h, bool) or not isinstance(h, bytes | int):
+            raise InvalidArgumentError(f"a block hash must be bytes or int, got {type(h).__name__}")
+    return list(raw)
+
+
+def _optional(raw: Any, kinds: type | tuple[type, ...], what: str) -> Any:
+    if raw is not None and (isinstance(raw, bool) or not isinstance(raw, kinds)):
+        raise InvalidArgumentError(f"{what} has the wrong type: {type(raw).__name__}")
+    return raw
+
+
+def _stored(hashes, parent, tokens, size, lora, medium, extra=None) -> BlockStored:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise InvalidArgumentError(f"block_size must be an int >= 0, got {size!r:.40}")
+    tokens = [] if tokens is None else tokens
+    if not isinstance(tokens, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise InvalidArgumentError("token_ids must be a list of ints")
+    return BlockStored(
+        block_hashes=_hashes(hashes),
+        parent_block_hash=_optional(parent, (bytes, int), "parent_block_hash"),
+        token_ids=list(tokens),
+        block_size=size,
+        lora_id=_optional(lora, int, "lora_id"),
+        medium=_optional(medium, str, "medium"),
+        extra=extra or {},
+    )
+
+
 def _event_from_wire(raw: Any) -> KVEvent:
+    """One event from its wire form (either encoding); InvalidArgumentError for anything
+    malformed (WIRE CHECK: a missing field or a wrong type used to escape as KeyError /
+    TypeError and end a subscriber's thread)."""
     if isinstance(raw, dict):
         kind = raw.get("type")
         if kind == "BlockStored":
@@ -152,32 +191,29 @@ def _event_from_wire(raw: Any) -> KVEvent:
                 "medium",
                 "lora_name",
             }
-            return BlockStored(
-                block_hashes=list(raw["block_hashes"]),
-                parent_block_hash=raw.get("parent_block_hash"),
-                token_ids=list(raw.get("token_ids") or []),
-                block_size=int(raw["block_size"]),
-                lora_id=raw.get("lora_id"),
-                medium=raw.get("medium"),
+            return _stored(
+                raw.get("block_hashes"),
+                raw.get("parent_block_hash"),
+                raw.get("token_ids"),
+                raw.get("block_size"),
+                raw.get("lora_id"),
+                raw.get("medium"),
                 extra={k: v for k, v in raw.items() if k not in known},
             )
         if kind == "BlockRemoved":
-            return BlockRemoved(block_hashes=list(raw["block_hashes"]), medium=raw.get("medium"))
+            return BlockRemoved(
+                block_hashes=_hashes(raw.get("block_hashes")),
+                medium=_optional(raw.get("medium"), str, "medium"),
+            )
         if kind == "AllBlocksCleared":
             return AllBlocksCleared()
     elif isinstance(raw, list | tuple) and raw:
         kind = raw[0]
         if kind == "BlockStored" and len(raw) >= 6:
-            return BlockStored(
-                block_hashes=list(raw[1]),
-                parent_block_hash=raw[2],
-                token_ids=list(raw[3]),
-                block_size=int(raw[4]),
-                lora_id=raw[5],
-                medium=raw[6] if len(raw) > 6 else None,
-            )
+            return _stored(raw[1], raw[2], raw[3], raw[4], raw[5], raw[6] if len(raw) > 6 else None)
         if kind == "BlockRemoved" and len(raw) >= 2:
-            return BlockRemoved(block_hashes=list(raw[1]), medium=raw[2] if len(raw) > 2 else None)
+            medium = _optional(raw[2] if len(raw) > 2 else None, str, "medium")
+            return BlockRemoved(block_hashes=_hashes(raw[1]), medium=medium)
         if kind == "AllBlocksCleared":
             return AllBlocksCleared()
     raise InvalidArgumentError(f"undecodable KV event: {raw!r:.200}")
@@ -203,9 +239,15 @@ def decode_batch(payload: bytes) -> tuple[float, list[KVEvent], int | None]:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated classes
         raise InvalidArgumentError(f"KV event batch is not msgpack: {exc}") from exc
-    if not isinstance(raw, list | tuple) or len(raw) < 2:
+    if (
+        not isinstance(raw, list | tuple)
+        or len(raw) < 2
+        or isinstance(raw[0], bool)
+        or not isinstance(raw[0], int | float)
+        or not isinstance(raw[1], list | tuple)
+    ):
         raise InvalidArgumentError("KV event batch must be [ts, events, dp_rank]")
-    dp_rank = raw[2] if len(raw) > 2 else None
+    dp_rank = _optional(raw[2] if len(raw) > 2 else None, int, "dp_rank")
     return float(raw[0]), [_event_from_wire(e) for e in raw[1]], dp_rank
 
 

@@ -19,6 +19,7 @@ its kv-cache-manager at the same publishers instead (integrations/llm-d/README.m
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
@@ -39,6 +40,8 @@ from tpusync.core.events import (
     decode_batch,
 )
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "DEFAULT_TIER_WEIGHTS",
     "KVEventSubscriber",
@@ -58,7 +61,10 @@ DEFAULT_TIER_WEIGHTS: Mapping[str | None, float] = {
 
 def parse_topic(topic: str | bytes) -> tuple[str, str]:
     """``kv@<pod-id>@<model>`` -> ``(pod_id, model)``; anything else is InvalidArgumentError."""
-    text = topic.decode() if isinstance(topic, bytes) else topic
+    try:
+        text = topic.decode() if isinstance(topic, bytes) else topic
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(f"KV-event topic {topic!r:.80} is not UTF-8") from None
     parts = text.split("@")
     if len(parts) != 3 or parts[0] != "kv" or not parts[1] or not parts[2]:
         raise InvalidArgumentError(f"KV-event topic {text!r} is not kv@<pod-id>@<model>")
@@ -161,7 +167,9 @@ class PrefixIndex:
                     if not held:
                         alive.discard(pod)
                         continue
-                    scores[pod] += max(self.tier_weights[m] for m in held)
+                    # A medium outside MEDIUMS (another publisher's name) scores 0: the pod
+                    # holds the block somewhere this index has no weight for.
+                    scores[pod] += max(self.tier_weights.get(m, 0.0) for m in held)
             return scores
 
     def best(self, block_hashes: Sequence[BlockHash], pods: Sequence[str]) -> str:
@@ -293,6 +301,9 @@ class KVEventSubscriber:
                 self.poll(0.05)
             except (StateError, zmq.ZMQError):
                 return
+            except Exception:  # noqa: BLE001 - one message must not end the index's updates
+                self.undecodable += 1
+                log.exception("tpusync: a KV-event message could not be applied; skipped")
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread (bounded join) and close the socket; idempotent."""
