@@ -242,8 +242,14 @@ def test_unregistered_backend_reports_failures_not_crashes():
     ("extra", "match"),
     [
         ({"capacity_gb": 0}, "positive"),
-        ({"capacity_pages": "lots"}, "not a number"),
+        ({"capacity_pages": "lots"}, "not an integer"),
         ({"timeout_s": -1}, "positive"),
+        # Read as 1.0, truncated to 2 pages, waited forever, prefaulted 1 GiB: refused now.
+        ({"capacity_gb": True}, "not a number"),
+        ({"capacity_pages": 2.9}, "not an integer"),
+        ({"timeout_s": float("inf")}, "finite"),
+        ({"timeout_s": float("nan")}, "finite"),
+        ({"prefault": "false"}, "JSON bools"),
         ({"capacty_gb": 1}, "unknown tpusync HiCache option"),
         ({"store": "redis"}, "use 'kvstore' or 'interim'"),
         ({"disk_dir": "/tmp"}, "go together"),

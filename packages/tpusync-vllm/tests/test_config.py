@@ -71,6 +71,13 @@ def test_store_node_and_metrics_keys():
         {"store_timeout_s": 0},
         {"metrics_port": 70000},
         {"metrics_port": "9400"},
+        # NaN and infinity passed every "> 0" check and failed later, or waited forever.
+        {"load_timeout_s": float("nan")},
+        {"lease_s": float("inf")},
+        {"store_nodes": ["a:99999"]},
+        {"store_nodes": ["a:0"]},
+        {"replicas": -3},
+        {"store_nodes": ["a:1"], "store_timeout_s": 5.0, "lookup_timeout_s": 5.0},
     ],
 )
 def test_bad_values_are_clear_errors(extra):

@@ -26,15 +26,15 @@ BLOCK = 32
 BLOCKS = 16
 
 
-def vllm_config(extra: dict, role: str = "kv_both"):
+def vllm_config(extra: dict, role: str = "kv_both", dtype: str = "float32", block: int = BLOCK):
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 
     model = str(tiny_model_dir())
     return VllmConfig(
         model_config=ModelConfig(
-            model=model, tokenizer=model, dtype="float32", max_model_len=1024, seed=0
+            model=model, tokenizer=model, dtype=dtype, max_model_len=1024, seed=0
         ),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=block, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
             kv_connector="TpusyncConnector",
             kv_role=role,
@@ -44,21 +44,28 @@ def vllm_config(extra: dict, role: str = "kv_both"):
     )
 
 
-def worker(extra: dict):
-    """A worker-role connector over zeroed CPU KV caches: (connector, caches, layer names)."""
+def kv_config(vc):
+    """vLLM's KV cache config for ``vc``'s model: one full-attention group of BLOCKS blocks."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    register()
-    vc = vllm_config(extra)
     mc = vc.model_config
     heads, head = mc.get_num_kv_heads(vc.parallel_config), mc.get_head_size()
-    names = [
-        f"model.layers.{i}.self_attn.attn" for i in range(mc.get_num_layers(vc.parallel_config))
-    ]
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=head, dtype=mc.dtype)
+    layers = mc.get_num_layers(vc.parallel_config)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    block = vc.cache_config.block_size
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head, dtype=mc.dtype)
     kc = KVCacheConfig(
         num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
     )
+    return kc, names, heads, head
+
+
+def worker(extra: dict):
+    """A worker-role connector over zeroed CPU KV caches: (connector, caches, layer names)."""
+    register()
+    vc = vllm_config(extra)
+    mc = vc.model_config
+    kc, names, heads, head = kv_config(vc)
     conn = TpusyncConnector(vc, KVConnectorRole.WORKER, kc)
     caches = {n: torch.zeros(2, BLOCKS, BLOCK, heads, head, dtype=mc.dtype) for n in names}
     conn.register_kv_caches(caches)
@@ -102,3 +109,98 @@ def test_a_layer_whose_wait_timed_out_is_a_load_error_not_a_hit():
         conn.clear_connector_metadata()
     finally:
         conn.shutdown()
+
+
+def scheduler(role: str, dtype: str = "float32", block: int = BLOCK) -> TpusyncConnector:
+    register()
+    vc = vllm_config({"host_bytes": 8 << 20, "pd_same_host": False}, role, dtype, block)
+    return TpusyncConnector(vc, KVConnectorRole.SCHEDULER, kv_config(vc)[0])
+
+
+def test_a_consumer_refuses_kv_of_another_model_config_or_another_prompt(monkeypatch):
+    """P/D IDENTITY RULE: the producer's kv_transfer_params name its model identity and its
+    prompt; a consumer whose dtype / block size differ (pages of equal size hid it: bf16 x 64
+    tokens = fp32 x 32) or whose prompt differs computes locally instead of reading foreign KV
+    as its own."""
+    from types import SimpleNamespace
+
+    from tpusync.vllm import connector as C
+
+    consumer = scheduler("kv_consumer")
+    same = scheduler("kv_producer")
+    other = scheduler("kv_producer", dtype="bfloat16", block=2 * BLOCK)
+    prompt = list(range(129))
+
+    def params(producer: TpusyncConnector, tokens: list[int]) -> dict:
+        return {
+            "do_remote_prefill": True,
+            "tpusync_ranks": [["127.0.0.1:7000", "", ""]],
+            "tpusync_layout": [1, 1],
+            "tpusync_transfer_id": 5,
+            "tpusync_num_blocks": 4,
+            "tpusync_kv_identity": producer._kv_identity(),
+            "tpusync_tokens": C._tokens_digest(tokens, 4 * BLOCK),
+        }
+
+    def matched(p: dict, tokens: list[int] = prompt) -> int:
+        req = SimpleNamespace(
+            request_id=f"r{id(p)}", kv_transfer_params=p, num_tokens=len(tokens),
+            prompt_token_ids=tokens, block_hashes=[],
+        )  # fmt: skip
+        return consumer._pd_matched(req, 0)[0]
+
+    try:
+        assert matched(params(same, prompt)) == 4 * BLOCK
+        assert same._kv_identity() != other._kv_identity()
+        assert matched(params(other, prompt)) == 0
+        assert matched(params(same, list(range(1000, 1129)))) == 0  # another prompt
+        old = params(same, prompt)
+        del old["tpusync_kv_identity"], old["tpusync_tokens"]
+        assert matched(old) == 0  # a producer that says neither
+    finally:
+        for c in (consumer, same, other):
+            c.shutdown()
+
+
+def test_data_parallel_engines_publish_kv_events_on_their_own_endpoints():
+    """DP RULE: every DP engine's scheduler connector bound the one configured endpoint, so the
+    second engine failed to start (Address already in use); its port is now offset by its DP
+    rank, as vLLM's own publisher does, and its batches name the rank."""
+    from tpusync.vllm.connector import dp_endpoint
+
+    assert dp_endpoint("tcp://127.0.0.1:7000", 0) == "tcp://127.0.0.1:7000"
+    assert dp_endpoint("tcp://127.0.0.1:7000", 3) == "tcp://127.0.0.1:7003"
+    assert dp_endpoint("tcp://127.0.0.1:0", 3) == "tcp://127.0.0.1:0"
+    assert dp_endpoint("ipc:///tmp/ev.sock", 2) == "ipc:///tmp/ev.sock_dp2"
+    register()
+    port = two_free_ports()
+    conns = []
+    try:
+        for dp in (0, 1):
+            extra = {"host_bytes": 8 << 20, "kv_events_endpoint": f"tcp://127.0.0.1:{port}"}
+            vc = vllm_config(extra)
+            vc.parallel_config.data_parallel_rank = dp
+            conns.append(TpusyncConnector(vc, KVConnectorRole.SCHEDULER, kv_config(vc)[0]))
+        assert [c._publisher.endpoint for c in conns] == [
+            f"tcp://127.0.0.1:{port}",
+            f"tcp://127.0.0.1:{port + 1}",
+        ]
+    finally:
+        for c in conns:
+            c.shutdown()
+
+
+def two_free_ports() -> int:
+    """A port p with p and p + 1 free a moment ago."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+            return p
+    raise AssertionError("no two adjacent free ports")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import numpy as np
@@ -133,6 +134,25 @@ def test_warm_restart_through_namespace(tmp_path):
         s3.close()
     finally:
         tc.KVStore.unlink_namespace(ns)
+
+
+def test_lookup_sockets_are_named_by_the_whole_engine_id_and_never_taken_from_a_live_engine():
+    """SOCKET NAME RULE: DP engines <uuid>_dp1 and <uuid>_dp10 shared one socket name (the id was
+    cut to 40 characters), the second unlinked the first's live socket, and its scheduler then
+    asked the other engine's worker. Now the names differ, a live socket is refused, and close()
+    removes the socket file."""
+    base = uuid.uuid4().hex + uuid.uuid4().hex[:4]
+    one, ten = lookup_endpoint(f"{base}_dp1", 0), lookup_endpoint(f"{base}_dp10", 0)
+    assert one != ten
+    server = LookupServer(None, one, {"who": "dp1"})
+    try:
+        with pytest.raises(tc.StateError, match="served by another live process"):
+            LookupServer(None, one, {"who": "intruder"})
+        path = one.removeprefix("ipc://")
+        assert os.path.exists(path)
+    finally:
+        server.close()
+    assert not os.path.exists(path)
 
 
 def test_lookup_over_the_socket_and_direct():

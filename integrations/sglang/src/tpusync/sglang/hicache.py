@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import re
 import socket
@@ -216,7 +217,11 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         self._capacity_pages = _positive(extra, "capacity_pages", None, int)
         self._sidecar_gb = _positive(extra, "sidecar_capacity_gb", self._capacity_gb, float)
         self._timeout = _positive(extra, "timeout_s", DEFAULT_TIMEOUT_S, float)
-        self._prefault = bool(extra.get("prefault", True))
+        self._prefault = extra.get("prefault", True)
+        if not isinstance(self._prefault, bool):  # bool("false") is True: 1 GiB prefaulted
+            raise ValueError(
+                f"tpusync HiCache option prefault={self._prefault!r}: true or false (JSON bools)"
+            )
         self._store_kind = str(extra.get("store", "kvstore"))
         if self._store_kind not in ("kvstore", "interim"):
             raise ValueError(
@@ -753,14 +758,22 @@ def _empty_metrics() -> dict[str, list]:
 
 
 def _positive(extra: dict, name: str, default, kind):
+    """A positive, finite number of ``kind`` (a number, or its text as in JSON). A bool (True
+    read as 1.0), a fraction where a count is due (2.9 pages truncated to 2), NaN or infinity
+    are refused by name."""
     if name not in extra:
         return default
+    raw = extra[name]
+    bad = isinstance(raw, bool) or (kind is int and isinstance(raw, float))
     try:
-        value = kind(extra[name])
-    except (TypeError, ValueError):
-        raise ValueError(f"tpusync HiCache option {name}={extra[name]!r} is not a number") from None
-    if value <= 0:
-        raise ValueError(f"tpusync HiCache option {name} must be positive, got {extra[name]!r}")
+        value = kind(raw)
+    except (TypeError, ValueError, OverflowError):
+        bad = True
+    if bad:
+        want = "an integer" if kind is int else "a number"
+        raise ValueError(f"tpusync HiCache option {name}={raw!r} is not {want}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"tpusync HiCache option {name} must be positive and finite, got {raw!r}")
     return value
 
 

@@ -6,6 +6,7 @@ build raises :class:`ConfigError` when vLLM constructs the connector, never sile
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 from dataclasses import dataclass
@@ -93,15 +94,22 @@ class TpusyncVllmConfig:
                 if isinstance(value, str):  # "h1:p1,h2:p2" (handy on a command line)
                     value = [v.strip() for v in value.split(",") if v.strip()]
                 ok = isinstance(value, list | tuple) and all(
-                    isinstance(v, str) and re.fullmatch(r"\[?[^\s\]]+\]?:\d{1,5}", v) for v in value
+                    isinstance(v, str)
+                    and re.fullmatch(r"\[?[^\s\]]+\]?:\d{1,5}", v)
+                    and 0 < int(v.rpartition(":")[2]) <= 65535
+                    for v in value
                 )
                 value = tuple(value) if ok else value
             elif isinstance(default, bool):
                 ok = isinstance(value, bool)
             elif isinstance(default, int):
                 ok = isinstance(value, int) and not isinstance(value, bool)
-            elif isinstance(default, float):
-                ok = isinstance(value, int | float) and not isinstance(value, bool)
+            elif isinstance(default, float):  # NaN and infinity pass every "> 0" check
+                ok = (
+                    isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                    and math.isfinite(value)
+                )
             else:
                 ok = isinstance(value, str)
             if not ok:
@@ -121,7 +129,7 @@ class TpusyncVllmConfig:
             raise ConfigError("disk_dir and disk_bytes (> 0) go together")
         if cfg.namespace is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", cfg.namespace):
             raise ConfigError(f"namespace must be 1-64 of [A-Za-z0-9_.-], got {cfg.namespace!r}")
-        if cfg.store_nodes and not 1 <= cfg.replicas <= len(cfg.store_nodes):
+        if cfg.replicas < 1 or (cfg.store_nodes and cfg.replicas > len(cfg.store_nodes)):
             raise ConfigError(
                 f"replicas must be 1..{len(cfg.store_nodes)} (the number of store_nodes), "
                 f"got {cfg.replicas}"
@@ -130,6 +138,13 @@ class TpusyncVllmConfig:
             raise ConfigError(f"lookup_wait_ms must be >= 0, got {cfg.lookup_wait_ms}")
         if cfg.store_timeout_s <= 0:
             raise ConfigError(f"store_timeout_s must be positive, got {cfg.store_timeout_s}")
+        if cfg.store_nodes and cfg.store_timeout_s >= cfg.lookup_timeout_s:
+            # A node lookup runs inside the scheduler's lookup: it must end first, or the
+            # scheduler gives up on a lookup that then still takes its lease.
+            raise ConfigError(
+                f"store_timeout_s ({cfg.store_timeout_s}) must be below lookup_timeout_s "
+                f"({cfg.lookup_timeout_s}) with store_nodes"
+            )
         if not 0 <= cfg.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be 0 (off) or a TCP port, got {cfg.metrics_port}")
         if cfg.kv_events_encoding not in ("tagged", "positional"):

@@ -43,6 +43,7 @@ reach vLLM with the next step.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import logging
 import os
 import time
@@ -249,6 +250,26 @@ def _key_geometry(kv_cache_config: KVCacheConfig) -> tuple[int, int]:
     return int(spec.page_size_bytes) * len(groups[0].layer_names), len(groups[0].layer_names)
 
 
+def dp_endpoint(endpoint: str, dp_rank: int) -> str:
+    """The KV-event endpoint of data-parallel rank ``dp_rank`` (DP RULE): a TCP port plus the
+    rank (port 0 stays 0: the OS picks), an ipc path or inproc name with ``_dp<rank>``; rank 0
+    keeps the endpoint as configured."""
+    if dp_rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if port.isdigit():
+            return endpoint if int(port) == 0 else f"{base}:{int(port) + dp_rank}"
+    return f"{endpoint}_dp{dp_rank}"
+
+
+def _tokens_digest(tokens: Any, count: int) -> str:
+    """A digest of the first ``count`` prompt tokens (P/D IDENTITY RULE): the producer's and the
+    consumer's must agree before a consumer takes the producer's KV for its prompt."""
+    head = list(tokens[:count]) if tokens is not None else []
+    return hashlib.blake2b(array("q", head).tobytes(), digest_size=16).hexdigest()
+
+
 class TpusyncConnector(KVConnectorBase_V1):
     """Host-tier KV offload and prefix reuse for vLLM (see the module docstring)."""
 
@@ -326,6 +347,7 @@ class TpusyncConnector(KVConnectorBase_V1):
         self._pd_rank_layers: list[list[int]] | None = None  # LAYER PLAN CONTRACT (pd.py)
         self._my_rows: list[list[int]] | None = None  # per stage, for the consumer's layer plan
         self._pd_same_host: dict[str, str] = {}
+        self._kv_identity_text: str | None = None
         self.stats: dict[str, int] = {
             "pd_sent_blocks": 0,
             "pd_recv_blocks": 0,
@@ -370,10 +392,14 @@ class TpusyncConnector(KVConnectorBase_V1):
             if self.config.store_nodes and self.kv_role == "kv_both":
                 self._lookup_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tpusync-lookup")
             if self.config.kv_events_endpoint:
+                # DP RULE: each data-parallel engine publishes on its own endpoint (the port
+                # offset by its DP rank, as vLLM's own publisher does) and names its rank.
+                dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
                 self._publisher = tev.KVEventPublisher(
-                    self.config.kv_events_endpoint,
+                    dp_endpoint(self.config.kv_events_endpoint, dp),
                     pod_id=self.config.resolved_pod_id(),
                     model=self.model_name,
+                    dp_rank=dp,
                     encoding=self.config.kv_events_encoding,  # type: ignore[arg-type]
                 )
         log.info(
@@ -532,6 +558,23 @@ class TpusyncConnector(KVConnectorBase_V1):
                 self.world_size,
                 *self.layout,
                 self._total_kv_heads,
+            )
+            return 0, False
+        # P/D IDENTITY RULE: the producer's KV must be of this model as loaded here (dtype,
+        # block size, config) and of this request's prompt; equal page sizes hid both before.
+        why = None
+        if params.get("tpusync_kv_identity") != self._kv_identity():
+            why = "of another model, dtype, block size or KV cache dtype"
+        elif params.get("tpusync_tokens") != _tokens_digest(
+            request.prompt_token_ids, n * self.block_size
+        ):
+            why = "of another prompt"
+        if why is not None:
+            log.warning(
+                "tpusync: request %s was prefilled with KV %s than this instance's (or by an "
+                "older tpusync); computing it locally",
+                request.request_id,
+                why,
             )
             return 0, False
         if request.request_id in self._pd_tried:
@@ -704,6 +747,9 @@ class TpusyncConnector(KVConnectorBase_V1):
         host, _, port = self._pd_address.rpartition(":")
         tid, ids = published
         return {
+            # P/D IDENTITY RULE: what the consumer checks before it takes these blocks.
+            "tpusync_kv_identity": self._kv_identity(),
+            "tpusync_tokens": _tokens_digest(request.prompt_token_ids, len(ids) * self.block_size),
             **self._pd_same_host,
             # PER-RANK P/D CONTRACT: worker r of the consumer pulls from rank r's entry; the
             # top-level address fields are rank 0's.
@@ -938,18 +984,39 @@ class TpusyncConnector(KVConnectorBase_V1):
             found.add((own, outer, inner))
         return found.pop() if len(found) == 1 else None
 
-    def _block_identity(self, *, row_bytes: int, rows: int, rank: int) -> dict[str, Any]:
-        """What decides a stored block's bytes (model, dtype, layout, rank) - the single source
-        of the local tiers' fingerprint and the store nodes' key salt."""
+    def _model_identity(self) -> dict[str, Any]:
+        """What decides the KV of a token prefix on any rank: the model as vLLM loaded it (its
+        effective HF config, hf_overrides applied: a rope_theta override changes every K),
+        revision, quantization, dtypes, block size and hash algorithm."""
         mc = self._vllm_config.model_config
         cc = self._vllm_config.cache_config
+        hf = getattr(mc, "hf_config", None)
+        try:
+            hf_text = hf.to_json_string(use_diff=False) if hf is not None else ""
+        except (TypeError, ValueError, AttributeError):  # a config json cannot serialise
+            hf_text = repr(sorted(vars(hf).items())) if hf is not None else ""
         return {
             "model": mc.model,
             "revision": getattr(mc, "revision", None),
+            "hf_config": hashlib.sha256(hf_text.encode()).hexdigest(),
+            "quantization": getattr(mc, "quantization", None),
             "dtype": str(mc.dtype),
             "kv_cache_dtype": cc.cache_dtype,
             "block_size": self.block_size,
             "hash_algo": getattr(cc, "prefix_caching_hash_algo", None),
+        }
+
+    def _kv_identity(self) -> str:
+        """The model identity as one string (P/D IDENTITY RULE), computed once."""
+        if self._kv_identity_text is None:
+            self._kv_identity_text = model_fingerprint(**self._model_identity())
+        return self._kv_identity_text
+
+    def _block_identity(self, *, row_bytes: int, rows: int, rank: int) -> dict[str, Any]:
+        """What decides a stored block's bytes (the model identity, layout, rank) - the single
+        source of the local tiers' fingerprint and the store nodes' key salt."""
+        return {
+            **self._model_identity(),
             "row_bytes": row_bytes,
             "rows": rows,
             "rank": rank,

@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -77,9 +78,25 @@ _SLOWNESS = {"host": 0, "disk": 1, "remote": 2}
 
 
 def lookup_endpoint(engine_id: str, rank: int) -> str:
-    """The Unix socket on which the worker of ``rank`` answers lookups for engine ``engine_id``."""
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:40]
-    return f"ipc://{tempfile.gettempdir()}/tpusync-vllm-{safe}-{rank}.sock"
+    """The Unix socket on which the worker of ``rank`` answers lookups for engine ``engine_id``.
+
+    SOCKET NAME RULE: a readable head of the id plus a digest of all of it (cut to 40
+    characters alone, ``<uuid>_dp1`` and ``<uuid>_dp10`` named one socket, and a scheduler asked
+    another engine's worker)."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:24]
+    tag = hashlib.blake2b(engine_id.encode(), digest_size=8).hexdigest()
+    return f"ipc://{tempfile.gettempdir()}/tpusync-vllm-{safe}-{tag}-{rank}.sock"
+
+
+def _answers(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -494,7 +511,13 @@ class LookupServer:
         self.endpoint = endpoint
         path = endpoint.removeprefix("ipc://")
         if os.path.exists(path):
+            if _answers(path):  # SOCKET NAME RULE: never take a live engine's socket
+                raise tc.StateError(
+                    f"lookup socket {path} is served by another live process (an engine with the "
+                    "same engine id and rank); give each engine its own engine_id"
+                )
             os.unlink(path)  # a stale socket of a dead process with the same engine id
+        self._path = path if endpoint.startswith("ipc://") else None
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -541,6 +564,11 @@ class LookupServer:
         self._stop.set()
         self._thread.join(5)
         self._sock.close(0)
+        if self._path is not None:
+            try:
+                os.unlink(self._path)  # the socket file (left behind, /tmp filled with them)
+            except OSError:
+                pass
 
 
 class LookupClient:
