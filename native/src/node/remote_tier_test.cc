@@ -197,6 +197,16 @@ TEST(RemoteTierStore, ABlockTheNodesDroppedIsAMissAndForgotten) {
   EXPECT_EQ(b->stats().corrupted, 0u);
 }
 
+// A remote tier alone (no KVStore above it) over the cluster's nodes.
+Result<std::unique_ptr<RemoteTier>> OpenRemote(const Cluster& c, size_t handles,
+                                               size_t block = kBlock) {
+  RemoteTierOptions ro;
+  ro.block_bytes = block;
+  ro.capacity_blocks = handles;
+  ro.client.nodes = c.addrs;
+  return RemoteTier::Open(ro, TestSecret());
+}
+
 // LEASE CONTRACT: only adopted keys stay leased - not those past the nodes' prefix, nor those
 // the tier has no handle for; and a node with another block size fails the open by name.
 TEST(RemoteTierStore, OnlyAdoptedKeysStayLeasedAndABlockSizeMismatchFailsTheOpen) {
@@ -208,11 +218,7 @@ TEST(RemoteTierStore, OnlyAdoptedKeysStayLeasedAndABlockSizeMismatchFailsTheOpen
   for (size_t i = 0; i < keys.size(); ++i) src.push_back(rows.data() + i * kBlock);
   ASSERT_TRUE((*direct)->PutRaw(keys, src).ok());
   ASSERT_TRUE((*direct)->Remove({"l1"}).ok());  // l0, a gap, then l2..l5
-  RemoteTierOptions ro;
-  ro.block_bytes = kBlock;
-  ro.capacity_blocks = 2;
-  ro.client.nodes = cluster.addrs;
-  auto remote = RemoteTier::Open(ro, TestSecret());
+  auto remote = OpenRemote(cluster, 2);
   ASSERT_TRUE(remote.ok()) << remote.status().ToString();
   std::vector<uint64_t> locs;
   std::vector<std::string_view> all(keys.begin(), keys.end());
@@ -221,8 +227,7 @@ TEST(RemoteTierStore, OnlyAdoptedKeysStayLeasedAndABlockSizeMismatchFailsTheOpen
   std::vector<std::string_view> tail(keys.begin() + 2, keys.end());
   EXPECT_EQ((*remote)->AdoptPrefix(tail, &locs), 1u);  // one handle left for four hits
   EXPECT_EQ(cluster.nodes[0]->stats().leases_active, 2u);
-  ro.block_bytes = 2 * kBlock;
-  auto wide = RemoteTier::Open(ro, TestSecret());
+  auto wide = OpenRemote(cluster, 2, 2 * kBlock);
   EXPECT_EQ(wide.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(wide.status().message().find("serves 8192-byte blocks"), std::string::npos)
       << wide.status().ToString();
@@ -233,11 +238,7 @@ TEST(RemoteTierStore, OnlyAdoptedKeysStayLeasedAndABlockSizeMismatchFailsTheOpen
 // (PROMOTION CHECK: the row may have changed after the read verified it).
 TEST(RemoteTierStore, AHitReportsTheChecksumItWasVerifiedAgainst) {
   auto cluster = StartNodes(2);
-  RemoteTierOptions ro;
-  ro.block_bytes = kBlock;
-  ro.capacity_blocks = 16;
-  ro.client.nodes = cluster.addrs;
-  auto remote = RemoteTier::Open(ro, TestSecret());
+  auto remote = OpenRemote(cluster, 16);
   ASSERT_TRUE(remote.ok()) << remote.status().ToString();
   const auto keys = Keys(6, "c");
   std::vector<uint8_t> rows(keys.size() * kBlock);

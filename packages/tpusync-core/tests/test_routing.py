@@ -200,13 +200,17 @@ def test_bridge_overflow_announces_a_clear_first(tmp_path):
         store.close()
 
 
-def test_a_sequence_gap_clears_the_pod_and_garbage_is_counted():
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.PUB)
+def _raw_publisher() -> tuple[zmq.Socket, PrefixIndex, KVEventSubscriber]:
+    """A bare ZMQ PUB (to send hand-made messages) and a subscriber feeding a fresh index."""
+    raw = zmq.Context.instance().socket(zmq.PUB)
     raw.setsockopt(zmq.LINGER, 0)
     port = raw.bind_to_random_port("tcp://127.0.0.1")
     idx = PrefixIndex()
-    sub = KVEventSubscriber([f"tcp://127.0.0.1:{port}"], idx)
+    return raw, idx, KVEventSubscriber([f"tcp://127.0.0.1:{port}"], idx)
+
+
+def test_a_sequence_gap_clears_the_pod_and_garbage_is_counted():
+    raw, idx, sub = _raw_publisher()
     topic = b"kv@pod-g@tiny"
 
     def send(seq: int, events) -> None:
@@ -242,12 +246,7 @@ def test_malformed_events_are_counted_and_the_subscriber_thread_keeps_indexing()
     non-UTF-8 topic are each one undecodable message - they used to escape as TypeError /
     KeyError and end the subscriber's thread, after which the index never changed again. A
     medium this index has no weight for scores 0 (score() raised KeyError for every request)."""
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.PUB)
-    raw.setsockopt(zmq.LINGER, 0)
-    port = raw.bind_to_random_port("tcp://127.0.0.1")
-    idx = PrefixIndex()
-    sub = KVEventSubscriber([f"tcp://127.0.0.1:{port}"], idx)
+    raw, idx, sub = _raw_publisher()
     topic = b"kv@pod-m@tiny"
     seq = iter(range(10**6))
 
