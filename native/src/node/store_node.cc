@@ -264,7 +264,10 @@ Status StoreNode::HandlePut(Stream& s, const InFrame& f, std::shared_ptr<Scratch
   Status st = WaitStore(store_->Put(*keys, {base, bb, n, {}}, stored), buf);
   size_t new_blocks = 0, exists = 0, no_space = 0;
   for (size_t i = 0; i < n; ++i) {
-    if (!st.ok() || i >= stored->size() || !(*stored)[i]) {
+    const std::string_view k = (*keys)[i];
+    // A key the batch's later keys evicted again (a batch beyond the node's unpinned room) is
+    // not stored: reported stored, it counted as a replica the node did not hold.
+    if (!st.ok() || i >= stored->size() || !(*stored)[i] || store_->Lookup({&k, 1}, &placed) != 1) {
       result[i] = static_cast<uint8_t>(PutResult::kNoSpace);
       ++no_space;
     } else if (result[i] == static_cast<uint8_t>(PutResult::kExists)) {

@@ -425,6 +425,28 @@ TEST(StoreNode, LeasesEndPastThePrefixAndStayBounded) {
   EXPECT_EQ(*put, std::vector<uint32_t>(4, 1));
 }
 
+// A key that later keys of its own batch evicted again is reported not stored (no space), never
+// as a replica the node does not hold (all 16 were reported stored into 8 blocks before).
+TEST(StoreNode, APutLargerThanTheNodeReportsOnlyTheKeysItKept) {
+  auto node = StartNode(8);
+  auto pool = MakePool(17);
+  auto client = StoreClient::Create(pool, TestSecret(), {.nodes = {node->address().ToString()}});
+  auto src = *pool->Alloc(16);
+  Fill(*pool, src, 1);
+  const auto keys = Keys(16, "big");
+  auto put = (*client)->Put(keys, src);
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  auto dst = *pool->Alloc(1);
+  size_t kept = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const bool held = (*(*client)->Get({keys[i]}, dst))[0];
+    EXPECT_EQ((*put)[i], held ? 1u : 0u) << keys[i];
+    kept += held;
+  }
+  EXPECT_EQ(kept, 8u);
+  EXPECT_EQ(node->stats().put_no_space, 8u);
+}
+
 TEST(StoreNode, ANodeListedTwiceAndABlockNoRequestCanCarryAreRefused) {
   auto node = StartNode(8);
   const std::string addr = node->address().ToString();
