@@ -42,6 +42,14 @@ T Unwrap(Result<T> r) {
   return std::move(r).value();
 }
 
+// Keys (block hashes) as owned byte strings, converted while the GIL is held.
+inline std::vector<std::string> Keys(const std::vector<nb::bytes>& keys) {
+  std::vector<std::string> out;
+  out.reserve(keys.size());
+  for (const auto& k : keys) out.emplace_back(k.c_str(), k.size());
+  return out;
+}
+
 // engine_bindings.cc: true while this thread runs a Future's done-callback (an engine worker, or
 // the registering thread when the future was already complete).
 bool InDoneCallback();

@@ -23,13 +23,6 @@ namespace {
 using store::KVStore;
 using store::KVStoreOptions;
 
-std::vector<std::string> Keys(const std::vector<nb::bytes>& keys) {
-  std::vector<std::string> out;
-  out.reserve(keys.size());
-  for (const auto& k : keys) out.emplace_back(k.c_str(), k.size());
-  return out;
-}
-
 std::vector<std::string_view> Views(const std::vector<nb::bytes>& keys) {
   std::vector<std::string_view> out;
   out.reserve(keys.size());

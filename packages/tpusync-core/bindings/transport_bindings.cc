@@ -45,15 +45,6 @@ std::chrono::milliseconds Ms(double seconds, const char* what = "a timeout") {
   return std::max(SecondsToMs(seconds), std::chrono::milliseconds(1));
 }
 
-std::string Bytes(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
-
-std::vector<std::string> Bytes(const std::vector<nb::bytes>& keys) {
-  std::vector<std::string> out;
-  out.reserve(keys.size());
-  for (const auto& k : keys) out.push_back(Bytes(k));
-  return out;
-}
-
 transport::Secret MakeSecret(const nb::bytes& secret) {
   return Unwrap(transport::Secret::FromBytes(std::string(secret.c_str(), secret.size())));
 }
@@ -354,13 +345,16 @@ void init_transport(nb::module_& m) {
           nb::arg("pool"), nb::arg("secret"), nb::arg("nodes"), nb::arg("replication") = 1,
           nb::arg("timeout") = 10.0)
       .def(
-          "rank", [](const node::StoreClient& c, nb::bytes key) { return c.Rank(Bytes(key)); },
+          "rank",
+          [](const node::StoreClient& c, nb::bytes key) {
+            return c.Rank(std::string_view(key.c_str(), key.size()));
+          },
           nb::arg("key"))
       .def(
           "put",
           [](node::StoreClient& c, const std::vector<nb::bytes>& keys,
              const std::vector<BlockId>& blocks) {
-            auto ks = Bytes(keys);
+            auto ks = Keys(keys);
             nb::gil_scoped_release release;
             return Unwrap(c.Put(ks, blocks));
           },
@@ -369,7 +363,7 @@ void init_transport(nb::module_& m) {
           "get",
           [](node::StoreClient& c, const std::vector<nb::bytes>& keys,
              const std::vector<BlockId>& dst) {
-            auto ks = Bytes(keys);
+            auto ks = Keys(keys);
             nb::gil_scoped_release release;
             return Unwrap(c.Get(ks, dst));
           },
@@ -381,7 +375,7 @@ void init_transport(nb::module_& m) {
               ThrowIfError(Status::InvalidArgument(
                   StrCat("lease must be >= 0 seconds (0: no lease), got ", lease)));
             }
-            auto ks = Bytes(keys);
+            auto ks = Keys(keys);
             nb::gil_scoped_release release;
             if (lease > 0) return Unwrap(c.LookupPrefix(ks, Ms(lease)));
             return Unwrap(c.LookupPrefix(ks));
@@ -390,7 +384,7 @@ void init_transport(nb::module_& m) {
       .def(
           "remove",
           [](node::StoreClient& c, const std::vector<nb::bytes>& keys) {
-            auto ks = Bytes(keys);
+            auto ks = Keys(keys);
             nb::gil_scoped_release release;
             return Unwrap(c.Remove(ks));
           },
