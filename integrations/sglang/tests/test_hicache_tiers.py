@@ -89,7 +89,7 @@ def store_node(secret_file, sglang_pools):
     ids=["demoted-when-host-tier-overflows", "written-through-without-overflow"],
 )
 def test_two_backends_share_pages_through_a_store_node(
-    sglang_pools, store_node, secret_file, capacity_a, write_through
+    sglang_pools, store_node, secret_file, capacity_a, write_through, monkeypatch
 ):
     remote = {
         "store_nodes": [store_node],
@@ -100,8 +100,9 @@ def test_two_backends_share_pages_through_a_store_node(
     _, host_a = sglang_pools("layer_first")
     _, host_b = sglang_pools("layer_first")
     a = _create(host_a, {"capacity_pages": capacity_a, **remote})
-    b = _create(host_b, {"capacity_pages": 16, "store_nodes": store_node,  # comma-string form
-                         "auth_secret_file": str(secret_file)})  # fmt: skip
+    # B takes the secret from $TPUSYNC_AUTH_SECRET, as every other tpusync component can.
+    monkeypatch.setenv("TPUSYNC_AUTH_SECRET", SECRET.decode())
+    b = _create(host_b, {"capacity_pages": 16, "store_nodes": store_node})  # comma-string form
     try:
         n = 10
         keys = _hashes(n, host_a.page_size, seed=31 + capacity_a)
@@ -153,7 +154,8 @@ def test_two_backends_share_pages_through_a_store_node(
         ({"kv_events_endpoint": "tcp://127.0.0.1:*", "kv_events_bind": "no"}, "kv_events_bind"),
     ],
 )
-def test_bad_remote_or_event_options_fail_at_startup(sglang_pools, extra, match):
+def test_bad_remote_or_event_options_fail_at_startup(sglang_pools, extra, match, monkeypatch):
+    monkeypatch.delenv("TPUSYNC_AUTH_SECRET", raising=False)
     _, host = sglang_pools("layer_first")
     with pytest.raises(ValueError, match=match):
         _create(host, {"capacity_pages": 4, **extra})

@@ -62,7 +62,7 @@ enum class Op : uint8_t {
   kPong = 8,
   kPdPull = 16,       // consumer -> producer: meta = PdPull
   kPdData = 17,       // producer -> consumer: meta = PdData, payload = the blocks
-  kPdEnd = 18,        // producer -> consumer, once per stream: meta = blocks sent on this stream
+  kPdEnd = 18,        // producer -> consumer, once per stream: no meta (no more data on it)
   kPdAck = 19,        // consumer -> producer: meta = status code (1) + message
   kPdShmOffer = 20,   // producer -> consumer (unix socket): meta = PdShmOffer, then an fd
   kPdRelease = 21,    // consumer -> producer: meta = status code (1) + message, never OK

@@ -270,8 +270,12 @@ class TpusyncHiCacheStorage(HiCacheStorage):
         if self._store_nodes:
             if self._store_kind != "kvstore":
                 raise ValueError("store_nodes need store='kvstore'")
-            if self._auth_secret_file is None:
-                raise ValueError("tpusync HiCache option store_nodes needs auth_secret_file")
+            if self._auth_secret_file is None and not os.environ.get("TPUSYNC_AUTH_SECRET"):
+                # The same fallback as every other authenticated connection (KVStore, P/D).
+                raise ValueError(
+                    "tpusync HiCache option store_nodes needs auth_secret_file or "
+                    "$TPUSYNC_AUTH_SECRET"
+                )
         elif self._auth_secret_file is not None or "replicas" in extra or "write_through" in extra:
             raise ValueError(
                 "auth_secret_file / replicas / write_through only apply with store_nodes"

@@ -370,8 +370,6 @@ class KVStorePageStore:
                 "segment_bytes, segments_per_page and capacity_pages must be positive, got "
                 f"{segment_bytes}, {segments_per_page}, {capacity_pages}"
             )
-        if remote and auth_secret_file is None:
-            raise ValueError("store nodes need auth_secret_file (the nodes' shared secret)")
         if disk_dir is not None and disk_pages <= 0:
             raise ValueError("a disk tier needs disk_pages > 0")
         self._segment_bytes = int(segment_bytes)
