@@ -165,6 +165,25 @@ def test_prefill_dies_mid_transfer_decode_fails_with_reason():
     assert room["reason"], room
 
 
+def test_a_room_the_prefill_aborts_fails_on_the_decode_at_once_with_the_reason(tmp_path):
+    """PREFILL ABORT CONTRACT: room 31 aborted by the prefill scheduler after the decode pulled
+    its first chunk, room 32 before any chunk. SGLang's waiting timeout is 300 s here and the
+    prefill stays up (heartbeats answered), so only the prefill's message can end the rooms;
+    before it, room 31 sat in Transferring for good (SGLang times out WaitingForInput only)."""
+    done = tmp_path / "decode-done"
+    p, d, decs, p_errs = _run("prefill_aborts", TPUSYNC_TEST_DONE_FILE=str(done))
+    assert decs[0].returncode == 0, decs[0].stderr[-4000:]
+    for room in ("31", "32"):
+        dec, pre = d[0]["rooms"][room], p[0]["rooms"][room]
+        assert pre["states"][-1] == FAILED, (room, pre)
+        assert dec["final"] == FAILED, (room, dec)
+        assert "Aborted" in (dec["reason"] or ""), (room, dec)
+        assert dec["after_s"] < 30.0, (room, dec)
+        # DECODE WAIT CONTRACT: never Transferring on the decode (SGLang's timeout still runs)
+        assert dec["states"] == [WAITING, FAILED], (room, dec)
+    assert p[0]["rooms"]["31"]["states"][-2] == TRANSFERRING  # the chunk was offered first
+
+
 def test_decode_dies_after_metadata_prefill_fails_with_reason():
     p, d, dec, p_err = _run_pair("decode_dies")
     assert d == {"event": "exiting"}

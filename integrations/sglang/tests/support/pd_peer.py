@@ -21,7 +21,10 @@ kv heads in pages of the same size: the layouts cannot pair, and both sides must
 with the reason), ``pp`` (room 11 from a prefill of PP pipeline stages, this process being stage
 PP_RANK, which holds its layers of the seeded model cache, to a decode of one stage or of as
 many: every stage fills the decode's buffers of its layers; the prefill stages share a real gloo
-group, which SGLang's consensus store of room states needs).
+group, which SGLang's consensus store of room states needs), ``prefill_aborts`` (the prefill
+scheduler aborts room 31 after the decode pulled its first chunk and room 32 before any chunk,
+each followed by ``clear()`` as SGLang's scheduler does; the prefill stays up, heartbeats
+answered, until the decode touches ``$TPUSYNC_TEST_DONE_FILE``).
 """
 
 from __future__ import annotations
@@ -239,7 +242,11 @@ def prefill(port: int, scenario: str, tp: int, rank: int, pp: int, pp_rank: int)
 
         mgr._copy, mgr.conclude_transfer = slow_copy, conclude
     say(event="ready")
-    rooms = {"ok": [11, 12], "tp": [11], "tp_bad": [11], "pp": [11]}.get(scenario, [21])
+    if scenario == "prefill_aborts":
+        _prefill_aborts(classes, mgr, port, report)
+        rooms = []
+    else:
+        rooms = {"ok": [11, 12], "tp": [11], "tp_bad": [11], "pp": [11]}.get(scenario, [21])
     for room in rooms:
         states: list[int] = []
         sender = classes[KVClassType.SENDER](mgr, f"127.0.0.1:{port}", room)
@@ -278,6 +285,35 @@ def prefill(port: int, scenario: str, tp: int, rank: int, pp: int, pp_rank: int)
     say(**report)
 
 
+def _prefill_aborts(classes, mgr, port: int, report: dict) -> None:
+    """The prefill scheduler aborts room 31 after its first chunk was pulled, room 32 before any
+    chunk (``sender.abort()`` then ``clear()``), then stays up until the decode is done."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType
+
+    for room in (31, 32):
+        states: list[int] = []
+        sender = classes[KVClassType.SENDER](mgr, f"127.0.0.1:{port}", room)
+        sender.init(len(SRC_PAGES), aux_index=SRC_AUX)
+        wait_for(sender, {KVPoll.WaitingForInput}, states)
+        if room == 31:
+            sender.send(torch.tensor(SRC_PAGES[:2], dtype=torch.int32).numpy())
+            end = time.monotonic() + 60.0  # until the decode acknowledged the chunk
+            while time.monotonic() < end and (
+                room not in mgr._room_offers or mgr._room_offers[room]
+            ):
+                time.sleep(0.01)
+            states.append(int(sender.poll()))
+        sender.abort()
+        states.append(int(sender.poll()))
+        sender.clear()
+        report["rooms"][room] = {"states": states}
+    done = Path(os.environ["TPUSYNC_TEST_DONE_FILE"])
+    end = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < end and not done.exists():
+        time.sleep(0.05)
+
+
 def decode(port: int, scenario: str, tp: int, rank: int, pp: int, pp_rank: int) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType
@@ -293,6 +329,26 @@ def decode(port: int, scenario: str, tp: int, rank: int, pp: int, pp_rank: int) 
         time.sleep(0.2)
     report = {"role": "decode", "rooms": {}}
     rooms = {"ok": [11, 12], "tp": [11], "tp_bad": [11], "pp": [11]}.get(scenario, [21])
+    if scenario == "prefill_aborts":
+        rooms = []
+        for room in (31, 32):
+            states: list[int] = []
+            receiver = classes[KVClassType.RECEIVER](mgr, addr, room)
+            receiver.init(0)
+            wait_for(receiver, {KVPoll.WaitingForInput}, states)
+            receiver.send_metadata(
+                torch.tensor(DST_PAGES, dtype=torch.int32).numpy(), aux_index=DST_AUX
+            )
+            t0 = time.monotonic()
+            s = wait_for(receiver, {KVPoll.Success}, states, timeout=60.0)
+            report["rooms"][room] = {
+                "states": states,
+                "final": s,
+                "after_s": round(time.monotonic() - t0, 2),
+                "reason": reason(receiver) if s == KVPoll.Failed else None,
+            }
+            receiver.clear()
+        Path(os.environ["TPUSYNC_TEST_DONE_FILE"]).touch()
     for room in rooms:
         states: list[int] = []
         receiver = classes[KVClassType.RECEIVER](mgr, addr, room)

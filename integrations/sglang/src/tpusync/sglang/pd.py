@@ -35,8 +35,11 @@ held until a deadline: the decode abandons the room's fetches in flight
 which tells the prefill's producer to drop those chunks' staging blocks; the prefill, told by
 SGLang's ``ABORT`` message (or failing the room itself), drops its queued chunks and cancels the
 room's offered ones (:meth:`PdProducer.cancel`), also one offered while the abort arrived (it
-re-checks the room after offering). The deadlines stay the backstop for a peer that cannot be
-reached. The first failure of a room stays its reason (a fetch cut short by the abort does not
+re-checks the room after offering). A room the prefill scheduler aborts itself is reported
+Failed to its decode ranks at once, with the reason (PREFILL ABORT CONTRACT), and its offers are
+cancelled; the decode's own room stays WaitingForInput until Success or Failed, so SGLang's
+waiting timeout bounds it whatever message is lost. The deadlines stay the backstop for a peer
+that cannot be reached. The first failure of a room stays its reason (a fetch cut short by the abort does not
 overwrite SGLang's "Aborted" cause).
 
 TP CONTRACT: prefill and decode may run different attention TP sizes (one a multiple of the
@@ -81,6 +84,7 @@ import ctypes
 import hashlib
 import itertools
 import logging
+import math
 import os
 import queue
 import struct
@@ -130,13 +134,27 @@ _POOLS = itertools.count()  # names this process's same-host pools apart
 
 
 def _env_float(name: str, default: float) -> float:
+    """A positive, finite number from the environment (NaN would disable a timeout: every
+    ``now > end`` test is false; inf is no bound either)."""
     raw = os.environ.get(name, "")
     if not raw:
         return default
-    value = float(raw)
-    if value <= 0:
-        raise ValueError(f"${name} must be positive, got {raw!r}")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"${name} must be a positive finite number, got {raw!r}")
     return value
+
+
+def _env_streams(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    if not raw.strip().isdigit() or not 1 <= int(raw) <= 64:
+        raise ValueError(f"${name} must be a whole number of streams from 1 to 64, got {raw!r}")
+    return int(raw)
 
 
 def _region(ptr: int, nbytes: int, item_len: int) -> np.ndarray:
@@ -178,6 +196,15 @@ class _Chunk:
     index_slice: slice
     is_last: bool
     aux_index: int | None
+
+
+@dataclass
+class _PrefillAbort:
+    """A room the prefill scheduler aborted (``TpusyncKVSender.abort``), for the send worker."""
+
+    room: int
+    targets: list[tuple[str, int]]  # the room's decode endpoints, taken before clear() drops them
+    reason: str
 
 
 @dataclass
@@ -256,6 +283,7 @@ class TpusyncKVManager(CommonKVManager):
         self.copy_timeout = _env_float("TPUSYNC_SGLANG_COPY_TIMEOUT_S", 60.0)
         self.send_deadline = _env_float("TPUSYNC_SGLANG_SEND_DEADLINE_S", 120.0)
         self.recv_deadline = _env_float("TPUSYNC_SGLANG_RECV_DEADLINE_S", 60.0)
+        self._streams = _env_streams("TPUSYNC_SGLANG_STREAMS", 2)
         secret_file = os.environ.get("TPUSYNC_SGLANG_SECRET_FILE") or None
         secret = load_secret(secret_file)
         item = int(args.kv_item_lens[0])
@@ -313,7 +341,7 @@ class TpusyncKVManager(CommonKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.transfer_infos: dict[int, dict[str, _PeerInfo]] = {}
             self.decode_kv_args_table: dict[str, dict[str, Any]] = {}
-            self._queue: queue.Queue[_Chunk | None] = queue.Queue()
+            self._queue: queue.Queue[_Chunk | _PrefillAbort | None] = queue.Queue()
             # request id -> (room, is_last); rooms with their outstanding request ids.
             self._offered: dict[int, tuple[int, bool]] = {}
             self._room_offers: dict[int, set[int]] = {}
@@ -359,8 +387,7 @@ class TpusyncKVManager(CommonKVManager):
         return HostBlockPool(block_bytes, blocks, shm_name=shm_name, prefault=shm_name is None)
 
     def _new_consumer(self, pool: HostBlockPool) -> PdConsumer:
-        streams = int(os.environ.get("TPUSYNC_SGLANG_STREAMS", "2"))
-        return PdConsumer(pool, streams=streams, secret=self._secret)
+        return PdConsumer(pool, streams=self._streams, secret=self._secret)
 
     def _rank_layout(self) -> RankLayout:
         """This rank's KV layout (pd_layout.py), sent to the peers it pairs with."""
@@ -572,11 +599,29 @@ class TpusyncKVManager(CommonKVManager):
             )
         )
 
+    def prefill_aborted(self, room: int, targets: list[tuple[str, int]], reason: str) -> None:
+        """PREFILL ABORT CONTRACT: the prefill scheduler aborted ``room`` (SGLang's
+        ``sender.abort()``, then ``clear()``). The send worker, in queue order (never the
+        scheduler thread, which must not wait on the network), cancels the room's offered chunks
+        and tells every decode endpoint the room Failed with the reason. Without the message a
+        decode that had pulled some chunks waited for the rest until SGLang's waiting timeout
+        (SGLang's own ``abort`` only marks the room Failed locally)."""
+        self._queue.put(_PrefillAbort(room, targets, reason))
+
     def _prefill_worker_loop(self) -> None:
         while True:
             chunk = self._queue.get()
             if chunk is None or self._stopped:
                 return
+            if isinstance(chunk, _PrefillAbort):
+                self._cancel_offers(chunk.room, "aborted by the prefill")
+                self.send_kv_status_message(
+                    targets=chunk.targets,
+                    bootstrap_room=chunk.room,
+                    status=KVPoll.Failed,
+                    failure_reason=chunk.reason,
+                )
+                continue
             try:
                 self._send_chunk(chunk)
             except Exception as e:  # noqa: BLE001 - reported through the room's state
@@ -774,7 +819,10 @@ class TpusyncKVManager(CommonKVManager):
         except Exception as e:  # noqa: BLE001 - a bad layout, or no memory for a staging pool
             self._fail_room(room, f"tpusync P/D: chunk from prefill rank {rank} refused: {e}")
             return
-        self.update_status(room, KVPoll.Transferring)
+        # DECODE WAIT CONTRACT: the room stays WaitingForInput while its chunks land (as with
+        # SGLang's own backends), so SGLang's waiting timeout still bounds it if the prefill's
+        # final status never comes; SGLang times out WaitingForInput rooms only, and a decode
+        # room marked Transferring here once waited forever for a prefill that aborted.
         with state.lock:
             state.ranks.setdefault(rank, _FromRank()).in_flight += 1
         fetch = _Fetch(room, rank, way, [], start, n, is_last, sl, kv_blocks)
@@ -967,6 +1015,15 @@ def _check_supported(args: KVArgs) -> None:
 
 class TpusyncKVSender(CommonKVSender):
     """Prefill side of one request: SGLang's sender; chunks go to :class:`TpusyncKVManager`."""
+
+    def abort(self) -> None:
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        targets = mgr._room_notify_targets(room)  # before clear() forgets the room's peers
+        super().abort()
+        if mgr.request_status.get(room) == KVPoll.Failed:  # SGLang did abort it (owned room)
+            with mgr.failure_lock:
+                reason = mgr.failure_records.get(room) or "aborted by the prefill"
+            mgr.prefill_aborted(room, targets, f"prefill: {reason}")
 
 
 class TpusyncKVReceiver(CommonKVReceiver):

@@ -44,6 +44,15 @@ from tpusync.sglang.weight_request import encode
 
 LOADER = "tpusync.sglang.weight_loader.load"
 SLACK_S = 120.0
+# TARGET RULE: every call names SGLang's target model runner only. SGLang's default ("all") also
+# runs the loader for each speculative-decoding draft runner of the server, and a second run of
+# one request waited for the version after the one the target took, then loaded that into the
+# draft model (committed, so the target never got it). The trainer's weights are the target
+# model's; draft weights are not synced.
+_SELECTOR = {"selector": "target"}
+# How long a refused update call waits for the loader's outcome that SGLang's refusal came
+# after (SGLang sends its answer once the loader returned, so the outcome is normally there).
+_OUTCOME_AFTER_ERROR_S = 10.0
 
 __all__ = [
     "LOADER",
@@ -138,7 +147,7 @@ def _call(url: str, body: dict, wait_s: float, flush: bool, reply_host: str, key
     try:
         request = {**body, "reply": server.address, "token": token}
         payload = encode(request, _tp_size(base, keys))
-        _http(base, "/begin_weight_update", {}, keys=keys)
+        _http(base, "/begin_weight_update", dict(_SELECTOR), keys=keys)
         try:
             reply = _http(
                 base,
@@ -147,16 +156,27 @@ def _call(url: str, body: dict, wait_s: float, flush: bool, reply_host: str, key
                     "serialized_named_tensors": payload,
                     "load_format": LOADER,
                     "flush_cache": flush,
+                    **_SELECTOR,
                 },
                 timeout=wait_s,
                 keys=keys,
             )
-        except Exception:
+        except Exception as e:
             try:  # close SGLang's session; the update's own error is what the caller sees
                 _http(base, "/end_weight_update", {}, keys=keys)
             except (RuntimeError, ConnectionError):
                 pass
-            raise
+            if not isinstance(e, RuntimeError):
+                raise
+            # REFUSED AFTER LOAD RULE: SGLang answers an error status also when the loader ran
+            # and something after it failed (its cache flush refused while requests run); the
+            # loader's outcome then says what the server holds now, and the caller must know.
+            try:
+                outcome = outcomes.get(timeout=_OUTCOME_AFTER_ERROR_S)
+            except queue.Empty:
+                raise e from None
+            outcome["sglang_error"] = str(e)
+            return outcome
         _http(base, "/end_weight_update", {}, keys=keys)
         try:
             outcome = outcomes.get(timeout=SLACK_S)
@@ -218,6 +238,11 @@ def init_server(
     outcome = _call(url, body, timeout, flush=False, reply_host=reply_host, keys=keys)
     if not outcome.get("ok"):
         raise RuntimeError(f"tpusync weight sync not set up on {url}: {outcome.get('failure')}")
+    if outcome.get("sglang_error"):  # REFUSED AFTER LOAD RULE: the samplers are open
+        raise RuntimeError(
+            f"tpusync weight sync set up on {url} (close_server ends it), but: "
+            f"{outcome['sglang_error']}"
+        )
     return ServerSetup(
         bool(outcome.get("sharded")),
         dict(outcome.get("whole") or {}),
@@ -249,11 +274,19 @@ def update_server(
         if outcome.get("timed_out"):
             raise TimeoutError(f"no new version reached {url}: {why}; still serving {serving}")
         raise UpdateRejectedError(f"update not loaded on {url}: {why}; still serving {serving}")
-    sglang = outcome.get("sglang") or {}
-    if isinstance(sglang, dict) and sglang.get("success") is False:
-        raise RuntimeError(f"version {outcome['version']} loaded on {url}, but: {sglang}")
+    # The version is loaded and committed: record it as the server's weight version even when
+    # SGLang reported a failure after the load (REFUSED AFTER LOAD RULE), then raise that.
     new = {"new_version": str(outcome["version"])}
     _http(url.rstrip("/"), "/update_weight_version", new, keys=keys)
+    sglang = outcome.get("sglang") or {}
+    after = outcome.get("sglang_error")
+    if after is None and isinstance(sglang, dict) and sglang.get("success") is False:
+        after = str(sglang)
+    if after is not None:
+        raise RuntimeError(
+            f"version {outcome['version']} loaded on {url} and recorded as its weight_version, "
+            f"but: {after}"
+        )
     return int(outcome["version"])
 
 
