@@ -85,6 +85,8 @@ def main() -> int:
         "--same-host", action="store_true", help="samplers read the trainer's /dev/shm pool"
     )
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: at least 1")
     torch.set_num_threads(1)
     from tpusync.rl import ShardLayout, TrainerSync
 

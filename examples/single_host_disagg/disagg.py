@@ -57,8 +57,12 @@ def main() -> int:
     ap.add_argument("--peer", default=None, help="decode: HOST:PORT or unix:PATH of prefill")
     ap.add_argument("--request", default="req-0")
     args = ap.parse_args()
+    if args.blocks < 1:
+        ap.error(f"--blocks {args.blocks}: at least 1")
+    # The cache holds the prompt twice over, so the decode's slots are really other slots.
+    num_blocks = max(NUM_BLOCKS, 2 * args.blocks)
 
-    layout = KVLayout.vllm_cpu(NUM_BLOCKS, HEADS, BLOCK_TOKENS, HEAD_DIM, DTYPE)
+    layout = KVLayout.vllm_cpu(num_blocks, HEADS, BLOCK_TOKENS, HEAD_DIM, DTYPE)
     caches = make_cache(layout)
     probe = KVCacheManager(caches, layout, host_blocks=1)
     pool = tc.HostBlockPool(probe.host_block_bytes, 4 * args.blocks * LAYERS, shm_name=args.shm)
@@ -93,13 +97,13 @@ def main() -> int:
 
     if not args.peer:
         ap.error("decode needs --peer")
-    dst_blocks = list(range(NUM_BLOCKS - args.blocks, NUM_BLOCKS))  # other slots on purpose
+    dst_blocks = list(range(num_blocks - args.blocks, num_blocks))  # other slots on purpose
     t0 = time.perf_counter()
     mgr.start_recv(args.peer, args.request, dst_blocks, timeout=30).result(timeout=60)
     took = time.perf_counter() - t0
     got = [c[dst_blocks] for c in caches]
     equal = all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
-    untouched = all(bool((c[: NUM_BLOCKS - args.blocks] == 0).all()) for c in caches)
+    untouched = all(bool((c[: num_blocks - args.blocks] == 0).all()) for c in caches)
     nbytes = args.blocks * LAYERS * mgr.host_block_bytes
     print(
         json.dumps(

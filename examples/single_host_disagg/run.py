@@ -53,6 +53,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--blocks", type=int, default=12)
     args = ap.parse_args()
+    if args.blocks < 1:
+        ap.error(f"--blocks {args.blocks}: at least 1")
     env = dict(os.environ)
     env.setdefault("TPUSYNC_AUTH_SECRET", secrets.token_hex(16))
     ok = True

@@ -148,6 +148,11 @@ def test_pytree_weights_round_trip_keeps_sharding():
         assert a.sharding == b.sharding
     with pytest.raises(tc.InvalidArgumentError, match="field 'shape'"):
         restore_weights(host, {**like, "w": jnp.zeros((8, 64))})
+    # A numpy leaf has no sharding to restore onto: refused by name before any copy (it was an
+    # AttributeError after every bucket had been copied).
+    with pytest.raises(TypeError, match=r"leaf \['w'\] of `like` is a ndarray"):
+        restore_weights(host, {**like, "w": np.zeros((64, 8), np.float32)})
+    host.free()
 
 
 @pytest.mark.parametrize("name", ["jax_pages", "vllm_cpu"])

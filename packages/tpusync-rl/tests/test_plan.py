@@ -124,3 +124,15 @@ def test_from_jax_sharding_matches_device_map():
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("x", "y"))
     layout = ShardLayout.from_jax(NamedSharding(mesh, PartitionSpec("x", "y")), (4, 6))
     assert layout.shards == ((jax.devices()[0].id, Box((0, 0), (4, 6))),)
+
+
+def test_pytree_leaves_whose_dotted_names_collide_are_refused():
+    """NAME RULE (jaxsync.py): ``{"layers.0": {"w"}}`` and ``{"layers": [{"w"}]}`` both name a
+    leaf ``layers.0.w``; the second silently replaced the first, which was never published."""
+    jax = pytest.importorskip("jax")
+    from tpusync.rl.jaxsync import pytree_shards
+
+    tree = {"layers.0": {"w": jax.numpy.zeros(2)}, "layers": [{"w": jax.numpy.ones(2)}]}
+    with pytest.raises(ValueError, match="both named 'layers.0.w'"):
+        pytree_shards(tree)
+    assert sorted(pytree_shards({"a": {"w": jax.numpy.zeros(2)}})) == ["a.w"]

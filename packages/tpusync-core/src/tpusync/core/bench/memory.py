@@ -26,6 +26,11 @@ def run(
     show_progress: bool = True,
 ) -> dict:
     sizes = sizes or DEFAULT_SIZES
+    if total_bytes < max(sizes):
+        raise ValueError(
+            f"bench memory: {total_bytes} bytes hold no block of {max(sizes)} bytes (the largest "
+            f"size measured): give at least {max(sizes) >> 20 or 1} MiB"
+        )
     engine = default_engine()
     src = np.full(total_bytes, 7, dtype=np.uint8)  # written = prefaulted
     dst = np.zeros(total_bytes, dtype=np.uint8)

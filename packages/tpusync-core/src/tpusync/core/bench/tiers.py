@@ -44,6 +44,7 @@ from tpusync.core.bench.common import measure, progress, result_entry
 from tpusync.core.pool import default_engine
 from tpusync.core.store import KVStore
 
+MIN_SESSION_TOKENS = 1024
 GOAL = {"host_min_ratio": 0.9, "disk_min_ratio": 0.9, "lookup_min_ratio": 0.5}
 MEMCPY = "one memcpy of the same bytes between prefaulted buffers, calling thread, same run"
 
@@ -69,6 +70,12 @@ def run(
 ) -> dict:
     block_sizes = block_sizes or [256 << 10, 1 << 20]
     lookup_sizes = lookup_sizes or [10**3, 10**5, 10**7]
+    if session_tokens < MIN_SESSION_TOKENS:
+        # Fewer tokens leave the 10% device budget a block or two: nothing is offloaded.
+        raise ValueError(
+            f"bench tiers: session_tokens {session_tokens} is below {MIN_SESSION_TOKENS} (a "
+            "stream that short never leaves the device budget)"
+        )
     base = Path(directory or tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="tpusync-bench-tiers-", dir=base))
     engine = default_engine()
