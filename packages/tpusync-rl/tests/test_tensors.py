@@ -42,3 +42,21 @@ def test_a_tensor_whose_shape_is_not_the_samplers_layout_is_refused_before_the_a
         assert t.publish(1, {"c": torch.zeros(128, 65)}).ok  # the version number is still free
     finally:
         t.close()
+
+
+def test_a_full_update_without_a_tensor_dst_layouts_plans_is_refused_before_the_announcement():
+    """FULL UPDATE RULE: the missing tensor was not sent, and every sampler committed the version
+    with it at its old value beside the new ones (reported ok). A delta may leave it out."""
+    import rl_netutil as U
+
+    from tpusync.rl import TrainerSync
+
+    dst = {n: ShardLayout.replicated((4, 8), [0]) for n in ("a", "b")}
+    t = TrainerSync(0, 1, dst, secret=U.SECRET, block_bytes=64 << 10, pool_bytes=4 << 20)
+    try:
+        with pytest.raises(ValueError, match=r"publish\(1\): dst_layouts plans b, which this full"):
+            t.publish(1, {"a": torch.zeros(4, 8)})
+        assert t.publish(1, {"a": torch.zeros(4, 8), "b": torch.ones(4, 8)}).ok
+        assert t.publish(2, {"a": torch.ones(4, 8)}, delta=True).ok  # b unchanged: not sent
+    finally:
+        t.close()

@@ -629,6 +629,20 @@ class TrainerSync:
         if self.rank == 0 and self._dst is None:
             self._check_layouts_known(version)
         tensors = _normalize(tensors, self.world, self.ranks)
+        if not delta and self._dst is not None:
+            # FULL UPDATE RULE: a full version is the whole model dst_layouts plans. A tensor it
+            # names but this publish lacks was simply not sent, and every sampler committed the
+            # version with that tensor at its old value beside the new ones, reporting success.
+            missing = sorted(set(self._dst) - set(tensors))
+            if missing:
+                shown = ", ".join(missing[:5]) + (
+                    f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+                )
+                raise ValueError(
+                    f"publish({version}): dst_layouts plans {shown}, which this full update does "
+                    "not hold (the samplers would keep their old values): publish them too, "
+                    "leave them out of dst_layouts, or use delta=True"
+                )
         for name, (_, layout) in tensors.items():  # before anything is announced
             theirs = (self._dst or {}).get(name)
             if theirs is not None and tuple(theirs.shape) != tuple(layout.shape):
