@@ -39,8 +39,8 @@ re-checks the room after offering). A room the prefill scheduler aborts itself i
 Failed to its decode ranks at once, with the reason (PREFILL ABORT CONTRACT), and its offers are
 cancelled; the decode's own room stays WaitingForInput until Success or Failed, so SGLang's
 waiting timeout bounds it whatever message is lost. The deadlines stay the backstop for a peer
-that cannot be reached. The first failure of a room stays its reason (a fetch cut short by the abort does not
-overwrite SGLang's "Aborted" cause).
+that cannot be reached. The first failure of a room stays its reason (a fetch cut short by the
+abort does not overwrite SGLang's "Aborted" cause).
 
 TP CONTRACT: prefill and decode may run different attention TP sizes (one a multiple of the
 other). SGLang's own rank mapping decides which ranks pair (a decode rank of a larger TP pulls
@@ -614,13 +614,18 @@ class TpusyncKVManager(CommonKVManager):
             if chunk is None or self._stopped:
                 return
             if isinstance(chunk, _PrefillAbort):
-                self._cancel_offers(chunk.room, "aborted by the prefill")
-                self.send_kv_status_message(
-                    targets=chunk.targets,
-                    bootstrap_room=chunk.room,
-                    status=KVPoll.Failed,
-                    failure_reason=chunk.reason,
-                )
+                try:
+                    self._cancel_offers(chunk.room, "aborted by the prefill")
+                    self.send_kv_status_message(
+                        targets=chunk.targets,
+                        bootstrap_room=chunk.room,
+                        status=KVPoll.Failed,
+                        failure_reason=chunk.reason,
+                    )
+                except Exception:  # noqa: BLE001 - the worker must live; SGLang's timeout backs it
+                    logger.exception(
+                        "tpusync P/D: telling room %s's decode of the abort failed", chunk.room
+                    )
                 continue
             try:
                 self._send_chunk(chunk)
