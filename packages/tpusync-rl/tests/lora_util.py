@@ -96,4 +96,4 @@ def second_refused(trainer, lora, why: str) -> None:
             with pytest.raises(UpdateRejectedError, match="still serving version 1"):
                 pulled.result(60)
             assert lora.current.version == 1
-            assert "tpusync-lora-v2" not in {p.name for p in lora.root.iterdir()}
+            assert "tpusync-lora-v2" not in {p.name for p in lora.dir.iterdir()}

@@ -30,7 +30,8 @@ from tpusync.rl.lora import AdapterSync, AdapterVersion, check_adapter, lora_lay
 def test_each_adapter_version_is_a_verified_peft_directory_of_its_own(tmp_path, planned):
     dst = lora_layouts(params_of(adapter(0, TOY, 2)[1])) if planned else None
     config, trainer, lora = pair(tmp_path, AdapterSync, dst=dst, keep=2)
-    root = tmp_path / "adapters"
+    root = lora.dir  # OWN DIRECTORY RULE: a directory of its own under the given root
+    assert root.parent == tmp_path / "adapters"
     try:
         with ThreadPoolExecutor(1) as pool:
             for version in (1, 2, 3):
@@ -65,7 +66,7 @@ class _DamagingTrainer(U.TamperingTrainer):
 
 def test_damaged_adapter_version_is_rejected_before_it_is_written(tmp_path):
     _config, trainer, lora = pair(tmp_path, AdapterSync, trainer_cls=_DamagingTrainer)
-    root = tmp_path / "adapters"
+    root = lora.dir
     try:
         with ThreadPoolExecutor(1) as pool:
             rep, pulled = step(pool, trainer, lora, 1, adapter(1, TOY, 2)[1])
@@ -115,7 +116,33 @@ def test_adapter_the_engine_refuses_is_rejected_and_old_ones_are_unloaded(tmp_pa
         # keep=1: version 3 replaces version 1, which is unloaded after version 3 loaded.
         assert loader.calls == [("load", "tpusync-lora-v1"), ("load", "tpusync-lora-v3"),
                                 ("unload", "tpusync-lora-v1")]  # fmt: skip
-        assert [p.name for p in lora.root.iterdir()] == ["tpusync-lora-v3"]
+        assert [p.name for p in lora.dir.iterdir()] == ["tpusync-lora-v3"]
+        # close() unloads what it served (a later sampler on the engine starts clean).
+        lora.close()
+        assert loader.calls[-1] == ("unload", "tpusync-lora-v3")
+        assert not lora.dir.exists()
+    finally:
+        lora.close()
+        trainer.close()
+
+
+def test_a_full_version_without_every_adapter_tensor_is_rejected(tmp_path):
+    """WHOLE VERSION RULE (chunks.py): with the layouts the sampler reports (dst_layouts=None),
+    a full publish that left a tensor out was written and served with that tensor all zeros
+    (version 1) or at its previous value (later versions), reported ok."""
+    _config, trainer, lora = pair(tmp_path, AdapterSync)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            full = adapter(1, TOY, 2)[1]
+            gone = "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
+            rep, pulled = step(pool, trainer, lora, 1, {n: t for n, t in full.items() if n != gone})
+            assert rep.committed == [] and "is a full version without" in rep.failed["0:0"]
+            with pytest.raises(UpdateRejectedError, match=f"full version without {gone}"):
+                pulled.result(60)
+            assert lora.current is None and list(lora.dir.iterdir()) == []
+            rep, pulled = step(pool, trainer, lora, 2, adapter(2, TOY, 2)[1])
+            assert rep.ok, rep.failed
+            assert pulled.result(60).version == 2
     finally:
         lora.close()
         trainer.close()
@@ -132,10 +159,20 @@ def test_what_is_not_a_lora_adapter_is_refused_before_anything_moves():
         ({**config, "rank_pattern": {"q_proj": 0}}, params, "every LoRA rank must be an integer >= 1"),
         (config, {**params, "model.norm.weight": [[32], "float32"]}, "model.norm.weight: not a LoRA"),
         (config, {**params, stem + ".lora_A.weight": [[4, 32], "float32"]},
-         "lora_A.weight: shape [4, 32] does not hold one of the adapter's ranks [8]"),
-        (config, {**params, stem + ".lora_B.weight": [[], "float32"]}, "shape [] does not hold one"),
+         "lora_A.weight: shape [4, 32] does not hold this module's rank 8"),
+        (config, {**params, stem + ".lora_B.weight": [[], "float32"]},
+         "shape [] does not hold this module's rank 8"),
         ({**config, "rank_pattern": {"q_proj": 4}}, {**params, stem + ".lora_A.weight": [[4, 32], "float32"]},
-         f"{stem}: lora_A has rank 4 but lora_B has rank 8"),
+         f"{stem}.lora_B.weight: shape [32, 8] does not hold this module's rank 4"),
+        # RANK RULE: rank 8 where rank_pattern gives q_proj 4 (any config rank passed before, and
+        # vLLM served it with rank 4's scaling).
+        ({**config, "rank_pattern": {"q_proj": 4}}, params,
+         f"{stem}.lora_A.weight: shape [8, 32] does not hold this module's rank 4"),
+        ({**config, "target_modules": ["v_proj", "down_proj"]}, params,
+         f"module {stem} is not one of the config's target_modules ['down_proj', 'v_proj']"),
+        ({**config, "use_dora": True}, params, "asks for DoRA (use_dora), which vLLM and SGLang"),
+        ({**config, "modules_to_save": ["lm_head"]}, params, "modules_to_save"),
+        ({**config, "bias": "lora_only"}, params, "bias='lora_only': vLLM and SGLang serve"),
         (config, {n: p for n, p in params.items() if n != stem + ".lora_B.weight"},
          f"lacks 1 tensors of its A/B pairs: {stem}.lora_B.weight"),
     ]  # fmt: skip
@@ -156,3 +193,6 @@ def test_what_is_not_a_lora_adapter_is_refused_before_anything_moves():
         AdapterSync(big[0], params_of(big[1]), loader=_Loader(), control="127.0.0.1:1", replica=0)
     with pytest.raises(ValueError, match="keep must be >= 1, not 0"):
         AdapterSync(config, params, keep=0, control="127.0.0.1:1", replica=0)
+    for bad in ("team/policy", ".hidden", "", "a b"):  # it names directories and adapters
+        with pytest.raises(ValueError, match="adapter name"):
+            AdapterSync(config, params, name=bad, control="127.0.0.1:1", replica=0)

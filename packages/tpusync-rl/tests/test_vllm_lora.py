@@ -42,14 +42,20 @@ class _RefusingEngine:
     def __init__(self) -> None:
         lora_config = SimpleNamespace(max_lora_rank=8)
         self.llm_engine = SimpleNamespace(
-            vllm_config=SimpleNamespace(lora_config=lora_config), add_lora=self.add_lora
+            vllm_config=SimpleNamespace(lora_config=lora_config),
+            add_lora=self.add_lora,
+            list_loras=lambda: set(self.held),
+            remove_lora=lambda i: self.held.pop(i, None) is not None,
         )
         self.loaded: list = []
+        self.held: dict[int, str] = {}  # id -> path, as vLLM's adapter cache
 
     def add_lora(self, request) -> bool:
         assert Path(request.lora_path, "adapter_model.safetensors").is_file()
         if request.lora_name == "tpusync-lora-v2":
             raise RuntimeError("Call to add_lora method failed: the size of tensor a (129) ...")
+        # vLLM keeps an adapter whose id it already holds and answers True (worker_manager.py).
+        self.held.setdefault(request.lora_int_id, request.lora_path)
         self.loaded.append((request.lora_name, request.lora_int_id))
         return True
 
@@ -60,10 +66,36 @@ def test_adapter_the_engine_refuses_is_rejected_and_the_previous_one_stays(tmp_p
     try:
         second_refused(trainer, lora, "vLLM did not load adapter version 2: RuntimeError: Call to")
         assert engine.loaded == [("tpusync-lora-v1", 101), ("tpusync-lora-v3", 103)]
-        assert sorted(p.name for p in lora.root.iterdir()) == ["tpusync-lora-v1", "tpusync-lora-v3"]
+        assert sorted(p.name for p in lora.dir.iterdir()) == ["tpusync-lora-v1", "tpusync-lora-v3"]
     finally:
         lora.close()
         trainer.close()
+
+
+def test_a_second_sampler_on_one_engine_never_gets_the_first_ones_adapter_by_id(tmp_path):
+    """ID RULE (vllm/lora.py): a second LoraSync on the same engine and id_offset was "served"
+    the first one's tensors (vLLM kept the adapter whose id it already held and answered True),
+    both reporting ok. Now its version is rejected; after the first closes (which unloads what
+    it served) the second loads its own."""
+    engine = _RefusingEngine()
+    _c, trainer_a, a = pair(tmp_path / "a", LoraSync, engine=engine)
+    _c, trainer_b, b = pair(tmp_path / "b", LoraSync, engine=engine)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            rep, pulled = step(pool, trainer_a, a, 1, adapter(1, TOY, 2)[1])
+            assert rep.ok and pulled.result(60).lora_int_id == 1
+            rep, pulled = step(pool, trainer_b, b, 1, adapter(11, TOY, 2)[1])
+            assert rep.committed == [] and "already holds an adapter with id 1" in rep.failed["0:0"]
+            a.close()
+            assert engine.held == {}
+            rep, pulled = step(pool, trainer_b, b, 3, adapter(13, TOY, 2)[1])  # (2: refused)
+            assert rep.ok, rep.failed
+            assert engine.held == {3: pulled.result(60).path}
+    finally:
+        a.close()
+        b.close()
+        trainer_a.close()
+        trainer_b.close()
 
 
 def test_engine_that_cannot_serve_the_adapter_is_refused_before_anything_moves():

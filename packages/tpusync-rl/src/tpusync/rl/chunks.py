@@ -35,6 +35,7 @@ from tpusync.core import Checksum64Stream, checksum64
 from tpusync.rl.layout import Box, ShardLayout
 from tpusync.rl.manifest import Manifest, TensorMeta
 from tpusync.rl.plan import ReshardPlan, Transfer
+from tpusync.rl.reports import listed
 
 log = logging.getLogger("tpusync.rl")
 
@@ -381,6 +382,11 @@ class WeightSubscriber:
     of each tensor whose layout names this rank. A layout without this rank (another rank of
     the group holds all of that tensor, e.g. a layer on another pipeline stage) needs no entry
     in ``weights``: nothing of that tensor is planned for or staged on this rank.
+
+    ``whole``: every full (not delta) version must write every tensor of ``layouts`` (WHOLE
+    VERSION RULE; a LoRA adapter's directory is rewritten whole each version, so a tensor a
+    version leaves out would be served as zeros or as its previous value). Off by default: an
+    engine's sampler may take only the tensors its trainer trains.
     """
 
     def __init__(
@@ -392,6 +398,7 @@ class WeightSubscriber:
         mode: str = "shadow",
         version: int = 0,
         recycle: bool = False,
+        whole: bool = False,
     ) -> None:
         if mode not in ("shadow", "inplace"):
             raise ValueError(f"mode must be 'shadow' or 'inplace', not {mode!r}")
@@ -419,6 +426,7 @@ class WeightSubscriber:
         # nothing; the caller promises to drop references to an old version's tensors before
         # the next update begins. Without it every update stages into fresh tensors.
         self._recycle = recycle
+        self._whole = whole
         self._spare: dict[str, torch.Tensor] = {}
         self.dirty = False
         self.metrics = {
@@ -534,6 +542,13 @@ class WeightSubscriber:
                         # in a whole new version. Rejected: writing the rows into the live tensor
                         # (a reader would see a mix of versions).
                         staging[engine].copy_(live)
+            if self._whole and manifest.base_version is None:
+                left = sorted(set(self._layouts) - set(mapped))
+                if left:
+                    raise ValueError(
+                        f"update {manifest.version} is a full version without "
+                        f"{listed(left)}: this sampler takes every tensor of each full version"
+                    )
             if manifest.base_version is None and manifest.tensors and not mapped:
                 raise ValueError(
                     f"update {manifest.version}: the name map maps none of the trainer's "

@@ -88,15 +88,53 @@ def lora_layouts(params: Mapping[str, Any]) -> dict[str, ShardLayout]:
     return {n: ShardLayout.replicated(shape, [0]) for n, (shape, _dtype) in params.items()}
 
 
+# Config features the engines' LoRA loaders refuse (vLLM's and SGLang's): refused at
+# construction, before any version moves, instead of rejecting every version at load.
+_UNSERVED = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "LoRA bias vectors (lora_bias)",
+    "modules_to_save": "fully trained extra modules (modules_to_save)",
+}
+
+
+def _module_rank(stem: str, config: Mapping[str, Any]) -> int:
+    """The rank PEFT gives module ``stem``: the first ``rank_pattern`` key that matches the
+    end of its dotted name (PEFT's pattern rule), else ``r``."""
+    for key, rank in (config.get("rank_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({key})$", stem):
+            return rank
+    return config.get("r")
+
+
+def _targeted(stem: str, targets: Any) -> bool:
+    """Whether a list of ``target_modules`` names module ``stem`` (PEFT: the whole name or its
+    dotted tail); a regex string or "all-linear" is not judged here (True)."""
+    if not isinstance(targets, list | tuple | set):
+        return True
+    return any(stem == t or stem.endswith(f".{t}") for t in targets)
+
+
 def check_adapter(config: Mapping[str, Any], params: Mapping[str, Any]) -> int:
     """The adapter's largest rank, or ValueError naming what does not make a PEFT LoRA adapter
     of ``params`` (``{name: [shape, dtype]}``) with ``config`` (its ``adapter_config.json``).
-    Each module's lora_A / lora_B pair has one rank: ``r``, or one of the config's
-    ``rank_pattern`` ranks (PEFT's per-module ranks, which vLLM and SGLang serve)."""
+    Each module's lora_A / lora_B pair has the rank PEFT gives that module: the first matching
+    ``rank_pattern`` key's, else ``r`` (RANK RULE: any of the config's ranks was accepted for
+    any module before, and vLLM then served a pair of rank 8 where the pattern said 4, with the
+    scaling of rank 4). A module not in a list of ``target_modules`` and the config features no
+    engine serves (DoRA, LoRA bias, ``modules_to_save``, a ``bias`` other than "none") are
+    refused too."""
     if config.get("peft_type") != "LORA":
         raise ValueError(
             f"adapter config has peft_type {config.get('peft_type')!r}: tpusync's LoRA sync "
             "serves PEFT 'LORA' adapters only"
+        )
+    for key, what in _UNSERVED.items():
+        if config.get(key):
+            raise ValueError(f"adapter config asks for {what}, which vLLM and SGLang do not serve")
+    if config.get("bias", "none") not in (None, "none"):
+        raise ValueError(
+            f"adapter config has bias={config.get('bias')!r}: vLLM and SGLang serve LoRA "
+            "adapters without bias only ('none')"
         )
     ranks = {config.get("r"), *(config.get("rank_pattern") or {}).values()}
     if not all(isinstance(r, int) and r >= 1 for r in ranks):
@@ -113,14 +151,21 @@ def check_adapter(config: Mapping[str, Any], params: Mapping[str, Any]) -> int:
             raise ValueError(
                 f"{name}: not a LoRA tensor (PEFT names end in .lora_A.weight or .lora_B.weight)"
             )
-        side = found[1]
+        side, stem = found[1], name[: found.start()]
         held = None if len(shape) != 2 else shape[0] if side == "A" else shape[1]
-        if held not in ranks:
+        want = _module_rank(stem, config)
+        if held != want:
             raise ValueError(
-                f"{name}: shape {list(shape)} does not hold one of the adapter's ranks "
-                f"{sorted(ranks)} (lora_A is [r, in], lora_B is [out, r])"
+                f"{name}: shape {list(shape)} does not hold this module's rank {want} (r, or "
+                "the first rank_pattern key matching its name; lora_A is [r, in], lora_B is "
+                "[out, r])"
             )
-        pairs.setdefault(name[: found.start()], {})[side] = held
+        if not _targeted(stem, config.get("target_modules")):
+            raise ValueError(
+                f"{name}: module {stem} is not one of the config's target_modules "
+                f"{sorted(config.get('target_modules'))}"
+            )
+        pairs.setdefault(stem, {})[side] = held
     lone = sorted(f"{stem}.lora_{'B' if 'A' in sides else 'A'}.weight"
                   for stem, sides in pairs.items() if len(sides) == 1)  # fmt: skip
     if lone:
@@ -161,6 +206,15 @@ class AdapterSync:
         **sampler: Any,
     ) -> None:
         self.rank = check_adapter(config, params)
+        if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}", name):
+            raise ValueError(
+                f"adapter name {name!r}: 1-100 of letters, digits, '_', '-' and '.', not starting "
+                "with '.' (it names each version's directory and the engine's adapter)"
+            )
+        try:  # every version is written with it: missing, no version could be served
+            import safetensors.torch  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"LoRA adapter sync writes safetensors files: {e}") from None
         if keep < 1:
             raise ValueError(f"keep must be >= 1, not {keep}")
         if id_offset < 0:
@@ -173,7 +227,11 @@ class AdapterSync:
         weights = {
             n: torch.zeros(shape, dtype=_torch_dtype(str(dt))) for n, (shape, dt) in params.items()
         }
-        sub = WeightSubscriber(0, weights, lora_layouts(params), mode="shadow", recycle=True)
+        # WHOLE VERSION RULE (chunks.py): each version's directory is written whole, so a full
+        # version must carry every tensor (one left out was served as zeros or its old value).
+        sub = WeightSubscriber(
+            0, weights, lora_layouts(params), mode="shadow", recycle=True, whole=True
+        )
         self.sampler = SamplerSync(sub, **sampler)
         self._made_root = root is None
         if root is None:
@@ -181,6 +239,10 @@ class AdapterSync:
             root = tempfile.mkdtemp(prefix="tpusync-lora-", dir=shm if shm.is_dir() else None)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        # OWN DIRECTORY RULE: this sampler's versions go into a directory of its own under
+        # ``root``; two samplers sharing a root (the default name) replaced and deleted each
+        # other's version directories, so an engine reloading one served the other's adapter.
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.root))
         self.current: AdapterVersion | None = None
         self._served: list[AdapterVersion] = []  # oldest first, at most ``keep``
 
@@ -256,21 +318,26 @@ class AdapterSync:
         from safetensors.torch import save_file
 
         name = f"{self._name}-v{version}"
-        final = self.root / name
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=self.root))
+        final = self.dir / name
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=self.dir))
         try:
             save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / ADAPTER_FILE))
             (tmp / CONFIG_FILE).write_text(json.dumps(self._config, indent=1))
-            if final.exists():  # left by an earlier sampler in the same root
-                shutil.rmtree(final)
-            tmp.rename(final)
+            tmp.rename(final)  # never there: versions only rise, in a directory of our own
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return self.version_type(version, name, self._offset + version, str(final))
 
     def close(self, timeout: float = 30.0) -> None:
-        """Leave the trainer's group; remove ``root`` when it was made here."""
+        """Leave the trainer's group, unload the versions it served from the engine and remove
+        their directories (and ``root`` when it was made here). A later sampler on the same
+        engine then starts clean (vLLM's ``engine=`` kept an id it held and served the old
+        tensors under it)."""
         self.sampler.close(timeout)
+        for adapter in self._served:
+            self._unload(adapter)
+        self._served, self.current = [], None
+        shutil.rmtree(self.dir, ignore_errors=True)
         if self._made_root:
             shutil.rmtree(self.root, ignore_errors=True)

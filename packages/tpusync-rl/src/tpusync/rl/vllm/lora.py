@@ -63,11 +63,20 @@ class _EngineLoader:
             )
 
     def load(self, adapter: lora.AdapterVersion) -> None:
-        if not self._llm.llm_engine.add_lora(adapter.request()):  # type: ignore[attr-defined]
+        engine = self._llm.llm_engine
+        if adapter.lora_int_id in engine.list_loras():
+            # ID RULE: vLLM's add_lora keeps an adapter whose id it already holds and returns
+            # True, so the version would be served with the other adapter's tensors.
+            raise RuntimeError(
+                f"the engine already holds an adapter with id {adapter.lora_int_id} (another "
+                "LoraSync on this engine with the same id_offset, or one not closed): give each "
+                "its own id_offset"
+            )
+        if not engine.add_lora(adapter.request()):  # type: ignore[attr-defined]
             raise RuntimeError("add_lora returned False")
 
     def unload(self, adapter: lora.AdapterVersion) -> None:
-        """Nothing: the engine's LRU cache of adapters drops unused ones itself."""
+        self._llm.llm_engine.remove_lora(adapter.lora_int_id)
 
 
 class _ServerLoader:
