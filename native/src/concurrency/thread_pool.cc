@@ -44,6 +44,20 @@ ThreadPool::~ThreadPool() {
 }
 
 void ThreadPool::Enqueue(std::vector<Item> items) {
+  if (getpid() != pid_) {
+    // FORK RULE: a child forked from the process that started the workers has none of them;
+    // queued work would never run (every wait timed out without saying why).
+    const Status forked = Status::FailedPrecondition(
+        StrCat("this engine's threads were started in process ", pid_, ", which forked this one (",
+               getpid(),
+               "); a forked child has none of them: create tpusync objects after the "
+               "fork, or start workers with the 'spawn' method"));
+    for (auto& it : items) {
+      it.future->Complete(forked);
+      if (it.done) it.done(forked);
+    }
+    return;
+  }
   bool stopping;
   {
     std::lock_guard<std::mutex> lock(mu_);

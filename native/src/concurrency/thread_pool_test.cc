@@ -1,5 +1,8 @@
 #include "tpusync/concurrency/thread_pool.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -25,6 +28,26 @@ TEST(Future, WaitTimesOutThenCompletes) {
   EXPECT_FALSE(f->done());
   release = true;
   EXPECT_TRUE(f->Wait(5s).ok());
+}
+
+// FORK RULE: a child forked after the workers started has none of them; its work failed to run
+// silently (every wait timed out). It now fails at once, naming the fork.
+TEST(ThreadPool, WorkSubmittedInAForkedChildFailsAtOnceNamingTheFork) {
+  ThreadPool pool(2);
+  ASSERT_TRUE(pool.Submit([](const FutureCore&) { return Status::OK(); })->Wait(5s).ok());
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    Future f = pool.Submit([](const FutureCore&) { return Status::OK(); });
+    const Status s = f->Wait(2s);
+    const bool named = s.code() == StatusCode::kFailedPrecondition &&
+                       s.message().find("forked this one") != std::string::npos;
+    _exit(named ? 0 : 1);  // never destroys the pool: its threads are the parent's
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_TRUE(pool.Submit([](const FutureCore&) { return Status::OK(); })->Wait(5s).ok());
 }
 
 TEST(Future, ErrorsPropagate) {

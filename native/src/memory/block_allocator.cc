@@ -130,14 +130,22 @@ Result<BlockId> BlockAllocator::Claim(uint32_t slot) {
 
 Status BlockAllocator::Free(std::span<const BlockId> ids) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (size_t i = 0; i < ids.size(); ++i) {
-    TPUSYNC_RETURN_IF_ERROR(CheckLive(ids[i]));
-    // The same id twice in one batch would free it twice.
-    for (size_t j = 0; j < i; ++j) {
-      if (ids[j] == ids[i] && slots_[SlotOf(ids[i])].owners < 2) {
+  for (BlockId id : ids) TPUSYNC_RETURN_IF_ERROR(CheckLive(id));
+  // OWNER COUNT RULE: one batch may name an id at most as often as the block has owners. More
+  // would recycle the slot while an owner still uses it (and wrap the count): a later alloc()
+  // then handed the same memory out again. Counted on a sorted copy, O(n log n).
+  if (ids.size() > 1) {
+    std::vector<BlockId> sorted(ids.begin(), ids.end());
+    std::sort(sorted.begin(), sorted.end());
+    for (size_t i = 0; i < sorted.size();) {
+      size_t j = i + 1;
+      while (j < sorted.size() && sorted[j] == sorted[i]) ++j;
+      if (j - i > slots_[SlotOf(sorted[i])].owners) {
         return Status::FailedPrecondition(
-            StrCat("block id ", ids[i], " appears twice in one free() call (double free)"));
+            StrCat("block id ", sorted[i], " appears ", j - i, " times in one free() call but has ",
+                   slots_[SlotOf(sorted[i])].owners, " owner(s) (double free)"));
       }
+      i = j;
     }
   }
   for (BlockId id : ids) {

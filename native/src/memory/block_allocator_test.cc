@@ -79,6 +79,25 @@ TEST(BlockAllocator, DoubleFreeAndUnknownIdsAreErrors) {
   EXPECT_EQ(*a->RefCount(ids[1]), 1u);
 }
 
+// OWNER COUNT RULE: a block of 2 owners freed three times in one batch was accepted: the slot was
+// recycled at the second, the count wrapped at the third, and the next Alloc handed the same
+// memory out while the stale id still passed as live.
+TEST(BlockAllocator, ABatchNamingAnIdMoreOftenThanItsOwnersFreesNothing) {
+  auto a = Make(4096, 2);
+  BlockId id = (*a->Alloc(1))[0];
+  ASSERT_TRUE(a->Retain({&id, 1}).ok());
+  std::vector<BlockId> thrice = {id, id, id};
+  const Status st = a->Free(thrice);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("appears 3 times in one free() call but has 2 owner(s)"),
+            std::string::npos);
+  EXPECT_EQ(*a->RefCount(id), 2u);
+  EXPECT_EQ(a->num_free(), 1u);
+  std::vector<BlockId> both = {id, id};  // exactly its owners: fine
+  ASSERT_TRUE(a->Free(both).ok());
+  EXPECT_EQ(a->num_free(), 2u);
+}
+
 TEST(BlockAllocator, StaleIdAfterReuseIsRefused) {
   auto a = Make(4096, 1);
   BlockId old = (*a->Alloc(1))[0];

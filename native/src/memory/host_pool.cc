@@ -1,6 +1,7 @@
 #include "tpusync/memory/host_pool.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -135,6 +136,24 @@ Result<std::unique_ptr<HostPool>> HostPool::Create(const HostPoolOptions& option
           return Status::InvalidArgument(StrCat("/dev/shm/", options.shm_name, " holds ",
                                                 st.st_size, " bytes but the pool asks for ", size,
                                                 "; remove the segment or use the same size"));
+        }
+        // ONE POOL PER SEGMENT: a live pool holds its shared owner lock, so an exclusive one is
+        // refused while it lives. Two pools on one segment each hand out the same blocks (each
+        // has its own allocator): attaching is only for a segment nobody owns (warm restart).
+        // Retried briefly: `tpusync shm list` probes take the exclusive lock for a moment.
+        bool free_to_attach = false;
+        for (int probe = 0; probe < 20 && !free_to_attach; ++probe) {
+          free_to_attach = flock(fd, LOCK_EX | LOCK_NB) == 0;
+          if (!free_to_attach && errno != EWOULDBLOCK && errno != EINTR) break;
+          if (!free_to_attach) usleep(1000);
+        }
+        if (!free_to_attach) {
+          close(fd);
+          return Status::FailedPrecondition(
+              StrCat("/dev/shm/", options.shm_name,
+                     " is in use by a live pool (in this or another process): two pools on one "
+                     "segment would hand out the same blocks; use another name, or close that "
+                     "pool first"));
         }
         pool->attached_ = true;
       } else if (fd < 0) {

@@ -73,6 +73,22 @@ TEST(HostPool, ShmSizeMismatchIsAnErrorNotAResize) {
   EXPECT_EQ(c.status().code(), StatusCode::kAlreadyExists);
 }
 
+// ONE POOL PER SEGMENT: a second pool on a live pool's segment was attached silently, and each
+// handed out the same blocks (one's writes landed in the other's); a persist=false first pool
+// then unlinked the name under the second.
+TEST(HostPool, ASegmentALivePoolOwnsIsNotAttachedAgain) {
+  const std::string name = UniqueName("owned");
+  auto a = HostPool::Create({.size_bytes = 1 << 20, .shm_name = name, .persist = true});
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  auto b = HostPool::Create({.size_bytes = 1 << 20, .shm_name = name});
+  EXPECT_EQ(b.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(b.status().message().find("is in use by a live pool"), std::string::npos);
+  a->reset();  // its owner lock goes with it: a warm restart attaches
+  auto c = HostPool::Create({.size_bytes = 1 << 20, .shm_name = name});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE((*c)->attached());
+}
+
 TEST(HostPool, HugePagesAndMlockAreBestEffort) {
   auto pool = HostPool::Create({.size_bytes = 4 << 20, .huge_pages = true, .mlock = true});
   ASSERT_TRUE(pool.ok()) << pool.status().ToString();

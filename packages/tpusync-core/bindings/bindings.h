@@ -4,6 +4,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <unistd.h>
 
 #include <exception>
 #include <memory>
@@ -42,6 +43,17 @@ T Unwrap(Result<T> r) {
   return std::move(r).value();
 }
 
+// WAIT TIMEOUT RULE: a wait's timeout in seconds; NaN is refused by name (it acted as 0: a
+// result(nan) raised "not complete after nan s" for work that was fine). Negative values wait
+// not at all and inf for ever, as Python's own waits (SECONDS CONTRACT, base/seconds.h).
+inline double WaitTimeout(double seconds) {
+  if (seconds != seconds) {
+    throw StatusError(
+        Status::InvalidArgument("a wait timeout must be a number of seconds, got nan"));
+  }
+  return seconds;
+}
+
 // Keys (block hashes) as owned byte strings, converted while the GIL is held.
 inline std::vector<std::string> Keys(const std::vector<nb::bytes>& keys) {
   std::vector<std::string> out;
@@ -65,9 +77,15 @@ bool InDoneCallback();
 //   thread would be an engine worker the awaited work may be queued behind (a store closed in a
 //   callback of its own put on a one-thread engine hung for good), or the very worker an Engine's
 //   destructor joins.
+//
+// FORK RULE: in a child forked after the object was made, it is never deleted (leaked): the child
+// has none of its threads, and joining them or destroying the condition variables they waited on
+// hung the child at exit for good (os.fork after any store use; found by the 2026-12-07 audit).
 template <typename T>
 std::shared_ptr<T> OwnedGilFree(T* p) {
-  return std::shared_ptr<T>(p, [](T* q) {
+  const pid_t creator = getpid();
+  return std::shared_ptr<T>(p, [creator](T* q) {
+    if (getpid() != creator) return;  // FORK RULE
     if (InDoneCallback()) {
       try {
         std::thread([q] { delete q; }).detach();

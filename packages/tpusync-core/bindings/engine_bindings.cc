@@ -5,12 +5,16 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "bindings.h"
@@ -37,6 +41,35 @@ bool Finalizing() {
   return _Py_IsFinalizing();
 #endif
 }
+
+// EXIT GATE: an engine worker enters Python (a done-callback, a DROP HAND-OFF decref) only
+// through a PythonEntry, and tpusync.core's atexit hook closes the gate (close_exit_gate), then
+// waits, GIL released, until no worker is inside. Checking Finalizing() alone raced: a callback
+// that gave up the GIL (a sleep, file I/O, another future's result) let the main thread start
+// finalizing, and taking the GIL back then ended the worker thread with a forced unwind through a
+// noexcept frame: std::terminate, the process aborted at exit (5 of 5 runs of such a callback).
+// The entry is counted BEFORE the gate is checked and the hook closes the gate BEFORE it counts,
+// so one of the two always sees the other (sequentially consistent atomics).
+std::atomic<bool> g_exit_gate_closed{false};
+std::atomic<int> g_python_entries{0};
+
+class PythonEntry {
+ public:
+  PythonEntry() {
+    g_python_entries.fetch_add(1);
+    open_ = !g_exit_gate_closed.load() && !Finalizing();
+    if (!open_) g_python_entries.fetch_sub(1);
+  }
+  ~PythonEntry() {
+    if (open_) g_python_entries.fetch_sub(1);
+  }
+  PythonEntry(const PythonEntry&) = delete;
+  PythonEntry& operator=(const PythonEntry&) = delete;
+  bool open() const { return open_; }
+
+ private:
+  bool open_;
+};
 
 double DefaultTimeout() {
   const char* env = std::getenv("TPUSYNC_DEFAULT_TIMEOUT_S");
@@ -73,10 +106,14 @@ class PyFuture {
   explicit PyFuture(Future f) : f_(std::move(f)) {}
   ~PyFuture() {
     if (f_->done()) return;
+    // FORK RULE (bindings.h): in a forked child the workers of a parent's operation do not exist,
+    // so it never completes; nothing here can write into the arrays either.
+    if (getpid() != pid_) return;
     if (tls_in_done_callback > 0) {
       auto* handed = new HeldArrays(std::move(held));
       f_->OnComplete([handed](const Status&) {
-        if (Finalizing()) return;  // interpreter going away: leak the references, never decref
+        PythonEntry entry;  // EXIT GATE: closed, leak the references, never decref
+        if (!entry.open()) return;
         nb::gil_scoped_acquire gil;
         delete handed;
       });
@@ -93,7 +130,7 @@ class PyFuture {
   // Waits up to `timeout` seconds in slices so Ctrl-C (KeyboardInterrupt) is honoured.
   bool Wait(double timeout) {
     using Clock = std::chrono::steady_clock;
-    const Clock::time_point deadline = Clock::now() + SecondsToDuration(timeout);
+    const Clock::time_point deadline = Clock::now() + SecondsToDuration(WaitTimeout(timeout));
     for (;;) {
       const Clock::duration left = deadline - Clock::now();
       const Clock::duration slice =
@@ -110,7 +147,7 @@ class PyFuture {
   }
 
   void Result(std::optional<double> timeout) {
-    const double t = timeout.value_or(DefaultTimeout());
+    const double t = WaitTimeout(timeout.value_or(DefaultTimeout()));
     if (!Wait(t)) {
       throw StatusError(Status::Timeout(StrCat("operation not complete after ", t, " s")));
     }
@@ -132,7 +169,8 @@ class PyFuture {
     PyObject* raw = fn.release().ptr();
     Future f = f_;
     f_->OnComplete([raw, f](const Status&) {
-      if (Finalizing()) return;  // interpreter going away: drop silently, never touch Python
+      PythonEntry entry;  // EXIT GATE: closed, drop silently, never touch Python
+      if (!entry.open()) return;
       nb::gil_scoped_acquire gil;
       ++tls_in_done_callback;
       try {
@@ -153,6 +191,7 @@ class PyFuture {
 
  private:
   Future f_;
+  pid_t pid_ = getpid();
 };
 
 template <typename Array>
@@ -390,6 +429,22 @@ void init_engine(nb::module_& m) {
       },
       nb::arg("dst"), nb::arg("src"),
       "Seconds for one plain memcpy on the calling thread (benchmark reference).");
+
+  m.def(
+      "close_exit_gate",
+      [](double timeout) {
+        g_exit_gate_closed.store(true);
+        const auto deadline = std::chrono::steady_clock::now() + SecondsToDuration(timeout);
+        nb::gil_scoped_release release;
+        while (g_python_entries.load() > 0 && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        return g_python_entries.load() == 0;
+      },
+      nb::arg("timeout"),
+      "EXIT GATE (interpreter exit; tpusync.core's atexit hook): from now on engine workers run "
+      "no Python (done-callbacks are dropped); waits up to `timeout` s for those inside Python "
+      "to leave. True when none is left.");
 }
 
 }  // namespace tpusync::bindings

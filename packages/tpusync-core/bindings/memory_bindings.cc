@@ -130,8 +130,8 @@ void init_memory(nb::module_& m) {
             opts.huge_pages = huge_pages;
             opts.mlock = lock_memory;
             auto host = Unwrap(memory::HostPool::Create(opts));
-            return std::shared_ptr<BlockAllocator>(
-                Unwrap(BlockAllocator::Create(std::move(host), block_bytes)));
+            return OwnedGilFree(
+                Unwrap(BlockAllocator::Create(std::move(host), block_bytes)).release());
           },
           nb::arg("block_bytes"), nb::arg("num_blocks"), nb::arg("shm_name") = "",
           nb::arg("persist") = false, nb::arg("prefault") = true, nb::arg("huge_pages") = false,

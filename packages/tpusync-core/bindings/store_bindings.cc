@@ -250,8 +250,9 @@ void init_store(nb::module_& m) {
       .def(
           "flush",
           [](KVStore& s, double timeout) {
+            const auto wait = SecondsToDuration(WaitTimeout(timeout));
             nb::gil_scoped_release release;
-            ThrowIfError(s.Flush(SecondsToDuration(timeout)));
+            ThrowIfError(s.Flush(wait));
           },
           nb::arg("timeout"))
       .def(

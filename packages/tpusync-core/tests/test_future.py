@@ -234,3 +234,71 @@ def test_dropping_the_last_reference_to_an_engine_inside_its_own_callback():
     )
     assert "dropped" in out
     assert "alive True" in out
+
+
+def _run(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_exit_while_a_done_callback_has_given_up_the_gil_is_clean():
+    """EXIT GATE (engine_bindings.cc): the main thread exited while a done-callback slept (GIL
+    released) on an engine worker; taking the GIL back during finalization aborted the process
+    (rc 134, 5 of 5 runs). The atexit hook now waits for it."""
+    for _ in range(3):
+        done = _run(
+            """
+            import time, numpy as np, tpusync.core as tc
+            src = np.ones(1 << 20, np.uint8); dst = np.empty_like(src)
+            f = tc._native.copy(tc.default_engine(), dst, src)
+            f.add_done_callback(lambda f: (time.sleep(0.3), print("callback done", flush=True)))
+            f.wait(5)
+            time.sleep(0.05)  # the callback now sleeps on an engine worker
+            """
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "callback done" in done.stdout
+
+
+def test_a_forked_child_exits_cleanly_and_is_told_why_it_cannot_use_the_parents_store():
+    """FORK RULE (bindings.h, thread_pool.cc): a child forked after a store was used hung at
+    exit for good (destroying the parent's engine joined threads the child does not have), and
+    its put never ran (its wait timed out without saying why)."""
+    done = _run(
+        """
+        import os, sys, numpy as np, tpusync.core as tc
+        s = tc.KVStore(4096, 16)
+        s.put([b"a"], np.ones((1, 4096), np.uint8)).result(5)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                s.put([b"b"], np.ones((1, 4096), np.uint8)).result(5)
+                print("child: put ran", flush=True)
+            except tc.StateError as e:
+                print("child:", e, flush=True)
+            sys.exit(0)  # drops the parent's store and engine
+        _, status = os.waitpid(pid, 0)
+        print("child status", status, flush=True)
+        assert s.lookup([b"a"])[0] == 1  # the parent's store is untouched
+        """,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "child: " in done.stdout and "forked this one" in done.stdout, done.stdout
+    assert "child status 0" in done.stdout
+
+
+@pytest.mark.parametrize("call", ["result", "wait", "flush"])
+def test_a_nan_timeout_is_refused_by_name(call):
+    """WAIT TIMEOUT RULE (bindings.h): NaN acted as 0 ("not complete after nan s")."""
+    eng = tc.Engine(1)
+    f, _ = big_copy(eng, 8)
+    store = tc.KVStore(4096, 4)
+    target = {"result": f.result, "wait": f.wait, "flush": store.flush}[call]
+    with pytest.raises(tc.InvalidArgumentError, match="a wait timeout must be a number of seconds"):
+        target(float("nan"))
+    f.result(timeout=30)

@@ -239,3 +239,31 @@ def test_reclaim_removes_only_segments_of_killed_owners(caplog):
         live.native.unlink()
         if os.path.exists(f"/dev/shm/{prefix}killed"):
             os.unlink(f"/dev/shm/{prefix}killed")
+
+
+def test_a_segment_a_live_pool_owns_is_refused_to_a_second_pool_in_another_process():
+    """ONE POOL PER SEGMENT (host_pool.cc): the second process attached silently, and its block
+    0 was the first process's block 0 (each pool has its own allocator over the same memory)."""
+    import subprocess
+    import sys
+
+    name = f"tpusync-pytest-owned-{np.random.default_rng().integers(1 << 30)}"
+    a = tc.HostBlockPool(4096, 4, shm_name=name, persist=True)
+    try:
+        other = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import tpusync.core as tc; tc.HostBlockPool(4096, 4, shm_name='{name}')",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert other.returncode != 0
+        assert "is in use by a live pool" in other.stderr, other.stderr
+        with pytest.raises(tc.StateError, match="is in use by a live pool"):
+            tc.HostBlockPool(4096, 4, shm_name=name)
+    finally:
+        a.native.unlink()
+        del a

@@ -7,6 +7,9 @@
 // A task receives its Future's core so it can poll cancel_requested() between chunks.
 #pragma once
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -55,6 +58,7 @@ class ThreadPool {
   std::deque<Item> queue_;
   bool stopping_ = false;
   std::vector<std::thread> workers_;
+  const pid_t pid_ = getpid();  // FORK RULE (Enqueue)
 };
 
 }  // namespace tpusync::concurrency

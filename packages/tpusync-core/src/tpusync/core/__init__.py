@@ -4,6 +4,8 @@ Host block pools (prefaulted, optionally in /dev/shm), a content-addressed block
 and LRU, and a copy engine whose futures let Python keep computing while bytes move.
 """
 
+import atexit
+
 from tpusync.core import _native
 from tpusync.core._compat import require_api
 from tpusync.core._native import (
@@ -38,6 +40,11 @@ from tpusync.core.pool import HostBlockPool, default_engine, dtype_name, reclaim
 from tpusync.core.store import KVStore, StoreFuture
 
 __version__: str = _native.__version__
+
+# EXIT GATE (engine_bindings.cc): at interpreter exit, engine workers stop entering Python and
+# those inside (a done-callback that released the GIL) are waited for, at most 10 s, before
+# the interpreter finalizes; a callback resuming during finalization aborted the process.
+atexit.register(_native.close_exit_gate, 10.0)
 
 __all__ = [
     "API_VERSION",

@@ -300,6 +300,11 @@ def memcpy_seconds(dst: Annotated[NDArray, dict(device='cpu')], src: Annotated[N
     Seconds for one plain memcpy on the calling thread (benchmark reference).
     """
 
+def close_exit_gate(timeout: float) -> bool:
+    """
+    EXIT GATE (interpreter exit; tpusync.core's atexit hook): from now on engine workers run no Python (done-callbacks are dropped); waits up to `timeout` s for those inside Python to leave. True when none is left.
+    """
+
 class KVStoreNative:
     """Tiered KV block store (use tpusync.core.KVStore, the Python face)."""
 
