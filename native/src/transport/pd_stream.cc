@@ -209,6 +209,7 @@ Status PdProducer::Register(std::shared_ptr<Entry> e, uint32_t blocks_per_group)
   }
   // OWNERSHIP CONTRACT: our own reference (a relay takes it block by block in Open).
   TPUSYNC_RETURN_IF_ERROR(pool_->Retain(e->owned()));
+  ended_.erase(e->id);  // ENDED RULE: a registration again is a new request
   entries_[e->id] = e;
   cv_.notify_all();
   return Status::OK();
@@ -339,6 +340,13 @@ void PdProducer::Finish(uint64_t request_id, Status reason) {
   st.state = reason.ok() ? PdState::kDone : PdState::kFailed;
   st.reason = std::move(reason);
   st.bytes = it->second->bytes;
+  if (!st.reason.ok()) {  // ENDED RULE
+    if (ended_.insert_or_assign(request_id, st.reason).second) ended_order_.push_back(request_id);
+    while (ended_order_.size() > kRecentlyEnded) {
+      ended_.erase(ended_order_.front());
+      ended_order_.pop_front();
+    }
+  }
   finished_.push_back(std::move(st));
   entries_.erase(it);
   cv_.notify_all();
@@ -447,12 +455,15 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
   const bool shm_path = (*flags & kPullShmOk) && is_unix && shm_fd_.valid();
   std::shared_ptr<Entry> e;
   Status other_readers;  // SHARED-SEND CONTRACT; refused below, never with mu_ held
+  Status ended;          // ENDED RULE
   {
     std::unique_lock lock(mu_);
     const auto wait = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(*wait_ms),
                                                           options_.max_pull_wait);
-    cv_.wait_for(lock, wait, [&] { return stop_ || entries_.count(id) > 0; });
+    cv_.wait_for(lock, wait,
+                 [&] { return stop_ || entries_.count(id) > 0 || ended_.count(id) > 0; });
     if (auto it = entries_.find(id); it != entries_.end()) e = it->second;
+    if (auto it = ended_.find(id); !e && it != ended_.end()) ended = it->second;
     if (e && e->readers != 0 && e->readers != readers) {
       other_readers = Status::InvalidArgument(
           StrCat("request ", id, ": this pull names ", readers, " reader(s), an earlier one ",
@@ -470,6 +481,12 @@ Status PdProducer::ServePull(Link& link, bool is_unix, const InFrame& pull) {
     }
   }
   if (!other_readers.ok()) return refuse(other_readers);
+  if (!ended.ok()) {
+    return refuse(Status(ended.code(), StrCat("request ", id,
+                                              " ended on this producer before "
+                                              "this pull: ",
+                                              ended.message())));
+  }
   if (!e) {
     return refuse(Status::NotFound(
         StrCat("request ", id,

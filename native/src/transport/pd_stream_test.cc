@@ -633,9 +633,47 @@ TEST(PdStream, CancelEndsASendAtOnceAndReportsItOnce) {
   auto got = (*consumer)->Recv(41, {{(*producer)->address().ToString(), dst}}, DeadlineInMs(5000));
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   EXPECT_EQ(got->state, PdState::kFailed);
-  EXPECT_EQ(got->reason.code(), StatusCode::kNotFound) << got->reason.ToString();
+  // ENDED RULE: the pull is told the cancel's own reason.
+  EXPECT_EQ(got->reason.code(), StatusCode::kUnavailable) << got->reason.ToString();
+  EXPECT_NE(got->reason.message().find("ended on this producer before this pull: sampler 2:0 is "
+                                       "dead"),
+            std::string::npos)
+      << got->reason.ToString();
   ASSERT_TRUE((*producer)->Cancel(42, Status::Cancelled("version over")).ok());
   EXPECT_EQ(ppool->num_free(), 8u);
+}
+
+// ENDED RULE: a pull of a request that was cancelled or expired fails at once with that reason;
+// it waited the producer's whole max_pull_wait (10 s by default) for a registration that could
+// not come. Registering the id again makes it a new request.
+TEST(PdStream, APullOfAnEndedRequestFailsAtOnceWithItsReason) {
+  auto ppool = MakePool(4096, 8), cpool = MakePool(4096, 8);
+  auto producer = PdProducer::Start(ppool, TestSecret(), {});  // max_pull_wait 10 s
+  ASSERT_TRUE(producer.ok()) << producer.status().ToString();
+  auto src = *ppool->Alloc(2);
+  ASSERT_TRUE((*producer)->RegisterSend(51, src, 0, DeadlineInMs(60000)).ok());
+  ASSERT_TRUE((*producer)->RegisterSend(52, src, 0, DeadlineInMs(50)).ok());
+  ASSERT_TRUE((*producer)->Cancel(51, Status::Cancelled("room 7 aborted")).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // 52 expires (reaper: 20 ms)
+  auto consumer = PdConsumer::Create(cpool, TestSecret(), {});
+  ASSERT_TRUE(consumer.ok());
+  auto dst = *cpool->Alloc(2);
+  const std::string at = (*producer)->address().ToString();
+  for (auto [id, code, why] : {std::tuple{51u, StatusCode::kCancelled, "room 7 aborted"},
+                               std::tuple{52u, StatusCode::kTimeout, "deadline passed"}}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto got = (*consumer)->Recv(id, {{at, dst}}, DeadlineInMs(30000));
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(3));
+    EXPECT_EQ(got->state, PdState::kFailed);
+    EXPECT_EQ(got->reason.code(), code) << got->reason.ToString();
+    EXPECT_NE(got->reason.message().find(why), std::string::npos) << got->reason.ToString();
+  }
+  ASSERT_TRUE((*producer)->RegisterSend(51, src, 0, DeadlineInMs(60000)).ok());  // anew
+  auto again = (*consumer)->Recv(51, {{at, dst}}, DeadlineInMs(30000));
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->state, PdState::kDone) << again->reason.ToString();
+  ASSERT_TRUE(ppool->Free(src).ok());
 }
 
 // CANCEL CONTRACT, racing a pull in flight: the serving thread is between two frames (a slow

@@ -217,6 +217,14 @@ class PdProducer {
   // and every finished request then woke the reaper too, a thread switch on each small pull.
   std::condition_variable reap_cv_;
   std::map<uint64_t, std::shared_ptr<Entry>> entries_;
+  // ENDED RULE: the failure of the last kRecentlyEnded requests that ended without an
+  // acknowledgement (cancelled, released, expired, producer stopped), so a pull that arrives
+  // after the end fails at once with that reason; it waited max_pull_wait (10 s) for a
+  // registration that could not come, then said "not registered". A new registration of the id
+  // forgets it.
+  static constexpr size_t kRecentlyEnded = 4096;
+  std::map<uint64_t, Status> ended_;
+  std::deque<uint64_t> ended_order_;
   std::vector<PdStatus> finished_;
   bool stop_ = false;
   std::thread reaper_;
