@@ -167,7 +167,7 @@ def test_running_server_serves_each_adapter_version_like_the_same_adapter_from_d
                     assert rep.committed == [] and why in rep.failed["0:0"], rep.failed
                     with pytest.raises(UpdateRejectedError, match="still serving version 1"):
                         pulled.result(120)
-                    assert not (adapters / "tpusync-lora-v2").exists()
+                    assert not (lora.dir / "tpusync-lora-v2").exists()
                     assert "tpusync-lora-v2" not in _models(server)
                     assert _outputs(server, "tpusync-lora-v1") == got[1]
                     continue
@@ -183,7 +183,7 @@ def test_running_server_serves_each_adapter_version_like_the_same_adapter_from_d
     # keep=2: version 4 unloaded version 1; version 3 is still served as it was.
     assert {"tpusync-lora-v3", "tpusync-lora-v4"} <= _models(server)
     assert "tpusync-lora-v1" not in _models(server)
-    assert sorted(p.name for p in adapters.iterdir()) == ["tpusync-lora-v3", "tpusync-lora-v4"]
+    assert sorted(p.name for p in lora.dir.iterdir()) == ["tpusync-lora-v3", "tpusync-lora-v4"]
     with pytest.raises(urllib.error.HTTPError):
         _outputs(server, "tpusync-lora-v1")
     assert _outputs(server, "tpusync-lora-v3") == refs[3]

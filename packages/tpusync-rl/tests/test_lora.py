@@ -117,10 +117,6 @@ def test_adapter_the_engine_refuses_is_rejected_and_old_ones_are_unloaded(tmp_pa
         assert loader.calls == [("load", "tpusync-lora-v1"), ("load", "tpusync-lora-v3"),
                                 ("unload", "tpusync-lora-v1")]  # fmt: skip
         assert [p.name for p in lora.dir.iterdir()] == ["tpusync-lora-v3"]
-        # close() unloads what it served (a later sampler on the engine starts clean).
-        lora.close()
-        assert loader.calls[-1] == ("unload", "tpusync-lora-v3")
-        assert not lora.dir.exists()
     finally:
         lora.close()
         trainer.close()

@@ -73,29 +73,27 @@ def test_adapter_the_engine_refuses_is_rejected_and_the_previous_one_stays(tmp_p
 
 
 def test_a_second_sampler_on_one_engine_never_gets_the_first_ones_adapter_by_id(tmp_path):
-    """ID RULE (vllm/lora.py): a second LoraSync on the same engine and id_offset was "served"
-    the first one's tensors (vLLM kept the adapter whose id it already held and answered True),
-    both reporting ok. Now its version is rejected; after the first closes (which unloads what
-    it served) the second loads its own."""
+    """ID RULE (vllm/lora.py): a second LoraSync on the same engine and id_offset (a restarted
+    trainer's, or a second adapter's) was "served" the first one's tensors (vLLM kept the
+    adapter whose id it already held and answered True), both reporting ok. Now its version is
+    rejected saying why; with an id_offset of its own it loads its own."""
     engine = _RefusingEngine()
     _c, trainer_a, a = pair(tmp_path / "a", LoraSync, engine=engine)
     _c, trainer_b, b = pair(tmp_path / "b", LoraSync, engine=engine)
+    _c, trainer_c, c = pair(tmp_path / "c", LoraSync, engine=engine, id_offset=100)
     try:
         with ThreadPoolExecutor(1) as pool:
             rep, pulled = step(pool, trainer_a, a, 1, adapter(1, TOY, 2)[1])
             assert rep.ok and pulled.result(60).lora_int_id == 1
             rep, pulled = step(pool, trainer_b, b, 1, adapter(11, TOY, 2)[1])
             assert rep.committed == [] and "already holds an adapter with id 1" in rep.failed["0:0"]
-            a.close()
-            assert engine.held == {}
-            rep, pulled = step(pool, trainer_b, b, 3, adapter(13, TOY, 2)[1])  # (2: refused)
+            assert engine.held == {1: a.current.path}
+            rep, pulled = step(pool, trainer_c, c, 1, adapter(21, TOY, 2)[1])
             assert rep.ok, rep.failed
-            assert engine.held == {3: pulled.result(60).path}
+            assert engine.held == {1: a.current.path, 101: pulled.result(60).path}
     finally:
-        a.close()
-        b.close()
-        trainer_a.close()
-        trainer_b.close()
+        for s in (a, b, c, trainer_a, trainer_b, trainer_c):
+            s.close()
 
 
 def test_engine_that_cannot_serve_the_adapter_is_refused_before_anything_moves():
@@ -221,7 +219,8 @@ def test_vllm_server_loads_each_adapter_version_over_http_and_unloads_old_ones(t
             models = {m["id"] for m in json.loads(resp.read())["data"]}
         assert {"tpusync-lora-v2", "tpusync-lora-v3"} <= models, models
         assert "tpusync-lora-v1" not in models, models
-        assert not (tmp_path / "adapters" / "tpusync-lora-v1").exists()
+        assert not (lora.dir / "tpusync-lora-v1").exists()
+        assert (lora.dir / "tpusync-lora-v3").is_dir()
     finally:
         if lora is not None:
             lora.close()

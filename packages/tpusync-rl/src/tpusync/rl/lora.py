@@ -330,14 +330,8 @@ class AdapterSync:
         return self.version_type(version, name, self._offset + version, str(final))
 
     def close(self, timeout: float = 30.0) -> None:
-        """Leave the trainer's group, unload the versions it served from the engine and remove
-        their directories (and ``root`` when it was made here). A later sampler on the same
-        engine then starts clean (vLLM's ``engine=`` kept an id it held and served the old
-        tensors under it)."""
+        """Leave the trainer's group. The engine keeps serving the versions it loaded, from
+        their directories; ``root`` (with them) is removed only when it was made here."""
         self.sampler.close(timeout)
-        for adapter in self._served:
-            self._unload(adapter)
-        self._served, self.current = [], None
-        shutil.rmtree(self.dir, ignore_errors=True)
         if self._made_root:
             shutil.rmtree(self.root, ignore_errors=True)
