@@ -54,7 +54,7 @@ from tpusync.rl.layout import Box, ShardLayout, _layout_from_wire, _layout_to_wi
 from tpusync.rl.manifest import Manifest
 from tpusync.rl.membership import _Membership
 from tpusync.rl.pack import TRAILER, StreamPlan, pack_streams
-from tpusync.rl.reports import PublishReport
+from tpusync.rl.reports import PublishReport, listed
 from tpusync.rl.sharing import _SharedBuckets
 from tpusync.rl.tensors import _first, _normalize
 from tpusync.rl.topology import _children, _key, request_id
@@ -635,13 +635,10 @@ class TrainerSync:
             # version with that tensor at its old value beside the new ones, reporting success.
             missing = sorted(set(self._dst) - set(tensors))
             if missing:
-                shown = ", ".join(missing[:5]) + (
-                    f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-                )
                 raise ValueError(
-                    f"publish({version}): dst_layouts plans {shown}, which this full update does "
-                    "not hold (the samplers would keep their old values): publish them too, "
-                    "leave them out of dst_layouts, or use delta=True"
+                    f"publish({version}): dst_layouts plans {listed(missing)}, which this full "
+                    "update does not hold (the samplers would keep their old values): publish "
+                    "them too, leave them out of dst_layouts, or use delta=True"
                 )
         for name, (_, layout) in tensors.items():  # before anything is announced
             theirs = (self._dst or {}).get(name)
