@@ -1,11 +1,25 @@
 #include "tpusync/concurrency/thread_pool.h"
 
+#include <pthread.h>
+
+#include <atomic>
 #include <string>
 #include <system_error>
 
 #include <memory>
 
 namespace tpusync::concurrency {
+
+namespace {
+std::atomic<uint64_t> g_fork_generation{0};
+void BumpForkGeneration() { g_fork_generation.fetch_add(1, std::memory_order_relaxed); }
+}  // namespace
+
+uint64_t ForkGeneration() {
+  static const bool armed = pthread_atfork(nullptr, nullptr, &BumpForkGeneration) == 0;
+  (void)armed;
+  return g_fork_generation.load(std::memory_order_relaxed);
+}
 
 ThreadPool::ThreadPool(size_t threads) {
   if (threads == 0) threads = std::max<size_t>(1, std::thread::hardware_concurrency());
@@ -44,7 +58,7 @@ ThreadPool::~ThreadPool() {
 }
 
 void ThreadPool::Enqueue(std::vector<Item> items) {
-  if (getpid() != pid_) {
+  if (ForkGeneration() != fork_generation_) {
     // FORK RULE: a child forked from the process that started the workers has none of them;
     // queued work would never run (every wait timed out without saying why).
     const Status forked = Status::FailedPrecondition(

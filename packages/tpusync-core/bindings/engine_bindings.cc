@@ -108,7 +108,7 @@ class PyFuture {
     if (f_->done()) return;
     // FORK RULE (bindings.h): in a forked child the workers of a parent's operation do not exist,
     // so it never completes; nothing here can write into the arrays either.
-    if (getpid() != pid_) return;
+    if (concurrency::ForkGeneration() != fork_generation_) return;
     if (tls_in_done_callback > 0) {
       auto* handed = new HeldArrays(std::move(held));
       f_->OnComplete([handed](const Status&) {
@@ -191,7 +191,7 @@ class PyFuture {
 
  private:
   Future f_;
-  pid_t pid_ = getpid();
+  uint64_t fork_generation_ = concurrency::ForkGeneration();  // FORK RULE
 };
 
 template <typename Array>

@@ -12,6 +12,7 @@
 
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -23,6 +24,11 @@
 #include "tpusync/concurrency/future.h"
 
 namespace tpusync::concurrency {
+
+// FORK RULE: a counter bumped in every child forked from this process (pthread_atfork, armed on
+// the first call). An object that keeps the value it saw at creation tells a forked child from
+// its own process by one relaxed load, where getpid() was a system call on every submit.
+uint64_t ForkGeneration();
 
 class ThreadPool {
  public:
@@ -58,7 +64,8 @@ class ThreadPool {
   std::deque<Item> queue_;
   bool stopping_ = false;
   std::vector<std::thread> workers_;
-  const pid_t pid_ = getpid();  // FORK RULE (Enqueue)
+  const pid_t pid_ = getpid();  // FORK RULE (Enqueue): named in the error
+  const uint64_t fork_generation_ = ForkGeneration();
 };
 
 }  // namespace tpusync::concurrency
